@@ -1,0 +1,311 @@
+"""Architecture tables: tensor-name patterns -> Role, plus the shapes they must have.
+
+An architecture is data: a config dataclass read from config.json and a list of
+:class:`TensorSpec` rows. Each row is a name template (``{L}`` layer, ``{E}`` expert,
+``{B}`` vision block), the shape it has under a config, and its :class:`Role` (what it
+is, where it runs, how tensor parallelism splits it, whether it is kept in high
+precision). The same table classifies a checkpoint's names, counts parameters from a
+config alone (``inspect`` on a 3 T config.json), and generates the tensors ``synth``
+writes, so these three can never disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import ArchError, ConfigError, UnknownTensorsError
+
+#: components inspect reports, in display order
+COMPONENTS = (
+    "embeddings",
+    "vision",
+    "projector",
+    "attention",
+    "norms",
+    "dense_mlp",
+    "router",
+    "shared_experts",
+    "routed_experts",
+    "head",
+    "mtp",
+)
+
+#: how tensor parallelism treats a tensor (see DESIGN.md, split rules)
+SPLITS = {
+    "replicate": None,  # every rank holds the whole tensor
+    "vocab": 0,  # rows by vocabulary, padded to a multiple of tp
+    "heads": 0,  # rows by attention heads (q, q_b, kv_b)
+    "kv_heads": 0,  # rows by KV heads, replicated when tp > kv heads
+    "col": 0,  # rows (column-parallel linear: gate / up)
+    "row": 1,  # columns (row-parallel linear: o_proj / down)
+}
+
+#: scopes: how many instances a row has
+SCOPES = ("global", "layer", "dense_layer", "moe_layer", "expert", "vision_block", "mtp")
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one tensor is.
+
+    component: one of COMPONENTS; kind: the tensor's function ('q_proj', 'router', ...);
+    layer: decoder layer index (MTP layers continue after the last one);
+    expert: routed expert index; block: vision encoder block index;
+    split: key of SPLITS; keep: True for sensitive tensors kept in high precision.
+    """
+
+    component: str
+    kind: str
+    split: str = "replicate"
+    keep: bool = False
+    layer: int | None = None
+    expert: int | None = None
+    block: int | None = None
+    mtp: bool = False
+
+    @property
+    def split_dim(self) -> int | None:
+        return SPLITS[self.split]
+
+    @property
+    def unit(self) -> str:
+        """Execution unit: 'embed', 'vision', 'layer.N', 'head' (MTP: 'mtp.N')."""
+        if self.mtp:
+            return f"mtp.{self.layer}"
+        if self.layer is not None:
+            return f"layer.{self.layer}"
+        if self.component in ("vision", "projector"):
+            return "vision"
+        if self.component == "embeddings":
+            return "embed"
+        return "head"
+
+
+ShapeFn = Callable[[Any], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One row of an architecture table.
+
+    pattern: canonical name template (what synth writes); aliases: other spellings seen
+    in released checkpoints; when: predicate on the config (row exists or not).
+    """
+
+    pattern: str
+    scope: str
+    component: str
+    kind: str
+    shape: ShapeFn
+    split: str = "replicate"
+    keep: bool = False
+    when: Callable[[Any], bool] = lambda c: True
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ValueError(f"bad scope {self.scope}")
+        if self.split not in SPLITS:
+            raise ValueError(f"bad split {self.split}")
+        if self.component not in COMPONENTS:
+            raise ValueError(f"bad component {self.component}")
+
+
+def _template_regex(t: str) -> re.Pattern:
+    rx = re.escape(t)
+    for key in ("L", "E", "B"):
+        rx = rx.replace(re.escape("{" + key + "}"), f"(?P<{key}>\\d+)")
+    return re.compile(rx + r"\Z")
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One concrete tensor an architecture expects under a config."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: Role
+
+
+@dataclass
+class Arch:
+    """A model family: its config parser and its tensor table."""
+
+    name: str
+    aliases: tuple[str, ...]
+    parse_config: Callable[[dict], Any]
+    specs: Callable[[Any], list[TensorSpec]]
+    doc: str = ""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def config(self, raw: dict) -> Any:
+        return self.parse_config(raw)
+
+    def table(self, cfg: Any) -> list[TensorSpec]:
+        return [s for s in self.specs(cfg) if s.when(cfg)]
+
+    def instances(self, cfg: Any, *, mtp: bool = True) -> Iterator[Instance]:
+        """Every tensor this config implies, in execution order."""
+        for spec in self.table(cfg):
+            for idx in _indices(spec.scope, cfg, mtp):
+                name = spec.pattern.format(**idx)
+                yield Instance(name, tuple(spec.shape(cfg)), _role(spec, idx, cfg))
+
+    def classify(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Role]:
+        """Role of every name; UnknownTensorsError listing the names that match no row."""
+        return {n: role for n, (role, _, _) in self._match(cfg, names, where).items()}
+
+    def canonical(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, str]:
+        """name -> the spelling synth writes (aliases resolved)."""
+        return {n: canon for n, (_, canon, _) in self._match(cfg, names, where).items()}
+
+    def expected_shapes(self, cfg: Any, names: Iterable[str], where: str = ""):
+        """name -> the shape the table says it must have under ``cfg``."""
+        return {n: shape for n, (_, _, shape) in self._match(cfg, names, where).items()}
+
+    def _match(self, cfg: Any, names: Iterable[str], where: str):
+        if self._cache.get("cfg") is not cfg:
+            table = self.table(cfg)
+            self._cache.update(
+                cfg=cfg,
+                compiled=[(s, _template_regex(p)) for s in table for p in (s.pattern, *s.aliases)],
+            )
+        compiled = self._cache["compiled"]
+        out: dict[str, tuple[Role, str, tuple[int, ...]]] = {}
+        unknown: list[str] = []
+        for n in names:
+            for spec, rx in compiled:
+                m = rx.match(n)
+                if m:
+                    idx = {k: int(v) for k, v in m.groupdict().items()}
+                    if _in_range(spec.scope, idx, cfg):
+                        out[n] = (
+                            _role(spec, idx, cfg),
+                            spec.pattern.format(**idx),
+                            tuple(spec.shape(cfg)),
+                        )
+                        break
+            else:
+                unknown.append(n)
+        if unknown:
+            raise UnknownTensorsError(self.name, unknown, where)
+        return out
+
+
+def _layer_kinds(cfg) -> list[str]:
+    return ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_layers)]
+
+
+def _indices(scope: str, cfg, mtp: bool) -> Iterator[dict[str, int]]:
+    if scope == "global":
+        yield {}
+    elif scope in ("layer", "dense_layer", "moe_layer"):
+        for i, k in enumerate(_layer_kinds(cfg)):
+            if scope == "layer" or scope == f"{k}_layer":
+                yield {"L": i}
+        if mtp and scope != "dense_layer":  # MTP layers are full MoE layers
+            for i in range(cfg.num_layers, cfg.num_layers + getattr(cfg, "num_mtp", 0)):
+                yield {"L": i}
+    elif scope == "expert":
+        layers = [i for i, k in enumerate(_layer_kinds(cfg)) if k == "moe"]
+        if mtp:
+            layers += range(cfg.num_layers, cfg.num_layers + getattr(cfg, "num_mtp", 0))
+        for i in layers:
+            for e in range(cfg.num_experts):
+                yield {"L": i, "E": e}
+    elif scope == "vision_block":
+        for b in range(cfg.vision.num_layers):
+            yield {"B": b}
+    elif scope == "mtp" and mtp:
+        for i in range(cfg.num_layers, cfg.num_layers + getattr(cfg, "num_mtp", 0)):
+            yield {"L": i}
+
+
+def _in_range(scope: str, idx: dict[str, int], cfg) -> bool:
+    n, n_mtp = cfg.num_layers, getattr(cfg, "num_mtp", 0)
+    layer = idx.get("L")
+    if scope == "vision_block":
+        return idx["B"] < cfg.vision.num_layers
+    if scope == "mtp":
+        return n <= layer < n + n_mtp
+    if layer is not None:
+        if layer >= n + n_mtp:
+            return False
+        if layer >= n:  # MTP layer: any MoE-layer row applies
+            if scope == "dense_layer":
+                return False
+        elif (scope == "dense_layer" and cfg.is_moe_layer(layer)) or (
+            scope in ("moe_layer", "expert") and not cfg.is_moe_layer(layer)
+        ):
+            return False
+    if "E" in idx and idx["E"] >= cfg.num_experts:
+        return False
+    return True
+
+
+def _role(spec: TensorSpec, idx: dict[str, int], cfg) -> Role:
+    layer = idx.get("L")
+    is_mtp = layer is not None and layer >= cfg.num_layers
+    r = Role(
+        component=spec.component,
+        kind=spec.kind,
+        split=spec.split,
+        keep=spec.keep,
+        layer=layer,
+        expert=idx.get("E"),
+        block=idx.get("B"),
+        mtp=is_mtp,
+    )
+    if is_mtp:  # MTP layers are kept in high precision and reported on their own
+        r = replace(r, component="mtp", keep=True)
+    return r
+
+
+# -- registry -----------------------------------------------------------------------
+_REGISTRY: dict[str, Arch] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(arch: Arch) -> Arch:
+    _REGISTRY[arch.name] = arch
+    for a in arch.aliases:
+        _ALIASES[a] = arch.name
+    return arch
+
+
+def known_model_types() -> list[str]:
+    return sorted([*_REGISTRY, *_ALIASES])
+
+
+def get_arch(model_type: str) -> Arch:
+    name = _ALIASES.get(model_type, model_type)
+    if name not in _REGISTRY:
+        raise ArchError(
+            f"unknown model_type '{model_type}' in config.json; k3convert knows: "
+            f"{', '.join(known_model_types())}."
+        )
+    return _REGISTRY[name]
+
+
+def arch_for_config(raw: dict, where: str = "config.json") -> Arch:
+    mt = raw.get("model_type")
+    if not isinstance(mt, str):
+        raise ConfigError(f"{where}: no 'model_type' key; is this a Hugging Face config?")
+    return get_arch(mt)
+
+
+# -- config helpers -----------------------------------------------------------------
+def req(raw: dict, key: str, where: str, *alts: str) -> Any:
+    for k in (key, *alts):
+        if raw.get(k) is not None:
+            return raw[k]
+    raise ConfigError(f"{where}: missing required key '{key}'.")
+
+
+def positive(value: Any, key: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {value!r}.")
+    return value

@@ -1,0 +1,464 @@
+"""``open_checkpoint``: lazy, validated access to a Hugging Face model directory.
+
+Opening reads only headers (and, for packed int-N weights, the two-int ``weight_shape``
+tensors). Data is mapped one tensor at a time when asked for, so memory follows what
+the caller holds, never the checkpoint size. Physical tensors that belong together
+(a weight and its scales / zero points / activation scales) are grouped under one
+logical name, so every consumer sees ``...weight`` with an encoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, ConfigError, UnsafePickleError
+from .encodings import (
+    ALL_PARTS,
+    ENCODINGS,
+    QuantParams,
+    detect_encoding,
+    infer_num_bits,
+    scale_block,
+)
+from .safetensors_io import RawTensorInfo, map_tensor, read_header
+
+INDEX_NAMES = ("model.safetensors.index.json",)
+BIN_INDEX_NAMES = ("pytorch_model.bin.index.json",)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class PartMeta:
+    """One physical tensor: where it lives and what it is (no data)."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    raw: RawTensorInfo | None = None  # None for torch .bin tensors
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A logical tensor: its shape once dequantized and the physical parts storing it."""
+
+    name: str
+    shape: tuple[int, ...]
+    encoding: str  # "plain" or a key of ENCODINGS
+    parts: dict[str, PartMeta]
+    quant: QuantParams = field(default_factory=QuantParams)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def main(self) -> PartMeta:
+        for k in ("weight", "weight_packed"):
+            if k in self.parts:
+                return self.parts[k]
+        return next(iter(self.parts.values()))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the main stored part (e.g. float8_e4m3fn, int32 for packed)."""
+        return self.main.dtype
+
+    @property
+    def file(self) -> Path:
+        return self.main.file
+
+    @property
+    def storage(self) -> str:
+        """Human label of how the values are stored: 'bfloat16', 'float8_e4m3fn', 'int4'."""
+        if self.encoding == "pack-quantized":
+            return f"int{self.quant.num_bits}" if self.quant.num_bits else "int?"
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: Path
+    size: int
+
+
+def _no_dup_pairs(where: str):
+    def hook(pairs):
+        seen: dict = {}
+        for k, v in pairs:
+            if k in seen:
+                raise CheckpointError(f"{where}: key '{k}' is listed twice.")
+            seen[k] = v
+        return seen
+
+    return hook
+
+
+def load_json(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror}).") from e
+    try:
+        data = json.loads(text, object_pairs_hook=_no_dup_pairs(str(path)))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}).") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object.")
+    return data
+
+
+def _split_part(name: str) -> tuple[str, str]:
+    """``a.b.weight_scale`` -> (``a.b``, ``weight_scale``); plain names -> (name, '')."""
+    head, _, tail = name.rpartition(".")
+    if head and tail in ALL_PARTS:
+        return head, tail
+    return name, ""
+
+
+class QuantConfig:
+    """Resolves config.json's quantization_config to per-tensor QuantParams."""
+
+    def __init__(self, qc: dict | None):
+        self.qc = qc or {}
+        self.method = self.qc.get("quant_method")
+        self.groups: list[tuple[list[str], dict]] = []
+        if self.method == "compressed-tensors":
+            for gname, g in (self.qc.get("config_groups") or {}).items():
+                if not isinstance(g, dict):
+                    raise ConfigError(
+                        f"config.json: quantization_config.config_groups.{gname} must be an object."
+                    )
+                self.groups.append((list(g.get("targets") or []), g.get("weights") or {}))
+
+    def params(self, module: str, shape: tuple[int, ...]) -> QuantParams:
+        if self.method == "fp8":
+            b = self.qc.get("weight_block_size") or [128, 128]
+            return QuantParams(num_bits=8, block=(int(b[0]), int(b[1])))
+        w = self._weights_for(module)
+        if not w:
+            return QuantParams()
+        strategy = w.get("strategy")
+        block = None
+        if strategy == "group" and w.get("group_size"):
+            block = (1, int(w["group_size"]))
+        elif strategy == "block" and w.get("block_structure"):
+            bs = w["block_structure"]
+            block = (int(bs[0]), int(bs[1]))
+        return QuantParams(
+            num_bits=w.get("num_bits"),
+            block=block,
+            symmetric=w.get("symmetric"),
+            extra={"strategy": strategy, "type": w.get("type")},
+        )
+
+    def _weights_for(self, module: str) -> dict:
+        for targets, weights in self.groups:
+            for t in targets:
+                if t.startswith("re:"):
+                    if re.match(t[3:], module):
+                        return weights
+                elif t in ("Linear", module):
+                    return weights
+        return {}
+
+
+class Checkpoint:
+    """Read-only view of one checkpoint directory. Build it with :func:`open_checkpoint`."""
+
+    def __init__(self, root: Path, config: dict, metas: dict[str, TensorMeta], files):
+        self.root = root
+        self.config = config
+        self._metas = metas
+        self._files: list[Path] = files
+        self._sha: dict[Path, str] = {}
+        self._bin_cache: dict[Path, dict] = {}
+
+    # -- metadata ---------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Logical tensor names in storage order (file, then offset)."""
+        return list(self._metas)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._metas
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def meta(self, name: str) -> TensorMeta:
+        try:
+            return self._metas[name]
+        except KeyError:
+            raise CheckpointError(f"{self.root}: no tensor named '{name}'.") from None
+
+    def files(self) -> list[FileInfo]:
+        return [FileInfo(p, p.stat().st_size) for p in self._files]
+
+    def sha256(self, path: str | os.PathLike) -> str:
+        """sha256 of one source file, streamed and cached."""
+        p = Path(path)
+        if p not in self._sha:
+            h = hashlib.sha256()
+            with open(p, "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    h.update(chunk)
+            self._sha[p] = h.hexdigest()
+        return self._sha[p]
+
+    @cached_property
+    def aux_files(self) -> list[Path]:
+        """Tokenizer / processor / other non-weight files, carried along untouched."""
+        skip = {"config.json", *INDEX_NAMES, *BIN_INDEX_NAMES}
+        return sorted(
+            p
+            for p in self.root.iterdir()
+            if p.is_file() and p.name not in skip and not p.name.endswith(WEIGHT_SUFFIXES)
+        )
+
+    # -- data -------------------------------------------------------------------
+    def get_parts(self, name: str) -> dict[str, torch.Tensor]:
+        """The stored physical tensors of ``name``, keyed by part ('weight_scale', ...)."""
+        m = self.meta(name)
+        return {k: self._load_part(p) for k, p in m.parts.items()}
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, dequantized if encoded (float32 unless ``dtype``)."""
+        m = self.meta(name)
+        if m.encoding == "plain":
+            t = self._load_part(m.main)
+            return t if dtype is None or t.dtype == dtype else t.to(dtype)
+        parts = self.get_parts(name)
+        try:
+            w = ENCODINGS[m.encoding].dequantize(parts, m.quant)
+        except ValueError as e:
+            raise CheckpointError(
+                f"{m.file}: cannot dequantize '{name}' ({m.encoding}): {e}."
+            ) from e
+        return w.to(dtype or torch.float32)
+
+    def iter_tensors(self, dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
+        for n in self.names():
+            yield n, self.get(n, dtype)
+
+    def _load_part(self, p: PartMeta) -> torch.Tensor:
+        if p.raw is not None:
+            return map_tensor(p.file, p.raw)
+        return self._bin(p.file)[p.name]
+
+    def _bin(self, path: Path) -> dict:
+        if path not in self._bin_cache:
+            self._bin_cache = {path: load_bin(path)}  # keep one file mapped at a time
+        return self._bin_cache[path]
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.root)!r}, {len(self)} tensors, {len(self._files)} files)"
+
+
+def load_bin(path: Path) -> dict:
+    """A torch .bin/.pt state dict via the safe unpickler only (weights_only, mmap)."""
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises UnpicklingError / RuntimeError variants
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Unpickl" in type(e).__name__:
+            raise UnsafePickleError(
+                f"{path}: refused - loading it needs full unpickling, which can run "
+                f"arbitrary code ({msg[:200]}). Convert it to safetensors in a trusted "
+                f"environment first."
+            ) from e
+        raise CheckpointError(
+            f"{path}: cannot load as a PyTorch zip checkpoint ({msg[:200]}). Legacy "
+            f"(non-zip) files are not supported; re-save with torch.save or convert to "
+            f"safetensors."
+        ) from e
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors (a state dict).")
+    return sd
+
+
+def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """Weight files to read and the index's weight_map (None without an index)."""
+    for idx_name in INDEX_NAMES + BIN_INDEX_NAMES:
+        idx = root / idx_name
+        if idx.is_file():
+            data = load_json(idx)
+            wm = data.get("weight_map")
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise CheckpointError(f"{idx}: 'weight_map' must map tensor names to files.")
+            files = sorted(set(wm.values()))
+            for f in files:
+                if not (root / f).is_file():
+                    users = [k for k, v in wm.items() if v == f]
+                    raise CheckpointError(
+                        f"{idx}: names file '{f}' (for {len(users)} tensors, e.g. "
+                        f"'{users[0]}') but it does not exist in {root}; the download is "
+                        f"incomplete."
+                    )
+            return [root / f for f in files], wm
+    st = sorted(root.glob("*.safetensors"))
+    if st:
+        return st, None
+    bins = sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    return bins, None
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a Hugging Face model directory (or a single .safetensors/.bin file).
+
+    Validates every header, the index, and the grouping of quantized parts up front;
+    reads no tensor data.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory.")
+    if p.is_file():
+        root, files, wm = p.parent, [p], None
+    else:
+        root = p
+        files, wm = _weight_files(root)
+    cfg_path = root / "config.json"
+    config = load_json(cfg_path) if cfg_path.is_file() else {}
+    if not files:
+        raise CheckpointError(
+            f"{root}: no weights found (expected model.safetensors, *.safetensors with "
+            f"model.safetensors.index.json, or pytorch_model*.bin). For parameter "
+            f"arithmetic on a config alone use `k3convert inspect {cfg_path}`."
+        )
+    raw: dict[str, PartMeta] = {}
+    for f in files:
+        for part in _file_parts(f):
+            if part.name in raw:
+                raise CheckpointError(
+                    f"tensor '{part.name}' is listed twice: in {raw[part.name].file.name} "
+                    f"and {f.name}; remove the duplicate file or fix the index."
+                )
+            raw[part.name] = part
+    if wm is not None:
+        _check_index(root, wm, raw)
+    qcfg = QuantConfig(_quant_config(config))
+    metas = _group(raw, qcfg)
+    return Checkpoint(root, config, metas, files)
+
+
+def _quant_config(config: dict) -> dict | None:
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    return qc
+
+
+def _file_parts(f: Path) -> Iterator[PartMeta]:
+    if f.suffix == ".safetensors":
+        h = read_header(f)
+        for info in sorted(h.tensors.values(), key=lambda t: t.start):
+            yield PartMeta(info.name, f, info.dtype, info.shape, info.nbytes, info)
+    else:
+        for name, t in load_bin(f).items():
+            yield PartMeta(name, f, t.dtype, tuple(t.shape), t.numel() * t.element_size())
+
+
+def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> None:
+    missing = [n for n in wm if n not in raw]
+    if missing:
+        raise CheckpointError(
+            f"{root}: the index lists {len(missing)} tensor(s) that are in no weight file "
+            f"(e.g. '{missing[0]}' expected in {wm[missing[0]]}); the files and the index "
+            f"disagree."
+        )
+    wrong = [n for n, pm in raw.items() if n in wm and pm.file.name != Path(wm[n]).name]
+    extra = [n for n in raw if n not in wm]
+    if wrong or extra:
+        n = (wrong or extra)[0]
+        raise CheckpointError(
+            f"{root}: tensor '{n}' is in {raw[n].file.name} but the index "
+            f"{'puts it in ' + wm[n] if n in wm else 'does not list it'}; regenerate "
+            f"the index."
+        )
+
+
+def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]:
+    groups: dict[str, dict[str, PartMeta]] = {}
+    for name, pm in raw.items():
+        base, part = _split_part(name)
+        if not part:
+            groups.setdefault(name, {})[""] = pm
+            continue
+        groups.setdefault(f"{base}.weight", {})[part] = pm
+    metas: dict[str, TensorMeta] = {}
+    for logical, parts in groups.items():
+        if "" in parts:
+            if len(parts) > 1:
+                raise CheckpointError(f"tensor '{logical}' appears both plain and as parts.")
+            pm = parts[""]
+            metas[logical] = TensorMeta(logical, pm.shape, "plain", {"weight": pm})
+            continue
+        sig = {k: (v.shape, v.dtype) for k, v in parts.items()}
+        if "weight" not in parts and "weight_packed" not in parts:
+            # activation-only parameters (e.g. a kv-cache scale): plain tensors of their own
+            for k, pm in parts.items():
+                metas[pm.name] = TensorMeta(pm.name, pm.shape, "plain", {"weight": pm})
+            continue
+        enc = detect_encoding(logical, sig)
+        module = logical.removesuffix(".weight")
+        if enc is None:
+            shape = parts["weight"].shape
+            metas[logical] = TensorMeta(logical, shape, "plain", parts)
+            continue
+        if enc.name == "pack-quantized":
+            ws = (
+                map_tensor(parts["weight_shape"].file, parts["weight_shape"].raw)
+                if parts["weight_shape"].raw
+                else None
+            )
+            if ws is None:
+                raise CheckpointError(f"'{logical}': packed weights must come from safetensors.")
+            shape = tuple(int(x) for x in ws.tolist())
+        else:
+            shape = enc.logical_shape(sig)
+        q = qcfg.params(module, shape)
+        if enc.name == "pack-quantized":
+            bits = infer_num_bits(shape[-1], parts["weight_packed"].shape[-1])
+            if q.num_bits is None:
+                q = QuantParams(bits, q.block, q.symmetric, q.extra)
+            elif bits is not None and bits != q.num_bits:
+                raise CheckpointError(
+                    f"{parts['weight_packed'].file}: '{logical}' packed shape "
+                    f"{parts['weight_packed'].shape} holds {bits}-bit values but config.json "
+                    f"says num_bits={q.num_bits}."
+                )
+        metas[logical] = TensorMeta(logical, shape, enc.name, parts, q)
+        _check_scales(metas[logical])
+    return metas
+
+
+def _check_scales(m: TensorMeta) -> None:
+    """Catch scale / weight shape disagreements at open time, not mid-conversion."""
+    key = "weight_scale_inv" if m.encoding == "fp8-block" else "weight_scale"
+    s = m.parts[key]
+    if len(m.shape) != 2:
+        raise CheckpointError(f"{m.file}: encoded tensor '{m.name}' must be 2-D, got {m.shape}.")
+    block = m.quant.block or ((128, 128) if m.encoding == "fp8-block" else None)
+    try:
+        scale_block(s.shape, m.shape, block)
+    except ValueError as e:
+        raise CheckpointError(f"{s.file}: '{m.name}' {m.encoding}: {e}.") from e

@@ -1,0 +1,199 @@
+"""Validated, metadata-only parsing of .safetensors files and per-tensor mmap reads.
+
+Why not just ``safe_open``: it maps the whole file and keeps every touched page
+resident for as long as the handle lives, so reading all tensors of a 16 GB shard
+raises RSS by 16 GB. We parse and *validate* the header ourselves (the format is a
+u64 length, a JSON header, then one contiguous data region) so that every defect is
+reported with the file and tensor before a byte of data is used, and map each tensor's
+byte range on its own: the mapping lives exactly as long as the returned tensor, so
+RSS stays bounded by the tensors a caller holds, whatever the checkpoint size.
+Reads are zero-copy and lazy (pages are faulted in on first use).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SafetensorsFormatError
+
+#: safetensors dtype string -> (torch dtype, bits per element)
+ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 8),
+    "U8": (torch.uint8, 8),
+    "I8": (torch.int8, 8),
+    "I16": (torch.int16, 16),
+    "U16": (torch.uint16, 16),
+    "I32": (torch.int32, 32),
+    "U32": (torch.uint32, 32),
+    "I64": (torch.int64, 64),
+    "U64": (torch.uint64, 64),
+    "F16": (torch.float16, 16),
+    "BF16": (torch.bfloat16, 16),
+    "F32": (torch.float32, 32),
+    "F64": (torch.float64, 64),
+    "F8_E4M3": (torch.float8_e4m3fn, 8),
+    "F8_E5M2": (torch.float8_e5m2, 8),
+    "F8_E8M0": (torch.float8_e8m0fnu, 8),
+}
+TORCH_TO_ST = {v[0]: k for k, v in ST_DTYPES.items()}
+
+#: Refuse absurd header sizes before allocating (the reference implementation caps at 100 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RawTensorInfo:
+    """One entry of a safetensors header, with absolute file offsets."""
+
+    name: str
+    dtype: torch.dtype
+    st_dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the first data byte in the file
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: Path
+    header_len: int
+    tensors: dict[str, RawTensorInfo]
+    metadata: dict[str, str]
+    file_size: int
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Parse and validate a .safetensors header without touching tensor data.
+
+    Checks, each with an error naming the file and tensor: header length inside the
+    file, valid UTF-8 JSON object, known dtypes, ``prod(shape) * itemsize`` equal to
+    the byte range, byte ranges that tile the data region exactly (no overlap, no
+    hole), and a file long enough to hold the data region (not truncated).
+    """
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise SafetensorsFormatError(
+                    f"{p}: file is {size} bytes, too short to be a safetensors file "
+                    f"(needs an 8-byte header length); the file is truncated or not safetensors."
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise SafetensorsFormatError(
+                    f"{p}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+                    f"the file is corrupt or not safetensors."
+                )
+            if 8 + n > size:
+                raise SafetensorsFormatError(
+                    f"{p}: header length {n} runs past the end of the {size}-byte file; "
+                    f"the file is truncated or corrupt - re-download or re-export it."
+                )
+            raw = fh.read(n)
+    except OSError as e:
+        raise SafetensorsFormatError(f"{p}: cannot read ({e.strerror}).") from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsFormatError(f"{p}: header is not valid UTF-8 JSON ({e}).") from e
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{p}: header must be a JSON object.")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SafetensorsFormatError(f"{p}: __metadata__ must be a JSON object of strings.")
+    base = 8 + n
+    tensors: dict[str, RawTensorInfo] = {}
+    for name, entry in header.items():
+        tensors[name] = _parse_entry(p, name, entry, base)
+    _check_tiling(p, tensors, base, size)
+    return SafetensorsHeader(p, n, tensors, {str(k): str(v) for k, v in metadata.items()}, size)
+
+
+def _parse_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise SafetensorsFormatError(
+            f"{p}: tensor '{name}' header entry needs dtype, shape and data_offsets."
+        )
+    st = entry["dtype"]
+    if st not in ST_DTYPES:
+        raise SafetensorsFormatError(
+            f"{p}: tensor '{name}' has unsupported dtype '{st}' "
+            f"(supported: {', '.join(ST_DTYPES)})."
+        )
+    shape = entry["shape"]
+    offs = entry["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise SafetensorsFormatError(f"{p}: tensor '{name}' has an invalid shape {shape!r}.")
+    if not (
+        isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+    ) or not (0 <= offs[0] <= offs[1]):
+        raise SafetensorsFormatError(
+            f"{p}: tensor '{name}' has invalid data_offsets {offs!r} (need [begin, end], "
+            f"0 <= begin <= end)."
+        )
+    dtype, bits = ST_DTYPES[st]
+    expect = math.ceil(math.prod(shape) * bits / 8)
+    got = offs[1] - offs[0]
+    if got != expect:
+        raise SafetensorsFormatError(
+            f"{p}: tensor '{name}' is {st}{shape} = {expect} bytes but its data_offsets "
+            f"{offs} span {got} bytes; the header disagrees with the data (dtype/shape/"
+            f"byte-count mismatch)."
+        )
+    return RawTensorInfo(name, dtype, st, tuple(shape), base + offs[0], got)
+
+
+def _check_tiling(p: Path, tensors: dict[str, RawTensorInfo], base: int, size: int) -> None:
+    pos = base
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start < pos:
+            raise SafetensorsFormatError(
+                f"{p}: tensor '{t.name}' data [{t.start - base}, {t.end - base}) overlaps the "
+                f"previous tensor (which ends at {pos - base}); the header is corrupt."
+            )
+        if t.start > pos:
+            raise SafetensorsFormatError(
+                f"{p}: hole of {t.start - pos} bytes before tensor '{t.name}' at data offset "
+                f"{pos - base}; safetensors requires contiguous data - the header is corrupt."
+            )
+        pos = t.end
+    if pos > size:
+        raise SafetensorsFormatError(
+            f"{p}: data region needs {pos} bytes but the file has {size}; the file is "
+            f"truncated - re-download or re-export it."
+        )
+    if pos < size:
+        raise SafetensorsFormatError(
+            f"{p}: {size - pos} trailing bytes after the last tensor's data; the header "
+            f"does not describe the whole file."
+        )
+
+
+def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
+    """Zero-copy, lazily faulted view of one tensor's bytes (copy-on-write mapping).
+
+    The mapping is released when the returned tensor (and every view of it) dies.
+    """
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=info.dtype)
+    arr = np.memmap(path, dtype=np.uint8, mode="c", offset=info.start, shape=(info.nbytes,))
+    flat = torch.from_numpy(arr)
+    if info.dtype == torch.bool:
+        return flat.view(torch.bool).reshape(info.shape)
+    if info.dtype != torch.uint8:
+        flat = flat.view(info.dtype)
+    return flat.reshape(info.shape)

@@ -1,0 +1,53 @@
+"""Every user-facing failure is a K3Error subclass.
+
+The CLI maps any K3Error to a one-line message on stderr and exit code 2, so the
+message itself must say what is wrong, where (file, tensor, key path) and what to do.
+Anything that is not a K3Error is a bug in k3convert and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class K3Error(Exception):
+    """Base class of every error a user can cause with bad input."""
+
+    exit_code = 2
+
+
+class CheckpointError(K3Error):
+    """A checkpoint directory or file is missing, malformed or inconsistent."""
+
+
+class SafetensorsFormatError(CheckpointError):
+    """A .safetensors file violates the format (header, offsets, dtype/shape/bytes)."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A PyTorch .bin/.pt file needs full unpickling, which k3convert refuses."""
+
+
+class ArchError(K3Error):
+    """Unknown model_type, bad config values, or tensor names the architecture lacks."""
+
+
+class UnknownTensorsError(ArchError):
+    """Tensor names that match no pattern of the architecture."""
+
+    def __init__(self, arch: str, names: list[str], where: str = ""):
+        self.names = list(names)
+        shown = ", ".join(self.names[:8])
+        more = f" (and {len(self.names) - 8} more)" if len(self.names) > 8 else ""
+        loc = f" in {where}" if where else ""
+        super().__init__(
+            f"{len(self.names)} tensor name(s){loc} are not part of architecture "
+            f"'{arch}': {shown}{more}. Check that config.json's model_type matches the "
+            f"weights, or report the names so the architecture table can learn them."
+        )
+
+
+class ConfigError(K3Error):
+    """A config.json / option value that k3convert cannot use."""
+
+
+class OutputError(K3Error):
+    """An output path exists, is not writable, or there is not enough free disk."""

@@ -1,0 +1,86 @@
+"""Dense bit-packing of low-bit integers into int32 words (compressed-tensors layout).
+
+The layout is the one compressed-tensors' ``pack-quantized`` format uses, so its own
+loader reads what we write and we read what it writes: signed ``num_bits`` values are
+offset by ``2**(num_bits-1)`` to unsigned, element ``i`` of a row occupies bits
+``[i*num_bits, (i+1)*num_bits)`` of the row's little-endian bit stream (values may
+straddle a 32-bit word for 3/5/6/7 bits), and a row of ``n`` values takes
+``ceil(n*num_bits/32)`` words. ``packed_dim=0`` packs along columns instead (used for
+zero points). Vectorised: one gather / scatter per call, no Python loop over elements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MASK32 = (1 << 32) - 1
+
+
+def packed_len(n: int, num_bits: int) -> int:
+    """Number of int32 words that hold ``n`` values of ``num_bits`` bits."""
+    return math.ceil(n * num_bits / 32)
+
+
+def _bit_positions(n: int, num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.arange(n, dtype=torch.int64) * num_bits
+    return starts // 32, starts % 32
+
+
+def pack_int32(values: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """Pack signed ``values`` (any int dtype, in ``[-2**(b-1), 2**(b-1)-1]``) into int32.
+
+    values: [rows, n] -> [rows, ceil(n*b/32)] (packed_dim=1)
+            [n, cols] -> [ceil(n*b/32), cols] (packed_dim=0)
+    """
+    if not 1 <= num_bits <= 8:
+        raise ValueError(f"num_bits must be in [1, 8], got {num_bits}")
+    if values.ndim != 2:
+        raise ValueError(f"pack_int32 expects a 2-D tensor, got shape {tuple(values.shape)}")
+    v = values.to(torch.int64) + (1 << (num_bits - 1))
+    lo_v, hi_v = 0, (1 << num_bits) - 1
+    if v.numel() and (int(v.min()) < lo_v or int(v.max()) > hi_v):
+        raise ValueError(f"values out of range for signed {num_bits}-bit packing")
+    if packed_dim == 0:
+        v = v.t()
+    rows, n = v.shape
+    words = packed_len(n, num_bits)
+    word, off = _bit_positions(n, num_bits)
+    out = torch.zeros(rows, words + 1, dtype=torch.int64)
+    out.scatter_add_(1, word.expand(rows, n), (v << off) & _MASK32)
+    spill = off + num_bits > 32
+    if bool(spill.any()):
+        idx = (word[spill] + 1).expand(rows, -1)
+        out.scatter_add_(1, idx, v[:, spill] >> (32 - off[spill]))
+    out = out[:, :words] & _MASK32
+    out = torch.where(out >= (1 << 31), out - (1 << 32), out).to(torch.int32)
+    if packed_dim == 0:
+        out = out.t()
+    return out.contiguous()
+
+
+def unpack_int32(
+    packed: torch.Tensor, num_bits: int, shape: tuple[int, int], packed_dim: int = 1
+) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int32 words -> signed int8 values of ``shape``."""
+    if not 1 <= num_bits <= 8:
+        raise ValueError(f"num_bits must be in [1, 8], got {num_bits}")
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed data must be int32, got {packed.dtype}")
+    rows, n = (shape[1], shape[0]) if packed_dim == 0 else (shape[0], shape[1])
+    p = packed.t() if packed_dim == 0 else packed
+    want = packed_len(n, num_bits)
+    if tuple(p.shape) != (rows, want):
+        raise ValueError(
+            f"packed shape {tuple(packed.shape)} does not hold {tuple(shape)} values of "
+            f"{num_bits} bits packed along dim {packed_dim}"
+        )
+    w = p.to(torch.int64) & _MASK32
+    w = torch.cat([w, torch.zeros(rows, 1, dtype=torch.int64)], dim=1)
+    word, off = _bit_positions(n, num_bits)
+    lo = torch.gather(w, 1, word.expand(rows, n)) >> off
+    hi = torch.gather(w, 1, (word + 1).expand(rows, n)) << (32 - off)
+    vals = ((lo | hi) & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))
+    vals = vals.to(torch.int8)
+    return (vals.t() if packed_dim == 0 else vals).contiguous()
