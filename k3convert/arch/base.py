@@ -241,9 +241,7 @@ def _in_range(scope: str, idx: dict[str, int], cfg) -> bool:
             scope in ("moe_layer", "expert") and not cfg.is_moe_layer(layer)
         ):
             return False
-    if "E" in idx and idx["E"] >= cfg.num_experts:
-        return False
-    return True
+    return not ("E" in idx and idx["E"] >= cfg.num_experts)
 
 
 def _role(spec: TensorSpec, idx: dict[str, int], cfg) -> Role:

@@ -415,7 +415,7 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
         sig = {k: (v.shape, v.dtype) for k, v in parts.items()}
         if "weight" not in parts and "weight_packed" not in parts:
             # activation-only parameters (e.g. a kv-cache scale): plain tensors of their own
-            for k, pm in parts.items():
+            for _k, pm in parts.items():
                 metas[pm.name] = TensorMeta(pm.name, pm.shape, "plain", {"weight": pm})
             continue
         enc = detect_encoding(logical, sig)

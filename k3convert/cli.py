@@ -1,0 +1,170 @@
+"""The ``k3convert`` command line: thin wrappers over keyword-only library functions.
+
+Every K3Error becomes one line on stderr and exit code 2 (no traceback); anything else
+is a bug and keeps its traceback. Commands live in their library modules; this file
+only parses options and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import __version__
+from .errors import K3Error
+
+app = typer.Typer(
+    name="k3convert",
+    help="Offline conversion of frontier-scale MoE checkpoints: inspect, synth, quantize, "
+    "shard, verify.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"k3convert {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+):
+    """k3convert: quantize, reshard and verify checkpoints without holding the whole model."""
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="Model directory, or a config.json alone.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    tensors: Annotated[
+        bool, typer.Option("--tensors", help="Also print the per-tensor role table.")
+    ] = False,
+    drop_mtp: Annotated[
+        bool, typer.Option("--drop-mtp", help="Leave multi-token-prediction layers out.")
+    ] = False,
+):
+    """Model type, layers, experts, parameters and bytes by component, dtype and encoding."""
+    from .inspect import format_report, inspect_path
+
+    report = inspect_path(path=path, tensors=tensors, keep_mtp=not drop_mtp)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        typer.echo(format_report(report))
+
+
+@app.command()
+def synth(
+    config: Annotated[
+        str,
+        typer.Argument(
+            help="config.json, a model directory, or a built-in preset "
+            "(kimi-k2, kimi-k2-thinking, kimi-k25, deepseek-v3, llama3-8b, qwen3-30b-a3b)."
+        ),
+    ],
+    out: Annotated[Path, typer.Argument(help="Output directory (must not exist).")],
+    tiny: Annotated[
+        bool, typer.Option("--tiny", help="Scale every dimension down, keeping the structure.")
+    ] = False,
+    layers: Annotated[int | None, typer.Option(help="Decoder layers.")] = None,
+    hidden: Annotated[int | None, typer.Option(help="Hidden size.")] = None,
+    heads: Annotated[int | None, typer.Option(help="Attention heads.")] = None,
+    kv_heads: Annotated[int | None, typer.Option(help="KV heads (GQA families).")] = None,
+    intermediate: Annotated[int | None, typer.Option(help="Dense MLP width.")] = None,
+    experts: Annotated[int | None, typer.Option(help="Routed experts per MoE layer.")] = None,
+    moe_intermediate: Annotated[int | None, typer.Option(help="Routed expert width.")] = None,
+    vocab: Annotated[int | None, typer.Option(help="Vocabulary size.")] = None,
+    vision_layers: Annotated[int | None, typer.Option(help="Vision encoder blocks.")] = None,
+    mtp: Annotated[int | None, typer.Option(help="MTP layers (DeepSeek-V3 family).")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="Storage dtype: bf16, fp16 or fp32 (default: config's).")
+    ] = None,
+    encoding: Annotated[
+        str,
+        typer.Option(
+            help="auto (as the config's quantization_config says), plain, fp8-block or int4."
+        ),
+    ] = "auto",
+    shard_mb: Annotated[
+        int, typer.Option(help="Split into files of about this many MB, with an index.")
+    ] = 0,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT.")] = False,
+):
+    """Write a random checkpoint with the exact names, dtypes and layout of an architecture."""
+    from .synth import synthesize
+
+    summary = synthesize(
+        config=config,
+        out=out,
+        tiny=tiny,
+        overrides=dict(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate=intermediate,
+            experts=experts,
+            moe_intermediate=moe_intermediate,
+            vocab=vocab,
+            vision_layers=vision_layers,
+            mtp=mtp,
+        ),
+        dtype=dtype,
+        encoding=encoding,
+        shard_mb=shard_mb,
+        seed=seed,
+        force=force,
+    )
+    typer.echo(summary)
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Working directory for the demo.")] = Path("demo-out"),
+    family: Annotated[
+        str, typer.Option(help="Preset to rehearse: kimi-k25, kimi-k2, llama3-8b, ...")
+    ] = "kimi-k25",
+):
+    """Build a tiny model with synth and run every stage on it end to end."""
+    from .demo import run_demo
+
+    run_demo(out=out, preset=family, echo=typer.echo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: K3Error -> one line on stderr, exit 2."""
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except K3Error as e:
+        typer.echo(f"error: {e}", err=True)
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        return 130
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        return 130
+    except Exception as e:  # click usage errors (typer vendors its own click)
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
+            e.show()
+            return 2
+        raise
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

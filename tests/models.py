@@ -1,0 +1,184 @@
+"""Tiny random models of the real architectures, built with transformers' own classes.
+
+These are the oracles: transformers wrote the files (``save_pretrained``), so the names,
+shapes and layouts are the real ones, not ours. Each builder takes overrides so a test
+can pick the variant it needs (tied embeddings, MLA without q_lora_rank, ...).
+Builders are deterministic (seeded) and return the saved directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import torch
+
+VOCAB = 160  # not a multiple of 8 on purpose: exercises vocab padding in sharding
+
+
+def _dsv3_kwargs(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=256,
+        num_nextn_predict_layers=0,
+    )
+    base.update(kw)
+    return base
+
+
+def config_for(family: str, **kw):
+    """A transformers config object of ``family`` with tiny dimensions."""
+    import transformers as tf
+
+    if family == "llama":
+        return tf.LlamaConfig(
+            **{
+                **dict(
+                    vocab_size=VOCAB,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    max_position_embeddings=256,
+                ),
+                **kw,
+            }
+        )
+    if family == "qwen3":
+        return tf.Qwen3Config(
+            **{
+                **dict(
+                    vocab_size=VOCAB,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    max_position_embeddings=256,
+                    tie_word_embeddings=True,
+                ),
+                **kw,
+            }
+        )
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **{
+                **dict(
+                    vocab_size=VOCAB,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    moe_intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    num_experts=8,
+                    num_experts_per_tok=2,
+                    max_position_embeddings=256,
+                ),
+                **kw,
+            }
+        )
+    if family == "mixtral":
+        return tf.MixtralConfig(
+            **{
+                **dict(
+                    vocab_size=VOCAB,
+                    hidden_size=64,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    num_local_experts=4,
+                    num_experts_per_tok=2,
+                    max_position_embeddings=256,
+                ),
+                **kw,
+            }
+        )
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(**_dsv3_kwargs(**kw))
+    if family == "kimi_k25":
+        text = kw.pop("text_config", {})
+        vision = dict(
+            patch_size=14,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            pos_emb_height=8,
+            pos_emb_width=8,
+        )
+        vision.update(kw.pop("vision_config", {}))
+        return tf.Kimi_K25Config(
+            **{
+                **dict(
+                    text_config=tf.DeepseekV3Config(**_dsv3_kwargs(**text)).to_dict(),
+                    vision_config=vision,
+                    projection_hidden_size=32,
+                    image_token_id=VOCAB - 4,
+                    video_token_id=VOCAB - 3,
+                    vision_start_token_id=VOCAB - 2,
+                    vision_end_token_id=VOCAB - 1,
+                ),
+                **kw,
+            }
+        )
+    raise ValueError(family)
+
+
+MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k25": "Kimi_K25ForConditionalGeneration",
+}
+
+
+def build_model(family: str, seed: int = 0, dtype=torch.float32, **kw):
+    """An initialised transformers model (random, seeded) in eval mode."""
+    import transformers as tf
+
+    cfg = config_for(family, **kw)
+    torch.manual_seed(seed)
+    model = getattr(tf, MODEL_CLASSES[family])(cfg).to(dtype).eval()
+    # Random-init norms are all ones and biases zero; perturb them so a reader or a
+    # runtime that drops or swaps one is caught.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+            if "e_score_correction_bias" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_model(family: str, out: Path, seed: int = 0, dtype=torch.float32, **kw) -> Path:
+    """Build and ``save_pretrained`` a tiny model; returns ``out``."""
+    model = build_model(family, seed, dtype, **kw)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(out)
+    return out
