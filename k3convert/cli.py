@@ -84,6 +84,7 @@ def synth(
     intermediate: Annotated[int | None, typer.Option(help="Dense MLP width.")] = None,
     experts: Annotated[int | None, typer.Option(help="Routed experts per MoE layer.")] = None,
     moe_intermediate: Annotated[int | None, typer.Option(help="Routed expert width.")] = None,
+    topk: Annotated[int | None, typer.Option(help="Experts per token.")] = None,
     vocab: Annotated[int | None, typer.Option(help="Vocabulary size.")] = None,
     vision_layers: Annotated[int | None, typer.Option(help="Vision encoder blocks.")] = None,
     mtp: Annotated[int | None, typer.Option(help="MTP layers (DeepSeek-V3 family).")] = None,
@@ -97,7 +98,7 @@ def synth(
         ),
     ] = "auto",
     shard_mb: Annotated[
-        int, typer.Option(help="Split into files of about this many MB, with an index.")
+        float, typer.Option(help="Split into files of about this many MB, with an index.")
     ] = 0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT.")] = False,
@@ -117,6 +118,7 @@ def synth(
             intermediate=intermediate,
             experts=experts,
             moe_intermediate=moe_intermediate,
+            topk=topk,
             vocab=vocab,
             vision_layers=vision_layers,
             mtp=mtp,

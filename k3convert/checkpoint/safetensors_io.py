@@ -197,3 +197,69 @@ def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
     if info.dtype != torch.uint8:
         flat = flat.view(info.dtype)
     return flat.reshape(info.shape)
+
+
+class SafetensorsWriter:
+    """Write a .safetensors file one tensor at a time (bounded memory).
+
+    The header is computed up front from (name, dtype, shape) so tensors can be
+    produced and written in order, one at a time; ``close()`` checks every declared
+    tensor was written. Data offsets are laid out in declaration order.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ):
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        self._order: list[tuple[str, int]] = []
+        pos = 0
+        for name, dtype, shape in entries:
+            st = TORCH_TO_ST.get(dtype)
+            if st is None:
+                raise ValueError(f"dtype {dtype} of '{name}' cannot be stored in safetensors")
+            n = math.ceil(math.prod(shape) * ST_DTYPES[st][1] / 8)
+            header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + n]}
+            self._order.append((name, n))
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data region starts 8-byte aligned
+        self._fh = open(self.path, "wb")  # noqa: SIM115  (closed in close())
+        self._fh.write(struct.pack("<Q", len(raw)))
+        self._fh.write(raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want, n = self._order[self._next]
+        if name != want:
+            raise ValueError(f"expected tensor '{want}' next, got '{name}'")
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        if data.dtype == torch.bool:
+            data = data.view(torch.uint8)
+        buf = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        if len(buf) != n:
+            raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
+        self._fh.write(buf)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._fh.closed:
+            return
+        self._fh.close()
+        if self._next != len(self._order):
+            missing = self._order[self._next][0]
+            raise ValueError(f"{self.path}: closed before tensor '{missing}' was written")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.close()
+        else:
+            self._fh.close()

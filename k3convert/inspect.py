@@ -1,0 +1,309 @@
+"""``k3convert inspect``: what a checkpoint (or a config.json alone) contains.
+
+With weights, every tensor is classified by the architecture table and checked against
+the shape the config implies; parameters and bytes are summed by component, by stored
+dtype and by encoding. With a config.json alone the same table gives the parameter
+arithmetic, so a team can size a 1 T / 3 T release before downloading it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .arch import COMPONENTS, load_config, resolve
+from .checkpoint import open_checkpoint
+from .errors import ArchError
+
+_CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def _describe(cfg: Any) -> dict[str, Any]:
+    text = getattr(cfg, "text", cfg)
+    n = text.num_layers
+    moe = [i for i in range(n) if text.is_moe_layer(i)]
+    d: dict[str, Any] = {
+        "layers": n,
+        "moe_layers": len(moe),
+        "dense_layers": n - len(moe),
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "attention_heads": text.num_heads,
+        "tie_word_embeddings": text.tie_word_embeddings,
+    }
+    if text.num_experts:
+        d["experts"] = {
+            "routed": text.num_experts,
+            "active": text.num_experts_per_tok,
+            "shared": getattr(text, "num_shared_experts", 0),
+        }
+    if hasattr(text, "kv_lora_rank"):
+        d["mla"] = {
+            "q_lora_rank": text.q_lora_rank,
+            "kv_lora_rank": text.kv_lora_rank,
+            "qk_nope_head_dim": text.qk_nope_head_dim,
+            "qk_rope_head_dim": text.qk_rope_head_dim,
+            "v_head_dim": text.v_head_dim,
+        }
+        d["mtp_layers"] = text.num_mtp
+    else:
+        d["kv_heads"] = text.num_kv_heads
+    vision = getattr(cfg, "vision", None)
+    if vision is not None:
+        d["vision"] = {
+            "blocks": vision.num_layers,
+            "hidden_size": vision.hidden_size,
+            "patch_size": vision.patch_size,
+        }
+    return d
+
+
+def _active_fraction(cfg: Any) -> float:
+    text = getattr(cfg, "text", cfg)
+    return text.num_experts_per_tok / text.num_experts if text.num_experts else 1.0
+
+
+def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = True) -> dict:
+    """Report for a model directory or a config.json file (no weights needed)."""
+    p = Path(path)
+    config_only = p.is_file() and p.suffix == ".json"
+    if p.is_dir() and not any(
+        f.suffix in (".safetensors", ".bin", ".pt", ".pth") for f in p.iterdir()
+    ):  # a directory holding only config.json
+        config_only = True
+    if config_only:
+        raw = load_config(p)
+        arch, cfg = resolve(raw, str(p))
+        rows = [(i.name, i.shape, None, i.role) for i in arch.instances(cfg, mtp=keep_mtp)]
+        ckpt = None
+    else:
+        ckpt = open_checkpoint(p)
+        arch, cfg = resolve(ckpt.config, str(Path(ckpt.root) / "config.json"))
+        names = ckpt.names()
+        roles = arch.classify(cfg, names, where=str(ckpt.root))
+        expected = arch.expected_shapes(cfg, names, where=str(ckpt.root))
+        bad = [n for n in names if tuple(ckpt.meta(n).shape) != expected[n]]
+        if bad:
+            n = bad[0]
+            raise ArchError(
+                f"{ckpt.meta(n).file}: tensor '{n}' has shape {list(ckpt.meta(n).shape)} but "
+                f"config.json implies {list(expected[n])} ({len(bad)} tensor(s) disagree); "
+                f"the weights do not match the config."
+            )
+        rows = [(n, ckpt.meta(n).shape, ckpt.meta(n), roles[n]) for n in names]
+        if not keep_mtp:
+            rows = [r for r in rows if not r[3].mtp]
+    raw_cfg = ckpt.config if ckpt else raw
+    report: dict[str, Any] = {
+        "path": str(p),
+        "model_type": raw_cfg.get("model_type"),
+        "arch": arch.name,
+        "alias_of": arch.name if raw_cfg.get("model_type") != arch.name else None,
+        "config_only": ckpt is None,
+        **_describe(cfg),
+    }
+    frac = _active_fraction(cfg)
+    by_comp: dict[str, dict[str, int]] = defaultdict(lambda: {"params": 0, "bytes": 0})
+    by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: {"params": 0, "bytes": 0})
+    by_enc: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    total = active = mtp_params = 0
+    table = []
+    elt = _CONFIG_DTYPE_BYTES.get(str(raw_cfg.get("torch_dtype") or raw_cfg.get("dtype")), 2)
+    for name, shape, meta, role in rows:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = meta.nbytes if meta else numel * elt
+        comp = by_comp[role.component]
+        comp["params"] += numel
+        comp["bytes"] += nbytes
+        if meta:
+            by_dtype[meta.storage]["params"] += numel
+            by_dtype[meta.storage]["bytes"] += nbytes
+            by_enc[meta.encoding]["tensors"] += 1
+            by_enc[meta.encoding]["bytes"] += nbytes
+        if role.mtp:
+            mtp_params += numel
+        else:
+            total += numel
+            active += numel * frac if role.component == "routed_experts" else numel
+        if tensors:
+            table.append(
+                {
+                    "name": name,
+                    "shape": list(shape),
+                    "storage": meta.storage if meta else None,
+                    "encoding": meta.encoding if meta else None,
+                    "component": role.component,
+                    "kind": role.kind,
+                    "layer": role.layer,
+                    "expert": role.expert,
+                    "split": role.split,
+                    "keep": role.keep,
+                }
+            )
+    report["total_params"] = total
+    report["active_params"] = round(active)
+    report["mtp_params"] = mtp_params
+    report["tensors_count"] = len(rows)
+    report["by_component"] = {c: dict(by_comp[c]) for c in COMPONENTS if c in by_comp}
+    if ckpt is not None:
+        report["total_bytes"] = sum(v["bytes"] for v in by_comp.values())
+        report["by_dtype"] = {k: dict(v) for k, v in sorted(by_dtype.items())}
+        report["by_encoding"] = {k: dict(v) for k, v in sorted(by_enc.items())}
+        report["files"] = len(ckpt.files())
+        report["aux_files"] = [f.name for f in ckpt.aux_files]
+        if keep_mtp:
+            present = {arch.canonical(cfg, [r[0]])[r[0]] for r in rows}
+            missing = [i.name for i in arch.instances(cfg, mtp=False) if i.name not in present]
+            report["missing"] = missing
+    else:
+        report["est_bytes_at_config_dtype"] = sum(v["bytes"] for v in by_comp.values())
+    if tensors:
+        report["tensors"] = table
+    return report
+
+
+def human(n: float, unit: str = "") -> str:
+    for suffix in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000 or suffix == "T":
+            return f"{n:.3g}{suffix}{unit}" if suffix else f"{n:.0f}{unit}"
+        n /= 1000
+    return f"{n}"
+
+
+def human_bytes(n: float) -> str:
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or suffix == "TiB":
+            return f"{n:.1f} {suffix}" if suffix != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(lines)
+
+
+def format_report(r: dict) -> str:
+    """Human-readable rendering of :func:`inspect_path`'s report."""
+    head = [
+        f"{r['path']}: {r['model_type']}" + (f" (alias of {r['arch']})" if r["alias_of"] else "")
+    ]
+    head.append(
+        f"  layers {r['layers']} ({r['dense_layers']} dense, {r['moe_layers']} MoE), hidden "
+        f"{r['hidden_size']}, vocab {r['vocab_size']}, heads {r['attention_heads']}"
+        + (f", kv heads {r['kv_heads']}" if "kv_heads" in r else "")
+    )
+    if "experts" in r:
+        e = r["experts"]
+        head.append(f"  experts: {e['routed']} routed, {e['active']} active, {e['shared']} shared")
+    if "mla" in r:
+        m = r["mla"]
+        head.append(
+            f"  MLA: q_lora {m['q_lora_rank']}, kv_lora {m['kv_lora_rank']}, qk nope/rope "
+            f"{m['qk_nope_head_dim']}/{m['qk_rope_head_dim']}, v {m['v_head_dim']}; "
+            f"MTP layers {r.get('mtp_layers', 0)}"
+        )
+    if "vision" in r:
+        v = r["vision"]
+        head.append(
+            f"  vision: {v['blocks']} blocks, hidden {v['hidden_size']}, patch {v['patch_size']}"
+        )
+    head.append(
+        f"  parameters: {human(r['total_params'])} total, {human(r['active_params'])} active "
+        f"per token" + (f", {human(r['mtp_params'])} in MTP layers" if r["mtp_params"] else "")
+    )
+    if r["config_only"]:
+        head.append(
+            f"  (config only; bytes estimated at the config dtype: "
+            f"{human_bytes(r['est_bytes_at_config_dtype'])})"
+        )
+    else:
+        head.append(
+            f"  stored: {human_bytes(r['total_bytes'])} in {r['files']} file(s), "
+            f"{r['tensors_count']} tensors; carried files: {', '.join(r['aux_files']) or 'none'}"
+        )
+        if r.get("missing"):
+            head.append(
+                f"  warning: {len(r['missing'])} tensor(s) the config implies are absent, "
+                f"e.g. {r['missing'][0]}"
+            )
+    out = ["\n".join(head), ""]
+    rows = [
+        [
+            c,
+            human(v["params"]),
+            f"{100 * v['params'] / max(r['total_params'] + r['mtp_params'], 1):.1f}%",
+            human_bytes(v["bytes"]),
+        ]
+        for c, v in r["by_component"].items()
+    ]
+    out.append(
+        _table(
+            ["component", "params", "share", "bytes" if not r["config_only"] else "est. bytes"],
+            rows,
+        )
+    )
+    if not r["config_only"]:
+        out.append("")
+        out.append(
+            _table(
+                ["stored as", "params", "bytes"],
+                [
+                    [k, human(v["params"]), human_bytes(v["bytes"])]
+                    for k, v in r["by_dtype"].items()
+                ],
+            )
+        )
+        out.append("")
+        out.append(
+            _table(
+                ["encoding", "tensors", "bytes"],
+                [
+                    [k, str(v["tensors"]), human_bytes(v["bytes"])]
+                    for k, v in r["by_encoding"].items()
+                ],
+            )
+        )
+    if "tensors" in r:
+        out.append("")
+        trows = [
+            [
+                t["name"],
+                "x".join(map(str, t["shape"])),
+                t["storage"] or "-",
+                t["encoding"] or "-",
+                t["component"],
+                t["kind"],
+                "-" if t["layer"] is None else str(t["layer"]),
+                "-" if t["expert"] is None else str(t["expert"]),
+                t["split"],
+                "keep" if t["keep"] else "",
+            ]
+            for t in r["tensors"]
+        ]
+        out.append(
+            _table(
+                [
+                    "tensor",
+                    "shape",
+                    "stored",
+                    "encoding",
+                    "component",
+                    "kind",
+                    "layer",
+                    "expert",
+                    "tp split",
+                    "precision",
+                ],
+                trows,
+            )
+        )
+    return "\n".join(out)

@@ -1,0 +1,506 @@
+"""``k3convert synth``: a random checkpoint with a real architecture's exact layout.
+
+Day-0 pre-adaptation: before the weights of a new release arrive, a team can write a
+scaled-down checkpoint with the same tensor names, dtypes, encodings (FP8 blocks, packed
+int4) and file layout, and rehearse the whole pipeline on it. The tensors come from
+the architecture table (the same one ``inspect`` and every stage use), are generated
+one at a time from a per-name seed (so the output does not depend on write order or
+sharding) and are streamed to disk; memory stays at one tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .arch import load_config, resolve
+from .arch.base import Instance
+from .checkpoint.safetensors_io import SafetensorsWriter
+from .errors import ConfigError, OutputError
+from .quant.packing import pack_int32
+
+PRESETS = (
+    "kimi-k2",
+    "kimi-k2-thinking",
+    "kimi-k25",
+    "deepseek-v3",
+    "llama3-8b",
+    "qwen3-30b-a3b",
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_CFG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+QUANTIZABLE = ("attention", "dense_mlp", "shared_experts", "routed_experts")
+FP8_MAX = 448.0
+
+
+def preset_config(name: str) -> dict:
+    """The bundled config.json of a preset (published dimensions of the release)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset '{name}'; presets: {', '.join(PRESETS)}.")
+    text = resources.files("k3convert.presets").joinpath(f"{name}.json").read_text()
+    cfg = json.loads(text)
+    base = cfg.pop("_extends", None)
+    if base:  # a preset may extend another: {".": "kimi-k2"} or {"text_config": "kimi-k2"}
+        for key, ref in base.items():
+            if key == ".":
+                cfg = {**preset_config(ref), **cfg}
+            else:
+                cfg[key] = {**preset_config(ref), **cfg.get(key, {})}
+    return cfg
+
+
+def source_config(config: str) -> dict:
+    p = Path(config)
+    if p.exists():
+        return load_config(p)
+    if config in PRESETS:
+        return preset_config(config)
+    raise ConfigError(
+        f"'{config}' is neither a config.json / model directory nor a preset "
+        f"({', '.join(PRESETS)})."
+    )
+
+
+# -- scaling ------------------------------------------------------------------------
+def _text(raw: dict) -> dict:
+    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+def _set_experts(t: dict, n: int) -> None:
+    for k in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if k in t:
+            t[k] = n
+    topk = t.get("num_experts_per_tok")
+    if topk and topk > n:
+        t["num_experts_per_tok"] = max(1, min(topk, n))
+    ng = t.get("n_group")
+    if ng and n % ng:
+        t["n_group"] = math.gcd(ng, n)
+        t["topk_group"] = min(t.get("topk_group") or 1, t["n_group"])
+
+
+def tiny_overrides(raw: dict) -> dict:
+    """Small dimensions that keep every structural feature of the config."""
+    t = _text(raw)
+    mla = "kv_lora_rank" in t
+    experts = t.get("n_routed_experts") or t.get("num_experts") or t.get("num_local_experts")
+    dense_first = t.get("first_k_dense_replace") or 0
+    o: dict[str, Any] = {
+        "layers": min(t.get("num_hidden_layers", 2), max(2, dense_first + 2)),
+        "hidden": 64,
+        "heads": 4,
+        "kv_heads": 4 if mla else min(t.get("num_key_value_heads") or 4, 2),
+        "intermediate": 128,
+        "vocab": 256,
+    }
+    if experts:
+        o["experts"] = 8
+        o["topk"] = min(t.get("num_experts_per_tok") or 2, 2)
+        o["moe_intermediate"] = 32
+    if t.get("num_nextn_predict_layers"):
+        o["mtp"] = 1
+    if isinstance(raw.get("vision_config"), dict):
+        o["vision_layers"] = 2
+    return o
+
+
+def apply_overrides(raw: dict, o: dict, tiny: bool) -> dict:
+    """A copy of ``raw`` with the given dimensions changed, consistently."""
+    cfg = copy.deepcopy(raw)
+    t = _text(cfg)
+    mla = "kv_lora_rank" in t
+    if o.get("layers"):
+        t["num_hidden_layers"] = o["layers"]
+        if (t.get("first_k_dense_replace") or 0) >= o["layers"]:
+            t["first_k_dense_replace"] = max(0, o["layers"] - 1)
+        if t.get("mlp_only_layers"):
+            t["mlp_only_layers"] = [i for i in t["mlp_only_layers"] if i < o["layers"]]
+    if o.get("hidden"):
+        t["hidden_size"] = o["hidden"]
+    if o.get("heads"):
+        t["num_attention_heads"] = o["heads"]
+        if mla:
+            t["num_key_value_heads"] = o["heads"]
+    if o.get("kv_heads") and not mla:
+        t["num_key_value_heads"] = o["kv_heads"]
+    if (o.get("hidden") or o.get("heads")) and "head_dim" in t and not mla:
+        t["head_dim"] = t["hidden_size"] // t["num_attention_heads"]
+    if o.get("intermediate"):
+        t["intermediate_size"] = o["intermediate"]
+    if o.get("experts"):
+        _set_experts(t, o["experts"])
+    if o.get("topk"):
+        t["num_experts_per_tok"] = o["topk"]
+    if o.get("moe_intermediate"):
+        t["moe_intermediate_size"] = o["moe_intermediate"]
+    if o.get("vocab"):
+        t["vocab_size"] = o["vocab"]
+    if o.get("mtp") is not None and "num_nextn_predict_layers" in t:
+        t["num_nextn_predict_layers"] = o["mtp"]
+    if tiny and mla:
+        t.update(
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            q_lora_rank=32 if t.get("q_lora_rank") else None,
+        )
+        if t.get("n_group", 1) > 1:
+            t["n_group"], t["topk_group"] = 2, 1
+        t["head_dim"] = 8
+        t["qk_head_dim"] = 24
+    v = cfg.get("vision_config")
+    if isinstance(v, dict):
+        if tiny:
+            v.update(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+            v.update(pos_emb_height=8, pos_emb_width=8)
+            cfg["projection_hidden_size"] = 32
+        if o.get("vision_layers"):
+            v["num_hidden_layers"] = o["vision_layers"]
+    _fix_token_ids(cfg, t)
+    return cfg
+
+
+def _fix_token_ids(cfg: dict, t: dict) -> None:
+    """Special token ids must stay inside a shrunken vocabulary."""
+    vocab = t["vocab_size"]
+    special = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
+    for i, k in enumerate(special):
+        if k in cfg and cfg[k] is not None and cfg[k] >= vocab:
+            cfg[k] = vocab - len(special) + i
+    for d in (cfg, t):
+        for k, default in (("bos_token_id", 0), ("eos_token_id", 1), ("pad_token_id", None)):
+            if isinstance(d.get(k), int) and d[k] >= vocab:
+                d[k] = default
+
+
+# -- encodings ----------------------------------------------------------------------
+def _ignored(module: str, ignore: list[str]) -> bool:
+    for pat in ignore:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], module):
+                return True
+        elif pat == module:
+            return True
+    return False
+
+
+def encoding_for(inst: Instance, raw: dict, choice: str) -> str:
+    """'plain', 'fp8-block' or 'int4' for one tensor under the --encoding choice."""
+    role = inst.role
+    linear = (
+        len(inst.shape) == 2
+        and inst.name.endswith(".weight")
+        and not role.keep
+        and role.component in QUANTIZABLE
+    )
+    if not linear or choice == "plain":
+        return "plain"
+    if choice in ("fp8-block", "int4"):
+        return choice
+    qc = raw.get("quantization_config") or _text(raw).get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return "fp8-block"
+    if method == "compressed-tensors":
+        module = inst.name.removesuffix(".weight")
+        return "plain" if _ignored(module, qc.get("ignore") or []) else "int4"
+    return "plain"
+
+
+def int4_params(raw: dict) -> tuple[int, bool]:
+    """(group_size, symmetric) of the config's int4 group, defaults (32, True)."""
+    qc = raw.get("quantization_config") or {}
+    for g in (qc.get("config_groups") or {}).values():
+        w = g.get("weights") or {}
+        if w.get("num_bits") == 4:
+            return int(w.get("group_size") or 32), bool(w.get("symmetric", True))
+    return 32, True
+
+
+def fp8_block_encode(w: torch.Tensor, block=(128, 128)) -> dict[str, torch.Tensor]:
+    """w: [out, in] -> weight e4m3 [out, in], weight_scale_inv fp32 [ceil(out/b0), ceil(in/b1)]."""
+    out, inp = w.shape
+    b0, b1 = block
+    r, c = math.ceil(out / b0), math.ceil(inp / b1)
+    padded = torch.zeros(r * b0, c * b1, dtype=torch.float32)
+    padded[:out, :inp] = w.float()
+    blocks = padded.reshape(r, b0, c, b1)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.reshape(r * b0, c * b1)[:out, :inp].to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+def int4_encode(
+    w: torch.Tensor, group: int, symmetric: bool, scale_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """w: [out, in] -> weight_packed int32 [out, in/8], weight_scale [out, in/group],
+    weight_shape int64 [2] (+ weight_zero_point int32 [ceil(out/8), in/group])."""
+    out, inp = w.shape
+    if inp % group:
+        raise ConfigError(
+            f"int4 group size {group} does not divide input dim {inp}; pick --hidden / "
+            f"--moe-intermediate as multiples of {group}."
+        )
+    g = w.float().reshape(out, inp // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8)
+        scale = scale.to(scale_dtype).float()
+        q = torch.round(g / scale[..., None]).clamp(-8, 7)
+        zp = None
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).to(scale_dtype).float()
+        zp = torch.round(-8 - lo / scale).clamp(-8, 7)
+        q = torch.round(g / scale[..., None] + zp[..., None]).clamp(-8, 7)
+    parts = {
+        "weight_packed": pack_int32(q.reshape(out, inp).to(torch.int8), 4),
+        "weight_scale": scale.to(scale_dtype),
+        "weight_shape": torch.tensor([out, inp], dtype=torch.int64),
+    }
+    if zp is not None:
+        parts["weight_zero_point"] = pack_int32(zp.to(torch.int8), 4, packed_dim=0)
+    return parts
+
+
+# -- generation ---------------------------------------------------------------------
+def _generator(seed: int, name: str) -> torch.Generator:
+    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
+
+
+def random_tensor(inst: Instance, seed: int) -> torch.Tensor:
+    """Values a forward pass can run on: N(0, 0.02) weights, ~1 norms, small biases."""
+    g = _generator(seed, inst.name)
+    x = torch.randn(inst.shape, generator=g, dtype=torch.float32)
+    kind = inst.role.kind
+    if inst.role.component == "norms" or kind in (
+        "norm0",
+        "norm1",
+        "final_layernorm",
+        "pre_norm",
+        "mtp_enorm",
+        "mtp_hnorm",
+        "mtp_head_norm",
+    ):
+        return 1.0 + 0.05 * x if inst.name.endswith("weight") else 0.02 * x
+    if kind == "e_score_correction_bias":
+        return 0.1 * x
+    return 0.02 * x
+
+
+@dataclass(frozen=True)
+class _Planned:
+    inst: Instance
+    encoding: str
+    parts: list[tuple[str, torch.dtype, tuple[int, ...]]]  # physical (name, dtype, shape)
+    nbytes: int
+
+
+def _plan(inst: Instance, enc: str, dtype: torch.dtype, raw: dict) -> _Planned:
+    out_in = inst.shape
+    base = inst.name.removesuffix(".weight")
+    if enc == "fp8-block":
+        r, c = math.ceil(out_in[0] / 128), math.ceil(out_in[1] / 128)
+        parts = [
+            (inst.name, torch.float8_e4m3fn, out_in),
+            (f"{base}.weight_scale_inv", torch.float32, (r, c)),
+        ]
+    elif enc == "int4":
+        group, sym = int4_params(raw)
+        if out_in[1] % group:
+            raise ConfigError(
+                f"tensor '{inst.name}' input dim {out_in[1]} is not a multiple of the int4 "
+                f"group size {group}; choose dimensions that are multiples of {group}."
+            )
+        ng = out_in[1] // group
+        parts = [
+            (f"{base}.weight_packed", torch.int32, (out_in[0], math.ceil(out_in[1] * 4 / 32))),
+            (f"{base}.weight_scale", dtype, (out_in[0], ng)),
+            (f"{base}.weight_shape", torch.int64, (2,)),
+        ]
+        if not sym:
+            parts.append((f"{base}.weight_zero_point", torch.int32, (math.ceil(out_in[0] / 8), ng)))
+    else:
+        parts = [(inst.name, dtype, out_in)]
+    nbytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in parts)
+    return _Planned(inst, enc, parts, nbytes)
+
+
+def _encode(p: _Planned, dtype: torch.dtype, raw: dict, seed: int) -> dict[str, torch.Tensor]:
+    w = random_tensor(p.inst, seed)
+    base = p.inst.name.removesuffix(".weight")
+    if p.encoding == "fp8-block":
+        e = fp8_block_encode(w)
+    elif p.encoding == "int4":
+        group, sym = int4_params(raw)
+        e = int4_encode(w, group, sym, dtype)
+    else:
+        return {p.inst.name: w.to(dtype)}
+    return {(p.inst.name if k == "weight" else f"{base}.{k}"): v for k, v in e.items()}
+
+
+def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
+    cfg = copy.deepcopy(raw)
+    torch_name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name]
+    for d in (cfg, _text(cfg)):
+        d["dtype"] = torch_name
+        d.pop("torch_dtype", None)
+    if encoding == "plain":
+        cfg.pop("quantization_config", None)
+        _text(cfg).pop("quantization_config", None)
+    elif encoding == "fp8-block":
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    elif (
+        encoding == "int4"
+        and (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors"
+    ):
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                        "dynamic": False,
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ["lm_head"],
+        }
+    return cfg
+
+
+def _free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def synthesize(
+    *,
+    config: str,
+    out: str | Path,
+    tiny: bool = False,
+    overrides: dict | None = None,
+    dtype: str | None = None,
+    encoding: str = "auto",
+    shard_mb: float = 0,
+    seed: int = 0,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> str:
+    """Write the checkpoint; returns a one-paragraph summary."""
+    if encoding not in ("auto", "plain", "fp8-block", "int4"):
+        raise ConfigError(f"--encoding must be auto, plain, fp8-block or int4, not '{encoding}'.")
+    raw = source_config(config)
+    o = dict(tiny_overrides(raw)) if tiny else {}
+    o.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for k, v in o.items():
+        if (isinstance(v, int) and v < 0) or (k != "mtp" and v == 0):
+            raise ConfigError(f"--{k.replace('_', '-')} must be positive, got {v}.")
+    cfg_raw = apply_overrides(raw, o, tiny)
+    arch, cfg = resolve(cfg_raw, f"{config} (after overrides)")
+    if dtype is None:
+        src = str(_text(raw).get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "")
+        dtype = _CFG_DTYPES.get(src, "bf16")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
+    tdtype = DTYPES[dtype]
+
+    planned = [
+        _plan(i, encoding_for(i, cfg_raw, encoding), tdtype, cfg_raw) for i in arch.instances(cfg)
+    ]
+    encs = {p.encoding for p in planned} - {"plain"}
+    out_encoding = encs.pop() if len(encs) == 1 else "plain"
+    total = sum(p.nbytes for p in planned)
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
+    free = _free_bytes(out.parent if out.parent != Path("") else Path("."))
+    if total * 1.02 + (1 << 20) > free:
+        raise OutputError(
+            f"{out}: needs {total / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free; "
+            f"scale down with --tiny / --layers / --experts or free disk."
+        )
+    tmp = out.with_name(f".{out.name}.partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+    files = _assign_files(planned, shard_mb)
+    weight_map: dict[str, str] = {}
+    done = 0
+    for fname, group in files:
+        entries = [e for p in group for e in p.parts]
+        with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+            for p in group:
+                tensors = _encode(p, tdtype, cfg_raw, seed)
+                for name, dt, shape in p.parts:
+                    t = tensors[name]
+                    assert t.dtype == dt and tuple(t.shape) == shape, (name, t.dtype, t.shape)
+                    w.write(name, t)
+                    weight_map[name] = fname
+                done += p.nbytes
+                if progress:
+                    progress(done, total)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    out_cfg = _output_config(cfg_raw, out_encoding if encoding != "plain" else "plain", dtype)
+    (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    n_params = sum(math.prod(p.inst.shape) for p in planned)
+    return (
+        f"wrote {out}: {arch.name} ({cfg_raw.get('model_type')}), {n_params:,} parameters, "
+        f"{len(planned)} tensors, {total / 2**20:.1f} MiB in {len(files)} file(s), dtype "
+        f"{dtype}, encoding {out_encoding if encoding != 'plain' else 'plain'}"
+    )
+
+
+def _assign_files(planned: list[_Planned], shard_mb: float) -> list[tuple[str, list[_Planned]]]:
+    if shard_mb <= 0:
+        return [("model.safetensors", planned)]
+    limit = int(shard_mb * (1 << 20))
+    groups: list[list[_Planned]] = [[]]
+    size = 0
+    for p in planned:
+        if groups[-1] and size + p.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.nbytes
+    n = len(groups)
+    if n == 1:
+        return [("model.safetensors", groups[0])]
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
