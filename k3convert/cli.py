@@ -128,6 +128,7 @@ def synth(
         shard_mb=shard_mb,
         seed=seed,
         force=force,
+        progress=True,
     )
     typer.echo(summary)
 

@@ -16,13 +16,13 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from .arch import load_config, resolve
 from .arch.base import Instance
@@ -415,7 +415,7 @@ def synthesize(
     shard_mb: float = 0,
     seed: int = 0,
     force: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: bool = False,
 ) -> str:
     """Write the checkpoint; returns a one-paragraph summary."""
     if encoding not in ("auto", "plain", "fp8-block", "int4"):
@@ -458,7 +458,14 @@ def synthesize(
 
     files = _assign_files(planned, shard_mb)
     weight_map: dict[str, str] = {}
-    done = 0
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"synth {out.name}",
+        disable=not progress,
+    )
     for fname, group in files:
         entries = [e for p in group for e in p.parts]
         with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
@@ -469,9 +476,8 @@ def synthesize(
                     assert t.dtype == dt and tuple(t.shape) == shape, (name, t.dtype, t.shape)
                     w.write(name, t)
                     weight_map[name] = fname
-                done += p.nbytes
-                if progress:
-                    progress(done, total)
+                bar.update(p.nbytes)
+    bar.close()
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
