@@ -155,7 +155,7 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
         report["files"] = len(ckpt.files())
         report["aux_files"] = [f.name for f in ckpt.aux_files]
         if keep_mtp:
-            present = {arch.canonical(cfg, [r[0]])[r[0]] for r in rows}
+            present = set(arch.canonical(cfg, [r[0] for r in rows]).values())
             missing = [i.name for i in arch.instances(cfg, mtp=False) if i.name not in present]
             report["missing"] = missing
     else:

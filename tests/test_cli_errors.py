@@ -1,0 +1,169 @@
+"""Every bad input reaches the user as one clear line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3convert.cli import main
+
+LLAMA_CFG = {
+    "model_type": "llama",
+    "vocab_size": 16,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+def _st_bytes(entries: dict, data: bytes) -> bytes:
+    raw = json.dumps(entries).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _model_dir(tmp_path: Path, st: bytes, cfg: dict | None = None) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg or LLAMA_CFG))
+    (d / "model.safetensors").write_bytes(st)
+    return d
+
+
+def _good_entries():
+    return {
+        "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+    }
+
+
+def _run(capsys, *args) -> tuple[int, str]:
+    rc = main(["inspect", *map(str, args)])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+CASES = {
+    "truncated file": (_good_entries(), 20, "truncated"),
+    "header length past end": (None, None, "runs past the end"),
+    "overlapping offsets": (
+        {
+            "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
+        },
+        24,
+        "overlaps",
+    ),
+    "holed offsets": (
+        {
+            "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [20, 28]},
+        },
+        28,
+        "hole of 4 bytes",
+    ),
+    "byte count mismatch": (
+        {"a": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 16]}},
+        16,
+        "byte-count mismatch",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_corrupt_safetensors(case, tmp_path, capsys):
+    entries, nbytes, msg = CASES[case]
+    if entries is None:
+        st = struct.pack("<Q", 10_000) + b"{}"
+    else:
+        st = _st_bytes(entries, b"\0" * nbytes)
+    d = _model_dir(tmp_path, st)
+    rc, err = _run(capsys, d)
+    assert rc == 2
+    assert msg in err and "model.safetensors" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _save_real(tmp_path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    d = tmp_path / "real"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA_CFG))
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8)}, d / "a.safetensors")
+    save_file({"model.norm.weight": torch.ones(8)}, d / "b.safetensors")
+    return d
+
+
+def test_index_names_missing_file(tmp_path, capsys):
+    d = _save_real(tmp_path)
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.embed_tokens.weight": "a.safetensors",
+                    "model.norm.weight": "gone.safetensors",
+                }
+            }
+        )
+    )
+    rc, err = _run(capsys, d)
+    assert rc == 2 and "gone.safetensors" in err and "does not exist" in err
+
+
+def test_tensor_listed_twice(tmp_path, capsys):
+    d = _save_real(tmp_path)
+    shutil.copy(d / "b.safetensors", d / "c.safetensors")
+    rc, err = _run(capsys, d)
+    assert rc == 2 and "'model.norm.weight' is listed twice" in err
+
+
+def test_unknown_model_type_and_unknown_names(tmp_path, capsys):
+    d = _save_real(tmp_path)
+    cfg = dict(LLAMA_CFG, model_type="gpt9000")
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = _run(capsys, d)
+    assert rc == 2 and "unknown model_type 'gpt9000'" in err and "kimi_k25" in err
+    (d / "config.json").write_text(json.dumps(LLAMA_CFG))
+    from safetensors.torch import save_file
+
+    save_file({"model.mystery.weight": torch.ones(3)}, d / "c.safetensors")
+    rc, err = _run(capsys, d)
+    assert rc == 2 and "model.mystery.weight" in err and "not part of architecture" in err
+
+
+class _Evil:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_malicious_bin_is_refused_and_never_runs(tmp_path, capsys):
+    d = tmp_path / "evil"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA_CFG))
+    marker = tmp_path / "pwned"
+    torch.save({"model.norm.weight": torch.ones(8), "x": _Evil(str(marker))}, d / "model.bin")
+    assert not marker.exists()
+    rc, err = _run(capsys, d)
+    assert rc == 2 and "refused" in err and "model.bin" in err
+    assert not marker.exists(), "the pickle's payload ran"
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    d = _model_dir(tmp_path, _st_bytes(_good_entries(), b"\0" * 20))
+    r = subprocess.run(
+        [sys.executable, "-m", "k3convert.cli", "inspect", str(d)], capture_output=True, text=True
+    )
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
