@@ -168,11 +168,12 @@ def build_model(family: str, seed: int = 0, dtype=torch.float32, **kw):
     # Random-init norms are all ones and biases zero; perturb them so a reader or a
     # runtime that drops or swaps one is caught.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():  # a buffer, not a parameter, in transformers
             if "e_score_correction_bias" in name:
-                p.copy_(torch.randn_like(p) * 0.1)
+                b.copy_(torch.randn_like(b) * 0.1)
     return model
 
 

@@ -421,7 +421,14 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
         enc = detect_encoding(logical, sig)
         module = logical.removesuffix(".weight")
         if enc is None:
-            shape = parts["weight"].shape
+            w = parts["weight"]
+            fp8 = w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and len(w.shape) == 2
+            if fp8 and qcfg.method in ("fp8", "compressed-tensors"):
+                raise CheckpointError(
+                    f"{w.file}: '{logical}' is stored as {w.dtype} but has no "
+                    f"weight_scale_inv / weight_scale; the checkpoint is incomplete."
+                )
+            shape = w.shape
             metas[logical] = TensorMeta(logical, shape, "plain", parts)
             continue
         if enc.name == "pack-quantized":

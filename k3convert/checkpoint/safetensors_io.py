@@ -106,8 +106,16 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
             raw = fh.read(n)
     except OSError as e:
         raise SafetensorsFormatError(f"{p}: cannot read ({e.strerror}).") from e
+    def no_dups(pairs):
+        seen: dict = {}
+        for k, v in pairs:
+            if k in seen:
+                raise SafetensorsFormatError(f"{p}: tensor '{k}' is listed twice in the header.")
+            seen[k] = v
+        return seen
+
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_dups)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsFormatError(f"{p}: header is not valid UTF-8 JSON ({e}).") from e
     if not isinstance(header, dict):
