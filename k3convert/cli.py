@@ -134,6 +134,70 @@ def synth(
 
 
 @app.command()
+def shard(
+    src: Annotated[
+        Path, typer.Argument(help="Checkpoint to reshard (or, with --check, a stream dir).")
+    ],
+    out: Annotated[Path | None, typer.Argument(help="Output stream directory.")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel stages.")] = 1,
+    ep: Annotated[
+        int, typer.Option(help="Expert-parallel degree inside the tp group (moe_tp = tp/ep).")
+    ] = 1,
+    compress: Annotated[str, typer.Option(help="Unit compression: none or zstd.")] = "none",
+    workers: Annotated[int, typer.Option(help="Units written in parallel.")] = 1,
+    pp_layers: Annotated[
+        str | None, typer.Option(help="Explicit layers per stage, e.g. '20,21,20'.")
+    ] = None,
+    expert_load: Annotated[
+        Path | None,
+        typer.Option(help="JSON {layer: [tokens per expert]} from calibration to balance EP."),
+    ] = None,
+    redundant_experts: Annotated[
+        int, typer.Option(help="Extra replicas of the hottest experts per layer (EPLB).")
+    ] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace a complete OUT.")] = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check", help="Verify SRC as a stream dir: exit 0 intact, 1 damaged, 2 not one."
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --check: print JSON.")] = False,
+):
+    """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format."""
+    from .config_parse import int_list
+    from .shard import check as check_stream
+    from .shard import shard as do_shard
+
+    if check:
+        report = check_stream(src)
+        typer.echo(json.dumps(report.to_json(), indent=2) if as_json else str(report))
+        raise typer.Exit(report.exit_code)
+    if out is None:
+        raise typer.BadParameter("OUT is required (or pass --check to verify SRC).")
+    res = do_shard(
+        src=src,
+        out=out,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        compress=compress,
+        workers=workers,
+        force=force,
+        pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
+        expert_load=expert_load,
+        redundant_experts=redundant_experts,
+        progress=True,
+    )
+    typer.echo(
+        f"wrote {res.out}: {res.units_written} units ({res.units_skipped} already intact, "
+        f"skipped), {res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; manifest "
+        f"{res.manifest}"
+    )
+
+
+@app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Working directory for the demo.")] = Path("demo-out"),
     family: Annotated[

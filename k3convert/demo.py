@@ -11,7 +11,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import K3Error
 from .inspect import format_report, inspect_path
+from .shard import check, shard
 from .synth import synthesize
 
 
@@ -25,5 +27,21 @@ def run_demo(*, out: str | Path, preset: str = "kimi-k25", echo: Callable[[str],
     echo("")
     echo("== inspect")
     echo(format_report(inspect_path(path=model, tensors=False)))
+    echo("")
+    stream = out / "stream-tp2-pp2-ep2"
+    echo("== shard: tp=2 pp=2 ep=2 into the MUSA streaming format")
+    res = shard(
+        src=model, out=stream, tp=2, pp=2, ep=2, compress="zstd", force=True, progress=False
+    )
+    echo(
+        f"wrote {stream}: {res.units_written} units, {res.bytes_written / 2**20:.2f} MiB "
+        f"(zstd) in {res.seconds:.2f} s"
+    )
+    echo("")
+    echo("== shard --check")
+    report = check(stream)
+    echo(str(report))
+    if not report.ok:
+        raise K3Error(f"demo: the stream written to {stream} failed its own check.")
     echo("")
     echo(f"demo finished: artefacts in {out}/")

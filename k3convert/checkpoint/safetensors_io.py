@@ -106,6 +106,19 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
             raw = fh.read(n)
     except OSError as e:
         raise SafetensorsFormatError(f"{p}: cannot read ({e.strerror}).") from e
+    tensors, metadata = parse_header_json(p, raw, 8 + n, size)
+    return SafetensorsHeader(p, n, tensors, metadata, size)
+
+
+def parse_header_json(
+    p: Path, raw: bytes, base: int, size: int
+) -> tuple[dict[str, RawTensorInfo], dict[str, str]]:
+    """Validate a header's JSON bytes; ``base`` is the data region's absolute offset.
+
+    Returns tensors with absolute offsets (checked to tile [base, size) exactly) and
+    the ``__metadata__`` strings.
+    """
+
     def no_dups(pairs):
         seen: dict = {}
         for k, v in pairs:
@@ -123,12 +136,9 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise SafetensorsFormatError(f"{p}: __metadata__ must be a JSON object of strings.")
-    base = 8 + n
-    tensors: dict[str, RawTensorInfo] = {}
-    for name, entry in header.items():
-        tensors[name] = _parse_entry(p, name, entry, base)
+    tensors = {name: _parse_entry(p, name, entry, base) for name, entry in header.items()}
     _check_tiling(p, tensors, base, size)
-    return SafetensorsHeader(p, n, tensors, {str(k): str(v) for k, v in metadata.items()}, size)
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
 def _parse_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:

@@ -1,0 +1,345 @@
+"""The shard planner: which bytes of which source tensor go into which rank's unit.
+
+Planning reads only metadata (headers, config), so every layout / split problem is
+reported before a byte is written, and the plan doubles as the manifest's tensor
+tables. Units per rank follow execution order: ``embed``, ``vision``, ``layer.0`` ...
+``layer.N-1``, ``head``, then ``mtp.N`` ... (MTP layers run after the head on the last
+stage). A tied lm_head is written into the head unit as a copy of the embedding
+(``tied_to`` names the source) so the last stage never needs the first stage's unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..arch import resolve
+from ..arch.base import Role
+from ..checkpoint import Checkpoint, TensorMeta
+from ..checkpoint.safetensors_io import TORCH_TO_ST
+from ..errors import ConfigError
+from ..stream.format import SplitError, build_header, unit_file
+from .layout import Layout, partition_layers, place_experts
+from .split import PartSlice, Piece, split_tensor, whole
+
+_UNIT_RX = re.compile(r"(embed|vision|head)|(layer|mtp)\.(\d+)\Z")
+_UNIT_ORDER = {"embed": 0, "vision": 1, "layer": 2, "head": 3, "mtp": 4}
+
+
+def unit_sort_key(unit: str) -> tuple[int, int]:
+    m = _UNIT_RX.match(unit)
+    if not m:
+        raise ValueError(f"unknown unit name {unit!r}")
+    if m.group(1):
+        return _UNIT_ORDER[m.group(1)], 0
+    return _UNIT_ORDER[m.group(2)], int(m.group(3))
+
+
+@dataclass
+class TensorPlan:
+    """One physical tensor of one unit: its manifest entry and where its bytes come from."""
+
+    entry: dict
+    src_logical: str
+    slice: PartSlice
+
+
+@dataclass
+class UnitPlan:
+    rank: int
+    index: int
+    name: str
+    layer: int | None
+    file: str
+    tensors: list[TensorPlan] = field(default_factory=list)
+
+    def header(self) -> tuple[bytes, list, int]:
+        from ..stream.format import unit_metadata
+
+        return build_header(
+            [(t.entry["name"], t.entry["dtype"], t.entry["shape"]) for t in self.tensors],
+            unit_metadata(self.rank, self.name),
+        )
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    arch: str
+    cfg: Any
+    stages: list[dict]
+    experts: dict | None
+    units: list[UnitPlan]  # write order: unit order, then rank
+    model: dict
+
+    def rank_units(self, rank: int) -> list[UnitPlan]:
+        return sorted((u for u in self.units if u.rank == rank), key=lambda u: u.index)
+
+
+def load_expert_load(expert_load) -> dict[int, list[float]] | None:
+    """Routing counts per MoE layer: a mapping ``{layer: [count per expert]}`` or a JSON
+    file holding one (optionally under a ``"layers"`` key)."""
+    if expert_load is None:
+        return None
+    if isinstance(expert_load, (str, os.PathLike)):
+        p = Path(expert_load)
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{p}: cannot read expert load JSON ({e}).") from e
+    else:
+        data = expert_load
+    if isinstance(data, Mapping) and "layers" in data and isinstance(data["layers"], Mapping):
+        data = data["layers"]
+    if not isinstance(data, Mapping):
+        raise ConfigError("expert_load must map layer index -> list of per-expert counts.")
+    out = {}
+    for k, v in data.items():
+        try:
+            out[int(k)] = [float(x) for x in v]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"expert_load['{k}']: expected a layer index and a list of numbers."
+            ) from e
+    return out
+
+
+def _stage_units(units: list[str], ranges: list[tuple[int, int]]) -> list[list[str]]:
+    pp = len(ranges)
+    stages: list[list[str]] = [[] for _ in range(pp)]
+    for u in units:
+        kind, idx = unit_sort_key(u)
+        if kind in (0, 1):
+            s = 0
+        elif kind in (3, 4):
+            s = pp - 1
+        else:
+            s = next(i for i, (a, b) in enumerate(ranges) if a <= idx < b)
+        stages[s].append(u)
+    return stages
+
+
+def _st_dtype(pm) -> str:
+    return TORCH_TO_ST[pm.dtype]
+
+
+def _quant_json(m: TensorMeta) -> dict | None:
+    if m.encoding == "plain":
+        return None
+    q = m.quant
+    return {
+        "num_bits": q.num_bits,
+        "block": list(q.block) if q.block else None,
+        "symmetric": q.symmetric,
+        "strategy": (q.extra or {}).get("strategy"),
+        "type": (q.extra or {}).get("type"),
+    }
+
+
+def _physical(logical: str, part: str, pm_name: str, tied_base: str | None) -> str:
+    if tied_base is None:
+        return pm_name
+    return logical if part == "weight" else f"{tied_base}.{part}"
+
+
+class _Splitter:
+    """Applies the DESIGN.md split rules of one role under the layout."""
+
+    def __init__(self, cfg, layout: Layout):
+        self.cfg, self.layout = cfg, layout
+
+    def pieces(self, m: TensorMeta, role: Role) -> list[Piece] | None:
+        """One piece per tp rank of the stage (None: replicated whole)."""
+        tp = self.layout.moe_tp if role.expert is not None else self.layout.tp
+        dname = "moe_tp (= tp / ep)" if role.expert is not None else "tp"
+        d = role.split_dim
+        if d is None or tp == 1 or d >= len(m.shape):
+            return None
+        rule = role.split
+        if rule == "vocab":
+            return split_tensor(m, 0, tp, mode="pad", what="vocab rows", degree_name=dname)
+        if rule == "heads" or (rule == "row" and role.kind == "o_proj"):
+            heads = self.cfg.num_heads
+            g = self._granule(m, d, heads, "attention heads")
+            return split_tensor(m, d, tp, granule=g, what="attention heads", degree_name=dname)
+        if rule == "kv_heads":
+            kv = self.cfg.num_kv_heads
+            g = self._granule(m, d, kv, "KV heads")
+            if tp <= kv:
+                return split_tensor(m, d, tp, granule=g, what="KV heads", degree_name=dname)
+            if tp % kv:
+                raise SplitError(
+                    f"cannot split '{m.name}' by KV heads: tp={tp} exceeds the {kv} KV heads "
+                    f"and is not a multiple of them, so heads cannot be replicated evenly. "
+                    f"Use tp dividing {kv} or a multiple of {kv}."
+                )
+            base = split_tensor(m, d, kv, granule=g, what="KV heads", degree_name="kv groups")
+            rep = tp // kv
+            return [base[r // rep] for r in range(tp)]
+        return split_tensor(m, d, tp, what="rows" if d == 0 else "columns", degree_name=dname)
+
+    @staticmethod
+    def _granule(m: TensorMeta, d: int, heads: int, what: str) -> int:
+        if m.shape[d] % heads:
+            raise SplitError(
+                f"tensor '{m.name}' dim {d} ({m.shape[d]}) is not a multiple of the {heads} "
+                f"{what} in config.json; the checkpoint and config disagree."
+            )
+        return m.shape[d] // heads
+
+
+def build_plan(
+    ck: Checkpoint,
+    layout: Layout,
+    *,
+    compression: str = "none",
+    pp_layers: Sequence[int] | None = None,
+    expert_load=None,
+    redundant_experts: int = 0,
+) -> Plan:
+    """Plan every unit of every rank; raises before anything is written."""
+    arch, cfg = resolve(ck.config, str(ck.root / "config.json"))
+    names = ck.names()
+    roles = arch.classify(cfg, names, str(ck.root))
+    by_unit: dict[str, list[str]] = {}
+    for n in names:
+        by_unit.setdefault(roles[n].unit, []).append(n)
+
+    # tied lm_head: a copy of the (non-MTP) embedding in the head unit
+    tied: tuple[str, str] | None = None
+    has_head = any(r.kind == "lm_head" for r in roles.values())
+    embed = [n for n, r in roles.items() if r.kind == "embed_tokens" and not r.mtp]
+    if getattr(cfg, "tie_word_embeddings", False) and not has_head and embed:
+        head_rows = [s for s in arch.specs(cfg) if s.kind == "lm_head"]
+        if head_rows:
+            tied = (head_rows[0].pattern, embed[0])
+            by_unit.setdefault("head", []).append(tied[0])
+
+    def meta_of(n: str) -> TensorMeta:
+        return ck.meta(tied[1] if tied and n == tied[0] else n)
+
+    def role_of(n: str) -> Role:
+        return roles[tied[1] if tied and n == tied[0] else n]
+
+    unit_names = sorted(by_unit, key=unit_sort_key)
+    ubytes = {u: sum(meta_of(n).nbytes for n in ns) for u, ns in by_unit.items()}
+    num_layers = cfg.num_layers
+    layer_bytes = [ubytes.get(f"layer.{i}", 0) for i in range(num_layers)]
+    first = ubytes.get("embed", 0) + ubytes.get("vision", 0)
+    last = sum(b for u, b in ubytes.items() if u == "head" or u.startswith("mtp."))
+    ranges = partition_layers(
+        layer_bytes, layout.pp, first_fixed=first, last_fixed=last, explicit=pp_layers
+    )
+    stage_units = _stage_units(unit_names, ranges)
+    for s, us in enumerate(stage_units):
+        if not us:
+            raise ConfigError(
+                f"pipeline stage {s} of pp={layout.pp} would hold nothing (layers per stage "
+                f"{[b - a for a, b in ranges]}); use pp <= {num_layers} or set pp_layers."
+            )
+
+    experts = _place(cfg, roles, layout, load_expert_load(expert_load), redundant_experts)
+
+    splitter = _Splitter(cfg, layout)
+    per_rank: dict[int, list[UnitPlan]] = {r: [] for r in range(layout.world)}
+    write_order: list[UnitPlan] = []
+    for s, us in enumerate(stage_units):
+        for idx, u in enumerate(us):
+            layer = unit_sort_key(u)[1] if u.startswith(("layer.", "mtp.")) else None
+            ups = {}
+            for t in range(layout.tp):
+                r = layout.rank(s, t)
+                up = UnitPlan(r, idx, u, layer, unit_file(r, idx, u, compression))
+                ups[t] = up
+                per_rank[r].append(up)
+            for n in by_unit[u]:
+                m, role = meta_of(n), role_of(n)
+                tied_base = n.removesuffix(".weight") if tied and n == tied[0] else None
+                pieces = splitter.pieces(m, role)
+                if role.expert is not None:
+                    holders = experts["layers"][str(role.layer)]["ep_rank_experts"]
+                    tps = [
+                        (e * layout.moe_tp + j, j)
+                        for e, held in enumerate(holders)
+                        if role.expert in held
+                        for j in range(layout.moe_tp)
+                    ]
+                else:
+                    tps = [(t, t) for t in range(layout.tp)]
+                for t, k in tps:
+                    piece = whole(m) if pieces is None else pieces[k]
+                    for ps in piece.parts:
+                        entry = {
+                            "name": _physical(n, ps.part, ps.src.name, tied_base),
+                            "logical": n,
+                            "part": ps.part,
+                            "kind": role.kind,
+                            "dtype": _st_dtype(ps.src),
+                            "shape": list(ps.shape),
+                            "global_shape": list(ps.src.shape),
+                            "split_dim": ps.dim,
+                            "offset": ps.start,
+                            "pad": ps.pad,
+                            "logical_shape": list(m.shape),
+                            "encoding": m.encoding,
+                            "quant": _quant_json(m),
+                            "expert": role.expert,
+                            "tied_to": tied[1] if tied_base else None,
+                            "contents": ps.contents,
+                        }
+                        ups[t].tensors.append(TensorPlan(entry, m.name, ps))
+            write_order.extend(ups[t] for t in range(layout.tp))
+    stages = [
+        {"pp_rank": s, "layers": list(ranges[s]), "units": stage_units[s]} for s in range(layout.pp)
+    ]
+    model = {
+        "model_type": ck.config.get("model_type"),
+        "arch": arch.name,
+        "num_layers": num_layers,
+        "num_mtp_layers": sum(1 for u in unit_names if u.startswith("mtp.")),
+        "num_experts": getattr(cfg, "num_experts", 0) or 0,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "vision": "vision" in by_unit,
+    }
+    return Plan(layout, arch.name, cfg, stages, experts, write_order, model)
+
+
+def _place(cfg, roles, layout: Layout, load, redundant: int) -> dict | None:
+    moe_layers = sorted({r.layer for r in roles.values() if r.expert is not None})
+    if not moe_layers:
+        if redundant:
+            raise ConfigError("redundant_experts was given but the model has no routed experts.")
+        return None
+    n_exp = cfg.num_experts
+    if load is not None:
+        missing = [L for L in moe_layers if L not in load and cfg.num_layers > L]
+        if missing:
+            raise ConfigError(
+                f"expert_load has no routing counts for MoE layer(s) {missing}; calibrate "
+                f"all MoE layers or drop expert_load for contiguous placement."
+            )
+    layers = {}
+    for L in moe_layers:
+        counts = load.get(L) if load is not None else None
+        if load is not None and counts is None:  # MTP layer without calibration counts
+            counts = [1.0] * n_exp
+        held = place_experts(
+            n_exp, layout.moe_ep, load=counts, redundant=redundant, where=f"layer {L}"
+        )
+        ranks_of = [[r for r, h in enumerate(held) if e in h] for e in range(n_exp)]
+        layers[str(L)] = {
+            "ep_rank_experts": held,
+            "expert_ep_ranks": ranks_of,
+            "load": None if load is None or L not in load else list(load[L]),
+        }
+    return {
+        "policy": "contiguous" if load is None else "load",
+        "num_experts": n_exp,
+        "redundant": redundant,
+        "layers": layers,
+    }

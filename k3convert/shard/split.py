@@ -1,0 +1,230 @@
+"""Split rules: how one logical tensor (with all its quantization parts) is cut.
+
+A logical tensor is cut along one logical dim into ``n`` pieces. Every physical part
+follows: plain data and FP8 / int8 weights slice the same dim; scales and zero points
+slice in units of their block / group; packed int-N words slice in units of
+``32 / num_bits`` values; per-tensor scales (and scales constant along the split dim)
+are copied whole. A boundary that would fall inside an attention head, a quantization
+group / block or a packed int32 word is refused up front with a :class:`SplitError`
+naming the tensor, the dimension and the degrees that would work.
+
+Modes: ``even`` (equal pieces, e.g. heads / MLP columns) and ``pad`` (vocab-parallel:
+pieces of ``ceil(V/n)`` rounded up to the alignment, the last piece zero-padded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..checkpoint import PartMeta, TensorMeta
+from ..checkpoint.encodings import ACTIVATION_PARTS, scale_block
+from ..stream.format import SplitError
+from .layout import divisors
+
+
+@dataclass(frozen=True)
+class AxisMap:
+    """How logical index x along the split dim maps onto one part's ``dim``.
+
+    part index = ceil(ceil(x / div) * bits / 32) when ``bits`` (packed), else ceil(x / div).
+    """
+
+    dim: int
+    div: int = 1
+    bits: int | None = None
+    what: str = ""
+
+    @property
+    def align(self) -> int:
+        if self.bits is None:
+            return self.div
+        return self.div * (32 // math.gcd(32, self.bits))
+
+    def index(self, x: int) -> int:
+        q = -(-x // self.div)
+        return -(-q * self.bits // 32) if self.bits else q
+
+
+COPY = "copy"  # the part does not vary along the split dim: every piece holds all of it
+SHAPE = "shape"  # the part stores the logical shape: every piece holds its local shape
+
+
+@dataclass(frozen=True)
+class PartSlice:
+    """One part's share of a piece: ``src[dim][start:start+length]`` then ``pad`` zeros."""
+
+    part: str
+    src: PartMeta
+    dim: int | None
+    start: int
+    length: int
+    pad: int
+    shape: tuple[int, ...]  # local shape (padding included)
+    contents: str = "data"  # or "local_shape"
+    value: tuple[int, ...] | None = None  # for contents == "local_shape"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Piece ``index`` of ``count`` of a logical tensor along logical dim ``dim``."""
+
+    index: int
+    count: int
+    dim: int | None
+    start: int
+    length: int
+    pad: int
+    parts: tuple[PartSlice, ...]
+
+
+def _scale_map(m: TensorMeta, part: str, d: int, packed_bits: int | None = None):
+    """AxisMap (or COPY) of a scale / zero-point part for logical dim d."""
+    pm = m.parts[part]
+    scale_key = "weight_scale_inv" if m.encoding == "fp8-block" else "weight_scale"
+    sshape = tuple(m.parts[scale_key].shape)
+    if len(sshape) == 0 or math.prod(sshape) == 1:
+        return COPY
+    block = m.quant.block or ((128, 128) if m.encoding == "fp8-block" else None)
+    b = scale_block(sshape, tuple(m.shape), block)
+    s2 = (sshape[0], 1) if len(sshape) == 1 else sshape
+    is_block = m.encoding == "fp8-block" or (m.quant.extra or {}).get("strategy") == "block"
+    if s2[d] == 1 and not is_block:
+        return COPY
+    if d >= len(pm.shape):
+        return COPY
+    kind = "FP8 block" if m.encoding == "fp8-block" else "quantization group/block"
+    what = f"{kind} of {b[0]}x{b[1]}"
+    if packed_bits and d == 0:
+        return AxisMap(0, b[0], packed_bits, f"{what} (zero points packed {packed_bits}-bit)")
+    return AxisMap(d, b[d], None, what)
+
+
+def axis_maps(m: TensorMeta, d: int) -> dict[str, AxisMap | str]:
+    """Per part: how it follows a split of logical dim ``d``."""
+    out: dict[str, AxisMap | str] = {}
+    bits = m.quant.num_bits
+    for part, pm in m.parts.items():
+        if part in ACTIVATION_PARTS or part == "weight_global_scale":
+            out[part] = COPY
+        elif m.encoding == "plain" or part == "weight":
+            out[part] = AxisMap(d) if d < len(pm.shape) else COPY
+        elif part == "weight_packed":
+            out[part] = (
+                AxisMap(0)
+                if d == 0
+                else AxisMap(1, 1, bits, f"packed int32 word ({32 // math.gcd(32, bits)} values)")
+            )
+        elif part in ("weight_scale", "weight_scale_inv"):
+            out[part] = _scale_map(m, part, d)
+        elif part == "weight_zero_point":
+            packed = bits if m.encoding == "pack-quantized" else None
+            out[part] = _scale_map(m, part, d, packed)
+        elif part == "weight_shape":
+            out[part] = SHAPE
+        else:  # weight_g_idx (act-order): group ids are global; no sound way to cut them
+            raise SplitError(
+                f"tensor '{m.name}': part '{part}' cannot be split (act-order g_idx); "
+                f"replicate it or re-quantize without activation ordering."
+            )
+    return out
+
+
+def _bounds(length: int, n: int, mode: str, granule: int, align: int) -> list[tuple[int, int]]:
+    """(start, real length) per piece, before the legality checks."""
+    if mode == "even":
+        chunk = length // n
+    else:
+        chunk = math.lcm(align, granule) * -(-length // (n * math.lcm(align, granule)))
+    return [(k * chunk, max(0, min(chunk, length - k * chunk))) for k in range(n)]
+
+
+def _problem(
+    m: TensorMeta, d: int, n: int, mode: str, granule: int, maps: dict, what: str
+) -> str | None:
+    """Why splitting into n pieces is illegal (None when it is legal)."""
+    if n == 1:
+        return None
+    length = m.shape[d]
+    amaps = [a for a in maps.values() if isinstance(a, AxisMap)]
+    align = math.lcm(*(a.align for a in amaps)) if amaps else 1
+    if mode == "even" and (length % granule or (length // granule) % n):
+        return f"{length // granule} {what} do not divide into {n} equal pieces"
+    bounds = _bounds(length, n, mode, granule, align)
+    if mode == "pad" and any(ln == 0 for _, ln in bounds):
+        return f"{n} pieces of {bounds[0][1]} rows (aligned to {align}) leave some ranks empty"
+    for start, _ in bounds[1:]:
+        for a in amaps:
+            if start % a.align:
+                return f"a boundary at {start} would cut a {a.what}"
+    return None
+
+
+def legal_degrees(m: TensorMeta, d: int, mode: str, granule: int, limit: int = 128) -> list[int]:
+    maps = axis_maps(m, d)
+    top = min(limit, max(1, m.shape[d]))
+    return [k for k in range(1, top + 1) if _problem(m, d, k, mode, granule, maps, "") is None]
+
+
+def split_tensor(
+    m: TensorMeta,
+    d: int,
+    n: int,
+    *,
+    mode: str = "even",
+    granule: int = 1,
+    what: str = "rows",
+    degree_name: str = "tp",
+) -> list[Piece]:
+    """Cut ``m`` along logical dim ``d`` into ``n`` pieces (see module docstring)."""
+    maps = axis_maps(m, d)
+    if n == 1:
+        mode = "even"
+    why = _problem(m, d, n, mode, granule, maps, what)
+    if why:
+        legal = legal_degrees(m, d, mode, granule)
+        hint = " (or re-quantize with smaller blocks / groups)" if "would cut" in why else ""
+        raise SplitError(
+            f"cannot split '{m.name}' ({m.encoding}, shape {list(m.shape)}) along dim {d} "
+            f"into {degree_name}={n} pieces: {why}. Degrees that work for this tensor: "
+            f"{legal}; pick {degree_name} among them{hint}."
+        )
+    amaps = [a for a in maps.values() if isinstance(a, AxisMap)]
+    align = math.lcm(*(a.align for a in amaps)) if amaps else 1
+    bounds = _bounds(m.shape[d], n, mode, granule, align)
+    chunk = bounds[0][1]
+    pieces = []
+    for k, (start, ln) in enumerate(bounds):
+        parts = []
+        local_logical = list(m.shape)
+        local_logical[d] = chunk
+        for part, pm in m.parts.items():
+            a = maps[part]
+            if a == COPY:
+                parts.append(PartSlice(part, pm, None, 0, 0, 0, tuple(pm.shape)))
+            elif a == SHAPE:
+                parts.append(
+                    PartSlice(
+                        part, pm, None, 0, 0, 0, tuple(pm.shape), "local_shape",
+                        tuple(local_logical),
+                    )
+                )  # fmt: skip
+            else:
+                p0, p1 = a.index(start), a.index(start + ln)
+                full = a.index(chunk)  # aligned start: a full piece's part length
+                shape = list(pm.shape)
+                shape[a.dim] = full
+                parts.append(
+                    PartSlice(part, pm, a.dim, p0, p1 - p0, full - (p1 - p0), tuple(shape))
+                )
+        pieces.append(Piece(k, n, d, start, ln, chunk - ln, tuple(parts)))
+    return pieces
+
+
+def whole(m: TensorMeta) -> Piece:
+    """The unsplit tensor as a single piece (replicated tensors)."""
+    parts = tuple(PartSlice(p, pm, None, 0, 0, 0, tuple(pm.shape)) for p, pm in m.parts.items())
+    return Piece(0, 1, None, 0, 0, 0, parts)
+
+
+__all__ = ["AxisMap", "PartSlice", "Piece", "divisors", "legal_degrees", "split_tensor", "whole"]

@@ -1,0 +1,471 @@
+"""Reading a MUSA stream directory: validation, read-ahead, zstd, hashes, zero-copy.
+
+``open_stream(OUT)`` validates manifest.json (JSON Schema, format version, rank / unit
+numbering) and that every unit file exists with the manifest's size, so a broken or
+half-written directory fails before a runtime starts. ``stream.rank(r).units()``
+yields one rank's units in execution order; the next ``prefetch`` units are read,
+hash-verified and (zstd) decompressed on a thread pool while the caller works on the
+current one. Uncompressed units are memory-mapped and their tensors are views of the
+mapping (zero-copy); each unit's safetensors header is validated against the manifest
+before any tensor is handed out.
+
+For a single-rank layout the :class:`Stream` itself is a runtime weight source with the
+checkpoint reader's interface (``config``, ``names()``, ``meta()``, ``get()``), returning
+bit-identical tensors (dequantized through the same encodings when asked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import zstandard
+
+from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
+from ..checkpoint.encodings import ENCODINGS
+from ..checkpoint.safetensors_io import ST_DTYPES
+from ..errors import CheckpointError
+from .format import (
+    FORMAT,
+    JOURNAL,
+    MANIFEST,
+    PAD_PREFIX,
+    VERSION,
+    IncompleteStreamError,
+    ManifestError,
+    NotAStreamError,
+    StreamCorruptError,
+    StreamError,
+    StreamVersionError,
+    parse_header,
+)
+from .schema import validate
+
+
+# -- manifest -------------------------------------------------------------------------
+def _no_dups(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ManifestError(f"key '{k}' appears twice")
+        out[k] = v
+    return out
+
+
+def load_manifest(root: Path) -> dict:
+    """Parse and validate ``root/manifest.json`` (schema, version, numbering)."""
+    if not root.is_dir():
+        raise NotAStreamError(f"{root}: not a directory; expected a k3convert stream directory.")
+    mp = root / MANIFEST
+    if not mp.is_file():
+        if (root / JOURNAL).is_dir() or any(root.glob("rank[0-9]*")):
+            raise IncompleteStreamError(
+                f"{root}: incomplete conversion - {MANIFEST} is missing (it is written last, "
+                f"as the commit marker), so the shard run was interrupted. Rerun `k3convert "
+                f"shard` with the same arguments to resume it."
+            )
+        raise NotAStreamError(
+            f"{root}: not a stream directory (no {MANIFEST}); create one with `k3convert shard`."
+        )
+    try:
+        doc = json.loads(mp.read_text(encoding="utf-8"), object_pairs_hook=_no_dups)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ManifestError) as e:
+        raise ManifestError(f"{mp}: not valid JSON ({e}); the manifest is damaged.") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise NotAStreamError(f"{mp}: not a {FORMAT} manifest (format key is missing or wrong).")
+    if doc.get("version") != VERSION:
+        raise StreamVersionError(
+            f"{mp}: {FORMAT} version {doc.get('version')!r} is not supported; this k3convert "
+            f"reads version {VERSION}. Use a matching k3convert or re-shard the model."
+        )
+    errs = validate(doc)
+    if errs:
+        more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
+        raise ManifestError(f"{mp}: violates the manifest schema: {'; '.join(errs[:5])}{more}.")
+    lay = doc["layout"]
+    if lay["tp"] * lay["pp"] != lay["world"] or len(doc["ranks"]) != lay["world"]:
+        raise ManifestError(f"{mp}: layout.world / ranks disagree with tp * pp.")
+    if lay["moe_tp"] * lay["moe_ep"] != lay["tp"]:
+        raise ManifestError(f"{mp}: layout moe_tp * moe_ep != tp.")
+    for i, r in enumerate(doc["ranks"]):
+        if r["rank"] != i or r["pp_rank"] * lay["tp"] + r["tp_rank"] != i:
+            raise ManifestError(f"{mp}: ranks[{i}] is numbered {r['rank']} / inconsistent.")
+        for j, u in enumerate(r["units"]):
+            if u["index"] != j or ".." in u["file"]:
+                raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has a bad index or file.")
+    return doc
+
+
+# -- units ----------------------------------------------------------------------------
+@dataclass
+class Unit:
+    """One loaded unit of one rank: tensors by physical name (views of one buffer)."""
+
+    rank: int
+    index: int
+    name: str
+    layer: int | None
+    file: Path
+    entries: list[dict]
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def parts(self, logical: str) -> dict[str, torch.Tensor]:
+        """The parts of one logical tensor ('weight', 'weight_scale', ...)."""
+        return {e["part"]: self.tensors[e["name"]] for e in self.entries if e["logical"] == logical}
+
+
+def _where(rank: int, u: dict, path: Path) -> str:
+    return f"{path} (rank {rank}, unit '{u['name']}')"
+
+
+def check_size(root: Path, rank: int, u: dict) -> Path:
+    path = root / u["file"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise StreamCorruptError(
+            f"{_where(rank, u, path)}: unit file is missing; re-create the stream with "
+            f"`k3convert shard --force`."
+        ) from None
+    if size != u["bytes"]:
+        raise StreamCorruptError(
+            f"{_where(rank, u, path)}: unit is {size} bytes but the manifest says {u['bytes']}; "
+            f"the file is {'truncated' if size < u['bytes'] else 'damaged'} - re-create it "
+            f"with `k3convert shard --force`."
+        )
+    return path
+
+
+def _hash_error(rank, u, path, which, want, got) -> StreamCorruptError:
+    return StreamCorruptError(
+        f"{_where(rank, u, path)}: {which} hash mismatch (manifest {want[:16]}..., file "
+        f"{got[:16]}...); the unit is corrupt - re-create it with `k3convert shard --force`."
+    )
+
+
+def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = False):
+    """The unit's raw safetensors bytes (an mmap or a bytearray), verified on request.
+
+    ``full`` also checks the uncompressed size / hash of zstd units.
+    """
+    path = check_size(root, rank, u)
+    if u["compression"] == "none":
+        with open(path, "rb") as fh:
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        if verify:
+            got = hashlib.sha256(buf).hexdigest()
+            if got != u["sha256"]:
+                raise _hash_error(rank, u, path, "sha256", u["sha256"], got)
+        elif hasattr(buf, "madvise"):
+            buf.madvise(mmap.MADV_WILLNEED)
+        return buf, path
+    data = path.read_bytes()
+    if verify:
+        got = hashlib.sha256(data).hexdigest()
+        if got != u["sha256"]:
+            raise _hash_error(rank, u, path, "sha256", u["sha256"], got)
+    raw = bytearray(u["raw_bytes"])
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as r:
+            n, mv = 0, memoryview(raw)
+            while n < len(raw):
+                k = r.readinto(mv[n:])
+                if not k:
+                    break
+                n += k
+            extra = r.read(1)
+    except zstandard.ZstdError as e:
+        raise StreamCorruptError(f"{_where(rank, u, path)}: zstd data is corrupt ({e}).") from e
+    if n != len(raw) or extra:
+        raise StreamCorruptError(
+            f"{_where(rank, u, path)}: decompresses to a different size than the manifest's "
+            f"raw_bytes {u['raw_bytes']}; the unit is corrupt."
+        )
+    if full:
+        got = hashlib.sha256(raw).hexdigest()
+        if got != u["raw_sha256"]:
+            raise _hash_error(rank, u, path, "uncompressed sha256", u["raw_sha256"], got)
+    return raw, path
+
+
+def header_of(buf, rank: int, u: dict, path: Path):
+    """Validate the unit's header against the format and the manifest; tensor infos."""
+    where = _where(rank, u, path)
+    if len(buf) < 8:
+        raise StreamCorruptError(f"{where}: unit is too short for a safetensors header.")
+    (n,) = struct.unpack("<Q", bytes(buf[:8]))
+    head = bytes(buf[: min(len(buf), 8 + n)])
+    _, infos, meta = parse_header(head, len(buf), where)
+    want_meta = {"format": FORMAT, "version": str(VERSION), "rank": str(rank), "unit": u["name"]}
+    if {k: meta.get(k) for k in want_meta} != want_meta:
+        raise StreamCorruptError(
+            f"{where}: header metadata {meta} disagrees with the manifest (expected {want_meta})."
+        )
+    real = [k for k in infos if not k.startswith(PAD_PREFIX)]
+    names = [e["name"] for e in u["tensors"]]
+    if sorted(real) != sorted(names):
+        missing = sorted(set(names) - set(real))
+        extra = sorted(set(real) - set(names))
+        raise StreamCorruptError(
+            f"{where}: header disagrees with the manifest: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}."
+        )
+    for e in u["tensors"]:
+        t = infos[e["name"]]
+        if t.st_dtype != e["dtype"] or list(t.shape) != e["shape"]:
+            raise StreamCorruptError(
+                f"{where}: header disagrees with the manifest for tensor '{e['name']}': header "
+                f"{t.st_dtype}{list(t.shape)}, manifest {e['dtype']}{e['shape']}."
+            )
+    return infos
+
+
+def load_unit(root: Path, rank: int, u: dict, verify: bool = True) -> Unit:
+    buf, path = read_unit_bytes(root, rank, u, verify)
+    infos = header_of(buf, rank, u, path)
+    base = torch.frombuffer(buf, dtype=torch.uint8)
+    tensors = {}
+    for e in u["tensors"]:
+        t = infos[e["name"]]
+        dtype = ST_DTYPES[t.st_dtype][0]
+        if t.nbytes == 0:
+            tensors[e["name"]] = torch.empty(t.shape, dtype=dtype)
+            continue
+        flat = base[t.start : t.end]
+        if dtype != torch.uint8:
+            flat = flat.view(dtype)
+        tensors[e["name"]] = flat.reshape(t.shape)
+    return Unit(rank, u["index"], u["name"], u["layer"], path, u["tensors"], tensors)
+
+
+# -- readers --------------------------------------------------------------------------
+def _quant(q: dict | None) -> QuantParams:
+    if not q:
+        return QuantParams()
+    return QuantParams(
+        num_bits=q.get("num_bits"),
+        block=tuple(q["block"]) if q.get("block") else None,
+        symmetric=q.get("symmetric"),
+        extra={"strategy": q.get("strategy"), "type": q.get("type")},
+    )
+
+
+class RankReader:
+    """One rank's view: its units in execution order, and its local tensors by name."""
+
+    def __init__(self, stream: Stream, rank: int):
+        self.stream, self.rank = stream, rank
+        self.info = stream.manifest["ranks"][rank]
+        self.unit_entries: list[dict] = self.info["units"]
+        self._index: dict[str, tuple[int, list[dict]]] = {}
+        for i, u in enumerate(self.unit_entries):
+            for e in u["tensors"]:
+                self._index.setdefault(e["logical"], (i, []))[1].append(e)
+        self._cache: OrderedDict[int, Unit] = OrderedDict()
+        self._verified: set[int] = set()
+
+    def __repr__(self) -> str:
+        return f"RankReader(rank={self.rank}, units={len(self.unit_entries)})"
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return {k: self.info[k] for k in ("pp_rank", "tp_rank", "ep_rank", "moe_tp_rank")}
+
+    def unit_names(self) -> list[str]:
+        return [u["name"] for u in self.unit_entries]
+
+    def unit(self, which: int | str, *, verify_hashes: bool | None = None) -> Unit:
+        i = which if isinstance(which, int) else self.unit_names().index(which)
+        v = self.stream.verify_hashes if verify_hashes is None else verify_hashes
+        return load_unit(self.stream.root, self.rank, self.unit_entries[i], v)
+
+    def units(self, *, prefetch: int = 2, verify_hashes: bool | None = None) -> Iterator[Unit]:
+        """The rank's units in order, reading ``prefetch`` ahead on a thread pool."""
+        v = self.stream.verify_hashes if verify_hashes is None else verify_hashes
+        ents = self.unit_entries
+        if prefetch < 1:
+            for u in ents:
+                yield load_unit(self.stream.root, self.rank, u, v)
+            return
+        pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="k3stream")
+        window: deque = deque()
+        try:
+            nxt = 0
+            while nxt < len(ents) or window:
+                while nxt < len(ents) and len(window) <= prefetch:
+                    window.append(pool.submit(load_unit, self.stream.root, self.rank, ents[nxt], v))
+                    nxt += 1
+                yield window.popleft().result()
+        finally:
+            for f in window:
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- weight-source interface over the rank's local tensors --------------------------
+    def names(self, *, include_tied: bool = False) -> list[str]:
+        return [n for n, (_, es) in self._index.items() if include_tied or not es[0]["tied_to"]]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def _entries(self, name: str) -> tuple[int, list[dict]]:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.stream.root}: rank {self.rank} holds no tensor named '{name}'."
+            ) from None
+
+    def _load(self, i: int) -> Unit:
+        if i in self._cache:
+            self._cache.move_to_end(i)
+            return self._cache[i]
+        u = self.unit_entries[i]
+        verify = self.stream.verify_hashes and i not in self._verified
+        unit = load_unit(self.stream.root, self.rank, u, verify)
+        self._verified.add(i)
+        self._cache[i] = unit
+        while len(self._cache) > 2:
+            self._cache.popitem(last=False)
+        return unit
+
+    def meta(self, name: str) -> TensorMeta:
+        """Local metadata (shapes as stored on this rank)."""
+        i, es = self._entries(name)
+        path = self.stream.root / self.unit_entries[i]["file"]
+        parts = {}
+        for e in es:
+            dtype, bits = ST_DTYPES[e["dtype"]]
+            n = 1
+            for d in e["shape"]:
+                n *= d
+            nb = -(-n * bits // 8)
+            parts[e["part"]] = PartMeta(e["name"], path, dtype, tuple(e["shape"]), nb)
+        e0 = es[0]
+        shape = tuple(e0["logical_shape"])
+        if any(e["split_dim"] is not None or e["contents"] == "local_shape" for e in es):
+            shape = self._local_shape(name, es)
+        return TensorMeta(name, shape, e0["encoding"], parts, _quant(e0["quant"]))
+
+    def _local_shape(self, name: str, es: list[dict]) -> tuple[int, ...]:
+        by = {e["part"]: e for e in es}
+        if "weight_shape" in by:
+            return tuple(int(x) for x in self.get_parts(name)["weight_shape"].tolist())
+        return tuple(by["weight"]["shape"])
+
+    def get_parts(self, name: str) -> dict[str, torch.Tensor]:
+        i, es = self._entries(name)
+        unit = self._load(i)
+        return {e["part"]: unit.tensors[e["name"]] for e in es}
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One local tensor, dequantized if encoded (float32 unless ``dtype``)."""
+        i, es = self._entries(name)
+        enc = es[0]["encoding"]
+        parts = self.get_parts(name)
+        if enc == "plain":
+            t = parts["weight"]
+            return t if dtype is None or t.dtype == dtype else t.to(dtype)
+        try:
+            w = ENCODINGS[enc].dequantize(parts, _quant(es[0]["quant"]))
+        except ValueError as e:
+            raise CheckpointError(
+                f"{self.stream.root / self.unit_entries[i]['file']}: cannot dequantize "
+                f"'{name}' ({enc}): {e}."
+            ) from e
+        return w.to(dtype or torch.float32)
+
+
+class Stream:
+    """An opened, validated stream directory. Build it with :func:`open_stream`."""
+
+    def __init__(self, root: Path, manifest: dict, verify_hashes: bool = True):
+        from ..shard.layout import Layout
+
+        self.root = root
+        self.manifest = manifest
+        self.verify_hashes = verify_hashes
+        lay = manifest["layout"]
+        self.layout = Layout(lay["tp"], lay["pp"], lay["moe_tp"], lay["moe_ep"])
+        cfg = root / "config.json"
+        self.config: dict = load_json(cfg) if cfg.is_file() else {}
+        self._ranks: dict[int, RankReader] = {}
+        self._names: list[str] | None = None
+        self._name_set: set[str] = set()
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return f"Stream({str(self.root)!r}, tp={lay.tp}, pp={lay.pp}, ep={lay.moe_ep})"
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def aux_files(self) -> list[Path]:
+        return [self.root / f["name"] for f in self.manifest["files"]]
+
+    def rank(self, r: int) -> RankReader:
+        if not 0 <= r < self.world:
+            raise StreamError(f"{self.root}: rank {r} is outside the world of {self.world}.")
+        if r not in self._ranks:
+            self._ranks[r] = RankReader(self, r)
+        return self._ranks[r]
+
+    # -- single-rank weight source ------------------------------------------------------
+    def _single(self) -> RankReader:
+        if self.world != 1:
+            raise StreamError(
+                f"{self.root}: a {self.layout.tp}x{self.layout.pp} (tp x pp) stream has no "
+                f"single set of global tensors; use stream.rank(r) for one rank's tensors."
+            )
+        return self.rank(0)
+
+    def names(self) -> list[str]:
+        """Logical tensor names (tied lm_head copies left out, as in the checkpoint)."""
+        if self._names is None:
+            self._names = self._single().names()
+            self._name_set = set(self._names)
+        return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        self.names()
+        return name in self._name_set
+
+    def meta(self, name: str) -> TensorMeta:
+        if name not in self:
+            raise CheckpointError(f"{self.root}: no tensor named '{name}'.")
+        return self._single().meta(name)
+
+    def get_parts(self, name: str) -> dict[str, torch.Tensor]:
+        return self._single().get_parts(name)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self:
+            raise CheckpointError(f"{self.root}: no tensor named '{name}'.")
+        return self._single().get(name, dtype)
+
+    def iter_tensors(self, dtype=None):
+        for n in self.names():
+            yield n, self.get(n, dtype)
+
+
+def open_stream(path, *, verify_hashes: bool = True) -> Stream:
+    """Open and validate a stream directory (its manifest; units when used)."""
+    root = Path(path)
+    manifest = load_manifest(root)
+    for r in manifest["ranks"]:
+        for u in r["units"]:
+            check_size(root, r["rank"], u)
+    return Stream(root, manifest, verify_hashes)

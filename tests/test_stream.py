@@ -1,0 +1,383 @@
+"""The MUSA stream format and its loader: weight source, read-ahead, corruption,
+interrupted conversions, resume, format conformance and the golden byte layout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3convert.checkpoint import open_checkpoint
+from k3convert.shard import check, shard
+from k3convert.stream import (
+    IncompleteStreamError,
+    ManifestError,
+    NotAStreamError,
+    StreamCorruptError,
+    StreamError,
+    StreamVersionError,
+    open_stream,
+    validate,
+)
+from tests.test_shard_support import fp8_block, int4_group, reassemble, tree_hashes
+
+ROOT = Path(__file__).parents[1]
+SCHEMA = json.loads((ROOT / "formats/musa-stream-v1.schema.json").read_text())
+
+
+def make(src, out, **kw):
+    kw.setdefault("progress", False)
+    r = shard(src=src, out=out, **kw)
+    jsonschema.validate(json.loads(r.manifest.read_text()), SCHEMA)
+    return r.out
+
+
+def _bits_equal(a, b):
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+# -- single-rank weight source ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def quantized(model_factory, tmp_path_factory):
+    d = tmp_path_factory.mktemp("qs")
+    return {
+        "fp8": fp8_block(model_factory("deepseek_v3"), d / "fp8"),
+        "int4": int4_group(model_factory("llama"), d / "int4"),
+    }
+
+
+@pytest.mark.parametrize(
+    "which,compress",
+    [
+        ("llama", "none"),
+        ("qwen3", "zstd"),
+        ("kimi_k25", "none"),
+        ("fp8", "none"),
+        ("int4", "zstd"),
+    ],
+)
+def test_single_rank_stream_is_a_weight_source(tiny_models, quantized, tmp_path, which, compress):
+    src = quantized.get(which) or tiny_models[which]
+    out = make(src, tmp_path / "o", compress=compress)
+    ck, st = open_checkpoint(src), open_stream(out)
+    assert st.config == ck.config
+    assert sorted(st.names()) == sorted(ck.names())
+    for n in ck.names():
+        cm, sm = ck.meta(n), st.meta(n)
+        assert (sm.shape, sm.encoding, sorted(sm.parts)) == (
+            cm.shape,
+            cm.encoding,
+            sorted(cm.parts),
+        )
+        assert sm.quant.num_bits == cm.quant.num_bits and sm.quant.block == cm.quant.block
+        assert _bits_equal(st.get(n), ck.get(n)), n
+        assert _bits_equal(st.get(n, torch.bfloat16), ck.get(n, torch.bfloat16)), n
+        for p, t in ck.get_parts(n).items():
+            assert _bits_equal(st.get_parts(n)[p], t)
+    with pytest.raises(Exception, match="no tensor named"):
+        st.get("nope.weight")
+
+
+def test_multi_rank_stream_is_not_a_global_source(tiny_models, tmp_path):
+    st = open_stream(make(tiny_models["llama"], tmp_path / "o", tp=2))
+    with pytest.raises(StreamError, match=r"use stream\.rank"):
+        st.names()
+    r1 = st.rank(1)
+    q = r1.get("model.layers.0.self_attn.q_proj.weight")
+    full = open_checkpoint(tiny_models["llama"]).get("model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(q, full[32:])  # rank 1 holds heads 2..3
+    assert r1.meta("model.layers.0.self_attn.q_proj.weight").shape == (32, 64)
+
+
+# -- units: order, read-ahead, zero copy -------------------------------------------------
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_units_in_order_with_readahead(tiny_models, tmp_path, compress):
+    out = make(tiny_models["kimi_k25"], tmp_path / "o", tp=2, pp=2, ep=2, compress=compress)
+    st = open_stream(out)
+    glob, _ = reassemble(out)
+    for r in range(st.world):
+        rk = st.rank(r)
+        want = [u["name"] for u in st.manifest["ranks"][r]["units"]]
+        for prefetch in (0, 3):
+            units = list(rk.units(prefetch=prefetch))
+            assert [u.name for u in units] == want
+        for u in units:
+            for e in u.entries:
+                t = u[e["name"]]
+                assert list(t.shape) == e["shape"]
+                if e["split_dim"] is None and not e["tied_to"] and e["contents"] == "data":
+                    assert _bits_equal(t, glob[e["name"]])
+            if compress == "none":  # zero copy: tensors view the mapping of the whole file
+                any_t = u[u.entries[0]["name"]]
+                assert any_t.untyped_storage().nbytes() == u.file.stat().st_size
+
+
+def test_units_are_aligned_valid_safetensors(tiny_models, tmp_path):
+    out = make(tiny_models["deepseek_v3"], tmp_path / "o", tp=2, ep=2)
+    man = json.loads((out / "manifest.json").read_text())
+    for rk in man["ranks"]:
+        for u in rk["units"]:
+            f = out / u["file"]
+            raw = f.read_bytes()
+            (n,) = struct.unpack("<Q", raw[:8])
+            assert (8 + n) % 4096 == 0
+            header = json.loads(raw[8 : 8 + n])
+            assert header["__metadata__"]["unit"] == u["name"]
+            for k, v in header.items():
+                if k != "__metadata__" and not k.startswith("__pad__."):
+                    assert v["data_offsets"][0] % 4096 == 0
+            assert hashlib.sha256(raw).hexdigest() == u["sha256"] == u["raw_sha256"]
+            assert len(raw) == u["bytes"] == u["raw_bytes"]
+            load_file(f)  # the reference reader accepts it
+
+
+# -- corruption -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pristine(tiny_models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("pristine")
+    return {c: make(tiny_models["llama"], d / c, tp=2, pp=2, compress=c) for c in ("none", "zstd")}
+
+
+@pytest.fixture
+def damaged(pristine, tmp_path):
+    def copy(compress="none"):
+        dst = tmp_path / f"copy-{compress}"
+        shutil.copytree(pristine[compress], dst)
+        man = json.loads((dst / "manifest.json").read_text())
+        return dst, man
+
+    return copy
+
+
+def _unit(man, rank, name):
+    return next(u for u in man["ranks"][rank]["units"] if u["name"] == name)
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_flipped_byte_names_file_and_unit(damaged, compress):
+    out, man = damaged(compress)
+    u = _unit(man, 3, "layer.1")
+    f = out / u["file"]
+    data = bytearray(f.read_bytes())
+    data[min(len(data) - 1, 4096 + 7)] ^= 0x10
+    f.write_bytes(bytes(data))
+    st = open_stream(out)
+    with pytest.raises(StreamCorruptError) as ei:
+        list(st.rank(3).units())
+    msg = str(ei.value)
+    assert str(f) in msg and "unit 'layer.1'" in msg and "rank 3" in msg and "hash" in msg
+    list(st.rank(2).units())  # other ranks are fine
+    rep = check(out)
+    assert rep.status == "damaged" and rep.exit_code == 1 and len(rep.problems) == 1
+    assert str(f) in rep.problems[0]
+    if compress == "none":  # verification off: the damage goes unnoticed by design
+        assert len(list(st.rank(3).units(verify_hashes=False))) == 2
+
+
+def test_truncated_unit(damaged):
+    out, man = damaged()
+    u = _unit(man, 0, "embed")
+    f = out / u["file"]
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(StreamCorruptError, match="truncated") as ei:
+        open_stream(out)
+    assert str(f) in str(ei.value) and "unit 'embed'" in str(ei.value)
+    rep = check(out)
+    assert rep.exit_code == 1 and "truncated" in rep.problems[0]
+
+
+def test_missing_manifest_is_an_incomplete_conversion(damaged, tmp_path):
+    out, _ = damaged()
+    (out / "manifest.json").unlink()
+    with pytest.raises(IncompleteStreamError, match="incomplete conversion"):
+        open_stream(out)
+    rep = check(out)
+    assert rep.status == "not_stream" and rep.exit_code == 2
+    assert "incomplete conversion" in rep.problems[0]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotAStreamError):
+        open_stream(tmp_path / "empty")
+    assert check(tmp_path / "empty").exit_code == 2
+
+
+def test_unknown_version(damaged):
+    out, man = damaged()
+    man["version"] = 2
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(StreamVersionError, match="version 2 is not supported"):
+        open_stream(out)
+    assert check(out).exit_code == 2
+
+
+def test_header_disagreeing_with_manifest(damaged):
+    out, man = damaged()
+    u = _unit(man, 0, "layer.0")
+    e = next(e for e in u["tensors"] if e["dtype"] == "F32")
+    e["dtype"] = "I32"  # same size, schema-valid, but not what the header says
+    (out / "manifest.json").write_text(json.dumps(man))
+    st = open_stream(out)
+    with pytest.raises(StreamCorruptError, match=f"header disagrees.*'{e['name']}'"):
+        list(st.rank(0).units())
+    assert check(out).exit_code == 1
+
+
+def test_unit_swapped_for_another_is_caught_by_header(damaged):
+    out, man = damaged()
+    a, b = _unit(man, 0, "embed"), _unit(man, 1, "embed")
+    shutil.copyfile(out / a["file"], out / b["file"])
+    b.update(bytes=a["bytes"], sha256=a["sha256"], raw_bytes=a["raw_bytes"])
+    b["raw_sha256"] = a["raw_sha256"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(StreamCorruptError, match=r"metadata .* disagrees"):
+        list(open_stream(out).rank(1).units())
+
+
+def test_schema_violation_names_key_path(damaged):
+    out, man = damaged()
+    del man["ranks"][1]["units"][0]["tensors"][0]["split_dim"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ManifestError, match=r"ranks\[1\]\.units\[0\]\.tensors\[0\].*split_dim"):
+        open_stream(out)
+    rep = check(out)
+    assert rep.exit_code == 1
+
+
+def test_check_intact(pristine):
+    for out in pristine.values():
+        rep = check(out)
+        assert rep.ok and rep.exit_code == 0 and rep.units_checked == 8, rep
+
+
+# -- interruption and resume ------------------------------------------------------------
+_KILL_SCRIPT = """
+import sys, time
+import k3convert.shard.writer as w
+real_unit, real_bytes = w.write_unit, w._tensor_bytes
+def slow_bytes(*a, **k):
+    time.sleep(0.01)
+    return real_bytes(*a, **k)
+def unit(*a, **k):
+    r = real_unit(*a, **k)
+    print("unit", flush=True)
+    return r
+w.write_unit, w._tensor_bytes = unit, slow_bytes
+w.shard(src=sys.argv[1], out=sys.argv[2], tp=2, pp=2, ep=2, progress=False, workers=1,
+        compress=sys.argv[3])
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_killed_run_resumes_to_identical_output(tiny_models, tmp_path, compress):
+    src = tiny_models["deepseek_v3"]
+    ref = make(src, tmp_path / "ref", tp=2, pp=2, ep=2, compress=compress)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILL_SCRIPT, str(src), str(out), compress],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    seen = 0
+    for line in proc.stdout:
+        seen += line.strip() == "unit"
+        if seen == 4:
+            time.sleep(0.05)  # somewhere inside the fifth unit
+            proc.kill()
+            break
+    proc.wait()
+    assert seen == 4, "the run finished before it could be killed"
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(IncompleteStreamError):
+        open_stream(out)
+    r = shard(src=src, out=out, tp=2, pp=2, ep=2, compress=compress, progress=False)
+    assert r.units_skipped >= 3 and r.units_written + r.units_skipped == 10
+    assert tree_hashes(out) == tree_hashes(ref)
+    assert check(out).ok
+
+
+# -- format conformance -----------------------------------------------------------------
+def test_packaged_schema_is_the_published_one():
+    pkg = ROOT / "k3convert/stream/manifest.schema.json"
+    assert pkg.read_bytes() == (ROOT / "formats/musa-stream-v1.schema.json").read_bytes()
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+def test_builtin_validator_agrees_with_jsonschema(pristine):
+    man = json.loads((pristine["none"] / "manifest.json").read_text())
+    assert validate(man) == []
+    bad = [
+        lambda m: m.update(version="1"),
+        lambda m: m["layout"].update(tp=0),
+        lambda m: m["ranks"][0]["units"][0].update(sha256="xyz"),
+        lambda m: m["ranks"][0]["units"][0].update(compression="lz4"),
+        lambda m: m["ranks"][0]["units"][0]["tensors"][0].update(extra=1),
+        lambda m: m["ranks"][0]["units"][0].update(name="layer"),
+        lambda m: m["layout"].update(experts={"policy": "x"}),
+        lambda m: m["source"].pop("files"),
+    ]
+    for mutate in bad:
+        m = json.loads(json.dumps(man))
+        mutate(m)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(m, SCHEMA)
+        assert validate(m), mutate
+
+
+GOLDEN_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 4,
+    "hidden_size": 2,
+    "intermediate_size": 2,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "tie_word_embeddings": False,
+}
+GOLDEN_HEAD_SHA256 = "9c96a24dc2b971485947e33b4a10812e46faafbfa13935d3c4ac2d567976e11d"
+
+
+def test_golden_unit_byte_layout(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(GOLDEN_CONFIG))
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    names += [f"model.layers.0.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")]
+    names += [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
+    names += [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    shapes = {"model.embed_tokens.weight": (4, 2), "lm_head.weight": (4, 2)}
+    sd = {}
+    for i, n in enumerate(names):
+        shape = shapes.get(n, (2,) if "norm" in n else (2, 2))
+        sd[n] = (torch.arange(torch.Size(shape).numel(), dtype=torch.float32) + 10 * i).reshape(
+            shape
+        )
+    save_file(sd, src / "model.safetensors")
+    out = make(src, tmp_path / "out")
+    unit = (out / "rank00000/0002-head.safetensors").read_bytes()
+    header = (
+        b'{"__metadata__":{"format":"musa-stream","version":"1","rank":"0","unit":"head"},'
+        b'"lm_head.weight":{"dtype":"F32","shape":[4,2],"data_offsets":[0,32]},'
+        b'"__pad__.1":{"dtype":"U8","shape":[4064],"data_offsets":[32,4096]},'
+        b'"model.norm.weight":{"dtype":"F32","shape":[2],"data_offsets":[4096,4104]}}'
+    )
+    want = struct.pack("<Q", 4088) + header + b" " * (4088 - len(header))
+    want += sd["lm_head.weight"].numpy().tobytes() + bytes(4064)
+    want += sd["model.norm.weight"].numpy().tobytes()
+    assert len(unit) == 8200
+    assert unit == want
+    assert hashlib.sha256(unit).hexdigest() == GOLDEN_HEAD_SHA256
