@@ -134,6 +134,60 @@ def synth(
 
 
 @app.command()
+def quantize(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint (bf16, FP8-block, int4, ...).")],
+    out: Annotated[Path, typer.Argument(help="Output compressed-tensors directory.")],
+    scheme: Annotated[
+        str | None,
+        typer.Option(help="Scheme for every quantizable Linear: fp8-block, w4a16, w8a8, ..."),
+    ] = None,
+    recipe: Annotated[
+        Path | None, typer.Option(help="Recipe YAML with ordered rules (see recipes/).")
+    ] = None,
+    keep: Annotated[
+        list[str] | None,
+        typer.Option(help="Also keep tensors matching this glob or re: pattern (repeatable)."),
+    ] = None,
+    no_default_keep: Annotated[
+        bool,
+        typer.Option(
+            "--no-default-keep", help="Drop the architecture's default exceptions (router...)."
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved table, write nothing.")
+    ] = False,
+    full_table: Annotated[
+        bool, typer.Option("--full-table", help="With --dry-run: one row per tensor.")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT.")] = False,
+    workers: Annotated[int, typer.Option(help="Tensors quantized in parallel.")] = 1,
+    shard_size_gb: Annotated[float, typer.Option(help="Output file size in GiB.")] = 4.0,
+):
+    """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
+    from .quant import quantize as do_quantize
+
+    if (scheme is None) == (recipe is None):
+        raise typer.BadParameter("give exactly one of --scheme NAME or --recipe R.yaml.")
+    res = do_quantize(
+        src=src,
+        out=out,
+        scheme=scheme,
+        recipe=recipe,
+        keep=tuple(keep or ()),
+        default_keep=not no_default_keep,
+        dry_run=dry_run,
+        force=force,
+        workers=workers,
+        progress=True,
+        shard_size=max(1, int(shard_size_gb * 2**30)),
+    )
+    if dry_run:
+        typer.echo(res.table(collapse=not full_table))
+    typer.echo(res.summary())
+
+
+@app.command()
 def shard(
     src: Annotated[
         Path, typer.Argument(help="Checkpoint to reshard (or, with --check, a stream dir).")

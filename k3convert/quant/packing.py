@@ -38,6 +38,8 @@ def pack_int32(values: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torc
         raise ValueError(f"num_bits must be in [1, 8], got {num_bits}")
     if values.ndim != 2:
         raise ValueError(f"pack_int32 expects a 2-D tensor, got shape {tuple(values.shape)}")
+    if num_bits in (1, 2, 4, 8) and packed_dim == 1 and values.dtype == torch.int8:
+        return _pack_bytes(values, num_bits)
     v = values.to(torch.int64) + (1 << (num_bits - 1))
     lo_v, hi_v = 0, (1 << num_bits) - 1
     if v.numel() and (int(v.min()) < lo_v or int(v.max()) > hi_v):
@@ -58,6 +60,32 @@ def pack_int32(values: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torc
     if packed_dim == 0:
         out = out.t()
     return out.contiguous()
+
+
+def _pack_bytes(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Fast path of :func:`pack_int32` for 1/2/4/8 bits along rows (same output).
+
+    Widths dividing 8 never straddle a byte, so values are OR-ed into bytes (uint8
+    arithmetic, no int64 temporaries) and each row's bytes, zero-padded to whole words,
+    are reinterpreted as little-endian int32 words - the same dense bit stream.
+    """
+    lo, hi = -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+    if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+        raise ValueError(f"values out of range for signed {num_bits}-bit packing")
+    rows, n = values.shape
+    per = 8 // num_bits
+    words = packed_len(n, num_bits)
+    u = (values.view(torch.uint8) + (1 << (num_bits - 1))) & ((1 << num_bits) - 1)
+    pad = words * 4 * per - n
+    if pad:
+        u = torch.cat([u, u.new_zeros(rows, pad)], dim=1)
+    u = u.view(rows, words * 4, per)
+    out = u[:, :, 0].clone()
+    for j in range(1, per):
+        out |= u[:, :, j] << (j * num_bits)
+    if torch.tensor([1], dtype=torch.int32).view(torch.uint8)[0] != 1:  # big-endian host
+        return pack_int32(values.to(torch.int16), num_bits)
+    return out.contiguous().view(torch.int32)
 
 
 def unpack_int32(

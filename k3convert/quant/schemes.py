@@ -1,0 +1,509 @@
+"""Weight quantization schemes: one frozen dataclass per family, registered by name.
+
+A scheme turns one float weight ``w: [out, in]`` into the physical tensors a
+compressed-tensors checkpoint stores for it (``quantize``), and back (``dequantize``).
+Part names are compressed-tensors' storage names, and the formulas are the ones
+compressed-tensors / llm-compressor use, so our files load in vLLM, SGLang and
+transformers, and compressed-tensors' own decompressor gives exactly our
+``dequantize`` (the tests check both):
+
+=============  ===========================================  ============================
+family         parts                                        dequantize
+=============  ===========================================  ============================
+FP8 e4m3       weight fp8 [out, in]; weight_scale fp32       weight.float() * scale
+               [1] | [out, 1] | [ceil(out/b0), ceil(in/b1)]  (block-broadcast)
+INT-N naive    weight int8 [out, in]; weight_scale           (q - zp) * scale, in the
+(with act.)    [out, 1] | [out, in/g] (+ weight_zero_point)  scale's dtype
+INT-N packed   weight_packed int32 [out, ceil(in*b/32)];     unpack, then as above
+(weight-only)  weight_scale; weight_shape int64 [2];
+               weight_zero_point int32 [ceil(out*b/32), in/g]
+=============  ===========================================  ============================
+
+The format (``float-quantized``, ``naive-quantized``, ``int-quantized``,
+``pack-quantized``) follows compressed-tensors' own inference from the scheme, because
+its dequantizer re-infers it and ignores what config.json says. Every scheme here is
+expressible in compressed-tensors 0.20 (pack-quantized packs 1..8 bits densely, so int3
+and int2 included; power-of-two "ue8m0" scales are stored as exact float32 values), so
+no k3convert-specific packing is needed.
+
+Scale formulas (compressed-tensors ``calculate_qparams``): symmetric
+``scale = amax / ((q_max - q_min) / 2)`` (amax/448 for FP8, amax/7.5 for int4,
+amax/127.5 for int8) and ``q = clamp(round(w / scale), q_min, q_max)``; asymmetric
+``scale = (max - min) / (q_max - q_min)`` with min <= 0 <= max and
+``zp = round(clamp(q_min - min / scale))``. Zero or denormal ranges get the smallest
+normal scale so no division produces NaN or Inf.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ..errors import CheckpointError, ConfigError
+from .activations import ActivationSpec
+from .packing import pack_int32, packed_len, unpack_int32
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnknownSchemeError(ConfigError):
+    """A scheme name that is not registered (the message lists the known ones)."""
+
+
+class GroupSizeError(ConfigError):
+    """A group size that does not divide a tensor's input dimension."""
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A source weight holds NaN or Inf."""
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(parts: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(math.prod(s) * _esize(d) for _, d, s in parts)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Base of every weight scheme.
+
+    name: registry name; act: input-activation spec recorded in config.json (None for
+    weight-only schemes); needs_input_scale: True when act is static (its per-tensor
+    ``input_scale`` comes from calibration).
+    """
+
+    name: str = ""
+    act: ActivationSpec | None = None
+
+    # -- interface ----------------------------------------------------------------------
+    def check(self, tensor: str, shape: tuple[int, ...]) -> None:
+        """Raise a K3Error naming ``tensor`` if this scheme cannot quantize ``shape``."""
+        if len(shape) != 2:
+            raise ConfigError(
+                f"scheme '{self.name}' quantizes 2-D Linear weights; '{tensor}' has shape "
+                f"{tuple(shape)}. Keep it (--keep '{tensor}')."
+            )
+
+    def parts(self, shape: tuple[int, int]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(part suffix, dtype, shape) of what ``quantize`` returns for ``shape``."""
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_args(self) -> dict:
+        """compressed-tensors QuantizationArgs dict of the weights."""
+        raise NotImplementedError
+
+    @property
+    def format(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def needs_input_scale(self) -> bool:
+        return self.act is not None and not self.act.dynamic
+
+    # -- derived ------------------------------------------------------------------------
+    def nbytes(self, shape: tuple[int, int]) -> int:
+        n = _nbytes(self.parts(shape))
+        return n + (4 if self.needs_input_scale else 0)
+
+    def ct_scheme(self, targets: list[str]) -> dict:
+        """One config_groups entry of config.json."""
+        return {
+            "targets": list(targets),
+            "weights": self.weight_args(),
+            "input_activations": self.act.ct_args() if self.act else None,
+            "output_activations": None,
+            "format": self.format,
+        }
+
+    def describe(self) -> str:
+        return self.name
+
+    def options(self) -> dict:
+        """Fields a recipe may override (everything but name / act)."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("name", "act")
+        }
+
+
+def _finite_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp scales to the smallest normal of ``dtype`` (zero / denormal ranges)."""
+    return scale.clamp(min=torch.finfo(dtype).tiny)
+
+
+# -- FP8 ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FP8Scheme(Scheme):
+    """FP8 e4m3 weights with float32 scales.
+
+    strategy: 'tensor' (scale [1]) | 'channel' ([out, 1]) | 'block' ([ceil(out/b0),
+    ceil(in/b1)], any block shape, partial edge blocks allowed); scale_fmt: 'float32'
+    or 'ue8m0' (power-of-two scales, rounded up so nothing clips; stored as exact
+    float32 values, as DeepSeek-V3.1 does).
+    """
+
+    strategy: str = "block"
+    block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float32"
+
+    def __post_init__(self):
+        if self.strategy not in ("tensor", "channel", "block"):
+            raise ConfigError(
+                f"FP8 strategy must be tensor, channel or block, not {self.strategy}."
+            )
+        if self.scale_fmt not in ("float32", "ue8m0"):
+            raise ConfigError(f"scale_fmt must be 'float32' or 'ue8m0', not '{self.scale_fmt}'.")
+        b = tuple(self.block)
+        if len(b) != 2 or not all(isinstance(v, int) and v > 0 for v in b):
+            raise ConfigError(f"block must be two positive ints [rows, cols], got {self.block}.")
+        object.__setattr__(self, "block", b)
+
+    def parts(self, shape):
+        out, inp = shape
+        if self.strategy == "tensor":
+            s = (1,)
+        elif self.strategy == "channel":
+            s = (out, 1)
+        else:
+            s = (math.ceil(out / self.block[0]), math.ceil(inp / self.block[1]))
+        return [("weight", torch.float8_e4m3fn, (out, inp)), ("weight_scale", torch.float32, s)]
+
+    def _scale(self, amax: torch.Tensor) -> torch.Tensor:
+        s = _finite_scale(amax / FP8_MAX, torch.float32)
+        if self.scale_fmt == "ue8m0":
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        return s
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """w: [out, in] -> weight fp8 [out, in], weight_scale fp32 (see class doc)."""
+        if self.strategy == "block":
+            return self._quantize_blocks(w)
+        w = w.float()
+        if self.strategy == "tensor":
+            scale = self._scale(w.abs().amax()).reshape(1)
+            q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            return {"weight": q, "weight_scale": scale}
+        if self.strategy == "channel":
+            scale = self._scale(w.abs().amax(dim=1, keepdim=True))
+            q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            return {"weight": q, "weight_scale": scale}
+        raise AssertionError(self.strategy)
+
+    def _quantize_blocks(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One band of b0 rows at a time: the float32 working set stays cache-sized and
+        the only full-size allocation is the fp8 output."""
+        out, inp = w.shape
+        b0, b1 = self.block
+        r, c = math.ceil(out / b0), math.ceil(inp / b1)
+        cpad = c * b1 - inp
+        q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(r, c, dtype=torch.float32)
+        band = max(1, (1 << 21) // max(1, b0 * inp))  # ~2 M elements per step
+        for i0 in range(0, r, band):
+            i1 = min(r, i0 + band)
+            rows = w[i0 * b0 : min(out, i1 * b0)].to(torch.float32, copy=True)
+            n = rows.shape[0]
+            if (i1 - i0) * b0 != n or cpad:
+                padded = rows.new_zeros((i1 - i0) * b0, c * b1)
+                padded[:n, :inp] = rows
+            else:
+                padded = rows
+            blocks = padded.view(i1 - i0, b0, c, b1)
+            s = self._scale(blocks.abs().amax(dim=3).amax(dim=1))
+            scale[i0:i1] = s
+            blocks.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+            q[i0 * b0 : i0 * b0 + n] = padded[:n, :inp].to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale}
+
+    def dequantize(self, parts):
+        """weight fp8 [out, in] * weight_scale (broadcast per tensor/channel/block) -> fp32."""
+        q, scale = parts["weight"], parts["weight_scale"]
+        x = q.to(scale.dtype)
+        if self.strategy in ("tensor", "channel"):
+            return (x * scale).float()
+        out, inp = q.shape
+        b0, b1 = self.block
+        s = scale.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
+        return (x * s).float()
+
+    def weight_args(self):
+        a = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "strategy": self.strategy,
+            "dynamic": False,
+            "actorder": None,
+            "observer": "minmax",
+            "observer_kwargs": {},
+        }
+        if self.strategy == "block":
+            a["block_structure"] = list(self.block)
+        return a
+
+    @property
+    def format(self):
+        return "float-quantized" if self.act is not None else "naive-quantized"
+
+
+# -- INT ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IntScheme(Scheme):
+    """Integer weights, per output channel or per group of input channels.
+
+    num_bits: 2..8; strategy: 'channel' (scale [out, 1]) | 'group' ([out, in/g]);
+    symmetric: False adds a zero point; scale_dtype: 'float32' | 'bfloat16' | 'float16'.
+    Weight-only schemes are stored pack-quantized (int32 words, dense bits); schemes
+    with activation quantization are stored int-quantized (one int8 per value), as
+    compressed-tensors infers.
+    """
+
+    num_bits: int = 4
+    strategy: str = "group"
+    group_size: int | None = 128
+    symmetric: bool = True
+    scale_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if not (isinstance(self.num_bits, int) and 2 <= self.num_bits <= 8):
+            raise ConfigError(f"num_bits must be an integer in 2..8, got {self.num_bits!r}.")
+        if self.strategy not in ("channel", "group"):
+            raise ConfigError(f"int strategy must be channel or group, not '{self.strategy}'.")
+        if self.strategy == "group" and not (
+            isinstance(self.group_size, int) and self.group_size > 0
+        ):
+            raise ConfigError(f"group_size must be a positive integer, got {self.group_size!r}.")
+        if self.strategy == "channel":
+            object.__setattr__(self, "group_size", None)
+        if self.scale_dtype not in _DTYPES:
+            raise ConfigError(
+                f"scale_dtype must be one of {', '.join(_DTYPES)}, not '{self.scale_dtype}'."
+            )
+
+    @property
+    def packed(self) -> bool:
+        return self.act is None
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    @property
+    def sdtype(self) -> torch.dtype:
+        return _DTYPES[self.scale_dtype]
+
+    def check(self, tensor, shape):
+        super().check(tensor, shape)
+        if self.strategy == "group" and shape[1] % self.group_size:
+            divisors = [g for g in (32, 64, 128) if shape[1] % g == 0]
+            hint = (
+                f"use group_size {' or '.join(map(str, divisors))}"
+                if divisors
+                else ("use a per-channel scheme")
+            )
+            raise GroupSizeError(
+                f"scheme '{self.name}': group size {self.group_size} does not divide the "
+                f"input dimension {shape[1]} of '{tensor}' (shape {tuple(shape)}); {hint}, "
+                f"or keep it with --keep '{tensor}'."
+            )
+
+    def _ngroups(self, inp: int) -> int:
+        return 1 if self.strategy == "channel" else inp // self.group_size
+
+    def parts(self, shape):
+        out, inp = shape
+        ng = self._ngroups(inp)
+        sd = self.sdtype
+        if self.packed:
+            p = [
+                ("weight_packed", torch.int32, (out, packed_len(inp, self.num_bits))),
+                ("weight_scale", sd, (out, ng)),
+                ("weight_shape", torch.int64, (2,)),
+            ]
+            if not self.symmetric:
+                p.append(("weight_zero_point", torch.int32, (packed_len(out, self.num_bits), ng)))
+            return p
+        p = [("weight", torch.int8, (out, inp)), ("weight_scale", sd, (out, ng))]
+        if not self.symmetric:
+            p.append(("weight_zero_point", torch.int8, (out, ng)))
+        return p
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """w: [out, in] -> parts (see class doc); groups along the input dim.
+
+        Works on bands of rows so float32 temporaries stay cache-sized.
+        """
+        out, inp = w.shape
+        ng = self._ngroups(inp)
+        sd = self.sdtype
+        q = torch.empty(out, inp, dtype=torch.int8)
+        scale = torch.empty(out, ng, dtype=sd)
+        zp = None if self.symmetric else torch.empty(out, ng, dtype=torch.float32)
+        band = max(1, (1 << 21) // max(1, inp))
+        for r0 in range(0, out, band):
+            r1 = min(out, r0 + band)
+            g = w[r0:r1].float().view(r1 - r0, ng, inp // ng)
+            qs, ss, zs = self._quantize_rows(g)
+            q[r0:r1] = qs.view(r1 - r0, inp)
+            scale[r0:r1] = ss
+            if zp is not None:
+                zp[r0:r1] = zs
+        parts: dict[str, torch.Tensor] = {}
+        if self.packed:
+            parts["weight_packed"] = pack_int32(q, self.num_bits)
+            parts["weight_scale"] = scale
+            parts["weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
+            if zp is not None:
+                parts["weight_zero_point"] = pack_int32(zp.to(torch.int8), self.num_bits, 0)
+        else:
+            parts["weight"] = q
+            parts["weight_scale"] = scale
+            if zp is not None:
+                parts["weight_zero_point"] = zp.to(torch.int8)
+        return parts
+
+    def _quantize_rows(self, g: torch.Tensor):
+        """g: [rows, ng, group] fp32 -> (q int8, scale sd [rows, ng], zp fp32 | None)."""
+        bit_range = float(self.qmax - self.qmin)
+        sd = self.sdtype
+        if self.symmetric:
+            amax = g.abs().amax(-1)
+            scale = _finite_scale(amax / (bit_range / 2), sd).to(sd)
+            s32 = scale.float()
+            q = torch.round((g / s32[..., None]).clamp_(self.qmin, self.qmax))
+            return q.to(torch.int8), scale, None
+        lo = g.amin(-1).clamp(max=0)
+        hi = g.amax(-1).clamp(min=0)
+        scale = _finite_scale((hi - lo) / bit_range, sd).to(sd)
+        s32 = scale.float()
+        zp = torch.round(torch.clamp(self.qmin - lo / s32, self.qmin, self.qmax))
+        q = torch.round((g / s32[..., None] + zp[..., None]).clamp_(self.qmin, self.qmax))
+        return q.to(torch.int8), scale, zp
+
+    def dequantize(self, parts):
+        """(q - zp) * scale computed in the scale's dtype (as compressed-tensors) -> fp32."""
+        scale = parts["weight_scale"]
+        if self.packed:
+            shp = parts["weight_shape"]
+            out, inp = (int(v) for v in (shp.tolist() if isinstance(shp, torch.Tensor) else shp))
+            q = unpack_int32(parts["weight_packed"], self.num_bits, (out, inp))
+            zp = parts.get("weight_zero_point")
+            if zp is not None:
+                zp = unpack_int32(zp, self.num_bits, tuple(scale.shape), packed_dim=0)
+        else:
+            q = parts["weight"]
+            out, inp = q.shape
+            zp = parts.get("weight_zero_point")
+        ng = scale.shape[-1]
+        x = q.view(out, ng, inp // ng).to(scale.dtype)
+        if zp is not None:
+            x = x - zp.to(scale.dtype)[..., None]
+        return (x * scale[..., None]).view(out, inp).float()
+
+    def weight_args(self):
+        return {
+            "num_bits": self.num_bits,
+            "type": "int",
+            "symmetric": self.symmetric,
+            "group_size": self.group_size,
+            "strategy": self.strategy,
+            "dynamic": False,
+            "actorder": None,
+            "observer": "minmax",
+            "observer_kwargs": {},
+        }
+
+    @property
+    def format(self):
+        return "pack-quantized" if self.packed else "int-quantized"
+
+
+# -- registry -------------------------------------------------------------------------
+_REGISTRY: dict[str, Scheme] = {}
+
+
+def register(scheme: Scheme) -> Scheme:
+    if scheme.name in _REGISTRY:
+        raise ValueError(f"scheme '{scheme.name}' registered twice")
+    _REGISTRY[scheme.name] = scheme
+    return scheme
+
+
+def known_schemes() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_scheme(name: str, **options) -> Scheme:
+    """The registered scheme ``name``, with ``options`` (e.g. group_size=32) applied."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=3)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownSchemeError(
+            f"unknown quantization scheme '{name}'.{hint} Known schemes: {', '.join(_REGISTRY)}."
+        )
+    s = _REGISTRY[name]
+    if not options:
+        return s
+    allowed = s.options()
+    bad = [k for k in options if k not in allowed]
+    if bad:
+        raise ConfigError(
+            f"scheme '{name}' has no option '{bad[0]}'; its options are "
+            f"{', '.join(allowed) or 'none'}."
+        )
+    if "block" in options and options["block"] is not None:
+        options = {**options, "block": tuple(options["block"])}
+    return replace(s, **options)
+
+
+def _dyn(type_: str, strategy: str = "token", group_size: int | None = None) -> ActivationSpec:
+    return ActivationSpec(8, type_, strategy, dynamic=True, group_size=group_size)
+
+
+_FP8_TOKEN = _dyn("float")
+_FP8_GROUP = _dyn("float", "group", 128)
+_INT8_TOKEN = _dyn("int")
+_FP8_STATIC = ActivationSpec(8, "float", "tensor", dynamic=False)
+
+# Presets as users know them (llm-compressor / compressed-tensors names).
+for _s in (
+    FP8Scheme("fp8", _FP8_STATIC, strategy="tensor"),
+    FP8Scheme("fp8-dynamic", _FP8_TOKEN, strategy="channel"),
+    FP8Scheme("fp8-block", _FP8_GROUP, strategy="block"),
+    FP8Scheme("fp8-block-ue8m0", _FP8_GROUP, strategy="block", scale_fmt="ue8m0"),
+    IntScheme("w8a8", _INT8_TOKEN, num_bits=8, strategy="channel", scale_dtype="float32"),
+    IntScheme("w8a8-g128", _INT8_TOKEN, num_bits=8, group_size=128, scale_dtype="float32"),
+    IntScheme("w4a16", num_bits=4),
+    IntScheme("w4a16-asym", num_bits=4, symmetric=False),
+    IntScheme("w4a8-fp8", _FP8_TOKEN, num_bits=4),
+    IntScheme("w3a16", num_bits=3),
+    IntScheme("w2a16", num_bits=2),
+    # weight-only building blocks
+    FP8Scheme("fp8-tensor", strategy="tensor"),
+    FP8Scheme("fp8-channel", strategy="channel"),
+    FP8Scheme("fp8-block-w", strategy="block"),
+    IntScheme("int8-channel", num_bits=8, strategy="channel", scale_dtype="float32"),
+):
+    register(_s)
+for _b in (8, 4, 3, 2):
+    for _g in (32, 64, 128):
+        register(IntScheme(f"int{_b}-g{_g}", num_bits=_b, group_size=_g))
+        register(IntScheme(f"int{_b}-g{_g}-asym", num_bits=_b, group_size=_g, symmetric=False))

@@ -1,0 +1,353 @@
+"""``quantize``: stream a checkpoint tensor by tensor into a compressed-tensors directory.
+
+Nothing holds the model: each tensor is mapped from the source, dequantized if the
+source is encoded (an FP8-block release re-quantizes to int4 experts without a bf16
+copy), quantized, written, and dropped; at most ``2 * workers`` tensors are in flight.
+Everything that can be checked is checked before the first byte (scheme names, group
+divisibility, static activation scales, OUT, free disk); a NaN / Inf found while
+streaming aborts the run and removes the partial output. The output is written to a
+hidden ``.OUT.partial-PID`` directory and renamed at the end, so OUT either does not
+exist or is complete.
+
+Output layout (Hugging Face + compressed-tensors): ``config.json`` with
+``quantization_config`` (quant_method compressed-tensors, format, config_groups,
+ignore) and a ``k3convert`` provenance block; ``model-0000i-of-0000n.safetensors``
+shards of at most ``shard_size`` bytes with ``model.safetensors.index.json``; the
+source's tokenizer / processor files copied. Kept tensors are copied bit for bit;
+kept tensors of an encoded source are written dequantized in the config dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import __version__ as _k3_version
+from ..arch import resolve as resolve_arch
+from ..checkpoint import open_checkpoint
+from ..checkpoint.safetensors_io import SafetensorsWriter
+from ..errors import ConfigError, OutputError
+from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
+from .schemes import NonFiniteWeightError, get_scheme
+
+DEFAULT_SHARD_SIZE = 4 << 30
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize`` did (or would do, for a dry run)."""
+
+    out: Path | None
+    plan: Plan
+    dry_run: bool
+    seconds: float = 0.0
+    files: int = 0
+
+    def table(self, collapse: bool = True) -> str:
+        return self.plan.table(collapse)
+
+    def summary(self) -> str:
+        before, after = self.plan.totals()
+        n = len(self.plan.quantized)
+        what = "would write" if self.dry_run else f"wrote {self.out}:"
+        from ..inspect import human_bytes
+
+        rate = f", {before / self.seconds / 1e9:.2f} GB/s" if self.seconds > 0 else ""
+        return (
+            f"{what} {n} of {len(self.plan.rows)} tensors quantized "
+            f"({', '.join(sorted(self.plan.schemes())) or 'none'}), "
+            f"{human_bytes(before)} -> {human_bytes(after)}"
+            + (f" in {self.files} file(s), {self.seconds:.1f} s{rate}" if not self.dry_run else "")
+        )
+
+
+def _config_dtype(config: dict) -> torch.dtype:
+    t = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    name = str(t.get("dtype") or t.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return _DTYPE_NAMES.get(name, torch.bfloat16)
+
+
+def _infos(ckpt, roles) -> list[TensorInfo]:
+    dtype = _config_dtype(ckpt.config)
+    out = []
+    for n in ckpt.names():
+        m = ckpt.meta(n)
+        encoded = m.encoding != "plain"
+        out.append(
+            TensorInfo(
+                n, tuple(m.shape), roles[n], m.storage, encoded, m.nbytes,
+                dtype if encoded else m.dtype,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _recipe_rules(recipe) -> tuple[list[Rule], str | None, list[str], bool | None]:
+    from ..recipe import load_recipe
+
+    r = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
+    q = r.quantize
+    rules = [
+        make_rule(x.scheme, x.match, x.roles, x.options, where=f"{r.source}: quantize.rules[{i}]")
+        for i, x in enumerate(q.rules)
+    ]
+    return rules, q.scheme, list(q.keep), q.default_keep
+
+
+def plan_quantization(
+    *,
+    src: str | os.PathLike,
+    scheme: str | None = None,
+    recipe=None,
+    keep: Sequence[str] = (),
+    default_keep: bool = True,
+):
+    """(checkpoint, plan): open the source and resolve every tensor; reads no data."""
+    if (scheme is None) == (recipe is None):
+        raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
+    rules: list[Rule] = []
+    default = None
+    keep = list(keep)
+    if recipe is not None:
+        rules, default_name, rkeep, rdefault_keep = _recipe_rules(recipe)
+        default = get_scheme(default_name) if default_name else None
+        keep = rkeep + keep
+        if rdefault_keep is False:
+            default_keep = False
+    else:
+        default = get_scheme(scheme)
+    ckpt = open_checkpoint(src)
+    arch, cfg = resolve_arch(ckpt.config, f"{ckpt.root}/config.json")
+    roles = arch.classify(cfg, ckpt.names(), str(ckpt.root))
+    plan = resolve(
+        _infos(ckpt, roles),
+        arch=arch.name,
+        rules=rules,
+        default=default,
+        keep=keep,
+        default_keep=default_keep,
+    )
+    return ckpt, plan
+
+
+def _free_bytes(path: Path) -> int:
+    p = path.resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _assign(rows: list[Decision], shard_size: int) -> list[list[Decision]]:
+    shards: list[list[Decision]] = [[]]
+    size = 0
+    for r in rows:
+        if shards[-1] and size + r.out_bytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(r)
+        size += r.out_bytes
+    return shards
+
+
+def _entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    if r.kept:
+        return [(r.name, r.out_dtype, r.shape)]
+    base = r.module
+    e = [(f"{base}.{k}", d, s) for k, d, s in r.scheme.parts(r.shape)]
+    if r.scheme.needs_input_scale:
+        e.append((f"{base}.input_scale", torch.float32, (1,)))
+    return e
+
+
+def _check_finite(name: str, t: torch.Tensor, where: Path) -> None:
+    if t.dtype.is_floating_point and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise NonFiniteWeightError(
+            f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s); the source is "
+            f"corrupt - fix or re-download it (nothing was written to the output)."
+        )
+
+
+def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor]:
+    """The output tensors of one row, by output name."""
+    if r.kept:
+        if r.encoded:
+            w = ckpt.get(r.name)
+            _check_finite(r.name, w, ckpt.root)
+            return {r.name: w.to(r.out_dtype)}
+        t = ckpt.get_parts(r.name)["weight"]
+        _check_finite(r.name, t, ckpt.root)
+        return {r.name: t}
+    w = ckpt.get(r.name)
+    _check_finite(r.name, w, ckpt.root)
+    parts = r.scheme.quantize(w)
+    del w
+    out = {f"{r.module}.{k}": v for k, v in parts.items()}
+    if r.scheme.needs_input_scale:
+        s = input_scales[r.module]
+        out[f"{r.module}.input_scale"] = torch.as_tensor(s, dtype=torch.float32).reshape(1)
+    return out
+
+
+def _ordered(fn, items, workers: int):
+    """fn over items, results in order, at most 2*workers in flight."""
+    if workers <= 1:
+        for it in items:
+            yield it, fn(it)
+        return
+    with ThreadPoolExecutor(workers) as ex:
+        pending: deque = deque()
+        for it in items:
+            pending.append((it, ex.submit(fn, it)))
+            if len(pending) >= 2 * workers:
+                i, f = pending.popleft()
+                yield i, f.result()
+        while pending:
+            i, f = pending.popleft()
+            yield i, f.result()
+
+
+def _output_config(config: dict, plan: Plan, src: Path) -> dict:
+    cfg = copy.deepcopy(config)
+    cfg.pop("compression_config", None)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"].pop("quantization_config", None)
+    if plan.quantized:
+        cfg["quantization_config"] = plan.quantization_config()
+    else:
+        cfg.pop("quantization_config", None)
+    cfg["k3convert"] = {
+        "version": _k3_version,
+        "source": str(src),
+        "schemes": {
+            name: {"options": s.options(), "format": s.format} for name, s in plan.schemes().items()
+        },
+    }
+    return cfg
+
+
+def quantize(
+    *,
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    scheme: str | None = None,
+    recipe=None,
+    keep: Sequence[str] = (),
+    default_keep: bool = True,
+    dry_run: bool = False,
+    force: bool = False,
+    workers: int = 1,
+    progress: bool = True,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    input_scales: Mapping[str, float | torch.Tensor] | None = None,
+) -> QuantizeResult:
+    """Quantize ``src`` into a compressed-tensors Hugging Face directory ``out``.
+
+    scheme: a registered scheme name for every quantizable Linear (``fp8-block``,
+    ``w4a16``, ...), or recipe: a recipe path / :class:`k3convert.recipe.Recipe` with
+    ordered rules. keep: extra patterns to keep (glob or ``re:``); default_keep=False
+    drops the architecture's default exceptions. dry_run: resolve and return the plan,
+    write nothing. input_scales: module name -> static input scale, required by schemes
+    with static activations (``fp8``), normally supplied by calibration.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
+    ckpt, plan = plan_quantization(
+        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep
+    )
+    input_scales = dict(input_scales or {})
+    missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
+    missing = [m for m in missing if m not in input_scales]
+    if missing:
+        raise ConfigError(
+            f"scheme '{next(r.scheme.name for r in plan.quantized if r.module == missing[0])}' "
+            f"uses static per-tensor input scales, which come from calibration; "
+            f"{len(missing)} module(s) have none (e.g. '{missing[0]}'). Run calibration "
+            f"first, or use a dynamic scheme such as fp8-dynamic or fp8-block."
+        )
+    if dry_run:
+        return QuantizeResult(None, plan, True)
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
+    if out.resolve() == Path(ckpt.root).resolve():
+        raise OutputError(f"{out} is the source checkpoint; choose another OUT.")
+    aux = ckpt.aux_files
+    need = plan.totals()[1] + sum(p.stat().st_size for p in aux) + (16 << 20)
+    free = _free_bytes(out.parent)
+    if need > free:
+        raise OutputError(
+            f"{out}: quantizing needs about {need / 2**30:.2f} GiB but only "
+            f"{free / 2**30:.2f} GiB is free on {out.parent.resolve()}; free disk or "
+            f"choose another OUT."
+        )
+
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, input_scales)
+        for p in aux:
+            shutil.copy2(p, tmp / p.name)
+        cfg = _output_config(ckpt.config, plan, Path(ckpt.root))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles)
+
+
+def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales) -> int:
+    shards = _assign(plan.rows, shard_size)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    bar = tqdm(
+        total=plan.totals()[0],
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"quantize {Path(ckpt.root).name}",
+        disable=not progress,
+    )
+    try:
+        for i, rows in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            entries = [e for r in rows for e in _entries(r)]
+            with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+                for r, tensors in _ordered(
+                    lambda r: _produce(ckpt, r, input_scales), rows, workers
+                ):
+                    for name, dt, shape in _entries(r):
+                        t = tensors[name]
+                        if t.dtype != dt or tuple(t.shape) != tuple(shape):
+                            raise AssertionError(
+                                f"{name}: produced {t.dtype}{tuple(t.shape)}, planned {dt}{shape}"
+                            )
+                        w.write(name, t)
+                        weight_map[name] = fname
+                        total += t.numel() * t.element_size()
+                    bar.update(r.src_bytes)
+    finally:
+        bar.close()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return n
