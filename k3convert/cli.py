@@ -134,6 +134,46 @@ def synth(
 
 
 @app.command()
+def forward(
+    src: Annotated[
+        Path, typer.Argument(help="Checkpoint, quantized checkpoint, or single-rank stream dir.")
+    ],
+    ids: Annotated[
+        str | None, typer.Option(help='Token ids, e.g. "1 2 3" (";" separates sequences).')
+    ] = None,
+    ids_file: Annotated[
+        Path | None,
+        typer.Option(help="safetensors with input_ids [batch, seq] (+ attention_mask)."),
+    ] = None,
+    pixel_values: Annotated[
+        Path | None,
+        typer.Option(help="safetensors with pixel_values and image_grid_thw (kimi_k25)."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: fp32 or bf16.")] = "fp32",
+    save_logits: Annotated[
+        Path | None, typer.Option(help="Write logits [batch, seq, vocab] float32 here.")
+    ] = None,
+    top: Annotated[int, typer.Option(help="Top-K next tokens to print.")] = 5,
+    device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
+):
+    """Run the embedded layer-by-layer runtime on token ids; print the top next tokens."""
+    from .runtime.forward_cmd import run_forward
+
+    typer.echo(
+        run_forward(
+            src=src,
+            ids=ids,
+            ids_file=ids_file,
+            pixel_values=pixel_values,
+            dtype=dtype,
+            save_logits=save_logits,
+            top=top,
+            device=device,
+        )
+    )
+
+
+@app.command()
 def quantize(
     src: Annotated[Path, typer.Argument(help="Source checkpoint (bf16, FP8-block, int4, ...).")],
     out: Annotated[Path, typer.Argument(help="Output compressed-tensors directory.")],

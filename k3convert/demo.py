@@ -11,11 +11,15 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from .errors import K3Error
 from .inspect import format_report, inspect_path
 from .quant import quantize
 from .recipe import parse_recipe
+from .runtime import Runtime
 from .shard import check, shard
+from .sources import open_source
 from .synth import synthesize
 
 #: the recipe of recipes/kimi-k2-int4-experts.yaml, inline so an installed wheel has it
@@ -75,5 +79,26 @@ def run_demo(*, out: str | Path, preset: str = "kimi-k25", echo: Callable[[str],
     echo(str(report))
     if not report.ok:
         raise K3Error(f"demo: the stream written to {stream} failed its own check.")
+    echo("")
+    single = out / "stream-tp1"
+    echo("== shard: tp=1 (one rank) so the runtime can stream it layer by layer")
+    shard(src=quantized, out=single, force=True, progress=False)
+    echo("")
+    echo("== forward: embedded runtime, layer by layer, on the same 2 sequences")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28, 45]])
+    logits = {}
+    for label, src in (("original", model), ("quantized", quantized), ("stream tp1", single)):
+        with Runtime(open_source(src)) as rt:
+            logits[label] = rt.forward(ids)
+    ref = logits["original"]
+    scale = ref.abs().max().item()
+    echo(f"{'source':<12} {'max|dlogit|/max|logit|':>24} {'argmax agree':>13}")
+    for label, lg in logits.items():
+        rel = (lg - ref).abs().max().item() / scale
+        agree = (lg.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        echo(f"{label:<12} {rel:>24.2e} {agree:>12.0%}")
+    if not torch.equal(logits["stream tp1"], logits["quantized"]):
+        raise K3Error("demo: the stream's logits differ from the checkpoint it was made from.")
+    echo("stream tp1 == quantized checkpoint: bit-identical logits")
     echo("")
     echo(f"demo finished: artefacts in {out}/")

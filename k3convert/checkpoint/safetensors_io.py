@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import SafetensorsFormatError
@@ -204,12 +204,15 @@ def _check_tiling(p: Path, tensors: dict[str, RawTensorInfo], base: int, size: i
 def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
     """Zero-copy, lazily faulted view of one tensor's bytes (copy-on-write mapping).
 
-    The mapping is released when the returned tensor (and every view of it) dies.
+    The mapping covers just this tensor and is released when the returned tensor (and
+    every view of it) dies. Writes to the tensor never reach the file.
     """
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.dtype)
-    arr = np.memmap(path, dtype=np.uint8, mode="c", offset=info.start, shape=(info.nbytes,))
-    flat = torch.from_numpy(arr)
+    start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as fh:  # mmap keeps its own descriptor
+        mm = mmap.mmap(fh.fileno(), info.end - start, offset=start, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start - start)
     if info.dtype == torch.bool:
         return flat.view(torch.bool).reshape(info.shape)
     if info.dtype != torch.uint8:

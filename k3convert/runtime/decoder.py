@@ -1,0 +1,309 @@
+"""Decoder layers of the text families: GQA or MLA attention, dense MLP or routed MoE.
+
+A family is a row of :data:`FAMILIES` (attention kind, router kind), keyed by the
+architecture name, so qwen2 / qwen3 / mistral run llama's row and mixtral runs
+qwen3_moe's. Every setting that the parsed architecture config does not carry (norm eps,
+activation, rope, router scoring, rope interleave, sliding window) is read here from the
+raw config dict, once, into :class:`TextSettings`.
+
+Shapes: hidden [B, S, H]; per-head tensors [B, heads, S, head_dim].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .ops import activation, attend, rms_norm
+from .rope import Rotary, apply_rope, apply_rope_interleaved, rope_config, yarn_mscale
+from .source import Weights
+
+#: linear(weights, key, x) -> y, with bias and hooks (provided by the Runtime)
+Linear = Callable[[Weights, str, torch.Tensor], torch.Tensor]
+
+#: eps of MLA's q_a / kv_a RMSNorms: fixed in DeepSeek's reference code, not rms_norm_eps
+MLA_LORA_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """Everything a decoder layer needs besides its weights."""
+
+    family: str
+    attention: str  # "gqa" | "mla"
+    router: str | None  # None | "softmax" | "sigmoid_group"
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # GQA head dim; MLA: qk_nope + qk_rope
+    rms_eps: float
+    act: Callable[[torch.Tensor], torch.Tensor]
+    rotary: Rotary
+    scale: float
+    windows: tuple[int | None, ...]  # sliding window per layer (None: full causal)
+    # MLA
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # MoE
+    top_k: int = 0
+    num_experts: int = 0
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Family:
+    attention: str
+    router: str | None
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("gqa", None),
+    "qwen3_moe": Family("gqa", "softmax"),
+    "deepseek_v3": Family("mla", "sigmoid_group"),
+    "kimi_k25": Family("mla", "sigmoid_group"),
+}
+
+
+def _windows(raw: dict, n: int) -> tuple[int | None, ...]:
+    sw = raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) >= n:
+        return tuple(sw if t == "sliding_attention" and sw else None for t in types[:n])
+    if raw.get("use_sliding_window") is False:
+        return (None,) * n
+    return (int(sw) if sw else None,) * n
+
+
+def text_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettings:
+    """Settings of the decoder; ``raw`` is the text config dict (text_config for kimi_k25)."""
+    fam = FAMILIES.get(arch_name)
+    if fam is None:
+        raise ConfigError(f"{where}: the runtime has no forward pass for '{arch_name}'.")
+    act = activation(raw.get("hidden_act"), where)
+    eps = float(raw.get("rms_norm_eps") or 1e-6)
+    windows = _windows(raw, cfg.num_layers)
+    common: dict = dict(
+        family=arch_name,
+        attention=fam.attention,
+        router=fam.router,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        rms_eps=eps,
+        act=act,
+        windows=windows,
+    )
+    if fam.router is not None:
+        common.update(
+            top_k=cfg.num_experts_per_tok,
+            num_experts=cfg.num_experts,
+            norm_topk_prob=cfg.norm_topk_prob,
+        )
+    if fam.attention == "gqa":
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ConfigError(
+                f"{where}: num_attention_heads={cfg.num_heads} is not a multiple of "
+                f"num_key_value_heads={cfg.num_kv_heads}."
+            )
+        rc = rope_config(raw, cfg.head_dim, where)
+        return TextSettings(
+            **common,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rotary=Rotary(rc),
+            scale=cfg.head_dim**-0.5,
+        )
+    rc = rope_config(raw, cfg.qk_rope_head_dim, where)
+    scale = cfg.qk_head_dim**-0.5
+    m_all = rc.get("mscale_all_dim")
+    if rc.rope_type != "default" and m_all:
+        # DeepSeek folds YaRN's magnitude correction into the softmax scale
+        m = yarn_mscale(float(rc.params["factor"]), float(m_all))
+        scale = scale * m * m
+    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
+        raise ConfigError(
+            f"{where}: group-limited routing needs at least 2 experts per group "
+            f"(n_routed_experts={cfg.num_experts}, n_group={cfg.n_group})."
+        )
+    return TextSettings(
+        **common,
+        num_kv_heads=cfg.num_heads,
+        head_dim=cfg.qk_head_dim,
+        rotary=Rotary(rc),
+        scale=scale,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope=cfg.qk_nope_head_dim,
+        qk_rope=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+
+
+@dataclass
+class Step:
+    """Per-forward inputs shared by all layers: rope tables and masks."""
+
+    cos: torch.Tensor  # [B, S, rope_dim] float32
+    sin: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]  # window -> [B, 1, S, S] bool or None
+
+
+# -- attention -----------------------------------------------------------------------
+def gqa_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step):
+    b, s, _ = h.shape
+    d = ts.head_dim
+    q = lin(w, "attention.q_proj", h).view(b, s, -1, d)
+    k = lin(w, "attention.k_proj", h).view(b, s, -1, d)
+    v = lin(w, "attention.v_proj", h).view(b, s, -1, d)
+    if "norms.q_norm" in w:
+        q = rms_norm(q, w["norms.q_norm"], ts.rms_eps)
+    if "norms.k_norm" in w:
+        k = rms_norm(k, w["norms.k_norm"], ts.rms_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = apply_rope(q, step.cos, step.sin)
+    k = apply_rope(k, step.cos, step.sin)
+    o = attend(q, k, v, mask, ts.scale, causal=True)
+    return lin(w, "attention.o_proj", o)
+
+
+def mla_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step):
+    b, s, _ = h.shape
+    nh = ts.num_heads
+    if "attention.q_a_proj" in w:
+        qa = lin(w, "attention.q_a_proj", h)
+        qa = rms_norm(qa, w.need("norms.q_a_layernorm"), MLA_LORA_NORM_EPS)
+        q = lin(w, "attention.q_b_proj", qa)
+    else:
+        q = lin(w, "attention.q_proj", h)
+    q = q.view(b, s, nh, ts.qk_nope + ts.qk_rope).transpose(1, 2)
+    q_nope, q_rot = q.split([ts.qk_nope, ts.qk_rope], dim=-1)
+    ckv = lin(w, "attention.kv_a_proj_with_mqa", h)
+    latent, k_rot = ckv.split([ts.kv_lora_rank, ts.qk_rope], dim=-1)
+    latent = rms_norm(latent, w.need("norms.kv_a_layernorm"), MLA_LORA_NORM_EPS)
+    k_rot = k_rot.reshape(b, 1, s, ts.qk_rope)
+    rot = apply_rope_interleaved if ts.rope_interleave else apply_rope
+    q_rot = rot(q_rot, step.cos, step.sin)
+    k_rot = rot(k_rot, step.cos, step.sin)
+    kv = lin(w, "attention.kv_b_proj", latent).view(b, s, nh, ts.qk_nope + ts.v_head_dim)
+    k_nope, v = kv.transpose(1, 2).split([ts.qk_nope, ts.v_head_dim], dim=-1)
+    q = torch.cat((q_nope, q_rot), dim=-1)
+    k = torch.cat((k_nope, k_rot.expand(b, nh, s, ts.qk_rope)), dim=-1)
+    o = attend(q, k, v, mask, ts.scale, causal=True)
+    return lin(w, "attention.o_proj", o)
+
+
+ATTENTION = {"gqa": gqa_attention, "mla": mla_attention}
+
+
+# -- MLPs and routing ----------------------------------------------------------------
+def gated_mlp(ts: TextSettings, lin: Linear, w: Weights, prefix: str, x: torch.Tensor):
+    g = lin(w, f"{prefix}.gate_proj", x)
+    u = lin(w, f"{prefix}.up_proj", x)
+    return lin(w, f"{prefix}.down_proj", ts.act(g) * u)
+
+
+def softmax_topk(ts: TextSettings, logits: torch.Tensor, w: Weights):
+    """qwen3_moe / mixtral: softmax over all experts, top-k, optional renormalisation."""
+    probs = logits.float().softmax(dim=-1)
+    weights, idx = probs.topk(ts.top_k, dim=-1)
+    if ts.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, idx
+
+
+def sigmoid_group_topk(ts: TextSettings, logits: torch.Tensor, w: Weights):
+    """DeepSeek-V3: sigmoid scores; the bias steers selection only; groups ranked by the
+    sum of their two best biased scores, top ``topk_group`` groups kept, top-k within."""
+    scores = logits.float().sigmoid()
+    bias = w.get("router.e_score_correction_bias")
+    choice = scores + bias if bias is not None else scores
+    t, e = choice.shape
+    if ts.n_group > 1:
+        grouped = choice.view(t, ts.n_group, e // ts.n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = group_score.topk(ts.topk_group, dim=-1).indices
+        gmask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~gmask[..., None], float("-inf")).view(t, e)
+    idx = choice.topk(ts.top_k, dim=-1).indices
+    weights = scores.gather(1, idx)
+    if ts.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * ts.routed_scaling_factor, idx
+
+
+ROUTERS = {"softmax": softmax_topk, "sigmoid_group": sigmoid_group_topk}
+
+
+def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    logits = lin(w, "router.router", flat.float())
+    weights, idx = ROUTERS[ts.router](ts, logits, w)
+    # one gather and one scatter for all experts: slots sorted by expert, each expert
+    # runs on its contiguous run of rows (ascending expert order, as the reference sums)
+    k = idx.shape[1]
+    order = idx.reshape(-1).argsort(stable=True)
+    tok = order // k
+    counts = torch.bincount(idx.reshape(-1), minlength=ts.num_experts).tolist()
+    xs = flat[tok]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = gated_mlp(
+                ts, lin, w, f"routed_experts.{e}", xs[start : start + n]
+            )
+            start += n
+    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    out = torch.zeros_like(flat).index_add_(0, tok, ys)
+    if "shared_experts.gate_proj" in w:
+        out = out + gated_mlp(ts, lin, w, "shared_experts", flat)
+    return out.view(shape)
+
+
+def decoder_layer(
+    ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, layer: int, step: Step
+) -> torch.Tensor:
+    h = rms_norm(x, w.need("norms.input_layernorm"), ts.rms_eps)
+    mask = step.masks[ts.windows[layer]]
+    x = x + ATTENTION[ts.attention](ts, lin, w, h, mask, step)
+    h = rms_norm(x, w.need("norms.post_attention_layernorm"), ts.rms_eps)
+    if "router.router" in w:
+        return x + moe(ts, lin, w, h)
+    return x + gated_mlp(ts, lin, w, "dense_mlp", h)
+
+
+def make_step(
+    ts: TextSettings,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    device: torch.device,
+) -> Step:
+    from .ops import attention_mask as build_mask
+
+    b, s = position_ids.shape
+    cos, sin = ts.rotary.cos_sin(position_ids.to(device))
+    masks = {
+        win: build_mask(attention_mask, s, batch=b, window=win, device=device)
+        for win in set(ts.windows)
+    }
+    return Step(cos, sin, masks)
+
+
+def linear_plain(w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w.need(key), w.get(key + "_bias"))

@@ -1,0 +1,181 @@
+"""``k3convert forward``: run the embedded runtime on token ids and show the next tokens.
+
+A smoke test of a checkpoint (original, quantized or, later, sharded) without
+transformers: ids on the command line or in a safetensors file, optional images, top-K
+next tokens per sequence (decoded when a tokenizer sits next to the weights and
+transformers is importable), optional float32 logits saved for offline comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, ConfigError, OutputError
+from .runtime import Runtime, parse_dtype
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
+
+
+def parse_ids(text: str) -> torch.Tensor:
+    """'1 2 3' -> [[1, 2, 3]]; sequences of equal length may be separated by ';'."""
+    rows = [r for r in text.split(";") if r.strip()]
+    if not rows:
+        raise ConfigError('--ids is empty; give token ids like --ids "1 2 3".')
+    seqs = []
+    for r in rows:
+        toks = [t for t in re.split(r"[\s,]+", r.strip()) if t]
+        try:
+            seqs.append([int(t) for t in toks])
+        except ValueError:
+            bad = next(t for t in toks if not re.fullmatch(r"-?\d+", t))
+            raise ConfigError(
+                f"--ids: '{bad}' is not an integer token id; give ids like --ids \"1 2 3\"."
+            ) from None
+    if len({len(s) for s in seqs}) != 1:
+        raise ConfigError(
+            f"--ids: sequences have different lengths ({', '.join(str(len(s)) for s in seqs)}); "
+            f"use --ids-file with an attention_mask for ragged batches."
+        )
+    return torch.tensor(seqs, dtype=torch.long)
+
+
+def _load_safetensors(path: str | os.PathLike, what: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p}: no such file.")
+    try:
+        return load_file(str(p))
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"{what} {p}: not a readable safetensors file ({e}).") from e
+
+
+def _need(d: dict, key: str, path, what: str) -> torch.Tensor:
+    if key not in d:
+        raise ConfigError(
+            f"{what} {path}: no tensor '{key}' (it holds {', '.join(sorted(d)) or 'nothing'})."
+        )
+    return d[key]
+
+
+def _tokenizer(src: Path):
+    if not any((src / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(src))
+    except Exception:  # a broken tokenizer must not hide the logits; ids are printed
+        return None
+
+
+def run_forward(
+    *,
+    src: str | os.PathLike,
+    ids: str | None = None,
+    ids_file: str | os.PathLike | None = None,
+    pixel_values: str | os.PathLike | None = None,
+    dtype: str = "fp32",
+    save_logits: str | os.PathLike | None = None,
+    top: int = 5,
+    device: str = "cpu",
+) -> str:
+    """Forward SRC on the given ids; returns the report text (top-K next tokens)."""
+    from ..sources import open_source
+
+    if (ids is None) == (ids_file is None):
+        raise ConfigError('give exactly one of --ids "1 2 3" or --ids-file F.safetensors.')
+    if not isinstance(top, int) or top < 1:
+        raise ConfigError(f"--top must be a positive integer, got {top!r}.")
+    compute = parse_dtype(dtype)
+    mask = None
+    if ids is not None:
+        input_ids = parse_ids(ids)
+    else:
+        d = _load_safetensors(ids_file, "--ids-file")
+        input_ids = _need(d, "input_ids", ids_file, "--ids-file")
+        mask = d.get("attention_mask")
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+            mask = mask[None] if mask is not None and mask.ndim == 1 else mask
+        if input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+            raise ConfigError(
+                f"--ids-file {ids_file}: input_ids must be integer [batch, seq], got "
+                f"{input_ids.dtype} {tuple(input_ids.shape)}."
+            )
+        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
+            raise ConfigError(
+                f"--ids-file {ids_file}: attention_mask {tuple(mask.shape)} does not match "
+                f"input_ids {tuple(input_ids.shape)}."
+            )
+    pv = grid = None
+    if pixel_values is not None:
+        d = _load_safetensors(pixel_values, "--pixel-values")
+        pv = _need(d, "pixel_values", pixel_values, "--pixel-values")
+        grid = _need(d, "image_grid_thw", pixel_values, "--pixel-values")
+    if save_logits is not None:
+        out = Path(save_logits)
+        if not out.parent.is_dir():
+            raise OutputError(
+                f"--save-logits {out}: directory {out.parent} does not exist; create it first."
+            )
+    ckpt = open_source(src)
+    world = getattr(ckpt, "world", 1)
+    if world != 1:
+        raise ConfigError(
+            f"{src}: a stream sharded for {world} ranks; `k3convert forward` runs single-rank "
+            f"streams (tp = pp = 1) and checkpoints. Shard with --tp 1 --pp 1 to smoke-test "
+            f"one, or run the original checkpoint."
+        )
+    with Runtime(ckpt, device=device, dtype=compute) as rt:
+        logits = rt.forward(input_ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid)
+    if save_logits is not None:
+        _save(logits, Path(save_logits))
+    return _report(Path(src), rt, input_ids, mask, logits, top, dtype, device, save_logits)
+
+
+def _save(logits: torch.Tensor, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        save_file({"logits": logits.float().contiguous().cpu()}, str(tmp))
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"--save-logits {out}: cannot write ({e.strerror}).") from e
+
+
+def _report(src, rt, input_ids, mask, logits, top, dtype, device, saved) -> str:
+    tok = _tokenizer(src if src.is_dir() else src.parent)
+    b, s = input_ids.shape
+    k = min(top, logits.shape[-1])
+    lines = [
+        f"{src}: {rt.arch.name}, {rt.num_layers} layers, {dtype} on {device}; input [{b}, {s}]"
+    ]
+    for row in range(b):
+        if mask is not None:
+            valid = mask[row].nonzero()
+            if len(valid) == 0:
+                lines.append(f"sequence {row}: all padding, skipped")
+                continue
+            last = int(valid[-1])
+        else:
+            last = s - 1
+        lg = logits[row, last].float()
+        probs = lg.softmax(-1)
+        p, idx = probs.topk(k)
+        lines.append(f"sequence {row} (next token after position {last}):")
+        for rank, (pi, ti) in enumerate(zip(p.tolist(), idx.tolist(), strict=True), 1):
+            text = f" {tok.decode([ti])!r}" if tok is not None else ""
+            lines.append(f"  {rank:>2}. id {ti:>7}{text}  p={pi:.4f}  logit={lg[ti].item():.4f}")
+    if saved is not None:
+        lines.append(f"logits [{b}, {s}, {logits.shape[-1]}] float32 saved to {saved}")
+    return "\n".join(lines)

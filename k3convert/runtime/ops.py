@@ -1,0 +1,92 @@
+"""Small numeric building blocks: norms, activations, masks, attention, hooked linears.
+
+Norm statistics are taken in float32 whatever the compute dtype. Attention goes through
+``torch.nn.functional.scaled_dot_product_attention`` (any device) with a boolean mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str | None, where: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[name or "silu"]
+    except KeyError:
+        raise ConfigError(
+            f"{where}: hidden_act '{name}' is not supported by the runtime; supported: "
+            f"{', '.join(ACTIVATIONS)}."
+        ) from None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+    return F.layer_norm(x.float(), weight.shape, weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def attention_mask(
+    attention_mask: torch.Tensor | None,
+    position_count: int,
+    *,
+    batch: int,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean [B, 1, S, S] mask (True = may attend): causal, padding, sliding window.
+
+    None when plain causal attention needs no mask. Query rows that could see no key
+    (left padding) are opened to every key: their outputs are garbage by definition but
+    stay finite, so they cannot poison real tokens through 0 * NaN.
+    """
+    if attention_mask is None and window is None:
+        return None
+    s = position_count
+    i = torch.arange(s, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed = allowed & ((i[:, None] - i[None, :]) < window)
+    allowed = allowed[None, None].expand(batch, 1, s, s)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    empty = ~allowed.any(-1, keepdim=True)
+    return allowed | empty
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    causal: bool,
+) -> torch.Tensor:
+    """q: [B, Hq, S, D], k: [B, Hkv, S, D], v: [B, Hkv, S, Dv] -> [B, S, Hq * Dv]."""
+    gqa = q.shape[1] != k.shape[1]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=gqa
+    )
+    b, h, s, d = o.shape
+    return o.transpose(1, 2).reshape(b, s, h * d)
+
+
+#: hook(name, input, output) -> None or a replacement output
+LinearHook = Callable[[str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]

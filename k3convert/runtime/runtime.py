@@ -1,0 +1,395 @@
+"""``Runtime``: our own forward pass, executed from a weight source one unit at a time.
+
+Why not transformers: the runtime must run from shards that never form a whole model
+(3 T parameters), layer by layer, with hooks where calibration needs them; transformers
+is only the test oracle. The forward is split into the pieces calibration drives:
+
+    h = rt.embed(input_ids, pixel_values=..., image_grid_thw=...)     # [B, S, H]
+    for i in range(rt.num_layers):
+        h = rt.run_layer(i, h, position_ids, attention_mask)
+    logits = rt.head(h)                                             # [B, S, V] float32
+
+Each piece fetches its unit's weights from a :class:`UnitLoader` (current unit kept,
+next unit prefetched on a background thread) and holds them only while it runs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..arch import resolve
+from ..errors import CheckpointError, ConfigError
+from .decoder import Step, TextSettings, decoder_layer, make_step, text_settings
+from .ops import LinearHook, rms_norm
+from .source import Plan, UnitLoader, Weights, WeightSource, make_plan
+from .vision import VisionSettings, encode_images, vision_settings
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"compute dtype {dtype} is not supported; use fp32 or bf16.")
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ConfigError(
+            f"compute dtype '{dtype}' is not known; use one of fp32, bf16, fp16."
+        ) from None
+
+
+@dataclass
+class HookHandle:
+    """Returned by :meth:`Runtime.add_hook`; ``remove()`` unregisters the hook."""
+
+    runtime: Runtime
+    entry: tuple
+
+    def remove(self) -> None:
+        if self.entry in self.runtime._hooks:
+            self.runtime._hooks.remove(self.entry)
+
+
+def _matcher(match) -> Callable[[str], bool]:
+    if match is None:
+        return lambda n: True
+    if isinstance(match, str):
+        rx = re.compile(match)
+        return lambda n: rx.search(n) is not None
+    if callable(match):
+        return match
+    names = frozenset(match)
+    return lambda n: n in names
+
+
+class Runtime:
+    """Forward pass of a llama / qwen / mixtral / qwen3_moe / deepseek_v3 / kimi_k2 /
+    kimi_k25 model from ``source`` (anything with ``config``, ``names()``, ``get()``).
+
+    device: a torch device string; dtype: compute dtype (weights are converted on load;
+    norms, softmax, rotary and routers run in float32). prefetch: load the next unit on a
+    background thread. resident: keep every unit once loaded (fast repeated forwards of a
+    model that fits in memory); default streams.
+    """
+
+    def __init__(
+        self,
+        source: WeightSource,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        *,
+        prefetch: bool = True,
+        resident: bool = False,
+    ):
+        self.source = source
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        raw = source.config
+        where = f"{getattr(source, 'root', 'source')}/config.json"
+        if not isinstance(raw, dict) or not raw:
+            raise ConfigError(f"{where}: the weight source has no config; the runtime needs one.")
+        self.arch, self.cfg = resolve(raw, where)
+        text_raw = raw.get("text_config") if self.arch.name == "kimi_k25" else raw
+        self.text: TextSettings = text_settings(
+            self.arch.name, _text_cfg(self.cfg), text_raw, where
+        )
+        self.vision: VisionSettings | None = None
+        if self.arch.name == "kimi_k25":
+            self.vision = vision_settings(raw, self.cfg, where)
+        names = list(source.names())
+        self.plan: Plan = make_plan(
+            self.arch, self.cfg, names, tied=bool(self.cfg.tie_word_embeddings), where=where
+        )
+        self._check_complete(where)
+        self.loader = UnitLoader(
+            source, self.plan, dtype=self.dtype, device=self.device, prefetch=prefetch,
+            resident=resident,
+        )  # fmt: skip
+        self._hooks: list[tuple[Callable[[str], bool], LinearHook]] = []
+        self._step_key: tuple | None = None
+        self._step: Step | None = None
+        self._step_refs: tuple = ()
+
+    # -- public ---------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    def add_hook(self, fn: LinearHook, match: str | Iterable[str] | Callable | None = None):
+        """Call ``fn(name, input, output)`` after every linear whose weight's source name
+        matches (None: all; str: regex search; iterable: exact names; callable: predicate).
+        A returned tensor replaces the output. Router linears get float32 inputs."""
+        entry = (_matcher(match), fn)
+        self._hooks.append(entry)
+        return HookHandle(self, entry)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, V] float32.
+
+        attention_mask [B, S] (1 = token, 0 = padding). position_ids default to 0..S-1 for
+        every row, as transformers' forward does.
+        """
+        input_ids = self._ids(input_ids)
+        if attention_mask is not None:
+            attention_mask = self._mask(attention_mask, input_ids)
+        if position_ids is None:
+            position_ids = self.default_positions(input_ids)
+        try:
+            h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+            for i in range(self.num_layers):
+                h = self.run_layer(i, h, position_ids, attention_mask)
+            return self.head(h)
+        finally:
+            if not self.loader.resident:
+                self.loader.release()
+            self._step_key = self._step = None
+            self._step_refs = ()
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings [B, S, H] in the compute dtype, image features spliced in."""
+        input_ids = self._ids(input_ids)
+        special = None
+        if self.vision is not None:
+            special = input_ids == self.vision.image_token_id
+            if self.vision.video_token_id is not None:
+                special |= input_ids == int(self.vision.video_token_id)
+        w = self.loader.get("embed")
+        table = w.need("embeddings.embed_tokens")
+        ids = input_ids.masked_fill(special, 0) if special is not None else input_ids
+        vocab = table.shape[0]
+        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise ConfigError(
+                f"input ids must lie in [0, {vocab}) (the vocabulary size); got "
+                f"{int(ids.min())}..{int(ids.max())}."
+            )
+        h = F.embedding(ids.to(table.device), table).to(self.dtype)
+        del w, table
+        if pixel_values is None:
+            if image_grid_thw is not None:
+                raise ConfigError("image_grid_thw was given without pixel_values.")
+            if special is not None and bool(special.any()):
+                raise ConfigError(
+                    f"input ids hold {int(special.sum())} image token(s) (id "
+                    f"{self.vision.image_token_id}) but no pixel_values were given."
+                )
+            return h
+        if self.vision is None:
+            raise ConfigError(
+                f"pixel_values given, but '{self.arch.name}' has no vision tower; only "
+                f"kimi_k25 takes images."
+            )
+        if image_grid_thw is None:
+            raise ConfigError("pixel_values need image_grid_thw [num_images, 3].")
+        feats = self.encode_images(pixel_values, image_grid_thw)
+        n_tok = int(special.sum())
+        if n_tok != feats.shape[0]:
+            raise ConfigError(
+                f"input ids hold {n_tok} image token(s) (id {self.vision.image_token_id}) but "
+                f"the images give {feats.shape[0]} merged patches; the prompt and the "
+                f"images do not match."
+            )
+        h[special.to(h.device)] = feats.to(h.dtype)
+        return h
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
+        """Vision tower + projector: [num_image_tokens, H] in the compute dtype."""
+        if self.vision is None:
+            raise ConfigError(f"'{self.arch.name}' has no vision tower.")
+        w = self.loader.get("vision")
+        feats, _ = encode_images(
+            self.vision, self._linear, w, pixel_values, image_grid_thw.long().cpu(), self.dtype
+        )
+        return feats
+
+    @torch.inference_mode()
+    def run_layer(
+        self,
+        i: int,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decoder layer ``i``: hidden [B, S, H] -> [B, S, H]."""
+        if not 0 <= i < self.num_layers:
+            raise ConfigError(f"layer {i} does not exist; the model has {self.num_layers}.")
+        if position_ids is None:
+            position_ids = self.default_positions(hidden)
+        step = self._step_for(position_ids, attention_mask, hidden)
+        w = self.loader.get(f"layer.{i}")
+        return decoder_layer(self.text, self._linear, w, hidden.to(self.dtype), i, step)
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head: [B, S, H] -> logits [B, S, V] float32."""
+        w = self.loader.get("head")
+        h = rms_norm(hidden.to(self.dtype), w.need("norms.final_norm"), self.text.rms_eps)
+        return self._linear(w, "head.lm_head", h).float()
+
+    def default_positions(self, like: torch.Tensor) -> torch.Tensor:
+        b, s = like.shape[:2]
+        return torch.arange(s, device=self.device)[None].expand(b, s)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals ------------------------------------------------------------------
+    def _required(self) -> dict[str, list[str]]:
+        """unit -> keys the forward reads there (so gaps fail at open, not mid-run)."""
+        ts, cfg = self.text, _text_cfg(self.cfg)
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        if ts.attention == "gqa":
+            attn = [f"attention.{k}" for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            if getattr(cfg, "qk_norm", False):
+                attn += ["norms.q_norm", "norms.k_norm"]
+        else:
+            q = (
+                ["attention.q_a_proj", "norms.q_a_layernorm", "attention.q_b_proj"]
+                if ts.q_lora_rank
+                else ["attention.q_proj"]
+            )
+            attn = [
+                *q,
+                "attention.kv_a_proj_with_mqa",
+                "norms.kv_a_layernorm",
+                "attention.kv_b_proj",
+                "attention.o_proj",
+            ]
+        req: dict[str, list[str]] = {
+            "embed": ["embeddings.embed_tokens"],
+            "head": ["norms.final_norm", "head.lm_head"],
+        }
+        for i in range(self.num_layers):
+            keys = ["norms.input_layernorm", "norms.post_attention_layernorm", *attn]
+            if cfg.is_moe_layer(i):
+                keys.append("router.router")
+                if ts.router == "sigmoid_group":
+                    keys.append("router.e_score_correction_bias")
+                keys += [f"routed_experts.{e}.{m}" for e in range(ts.num_experts) for m in mlp]
+                if getattr(cfg, "num_shared_experts", 0):
+                    keys += [f"shared_experts.{m}" for m in mlp]
+            else:
+                keys += [f"dense_mlp.{m}" for m in mlp]
+            req[f"layer.{i}"] = keys
+        if self.vision is not None:
+            v = ["vision.patch_embed", "vision.patch_embed_bias", "vision.pos_emb"]
+            for b in range(self.vision.num_layers):
+                for k in ("norm0", "norm1", "wqkv", "wo", "fc0", "fc1"):
+                    v += [f"blocks.{b}.vision.{k}", f"blocks.{b}.vision.{k}_bias"]
+            v += ["vision.final_layernorm", "vision.final_layernorm_bias"]
+            for k in ("pre_norm", "proj_in", "proj_out"):
+                v += [f"projector.{k}", f"projector.{k}_bias"]
+            req["vision"] = v
+        return req
+
+    def _check_complete(self, where: str) -> None:
+        missing = [
+            f"{unit}: {key}"
+            for unit, keys in self._required().items()
+            for key in keys
+            if key not in self.plan.units.get(unit, {})
+        ]
+        if missing:
+            more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
+            shown = "; ".join(missing[:6]) + more
+            raise CheckpointError(
+                f"{where}: the weights lack {len(missing)} tensor(s) the forward pass needs "
+                f"({shown}); the checkpoint is incomplete or was written by a tool that "
+                f"dropped them."
+            )
+
+    def _linear(self, w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, w.need(key), w.get(key + "_bias"))
+        if self._hooks:
+            name = w.names[key]
+            for match, fn in list(self._hooks):
+                if match(name):
+                    r = fn(name, x, y)
+                    if r is not None:
+                        y = r
+        return y
+
+    def _step_for(self, position_ids, attention_mask, hidden) -> Step:
+        """Rope tables and masks, built once per (position_ids, attention_mask) pair.
+
+        Cached on the identity of the caller's tensors (kept alive while cached, so an id
+        cannot be reused); mutating them in place between layers is not supported.
+        """
+        key = (id(position_ids), id(attention_mask), tuple(hidden.shape[:2]))
+        if self._step is not None and self._step_key == key:
+            return self._step
+        refs = (position_ids, attention_mask)
+        mask = self._mask(attention_mask, hidden) if attention_mask is not None else None
+        pos = torch.as_tensor(position_ids)
+        if pos.ndim == 1:
+            pos = pos[None]
+        if pos.shape[-1] != hidden.shape[1]:
+            raise ConfigError(
+                f"position_ids cover {pos.shape[-1]} positions but the hidden states have "
+                f"{hidden.shape[1]}."
+            )
+        pos = pos.expand(hidden.shape[0], -1)
+        self._step = make_step(self.text, pos, mask, self.device)
+        self._step_key, self._step_refs = key, refs
+        return self._step
+
+    def _ids(self, input_ids) -> torch.Tensor:
+        t = torch.as_tensor(input_ids)
+        if t.ndim == 1:
+            t = t[None]
+        if t.ndim != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ConfigError(
+                f"input_ids must be an integer tensor [batch, seq], got {t.dtype} {tuple(t.shape)}."
+            )
+        return t.long().to(self.device)
+
+    def _mask(self, mask, like: torch.Tensor) -> torch.Tensor:
+        m = torch.as_tensor(mask)
+        if m.ndim == 1:
+            m = m[None]
+        if tuple(m.shape) != tuple(like.shape[:2]):
+            raise ConfigError(
+                f"attention_mask shape {tuple(m.shape)} does not match the input's "
+                f"[batch, seq] {tuple(like.shape[:2])}."
+            )
+        return m.to(self.device)
+
+
+def _text_cfg(cfg):
+    return getattr(cfg, "text", cfg) if hasattr(cfg, "vision") else cfg

@@ -1,0 +1,247 @@
+"""Where the runtime's weights come from, and how they are staged one unit at a time.
+
+The runtime never sees files. It asks a :class:`WeightSource` for tensors by name; the
+checkpoint reader is one today, the streaming-format reader plugs in later. A source is
+three things: the raw ``config.json`` dict, the tensor names it holds, and
+``get(name, dtype)`` returning one tensor, dequantized when stored encoded.
+
+:class:`UnitLoader` groups those names into execution units (``embed``, ``vision``,
+``layer.N``, ``head``) through the architecture table, loads one unit when the runtime
+asks for it, keeps it until another unit is asked for, and loads the next unit of the
+execution order on a background thread meanwhile. So at most two units of weights are
+alive at once (the current one and the prefetched one), whatever the model size.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..arch import Arch, Role
+from ..errors import CheckpointError
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What the runtime needs from a checkpoint or a stream.
+
+    ``config``: the raw config.json dict. ``names()``: every tensor name the source holds
+    (logical names: a quantized weight is one ``...weight`` name). ``get(name, dtype)``:
+    that tensor, dequantized if stored encoded; ``dtype=None`` keeps a plain tensor's
+    stored dtype (encoded tensors then come back as float32).
+    """
+
+    config: dict
+
+    def names(self) -> Iterable[str]: ...
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a unit: its name in the source and its key inside the unit.
+
+    key: ``component.kind`` from the architecture role, with the expert index inserted
+    for routed experts (``routed_experts.3.gate_proj``) and the block index prefixed for
+    vision blocks (``blocks.0.vision.wqkv``); spelling differences between checkpoints
+    (``block_sparse_moe.experts.E.w1`` vs ``mlp.experts.E.gate_proj``) vanish here.
+    """
+
+    name: str
+    key: str
+    role: Role
+
+
+def entry_key(role: Role, canonical: str) -> str:
+    kind = role.kind
+    if canonical.endswith(".bias") and not kind.endswith("_bias"):
+        kind += "_bias"  # norm rows share one kind for weight and bias
+    key = f"{role.component}.{kind}"
+    if role.expert is not None:
+        key = f"{role.component}.{role.expert}.{kind}"
+    if role.block is not None:
+        key = f"blocks.{role.block}.{key}"
+    return key
+
+
+@dataclass
+class Plan:
+    """The units of one source, in execution order, with their entries."""
+
+    units: dict[str, dict[str, Entry]]
+    order: list[str]
+
+    def next_unit(self, unit: str) -> str | None:
+        try:
+            i = self.order.index(unit)
+        except ValueError:
+            return None
+        return self.order[i + 1] if i + 1 < len(self.order) else None
+
+
+def make_plan(arch: Arch, cfg: Any, names: Sequence[str], *, tied: bool, where: str) -> Plan:
+    """Group ``names`` into units; MTP layers are left out (the forward never runs them)."""
+    roles = arch.classify(cfg, names, where)
+    canon = arch.canonical(cfg, names, where)
+    units: dict[str, dict[str, Entry]] = {}
+    for n in names:
+        role = roles[n]
+        if role.mtp:
+            continue
+        key = entry_key(role, canon[n])
+        unit = units.setdefault(role.unit, {})
+        if key in unit:
+            raise CheckpointError(
+                f"{where}: tensors '{unit[key].name}' and '{n}' are the same weight "
+                f"({key}) spelled two ways; remove one of them."
+            )
+        unit[key] = Entry(n, key, role)
+    if tied:
+        emb = units.get("embed", {}).get("embeddings.embed_tokens")
+        if emb is not None:
+            units.setdefault("head", {})["head.lm_head"] = emb
+    order = ["embed"]
+    if "vision" in units:
+        order.append("vision")
+    order += [f"layer.{i}" for i in range(cfg.num_layers)]
+    order.append("head")
+    return Plan(units, order)
+
+
+class Weights(dict):
+    """A loaded unit: key -> tensor, plus key -> source name for hooks and messages."""
+
+    def __init__(self, unit: str, tensors: dict[str, torch.Tensor], names: dict[str, str]):
+        super().__init__(tensors)
+        self.unit = unit
+        self.names = names
+
+    def need(self, key: str) -> torch.Tensor:
+        try:
+            return self[key]
+        except KeyError:
+            raise CheckpointError(
+                f"unit '{self.unit}': the checkpoint has no tensor for '{key}' (it holds "
+                f"{', '.join(sorted(self)) or 'nothing'}); the weights are incomplete."
+            ) from None
+
+
+#: keys kept in float32 whatever the compute dtype (routers, as the reference does)
+FP32_KINDS = ("router.router", "router.e_score_correction_bias")
+
+
+class UnitLoader:
+    """Loads units on demand, keeps the current one, prefetches the next.
+
+    resident=True keeps every unit once loaded (for repeated forwards of a small model).
+    """
+
+    def __init__(
+        self,
+        source: WeightSource,
+        plan: Plan,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefetch: bool = True,
+        resident: bool = False,
+    ):
+        self.source = source
+        self.plan = plan
+        self.dtype = dtype
+        self.device = device
+        self.resident = resident
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="k3-prefetch") if prefetch else None
+        self._pending: tuple[str, Future] | None = None
+        self._current: Weights | None = None
+        self._cache: dict[str, Weights] = {}
+        self._lock = threading.Lock()
+        self.loads = 0  # units loaded from the source (tests check streaming behaviour)
+
+    def has(self, unit: str) -> bool:
+        return unit in self.plan.units
+
+    def get(self, unit: str) -> Weights:
+        with self._lock:
+            w = self._take(unit)
+            self._current = w
+            if self.resident:
+                self._cache[unit] = w
+            nxt = self.plan.next_unit(unit)
+            if self._pool is not None and nxt is not None and not self._ready(nxt):
+                self._pending = (nxt, self._pool.submit(self._load, nxt, True))
+        return w
+
+    def release(self) -> None:
+        """Drop the current unit (and any prefetch) unless resident."""
+        with self._lock:
+            self._current = None
+            if self._pending is not None:
+                self._pending[1].cancel()
+                self._pending = None
+
+    def close(self) -> None:
+        self.release()
+        self._cache.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _ready(self, unit: str) -> bool:
+        return unit in self._cache or (self._pending is not None and self._pending[0] == unit)
+
+    def _take(self, unit: str) -> Weights:
+        if unit in self._cache:
+            return self._cache[unit]
+        if self._current is not None and self._current.unit == unit:
+            return self._current
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == unit:
+            return pending[1].result()
+        if pending is not None:
+            pending[1].cancel()
+        self._current = None  # let the old unit go before loading the new one
+        return self._load(unit)
+
+    def _load(self, unit: str, touch: bool = False) -> Weights:
+        """Read one unit. touch: fault file-mapped pages in now (prefetch thread: the I/O
+        overlaps compute); synchronous loads leave that to first use, which costs the same."""
+        entries = self.plan.units.get(unit, {})
+        tensors: dict[str, torch.Tensor] = {}
+        for key, e in entries.items():
+            dtype = torch.float32 if key in FP32_KINDS else self.dtype
+            t = self.source.get(e.name, None)
+            if not t.is_floating_point():
+                raise CheckpointError(
+                    f"tensor '{e.name}' comes back as {t.dtype}, not a float tensor; the "
+                    f"weight source must dequantize encoded tensors in get()."
+                )
+            if key == "embeddings.embed_tokens" and unit == "embed" and self.device.type == "cpu":
+                # rows are gathered from the stored table; converting it whole would copy
+                # the largest tensor of the model for a handful of rows
+                tensors[key] = t
+                continue
+            if t.dtype == dtype and self.device.type == "cpu":
+                # zero copy: a file-mapped tensor is used in place (the source's mapping is
+                # released when the unit is dropped)
+                tensors[key] = _touch(t) if touch else t
+                continue
+            out = torch.empty(t.shape, dtype=dtype, device=self.device)
+            out.copy_(t)  # one pass: convert (and move)
+            tensors[key] = out
+        self.loads += 1
+        return Weights(unit, tensors, {k: e.name for k, e in entries.items()})
+
+
+def _touch(t: torch.Tensor) -> torch.Tensor:
+    """Read one element per 4 KiB page so a lazily mapped tensor is resident."""
+    if t.numel():
+        flat = t.reshape(-1)
+        flat[:: max(1, 4096 // t.element_size())].sum()
+    return t

@@ -1,0 +1,23 @@
+"""One entry point for "a thing weights can be read from": checkpoint or stream dir.
+
+A directory with a ``manifest.json`` is a MUSA stream (k3convert shard output);
+anything else is opened as a Hugging Face checkpoint. Both give ``config``,
+``names()``, ``meta(name)`` and ``get(name, dtype)``, the runtime's weight source.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def open_source(path: str | os.PathLike):
+    """A Checkpoint, or a Stream for a stream directory (single-rank for the runtime)."""
+    p = Path(path)
+    if p.is_dir() and (p / "manifest.json").is_file():
+        from .stream import open_stream
+
+        return open_stream(p)
+    from .checkpoint import open_checkpoint
+
+    return open_checkpoint(p)
