@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import re
-import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -26,8 +25,9 @@ from tqdm import tqdm
 
 from .arch import load_config, resolve
 from .arch.base import Instance
+from .checkpoint.output import group_by_size, shard_names, staged_output, write_index
 from .checkpoint.safetensors_io import SafetensorsWriter
-from .errors import ConfigError, OutputError
+from .errors import ConfigError
 from .quant.packing import pack_int32
 
 PRESETS = (
@@ -397,13 +397,6 @@ def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
     return cfg
 
 
-def _free_bytes(path: Path) -> int:
-    p = path
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def synthesize(
     *,
     config: str,
@@ -443,70 +436,34 @@ def synthesize(
     total = sum(p.nbytes for p in planned)
 
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
-    free = _free_bytes(out.parent if out.parent != Path("") else Path("."))
-    if total * 1.02 + (1 << 20) > free:
-        raise OutputError(
-            f"{out}: needs {total / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free; "
-            f"scale down with --tiny / --layers / --experts or free disk."
-        )
-    tmp = out.with_name(f".{out.name}.partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-
-    files = _assign_files(planned, shard_mb)
-    weight_map: dict[str, str] = {}
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"synth {out.name}",
-        disable=not progress,
-    )
-    for fname, group in files:
-        entries = [e for p in group for e in p.parts]
-        with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-            for p in group:
-                tensors = _encode(p, tdtype, cfg_raw, seed)
-                for name, dt, shape in p.parts:
-                    t = tensors[name]
-                    assert t.dtype == dt and tuple(t.shape) == shape, (name, t.dtype, t.shape)
-                    w.write(name, t)
-                    weight_map[name] = fname
-                bar.update(p.nbytes)
-    bar.close()
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    out_cfg = _output_config(cfg_raw, out_encoding if encoding != "plain" else "plain", dtype)
-    (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    groups = group_by_size(planned, lambda p: p.nbytes, int(shard_mb * (1 << 20)))
+    names = shard_names(len(groups))
+    with staged_output(out, force=force, need_bytes=total) as tmp:
+        weight_map: dict[str, str] = {}
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"synth {out.name}",
+            disable=not progress,
+        ) as bar:
+            for fname, group in zip(names, groups, strict=True):
+                entries = [e for p in group for e in p.parts]
+                with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+                    for p in group:
+                        tensors = _encode(p, tdtype, cfg_raw, seed)
+                        for name, _, _ in p.parts:
+                            w.write(name, tensors[name])
+                            weight_map[name] = fname
+                        bar.update(p.nbytes)
+        if len(groups) > 1:
+            write_index(tmp, weight_map, total)
+        out_cfg = _output_config(cfg_raw, out_encoding if encoding != "plain" else "plain", dtype)
+        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
     n_params = sum(math.prod(p.inst.shape) for p in planned)
     return (
         f"wrote {out}: {arch.name} ({cfg_raw.get('model_type')}), {n_params:,} parameters, "
-        f"{len(planned)} tensors, {total / 2**20:.1f} MiB in {len(files)} file(s), dtype "
+        f"{len(planned)} tensors, {total / 2**20:.1f} MiB in {len(groups)} file(s), dtype "
         f"{dtype}, encoding {out_encoding if encoding != 'plain' else 'plain'}"
     )
-
-
-def _assign_files(planned: list[_Planned], shard_mb: float) -> list[tuple[str, list[_Planned]]]:
-    if shard_mb <= 0:
-        return [("model.safetensors", planned)]
-    limit = int(shard_mb * (1 << 20))
-    groups: list[list[_Planned]] = [[]]
-    size = 0
-    for p in planned:
-        if groups[-1] and size + p.nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += p.nbytes
-    n = len(groups)
-    if n == 1:
-        return [("model.safetensors", groups[0])]
-    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]

@@ -238,7 +238,7 @@ class SafetensorsWriter:
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        self._order: list[tuple[str, int]] = []
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
         pos = 0
         for name, dtype, shape in entries:
             st = TORCH_TO_ST.get(dtype)
@@ -246,7 +246,7 @@ class SafetensorsWriter:
                 raise ValueError(f"dtype {dtype} of '{name}' cannot be stored in safetensors")
             n = math.ceil(math.prod(shape) * ST_DTYPES[st][1] / 8)
             header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + n]}
-            self._order.append((name, n))
+            self._order.append((name, dtype, tuple(shape), n))
             pos += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data region starts 8-byte aligned
@@ -256,9 +256,14 @@ class SafetensorsWriter:
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        want, n = self._order[self._next]
+        want, dtype, shape, n = self._order[self._next]
         if name != want:
             raise ValueError(f"expected tensor '{want}' next, got '{name}'")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, header says "
+                f"{dtype}{shape}"
+            )
         data = tensor.detach().contiguous().cpu().reshape(-1)
         if data.dtype == torch.bool:
             data = data.view(torch.uint8)

@@ -36,8 +36,9 @@ from tqdm import tqdm
 from .. import __version__ as _k3_version
 from ..arch import resolve as resolve_arch
 from ..checkpoint import open_checkpoint
+from ..checkpoint.output import group_by_size, shard_names, staged_output, write_index
 from ..checkpoint.safetensors_io import SafetensorsWriter
-from ..errors import ConfigError, OutputError
+from ..errors import ConfigError
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
 from .schemes import NonFiniteWeightError, get_scheme
 
@@ -140,25 +141,6 @@ def plan_quantization(
         default_keep=default_keep,
     )
     return ckpt, plan
-
-
-def _free_bytes(path: Path) -> int:
-    p = path.resolve()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def _assign(rows: list[Decision], shard_size: int) -> list[list[Decision]]:
-    shards: list[list[Decision]] = [[]]
-    size = 0
-    for r in rows:
-        if shards[-1] and size + r.out_bytes > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(r)
-        size += r.out_bytes
-    return shards
 
 
 def _entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -282,42 +264,20 @@ def quantize(
         return QuantizeResult(None, plan, True)
 
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
-    if out.resolve() == Path(ckpt.root).resolve():
-        raise OutputError(f"{out} is the source checkpoint; choose another OUT.")
     aux = ckpt.aux_files
-    need = plan.totals()[1] + sum(p.stat().st_size for p in aux) + (16 << 20)
-    free = _free_bytes(out.parent)
-    if need > free:
-        raise OutputError(
-            f"{out}: quantizing needs about {need / 2**30:.2f} GiB but only "
-            f"{free / 2**30:.2f} GiB is free on {out.parent.resolve()}; free disk or "
-            f"choose another OUT."
-        )
-
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
+    with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
         nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, input_scales)
         for p in aux:
             shutil.copy2(p, tmp / p.name)
         cfg = _output_config(ckpt.config, plan, Path(ckpt.root))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles)
 
 
 def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales) -> int:
-    shards = _assign(plan.rows, shard_size)
-    n = len(shards)
+    shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
+    names = shard_names(len(shards))
     weight_map: dict[str, str] = {}
     total = 0
     bar = tqdm(
@@ -330,7 +290,7 @@ def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_sca
     )
     try:
         for i, rows in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            fname = names[i]
             entries = [e for r in rows for e in _entries(r)]
             with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
                 for r, tensors in _ordered(
@@ -348,6 +308,6 @@ def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_sca
                     bar.update(r.src_bytes)
     finally:
         bar.close()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return n
+    if len(shards) > 1:
+        write_index(tmp, weight_map, total)
+    return len(shards)
