@@ -45,78 +45,37 @@ def _dsv3_kwargs(**kw):
     return base
 
 
+_GQA_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+#: family -> (transformers config class, what differs from _GQA_BASE)
+_GQA_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(moe_intermediate_size=32, head_dim=16, num_experts=8, num_experts_per_tok=2),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
+
+
 def config_for(family: str, **kw):
     """A transformers config object of ``family`` with tiny dimensions."""
     import transformers as tf
 
-    if family == "llama":
-        return tf.LlamaConfig(
-            **{
-                **dict(
-                    vocab_size=VOCAB,
-                    hidden_size=64,
-                    intermediate_size=128,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=256,
-                ),
-                **kw,
-            }
-        )
-    if family == "qwen3":
-        return tf.Qwen3Config(
-            **{
-                **dict(
-                    vocab_size=VOCAB,
-                    hidden_size=64,
-                    intermediate_size=128,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=16,
-                    max_position_embeddings=256,
-                    tie_word_embeddings=True,
-                ),
-                **kw,
-            }
-        )
-    if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **{
-                **dict(
-                    vocab_size=VOCAB,
-                    hidden_size=64,
-                    intermediate_size=128,
-                    moe_intermediate_size=32,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=16,
-                    num_experts=8,
-                    num_experts_per_tok=2,
-                    max_position_embeddings=256,
-                ),
-                **kw,
-            }
-        )
-    if family == "mixtral":
-        return tf.MixtralConfig(
-            **{
-                **dict(
-                    vocab_size=VOCAB,
-                    hidden_size=64,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    num_local_experts=4,
-                    num_experts_per_tok=2,
-                    max_position_embeddings=256,
-                ),
-                **kw,
-            }
-        )
+    if family in _GQA_FAMILIES:
+        cls, extra = _GQA_FAMILIES[family]
+        return getattr(tf, cls)(**{**_GQA_BASE, **extra, **kw})
     if family == "deepseek_v3":
         return tf.DeepseekV3Config(**_dsv3_kwargs(**kw))
     if family == "kimi_k25":

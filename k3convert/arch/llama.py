@@ -13,7 +13,9 @@ from .common import embed_and_head, gated_mlp, gqa_attention, layer_norms, mlp_b
 
 
 @dataclass(frozen=True)
-class DenseConfig:
+class GQAConfig:
+    """What every GQA decoder family shares (see :func:`gqa_fields`)."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -21,12 +23,16 @@ class DenseConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
-    mlp_bias: bool
+    intermediate_size: int
+
+
+@dataclass(frozen=True)
+class DenseConfig(GQAConfig):
+    mlp_bias: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
 

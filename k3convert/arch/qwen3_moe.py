@@ -12,27 +12,15 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from .base import Arch, positive, register, req
 from .common import embed_and_head, gated_mlp, gqa_attention, layer_norms, router
-from .llama import gqa_fields
+from .llama import GQAConfig, gqa_fields
 
 
 @dataclass(frozen=True)
-class MoeConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    norm_topk_prob: bool
+class MoeConfig(GQAConfig):
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
 

@@ -29,7 +29,7 @@ from .encodings import (
     infer_num_bits,
     scale_block,
 )
-from .safetensors_io import RawTensorInfo, map_tensor, read_header
+from .safetensors_io import RawTensorInfo, map_tensor, read_header, strict_json_loads
 
 INDEX_NAMES = ("model.safetensors.index.json",)
 BIN_INDEX_NAMES = ("pytorch_model.bin.index.json",)
@@ -100,25 +100,13 @@ class FileInfo:
     size: int
 
 
-def _no_dup_pairs(where: str):
-    def hook(pairs):
-        seen: dict = {}
-        for k, v in pairs:
-            if k in seen:
-                raise CheckpointError(f"{where}: key '{k}' is listed twice.")
-            seen[k] = v
-        return seen
-
-    return hook
-
-
 def load_json(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror}).") from e
     try:
-        data = json.loads(text, object_pairs_hook=_no_dup_pairs(str(path)))
+        data = strict_json_loads(text, f"{path}: key", CheckpointError)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}).") from e
     if not isinstance(data, dict):

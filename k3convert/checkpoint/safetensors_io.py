@@ -110,6 +110,23 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     return SafetensorsHeader(p, n, tensors, metadata, size)
 
 
+def strict_json_loads(text: str, what: str, error: type[Exception]):
+    """json.loads that refuses a key given twice in one object (json keeps the last).
+
+    ``what`` prefixes the message ("path: tensor"), ``error`` is the class raised.
+    """
+
+    def hook(pairs):
+        seen: dict = {}
+        for k, v in pairs:
+            if k in seen:
+                raise error(f"{what} '{k}' is listed twice.")
+            seen[k] = v
+        return seen
+
+    return json.loads(text, object_pairs_hook=hook)
+
+
 def parse_header_json(
     p: Path, raw: bytes, base: int, size: int
 ) -> tuple[dict[str, RawTensorInfo], dict[str, str]]:
@@ -119,16 +136,8 @@ def parse_header_json(
     the ``__metadata__`` strings.
     """
 
-    def no_dups(pairs):
-        seen: dict = {}
-        for k, v in pairs:
-            if k in seen:
-                raise SafetensorsFormatError(f"{p}: tensor '{k}' is listed twice in the header.")
-            seen[k] = v
-        return seen
-
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_dups)
+        header = strict_json_loads(raw.decode("utf-8"), f"{p}: tensor", SafetensorsFormatError)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsFormatError(f"{p}: header is not valid UTF-8 JSON ({e}).") from e
     if not isinstance(header, dict):
