@@ -155,6 +155,14 @@ def forward(
     ] = None,
     top: Annotated[int, typer.Option(help="Top-K next tokens to print.")] = 5,
     device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
+    act_quant: Annotated[
+        bool,
+        typer.Option(
+            "--act-quant/--no-act-quant",
+            help="Fake-quantize Linear inputs as the checkpoint's quantization_config says; "
+            "--no-act-quant runs dequantized weights only (isolates the weight error).",
+        ),
+    ] = True,
 ):
     """Run the embedded layer-by-layer runtime on token ids; print the top next tokens."""
     from .runtime.forward_cmd import run_forward
@@ -169,6 +177,7 @@ def forward(
             save_logits=save_logits,
             top=top,
             device=device,
+            act_quant=act_quant,
         )
     )
 

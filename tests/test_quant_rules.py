@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,16 @@ def test_fp8_block_source_requantized_without_dense_copy(tmp_path):
     s_ck = open_checkpoint(src)
     assert s_ck.meta("model.layers.3.mlp.experts.0.up_proj.weight").encoding == "fp8-block"
     out = tmp_path / "out"
-    res = quantize(src=src, out=out, recipe=RECIPES / "kimi-k2-int4-experts.yaml", progress=False)
+    # the Kimi recipe minus its fp8-block attention rule: the tiny MLA widths (16, 32) are
+    # below fp8-block's 128-channel activation groups, which the quantizer refuses
+    recipe = load_recipe(RECIPES / "kimi-k2-int4-experts.yaml")
+    recipe = replace(
+        recipe,
+        quantize=replace(
+            recipe.quantize, rules=[r for r in recipe.quantize.rules if "attention" not in r.roles]
+        ),
+    )
+    res = quantize(src=src, out=out, recipe=recipe, progress=False)
     ck = open_checkpoint(out)
     n = "model.layers.3.mlp.experts.0.up_proj.weight"
     assert ck.meta(n).encoding == "pack-quantized"

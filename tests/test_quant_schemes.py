@@ -234,4 +234,9 @@ def test_options_and_group_errors():
         get_scheme("w4a16", gruop_size=32)
     with pytest.raises(GroupSizeError, match=r"model\.x\.weight"):
         get_scheme("w4a16").check("model.x.weight", (64, 96))
-    get_scheme("fp8-block").check("model.x.weight", (64, 96))  # partial blocks are fine
+    get_scheme("fp8-block").check("model.x.weight", (200, 256))  # partial row blocks: fine
+    # ... but its activations are quantized in 128-channel groups along the input, which
+    # no runtime can apply to a 96-wide input: refused before anything is written
+    with pytest.raises(GroupSizeError, match=r"groups of 128 .* 96 of 'model\.x\.weight'"):
+        get_scheme("fp8-block").check("model.x.weight", (64, 96))
+    get_scheme("fp8-block-w").check("model.x.weight", (64, 96))  # weight-only: partial ok

@@ -91,6 +91,16 @@ class Scheme:
                 f"scheme '{self.name}' quantizes 2-D Linear weights; '{tensor}' has shape "
                 f"{tuple(shape)}. Keep it (--keep '{tensor}')."
             )
+        act = self.act
+        if act is not None and act.strategy == "group" and shape[1] % act.group_size:
+            # compressed-tensors (and so vLLM / transformers) cannot run such a layer:
+            # refuse now rather than write a checkpoint nothing can execute
+            raise GroupSizeError(
+                f"scheme '{self.name}' quantizes input activations in groups of "
+                f"{act.group_size} channels, which does not divide the input dimension "
+                f"{shape[1]} of '{tensor}' (shape {tuple(shape)}); use a per-token scheme "
+                f"such as fp8-dynamic for it, or keep it with --keep '{tensor}'."
+            )
 
     def parts(self, shape: tuple[int, int]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(part suffix, dtype, shape) of what ``quantize`` returns for ``shape``."""

@@ -199,7 +199,10 @@ def mla_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, ma
     rot = apply_rope_interleaved if ts.rope_interleave else apply_rope
     q_rot = rot(q_rot, step.cos, step.sin)
     k_rot = rot(k_rot, step.cos, step.sin)
-    kv = lin(w, "attention.kv_b_proj", latent).view(b, s, nh, ts.qk_nope + ts.v_head_dim)
+    # transformers feeds kv_b_proj the latent as [B, 1, S, r]; per-token activation
+    # quantization then takes one scale per sequence (dims 2.. are reduced), so keep it
+    kv = lin(w, "attention.kv_b_proj", latent.view(b, 1, s, ts.kv_lora_rank))
+    kv = kv.view(b, s, nh, ts.qk_nope + ts.v_head_dim)
     k_nope, v = kv.transpose(1, 2).split([ts.qk_nope, ts.v_head_dim], dim=-1)
     q = torch.cat((q_nope, q_rot), dim=-1)
     k = torch.cat((k_nope, k_rot.expand(b, nh, s, ts.qk_rope)), dim=-1)
@@ -272,7 +275,8 @@ def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor) -> torch.Ten
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     out = torch.zeros_like(flat).index_add_(0, tok, ys)
     if "shared_experts.gate_proj" in w:
-        out = out + gated_mlp(ts, lin, w, "shared_experts", flat)
+        # [B, S, H] as transformers passes it (per-token activation scales)
+        out = out + gated_mlp(ts, lin, w, "shared_experts", x).reshape(flat.shape)
     return out.view(shape)
 
 

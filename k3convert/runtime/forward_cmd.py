@@ -86,8 +86,12 @@ def run_forward(
     save_logits: str | os.PathLike | None = None,
     top: int = 5,
     device: str = "cpu",
+    act_quant: bool = True,
 ) -> str:
-    """Forward SRC on the given ids; returns the report text (top-K next tokens)."""
+    """Forward SRC on the given ids; returns the report text (top-K next tokens).
+
+    act_quant=False runs a quantized checkpoint without activation fake-quantization
+    (dequantized weights only), to isolate the weight error."""
     from ..sources import open_source
 
     if (ids is None) == (ids_file is None):
@@ -134,7 +138,7 @@ def run_forward(
             f"streams (tp = pp = 1) and checkpoints. Shard with --tp 1 --pp 1 to smoke-test "
             f"one, or run the original checkpoint."
         )
-    with Runtime(ckpt, device=device, dtype=compute) as rt:
+    with Runtime(ckpt, device=device, dtype=compute, act_quant=None if act_quant else False) as rt:
         logits = rt.forward(input_ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid)
     if save_logits is not None:
         _save(logits, Path(save_logits))
@@ -153,12 +157,31 @@ def _save(logits: torch.Tensor, out: Path) -> None:
         raise OutputError(f"--save-logits {out}: cannot write ({e.strerror}).") from e
 
 
+def _act_line(rt: Runtime) -> str:
+    if not rt.act_specs:
+        return "activations: not quantized by the checkpoint"
+    kinds = sorted(
+        {
+            f"{s.type}{s.num_bits} {s.strategy}{'' if s.dynamic else ' static'}"
+            for s in rt.act_specs.values()
+        }
+    )
+    n = len(rt.act_specs)
+    state = "fake-quantized" if rt.act_quant else "NOT quantized (--no-act-quant)"
+    line = f"activations: {state}; checkpoint: {', '.join(kinds)} on {n} linear(s)"
+    experts = sum(1 for name in rt.act_specs if re.search(r"\.experts\.\d+\.", name))
+    if experts and rt.act_quant and not rt.act_quant_experts:
+        line += f" ({experts} routed-expert linears left unquantized, as transformers does)"
+    return line
+
+
 def _report(src, rt, input_ids, mask, logits, top, dtype, device, saved) -> str:
     tok = _tokenizer(src if src.is_dir() else src.parent)
     b, s = input_ids.shape
     k = min(top, logits.shape[-1])
     lines = [
-        f"{src}: {rt.arch.name}, {rt.num_layers} layers, {dtype} on {device}; input [{b}, {s}]"
+        f"{src}: {rt.arch.name}, {rt.num_layers} layers, {dtype} on {device}; input [{b}, {s}]",
+        _act_line(rt),
     ]
     for row in range(b):
         if mask is not None:

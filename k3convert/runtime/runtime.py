@@ -11,6 +11,27 @@ is only the test oracle. The forward is split into the pieces calibration drives
 
 Each piece fetches its unit's weights from a :class:`UnitLoader` (current unit kept,
 next unit prefetched on a background thread) and holds them only while it runs.
+
+Quantized checkpoints: weights come back dequantized from the source; the input of
+every Linear the ``quantization_config`` quantizes (``input_activations``: W8A8, FP8,
+dynamic per token / per group or static per tensor) is fake-quantized exactly as
+compressed-tensors' ``forward_quantize`` does (:mod:`k3convert.quant.activations`), on
+the tensor shape transformers hands that Linear. That shape matters, because the
+``token`` strategy reduces over every dim but the first two:
+
+- attention q/k/v/o, MLA q_a/q_b/kv_a, dense MLP and shared experts see
+  ``[batch, seq, in]``: one scale per token;
+- MLA ``kv_b_proj`` sees the latent as ``[batch, 1, seq, kv_lora_rank]`` (transformers'
+  ``expand_kv``): one scale per *sequence*;
+- routed experts: transformers 5.24 fuses them into 3-D parameters that are not
+  ``nn.Linear`` modules, so compressed-tensors attaches no input quantization to them
+  (their weights are dequantized at load): by default the runtime leaves their inputs
+  unquantized too. ``act_quant_experts=True`` quantizes them as serving kernels do
+  instead (one scale per token row, group or the expert's own static ``input_scale``);
+- routers run in float32 and are never activation-quantized.
+
+``rt.act_quant = False`` (``k3convert forward --no-act-quant``) switches the activation
+part off to isolate the weight error.
 """
 
 from __future__ import annotations
@@ -24,6 +45,7 @@ import torch.nn.functional as F
 
 from ..arch import resolve
 from ..errors import CheckpointError, ConfigError
+from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
 from .decoder import Step, TextSettings, decoder_layer, make_step, text_settings
 from .ops import LinearHook, rms_norm
 from .source import Plan, UnitLoader, Weights, WeightSource, make_plan
@@ -84,6 +106,12 @@ class Runtime:
     norms, softmax, rotary and routers run in float32). prefetch: load the next unit on a
     background thread. resident: keep every unit once loaded (fast repeated forwards of a
     model that fits in memory); default streams.
+
+    act_quant: fake-quantize Linear inputs as the checkpoint's ``quantization_config``
+    says (None: on when any Linear has ``input_activations``); a plain attribute, so
+    ``rt.act_quant = False`` switches it off between forwards. act_quant_experts: also
+    quantize routed experts' inputs (off: as transformers 5.24, see the module doc).
+    ``rt.act_specs`` maps each activation-quantized Linear's weight name to its spec.
     """
 
     def __init__(
@@ -94,6 +122,8 @@ class Runtime:
         *,
         prefetch: bool = True,
         resident: bool = False,
+        act_quant: bool | None = None,
+        act_quant_experts: bool = False,
     ):
         self.source = source
         self.device = torch.device(device)
@@ -115,9 +145,19 @@ class Runtime:
             self.arch, self.cfg, names, tied=bool(self.cfg.tie_word_embeddings), where=where
         )
         self._check_complete(where)
+        #: routed experts' weight names (left unquantized unless act_quant_experts)
+        entries = [e for u in self.plan.units.values() for e in u.values()]
+        self._routed = frozenset(e.name for e in entries if e.role.expert is not None)
+        self.act_specs: dict[str, ActivationSpec] = self._activation_specs(raw)
+        self.act_quant: bool = bool(self.act_specs) if act_quant is None else bool(act_quant)
+        self.act_quant_experts: bool = bool(act_quant_experts)
+        static = frozenset(n for n, s in self.act_specs.items() if not s.dynamic)
+        if self.act_quant:
+            self._check_groups(where)
+        self._check_input_scales(static, where)
         self.loader = UnitLoader(
             source, self.plan, dtype=self.dtype, device=self.device, prefetch=prefetch,
-            resident=resident,
+            resident=resident, input_scales=static,
         )  # fmt: skip
         self._hooks: list[tuple[Callable[[str], bool], LinearHook]] = []
         self._step_key: tuple | None = None
@@ -132,7 +172,9 @@ class Runtime:
     def add_hook(self, fn: LinearHook, match: str | Iterable[str] | Callable | None = None):
         """Call ``fn(name, input, output)`` after every linear whose weight's source name
         matches (None: all; str: regex search; iterable: exact names; callable: predicate).
-        A returned tensor replaces the output. Router linears get float32 inputs."""
+        A returned tensor replaces the output. Router linears get float32 inputs. The
+        input is the one before activation fake-quantization (what a calibration observer
+        needs); the output is computed from the quantized input when ``act_quant`` is on."""
         entry = (_matcher(match), fn)
         self._hooks.append(entry)
         return HookHandle(self, entry)
@@ -334,10 +376,88 @@ class Runtime:
                 f"dropped them."
             )
 
+    def _activation_specs(self, raw: dict) -> dict[str, ActivationSpec]:
+        """Weight name -> input-activation spec, for every Linear the forward runs that
+        the quantization_config quantizes (static specs without their scale yet)."""
+        specs: dict[str, ActivationSpec] = {}
+        for unit in self.plan.units.values():
+            for key, e in unit.items():
+                if not _is_linear_key(key) or not e.name.endswith(".weight"):
+                    continue
+                spec = activation_spec_for(raw, e.name)
+                if spec is not None:
+                    specs[e.name] = spec
+        return specs
+
+    def _check_groups(self, where: str) -> None:
+        """Group-wise activation specs need in_features divisible by the group size:
+        compressed-tensors cannot quantize such an input (and serving kernels reject it)."""
+        meta = getattr(self.source, "meta", None)
+        if meta is None:
+            return
+        bad = [
+            (name, meta(name).shape[-1], spec.group_size)
+            for name, spec in self.act_specs.items()
+            if spec.strategy == "group"
+            and meta(name).shape[-1] % spec.group_size
+            and (self.act_quant_experts or name not in self._routed)
+        ]
+        if bad:
+            raise _group_error(where, bad)
+
+    def _check_input_scales(self, static: frozenset[str], where: str) -> None:
+        """Static activation specs need each Linear's input_scale: fail at open if absent."""
+        if not static:
+            return
+        meta = getattr(self.source, "meta", None)
+        if meta is None or not hasattr(self.source, "get_parts"):
+            if self.act_quant:
+                raise CheckpointError(
+                    f"{where}: the quantization_config uses static activation scales, but "
+                    f"this weight source cannot hand out the 'input_scale' parts (it has no "
+                    f"meta()/get_parts()); open the checkpoint with open_checkpoint, or pass "
+                    f"act_quant=False."
+                )
+            return
+        missing = sorted(n for n in static if "input_scale" not in meta(n).parts)
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise CheckpointError(
+                f"{where}: the quantization_config gives {len(missing)} Linear(s) static "
+                f"input activation scales, but the checkpoint stores no input_scale for "
+                f"{', '.join(missing[:3])}{more}; the checkpoint is incomplete (re-run "
+                f"quantize with calibration)."
+            )
+
+    def _quant_input(self, w: Weights, key: str, name: str, x: torch.Tensor) -> torch.Tensor:
+        spec = self.act_specs.get(name)
+        if spec is None:
+            return x
+        expert = name in self._routed
+        if expert and not self.act_quant_experts:
+            return x
+        if not spec.dynamic:
+            scale = w.get(key + "_input_scale")
+            if scale is None:
+                raise CheckpointError(
+                    f"'{name}': static activation quantization needs its input_scale, which "
+                    f"the weight source did not provide; pass act_quant=False to run "
+                    f"without activation quantization."
+                )
+            spec = spec.with_scale(scale, w.get(key + "_input_zero_point"))
+        if spec.strategy == "group" and x.shape[-1] % spec.group_size:
+            raise _group_error(str(getattr(self.source, "root", "source")),
+                               [(name, x.shape[-1], spec.group_size)])  # fmt: skip
+        if expert and spec.dynamic and spec.strategy == "token":
+            # [tokens, in] rows: one scale per token, as serving MoE kernels quantize
+            return fake_quant_activation(x[:, None], spec)[:, 0]
+        return fake_quant_activation(x, spec)
+
     def _linear(self, w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, w.need(key), w.get(key + "_bias"))
+        name = w.names[key]
+        xq = self._quant_input(w, key, name, x) if self.act_quant else x
+        y = F.linear(xq, w.need(key), w.get(key + "_bias"))
         if self._hooks:
-            name = w.names[key]
             for match, fn in list(self._hooks):
                 if match(name):
                     r = fn(name, x, y)
@@ -389,6 +509,36 @@ class Runtime:
                 f"[batch, seq] {tuple(like.shape[:2])}."
             )
         return m.to(self.device)
+
+
+def _group_error(where: str, bad: list[tuple[str, int, int]]) -> ConfigError:
+    shown = ", ".join(f"{n} ({width} inputs, groups of {g})" for n, width, g in bad[:3])
+    more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+    return ConfigError(
+        f"{where}: the quantization_config quantizes Linear inputs group-wise, but "
+        f"{len(bad)} Linear(s) have an input width that is not a multiple of the group "
+        f"size: {shown}{more}. compressed-tensors (and serving engines) cannot run this "
+        f"checkpoint with activation quantization either; re-quantize those Linears with "
+        f"another scheme (or keep them), or run without activation quantization "
+        f"(act_quant=False, k3convert forward --no-act-quant)."
+    )
+
+
+#: components whose (non-bias) tensors are Linear weights run through ``_linear``
+LINEAR_COMPONENTS = ("attention", "dense_mlp", "shared_experts", "routed_experts", "head")
+#: vision / projector kinds that are Linear weights
+VISION_LINEARS = ("vision.wqkv", "vision.wo", "vision.fc0", "vision.fc1", "projector.proj_in",
+                  "projector.proj_out")  # fmt: skip
+
+
+def _is_linear_key(key: str) -> bool:
+    """Unit keys (``attention.q_proj``, ``routed_experts.3.up_proj``,
+    ``blocks.0.vision.wqkv``) of Linear weights; routers and norms are not."""
+    if key.endswith("_bias"):
+        return False
+    if key.startswith("blocks."):
+        key = key.split(".", 2)[2]
+    return key.split(".", 1)[0] in LINEAR_COMPONENTS or key in VISION_LINEARS
 
 
 def _text_cfg(cfg):

@@ -140,6 +140,10 @@ class UnitLoader:
     """Loads units on demand, keeps the current one, prefetches the next.
 
     resident=True keeps every unit once loaded (for repeated forwards of a small model).
+    input_scales: weight names whose static activation parameters (the ``input_scale``
+    / ``input_zero_point`` parts, shape [1]) are loaded with them, under the unit keys
+    ``<key>_input_scale`` / ``<key>_input_zero_point``; the scale in the compute dtype
+    (compressed-tensors keeps it in the module's dtype).
     """
 
     def __init__(
@@ -151,9 +155,11 @@ class UnitLoader:
         device: torch.device,
         prefetch: bool = True,
         resident: bool = False,
+        input_scales: frozenset[str] = frozenset(),
     ):
         self.source = source
         self.plan = plan
+        self.input_scales = input_scales
         self.dtype = dtype
         self.device = device
         self.resident = resident
@@ -235,8 +241,23 @@ class UnitLoader:
             out = torch.empty(t.shape, dtype=dtype, device=self.device)
             out.copy_(t)  # one pass: convert (and move)
             tensors[key] = out
+        for key, e in entries.items():
+            if e.name in self.input_scales:
+                tensors.update(self._activation_params(key, e.name))
         self.loads += 1
         return Weights(unit, tensors, {k: e.name for k, e in entries.items()})
+
+    def _activation_params(self, key: str, name: str) -> dict[str, torch.Tensor]:
+        get_parts = getattr(self.source, "get_parts", None)
+        if get_parts is None:
+            return {}
+        parts = get_parts(name)
+        out = {}
+        if "input_scale" in parts:
+            out[key + "_input_scale"] = parts["input_scale"].to(self.device, self.dtype)
+        if "input_zero_point" in parts:
+            out[key + "_input_zero_point"] = parts["input_zero_point"].to(self.device)
+        return out
 
 
 def _touch(t: torch.Tensor) -> torch.Tensor:
