@@ -248,7 +248,9 @@ def shard(
         int, typer.Option(help="Expert-parallel degree inside the tp group (moe_tp = tp/ep).")
     ] = 1,
     compress: Annotated[str, typer.Option(help="Unit compression: none or zstd.")] = "none",
-    workers: Annotated[int, typer.Option(help="Units written in parallel.")] = 1,
+    workers: Annotated[
+        int | None, typer.Option(help="Units written in parallel (default: CPU count).")
+    ] = None,
     pp_layers: Annotated[
         str | None, typer.Option(help="Explicit layers per stage, e.g. '20,21,20'.")
     ] = None,

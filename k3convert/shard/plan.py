@@ -57,14 +57,20 @@ class UnitPlan:
     layer: int | None
     file: str
     tensors: list[TensorPlan] = field(default_factory=list)
+    _header: tuple | None = field(default=None, repr=False, compare=False)
 
     def header(self) -> tuple[bytes, list, int]:
+        """(header prefix, placed tensors, total bytes); computed once, after planning
+        (the writer asks for it twice: for the size check and when writing)."""
         from ..stream.format import unit_metadata
 
-        return build_header(
-            [(t.entry["name"], t.entry["dtype"], t.entry["shape"]) for t in self.tensors],
-            unit_metadata(self.rank, self.name),
-        )
+        if self._header is None or self._header[0] != len(self.tensors):
+            h = build_header(
+                [(t.entry["name"], t.entry["dtype"], t.entry["shape"]) for t in self.tensors],
+                unit_metadata(self.rank, self.name),
+            )
+            self._header = (len(self.tensors), h)
+        return self._header[1]
 
 
 @dataclass

@@ -14,6 +14,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 
 from ..checkpoint.safetensors_io import ST_DTYPES, RawTensorInfo, parse_header_json
@@ -160,3 +161,69 @@ def unit_metadata(rank: int, unit: str) -> dict[str, str]:
 
 def unit_file(rank: int, index: int, unit: str, compression: str) -> str:
     return f"rank{rank:05d}/{index:04d}-{unit}{UNIT_SUFFIX[compression]}"
+
+
+# -- manifest rendering ---------------------------------------------------------------
+def dump_manifest(doc) -> str:
+    """``json.dumps(doc, indent=1) + "\\n"``, byte for byte, several times faster.
+
+    The stdlib falls back to its pure-Python encoder whenever ``indent`` is set; the
+    manifest of a large layout has hundreds of thousands of tokens, and it is written
+    after the last unit, on the critical path. Only the types a manifest holds take the
+    fast path; anything else goes through :func:`json.dumps` (same result, same errors).
+    """
+    parts: list[str] = []
+    _dump(doc, "", parts)
+    parts.append("\n")
+    return "".join(parts)
+
+
+_CONST = {id(None): "null", id(True): "true", id(False): "false"}
+
+
+def _dump(o, ind: str, out: list[str]) -> None:
+    t = type(o)
+    if t is str:
+        out.append(_json_str(o))
+    elif t is int:
+        out.append(int.__repr__(o))
+    elif o is None or o is True or o is False:
+        out.append(_CONST[id(o)])
+    elif t is dict and all(type(k) is str for k in o):
+        if not o:
+            out.append("{}")
+            return
+        inner = ind + " "
+        lead = "{\n" + inner
+        sep = ",\n" + inner
+        for k, v in o.items():
+            tv = type(v)
+            if tv is str:
+                out.append(lead + _json_str(k) + ": " + _json_str(v))
+            elif tv is int:
+                out.append(lead + _json_str(k) + ": " + int.__repr__(v))
+            elif v is None or v is True or v is False:
+                out.append(lead + _json_str(k) + ": " + _CONST[id(v)])
+            else:
+                out.append(lead + _json_str(k) + ": ")
+                _dump(v, inner, out)
+            lead = sep
+        out.append("\n" + ind + "}")
+    elif t is list or t is tuple:
+        if not o:
+            out.append("[]")
+            return
+        inner = ind + " "
+        sep = ",\n" + inner
+        if all(type(x) is int for x in o):  # shapes, offsets, expert lists
+            out.append("[\n" + inner + sep.join(map(int.__repr__, o)) + "\n" + ind + "]")
+            return
+        lead = "[\n" + inner
+        for v in o:
+            out.append(lead)
+            _dump(v, inner, out)
+            lead = sep
+        out.append("\n" + ind + "]")
+    else:  # floats, non-str keys, subclasses, ...: the stdlib's rendering, re-indented
+        # (json.dumps never emits a raw newline inside a string, so this is exact)
+        out.append(json.dumps(o, indent=1).replace("\n", "\n" + ind))
