@@ -31,7 +31,7 @@ import zstandard
 
 from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
 from ..checkpoint.encodings import ENCODINGS
-from ..checkpoint.safetensors_io import ST_DTYPES
+from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError
 from .format import (
     FORMAT,
@@ -51,15 +51,6 @@ from .schema import validate
 
 
 # -- manifest -------------------------------------------------------------------------
-def _no_dups(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ManifestError(f"key '{k}' appears twice")
-        out[k] = v
-    return out
-
-
 def load_manifest(root: Path) -> dict:
     """Parse and validate ``root/manifest.json`` (schema, version, numbering)."""
     if not root.is_dir():
@@ -76,7 +67,7 @@ def load_manifest(root: Path) -> dict:
             f"{root}: not a stream directory (no {MANIFEST}); create one with `k3convert shard`."
         )
     try:
-        doc = json.loads(mp.read_text(encoding="utf-8"), object_pairs_hook=_no_dups)
+        doc = strict_json_loads(mp.read_text(encoding="utf-8"), "key", ManifestError)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ManifestError) as e:
         raise ManifestError(f"{mp}: not valid JSON ({e}); the manifest is damaged.") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
