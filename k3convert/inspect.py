@@ -67,6 +67,8 @@ def _active_fraction(cfg: Any) -> float:
 def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = True) -> dict:
     """Report for a model directory or a config.json file (no weights needed)."""
     p = Path(path)
+    if p.is_dir() and (p / "manifest.json").is_file():
+        return _inspect_stream(p, tensors=tensors, keep_mtp=keep_mtp)
     config_only = p.is_file() and p.suffix == ".json"
     if p.is_dir() and not any(
         f.suffix in (".safetensors", ".bin", ".pt", ".pth") for f in p.iterdir()
@@ -165,6 +167,29 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
     return report
 
 
+def _inspect_stream(p: Path, *, tensors: bool, keep_mtp: bool) -> dict:
+    """A stream directory: the model's arithmetic from its config, plus its layout."""
+    from .stream import load_manifest
+
+    manifest = load_manifest(p)
+    report = inspect_path(path=p / "config.json", tensors=tensors, keep_mtp=keep_mtp)
+    lay = manifest["layout"]
+    units = [u for r in manifest["ranks"] for u in r["units"]]
+    report["path"] = str(p)
+    report["stream"] = {
+        "tp": lay["tp"],
+        "pp": lay["pp"],
+        "moe_tp": lay["moe_tp"],
+        "moe_ep": lay["moe_ep"],
+        "world": lay["world"],
+        "units": len(units),
+        "bytes": sum(u["bytes"] for u in units),
+        "raw_bytes": sum(u["raw_bytes"] for u in units),
+        "compression": sorted({u["compression"] for u in units}),
+    }
+    return report
+
+
 def human(n: float, unit: str = "") -> str:
     for suffix in ("", "K", "M", "B", "T"):
         if abs(n) < 1000 or suffix == "T":
@@ -220,7 +245,15 @@ def format_report(r: dict) -> str:
         f"  parameters: {human(r['total_params'])} total, {human(r['active_params'])} active "
         f"per token" + (f", {human(r['mtp_params'])} in MTP layers" if r["mtp_params"] else "")
     )
-    if r["config_only"]:
+    if "stream" in r:
+        st = r["stream"]
+        head.append(
+            f"  stream: tp {st['tp']} x pp {st['pp']} (moe_tp {st['moe_tp']}, moe_ep "
+            f"{st['moe_ep']}), {st['world']} ranks, {st['units']} units, "
+            f"{human_bytes(st['bytes'])} stored ({human_bytes(st['raw_bytes'])} raw, "
+            f"{'/'.join(st['compression'])}); verify with `k3convert shard --check`"
+        )
+    elif r["config_only"]:
         head.append(
             f"  (config only; bytes estimated at the config dtype: "
             f"{human_bytes(r['est_bytes_at_config_dtype'])})"

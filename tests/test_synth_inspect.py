@@ -259,3 +259,15 @@ def test_demo_runs(tmp_path):
     r = _cli("demo", "--out", tmp_path / "demo")
     assert r.returncode == 0, r.stderr
     assert "routed_experts" in r.stdout and "pack-quantized" in r.stdout
+
+
+def test_inspect_stream_directory(tmp_path, tiny_models):
+    """A shard output is reported with its layout, not mistaken for a bare config."""
+    from k3convert.shard import shard
+
+    out = tmp_path / "stream"
+    shard(src=tiny_models["qwen3_moe"], out=out, tp=2, pp=2, ep=2, progress=False)
+    r = inspect_path(path=out)
+    assert r["stream"]["world"] == 4 and r["stream"]["moe_ep"] == 2
+    assert r["total_params"] == inspect_path(path=tiny_models["qwen3_moe"])["total_params"]
+    assert r["stream"]["raw_bytes"] >= r["stream"]["bytes"] > 0
