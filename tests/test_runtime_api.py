@@ -277,3 +277,17 @@ def test_run_forward_errors(tiny_models, tmp_path):
         run_forward(src=src, ids="1 2", save_logits=tmp_path / "no" / "x.safetensors")
     with pytest.raises(K3Error):
         run_forward(src=tmp_path / "nowhere", ids="1 2")
+
+
+@pytest.mark.parametrize("device", ["banana", "musa", "cuda:0"])
+def test_unusable_device_is_a_clear_error(device):
+    import torch
+
+    from k3convert.device import resolve_device
+    from k3convert.errors import ConfigError
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"device|torch device"):
+        resolve_device(device)
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import resolve
+from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError
 from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
 from .decoder import Step, TextSettings, decoder_layer, make_step, text_settings
@@ -126,7 +127,7 @@ class Runtime:
         act_quant_experts: bool = False,
     ):
         self.source = source
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype)
         raw = source.config
         where = f"{getattr(source, 'root', 'source')}/config.json"
