@@ -155,7 +155,10 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML ({e}).") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem}); fix the recipe file.") from e
     return parse_recipe(data, str(p))
 
 

@@ -167,3 +167,13 @@ def test_console_script_prints_no_traceback(tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+def test_not_a_checkpoint_and_bad_yaml(tmp_path, capsys):
+    notes = tmp_path / "notes.yaml"
+    notes.write_text("quantize: [\n")
+    rc, err = _run(capsys, notes)
+    assert rc == 2 and "not a checkpoint" in err
+    rc = main(["quantize", str(tmp_path), str(tmp_path / "o"), "--recipe", str(notes)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "notes.yaml:2:1: not valid YAML" in err and err.count("\n") == 1

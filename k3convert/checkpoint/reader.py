@@ -320,6 +320,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory.")
     if p.is_file():
+        if p.suffix not in WEIGHT_SUFFIXES:
+            raise CheckpointError(
+                f"{p}: not a checkpoint; give a model directory, a .safetensors / .bin file, "
+                f"or (for inspect) its config.json."
+            )
         root, files, wm = p.parent, [p], None
     else:
         root = p
