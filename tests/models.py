@@ -142,3 +142,20 @@ def save_model(family: str, out: Path, seed: int = 0, dtype=torch.float32, **kw)
     with contextlib.redirect_stderr(io.StringIO()):
         model.save_pretrained(out)
     return out
+
+
+#: tiny models whose every Linear input width is a multiple of 128, so g128 groups and
+#: 128x128 FP8 blocks (with their 128-channel activation groups) fit every layer
+QUANT_FAMILIES = {
+    "llama": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                        kv_lora_rank=128, q_lora_rank=128, v_head_dim=32,
+                        qk_nope_head_dim=32, qk_rope_head_dim=16),
+}  # fmt: skip
+QUANT_SCHEMES = ("fp8-block", "fp8-dynamic", "w8a8", "w4a16")
+#: transformers 5.24 / compressed-tensors 0.20 cannot reload these quantized dirs: its
+#: fused-expert loader handles FP8 ``weight`` and packed ``weight_packed`` experts only
+RELOAD_GAPS = {("qwen3_moe", "w8a8"), ("deepseek_v3", "w8a8")}

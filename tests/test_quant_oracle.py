@@ -30,22 +30,13 @@ from safetensors.torch import save_file
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.quant import quantize
-from tests.models import save_model
+from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS, save_model
 
-FAMILIES = {
-    "llama": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                        kv_lora_rank=128, q_lora_rank=128, v_head_dim=32,
-                        qk_nope_head_dim=32, qk_rope_head_dim=16),
-}  # fmt: skip
-SCHEMES = ("fp8-block", "fp8-dynamic", "w8a8", "w4a16")
+FAMILIES = QUANT_FAMILIES
+SCHEMES = QUANT_SCHEMES
 #: max ||w - deq|| / ||w|| per tensor (Gaussian N(0, 0.02) init weights)
 REL_ERR = {"fp8-block": 0.04, "fp8-dynamic": 0.04, "w8a8": 0.012, "w4a16": 0.16}
-#: transformers cannot load OUT directly (see module doc)
-DIRECT_GAPS = {("qwen3_moe", "w8a8"), ("deepseek_v3", "w8a8")}
+DIRECT_GAPS = RELOAD_GAPS  # transformers cannot load these OUT dirs directly
 LOGIT_TOL = 1e-3
 RESULTS: dict = {}
 

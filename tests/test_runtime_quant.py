@@ -44,20 +44,11 @@ from k3convert.quant import quantize
 from k3convert.quant.writer import plan_quantization
 from k3convert.runtime import Runtime
 from k3convert.runtime.forward_cmd import run_forward
-from tests.models import save_model
+from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS, save_model
 
-FAMILIES = {
-    "llama": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                        kv_lora_rank=128, q_lora_rank=128, v_head_dim=32,
-                        qk_nope_head_dim=32, qk_rope_head_dim=16),
-}  # fmt: skip
-SCHEMES = ("fp8-block", "fp8-dynamic", "w8a8", "w4a16")
-#: transformers 5.24 / compressed-tensors 0.20 cannot load these OUT dirs (module doc)
-LOAD_GAPS = {("qwen3_moe", "w8a8"), ("deepseek_v3", "w8a8")}
+FAMILIES = QUANT_FAMILIES
+SCHEMES = QUANT_SCHEMES
+LOAD_GAPS = RELOAD_GAPS
 TOL = 1e-3
 RESULTS: dict = {}
 
