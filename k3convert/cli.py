@@ -143,7 +143,9 @@ def forward(
     ] = None,
     ids_file: Annotated[
         Path | None,
-        typer.Option(help="safetensors with input_ids [batch, seq] (+ attention_mask)."),
+        typer.Option(
+            help="safetensors with input_ids (batch x seq) and optionally attention_mask."
+        ),
     ] = None,
     pixel_values: Annotated[
         Path | None,
@@ -151,7 +153,7 @@ def forward(
     ] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: fp32 or bf16.")] = "fp32",
     save_logits: Annotated[
-        Path | None, typer.Option(help="Write logits [batch, seq, vocab] float32 here.")
+        Path | None, typer.Option(help="Write the logits (batch x seq x vocab, float32) here.")
     ] = None,
     top: Annotated[int, typer.Option(help="Top-K next tokens to print.")] = 5,
     device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
@@ -256,7 +258,7 @@ def shard(
     ] = None,
     expert_load: Annotated[
         Path | None,
-        typer.Option(help="JSON {layer: [tokens per expert]} from calibration to balance EP."),
+        typer.Option(help="JSON: layer -> tokens per expert (from calibration), to balance EP."),
     ] = None,
     redundant_experts: Annotated[
         int, typer.Option(help="Extra replicas of the hottest experts per layer (EPLB).")
