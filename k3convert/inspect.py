@@ -83,17 +83,16 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
         ckpt = open_checkpoint(p)
         arch, cfg = resolve(ckpt.config, str(Path(ckpt.root) / "config.json"))
         names = ckpt.names()
-        roles = arch.classify(cfg, names, where=str(ckpt.root))
-        expected = arch.expected_shapes(cfg, names, where=str(ckpt.root))
-        bad = [n for n in names if tuple(ckpt.meta(n).shape) != expected[n]]
+        matched = arch.match(cfg, names, where=str(ckpt.root))
+        bad = [n for n in names if tuple(ckpt.meta(n).shape) != matched[n].shape]
         if bad:
             n = bad[0]
             raise ArchError(
                 f"{ckpt.meta(n).file}: tensor '{n}' has shape {list(ckpt.meta(n).shape)} but "
-                f"config.json implies {list(expected[n])} ({len(bad)} tensor(s) disagree); "
+                f"config.json implies {list(matched[n].shape)} ({len(bad)} tensor(s) disagree); "
                 f"the weights do not match the config."
             )
-        rows = [(n, ckpt.meta(n).shape, ckpt.meta(n), roles[n]) for n in names]
+        rows = [(n, ckpt.meta(n).shape, ckpt.meta(n), matched[n].role) for n in names]
         if not keep_mtp:
             rows = [r for r in rows if not r[3].mtp]
     raw_cfg = ckpt.config if ckpt else raw
@@ -157,7 +156,7 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
         report["files"] = len(ckpt.files())
         report["aux_files"] = [f.name for f in ckpt.aux_files]
         if keep_mtp:
-            present = set(arch.canonical(cfg, [r[0] for r in rows]).values())
+            present = {matched[r[0]].canonical for r in rows}
             missing = [i.name for i in arch.instances(cfg, mtp=False) if i.name not in present]
             report["missing"] = missing
     else:

@@ -11,10 +11,11 @@ writes, so these three can never disagree.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from ..errors import ArchError, ConfigError, UnknownTensorsError
 
@@ -139,7 +140,6 @@ class Arch:
     parse_config: Callable[[dict], Any]
     specs: Callable[[Any], list[TensorSpec]]
     doc: str = ""
-    _cache: dict = field(default_factory=dict, repr=False)
 
     def config(self, raw: dict) -> Any:
         return self.parse_config(raw)
@@ -154,27 +154,13 @@ class Arch:
                 name = spec.pattern.format(**idx)
                 yield Instance(name, tuple(spec.shape(cfg)), _role(spec, idx, cfg))
 
-    def classify(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Role]:
-        """Role of every name; UnknownTensorsError listing the names that match no row."""
-        return {n: role for n, (role, _, _) in self._match(cfg, names, where).items()}
+    def match(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Match]:
+        """Role, canonical spelling and expected shape of every name, in one pass.
 
-    def canonical(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, str]:
-        """name -> the spelling synth writes (aliases resolved)."""
-        return {n: canon for n, (_, canon, _) in self._match(cfg, names, where).items()}
-
-    def expected_shapes(self, cfg: Any, names: Iterable[str], where: str = ""):
-        """name -> the shape the table says it must have under ``cfg``."""
-        return {n: shape for n, (_, _, shape) in self._match(cfg, names, where).items()}
-
-    def _match(self, cfg: Any, names: Iterable[str], where: str):
-        if self._cache.get("cfg") is not cfg:
-            table = self.table(cfg)
-            self._cache.update(
-                cfg=cfg,
-                compiled=[(s, _template_regex(p)) for s in table for p in (s.pattern, *s.aliases)],
-            )
-        compiled = self._cache["compiled"]
-        out: dict[str, tuple[Role, str, tuple[int, ...]]] = {}
+        UnknownTensorsError lists the names that match no row.
+        """
+        compiled = _compiled(self.specs, cfg)
+        out: dict[str, Match] = {}
         unknown: list[str] = []
         for n in names:
             for spec, rx in compiled:
@@ -182,7 +168,7 @@ class Arch:
                 if m:
                     idx = {k: int(v) for k, v in m.groupdict().items()}
                     if _in_range(spec.scope, idx, cfg):
-                        out[n] = (
+                        out[n] = Match(
                             _role(spec, idx, cfg),
                             spec.pattern.format(**idx),
                             tuple(spec.shape(cfg)),
@@ -193,6 +179,31 @@ class Arch:
         if unknown:
             raise UnknownTensorsError(self.name, unknown, where)
         return out
+
+    def classify(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Role]:
+        """Role of every name (see :meth:`match`)."""
+        return {n: m.role for n, m in self.match(cfg, names, where).items()}
+
+    def canonical(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, str]:
+        """name -> the spelling synth writes (aliases resolved)."""
+        return {n: m.canonical for n, m in self.match(cfg, names, where).items()}
+
+    def expected_shapes(self, cfg: Any, names: Iterable[str], where: str = ""):
+        """name -> the shape the table says it must have under ``cfg``."""
+        return {n: m.shape for n, m in self.match(cfg, names, where).items()}
+
+
+class Match(NamedTuple):
+    role: Role
+    canonical: str
+    shape: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(specs: Callable[[Any], list[TensorSpec]], cfg: Any):
+    """(row, regex) for every spelling of every row that exists under ``cfg``."""
+    rows = [s for s in specs(cfg) if s.when(cfg)]
+    return tuple((r, _template_regex(p)) for r in rows for p in (r.pattern, *r.aliases))
 
 
 def _layer_kinds(cfg) -> list[str]:

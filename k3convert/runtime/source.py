@@ -87,14 +87,13 @@ class Plan:
 
 def make_plan(arch: Arch, cfg: Any, names: Sequence[str], *, tied: bool, where: str) -> Plan:
     """Group ``names`` into units; MTP layers are left out (the forward never runs them)."""
-    roles = arch.classify(cfg, names, where)
-    canon = arch.canonical(cfg, names, where)
+    matched = arch.match(cfg, names, where)
     units: dict[str, dict[str, Entry]] = {}
     for n in names:
-        role = roles[n]
+        role = matched[n].role
         if role.mtp:
             continue
-        key = entry_key(role, canon[n])
+        key = entry_key(role, matched[n].canonical)
         unit = units.setdefault(role.unit, {})
         if key in unit:
             raise CheckpointError(
