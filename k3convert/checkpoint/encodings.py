@@ -86,36 +86,42 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, 
     return s.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
 
 
+PartSig = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # part -> (shape, dtype)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @dataclass(frozen=True)
 class Encoding:
     """One way a logical weight is stored.
 
-    ``required`` parts must all be present and ``signature`` decides detection.
+    Detected when every ``required`` part is present, no ``forbidden`` one is, and the
+    ``weight`` part (if the encoding has one) has one of ``weight_dtypes``.
+    ``scale_part`` holds the scales; ``shape_part`` is where the logical shape comes
+    from ("weight": that part's shape; "weight_shape": that part's data, 2 ints).
+    ``default_block`` applies when config.json does not say the block size.
     """
 
     name: str
     required: tuple[str, ...]
     forbidden: tuple[str, ...]
-    logical_shape: Callable[[Mapping[str, tuple[tuple[int, ...], torch.dtype]]], tuple[int, ...]]
     dequantize: Callable[[Mapping[str, torch.Tensor], QuantParams], torch.Tensor]
     description: str
+    scale_part: str = "weight_scale"
+    shape_part: str = "weight"
+    weight_dtypes: tuple[torch.dtype, ...] | None = None
+    default_block: tuple[int, int] | None = None
 
-    def matches(self, parts: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> bool:
+    def matches(self, parts: PartSig) -> bool:
         if not all(p in parts for p in self.required):
             return False
         if any(p in parts for p in self.forbidden):
             return False
-        if self.name in ("fp8-block", "float-quantized"):
-            return parts["weight"][1] in (torch.float8_e4m3fn, torch.float8_e5m2)
-        if self.name == "int-quantized":
-            return parts["weight"][1] == torch.int8
-        return True
+        return self.weight_dtypes is None or parts["weight"][1] in self.weight_dtypes
 
 
 def _deq_fp8_block(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
     w = p["weight"]
-    block = q.block or (128, 128)
-    return w.float() * expand_scale(p["weight_scale_inv"], tuple(w.shape), block)
+    return w.float() * expand_scale(p["weight_scale_inv"], tuple(w.shape), q.block)
 
 
 def _deq_scaled(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
@@ -153,10 +159,6 @@ def _deq_packed(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
     return vals * expand_scale(scale, (out, inp), q.block)
 
 
-def _shape_of(part: str):
-    return lambda parts: tuple(parts[part][0])
-
-
 ENCODINGS: dict[str, Encoding] = {
     e.name: e
     for e in (
@@ -164,41 +166,41 @@ ENCODINGS: dict[str, Encoding] = {
             "fp8-block",
             ("weight", "weight_scale_inv"),
             ("weight_scale", "weight_packed"),
-            _shape_of("weight"),
             _deq_fp8_block,
             "DeepSeek-V3 FP8 e4m3 with one fp32 (or ue8m0) scale per 128x128 block",
+            scale_part="weight_scale_inv",
+            weight_dtypes=FP8_DTYPES,
+            default_block=(128, 128),
         ),
         Encoding(
             "pack-quantized",
             ("weight_packed", "weight_scale", "weight_shape"),
             ("weight",),
-            lambda parts: (),  # filled in by the reader from the weight_shape data
             _deq_packed,
             "compressed-tensors int-N packed into int32 with group/channel scales",
+            shape_part="weight_shape",
         ),
         Encoding(
             "float-quantized",
             ("weight", "weight_scale"),
             ("weight_packed", "weight_scale_inv"),
-            _shape_of("weight"),
             _deq_scaled,
             "compressed-tensors FP8 weight with tensor/channel/group/block scales",
+            weight_dtypes=FP8_DTYPES,
         ),
         Encoding(
             "int-quantized",
             ("weight", "weight_scale"),
             ("weight_packed", "weight_scale_inv"),
-            _shape_of("weight"),
             _deq_scaled,
             "compressed-tensors int8 weight with scales (and optional zero point)",
+            weight_dtypes=(torch.int8,),
         ),
     )
 }
 
 
-def detect_encoding(
-    logical: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-) -> Encoding | None:
+def detect_encoding(logical: str, parts: PartSig) -> Encoding | None:
     """The encoding of a group of parts; None for a plain tensor. Errors if ambiguous."""
     if set(parts) <= {"weight", *ACTIVATION_PARTS} and "weight" in parts:
         return None

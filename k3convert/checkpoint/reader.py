@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from ..errors import CheckpointError, ConfigError, UnsafePickleError
 from .encodings import (
     ALL_PARTS,
     ENCODINGS,
+    FP8_DTYPES,
     QuantParams,
     detect_encoding,
     infer_num_bits,
@@ -415,7 +416,7 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
         module = logical.removesuffix(".weight")
         if enc is None:
             w = parts["weight"]
-            fp8 = w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and len(w.shape) == 2
+            fp8 = w.dtype in FP8_DTYPES and len(w.shape) == 2
             if fp8 and qcfg.method in ("fp8", "compressed-tensors"):
                 raise CheckpointError(
                     f"{w.file}: '{logical}' is stored as {w.dtype} but has no "
@@ -424,22 +425,20 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
             shape = w.shape
             metas[logical] = TensorMeta(logical, shape, "plain", parts)
             continue
-        if enc.name == "pack-quantized":
-            ws = (
-                map_tensor(parts["weight_shape"].file, parts["weight_shape"].raw)
-                if parts["weight_shape"].raw
-                else None
-            )
-            if ws is None:
+        if enc.shape_part == "weight":
+            shape = parts["weight"].shape
+        else:  # the logical shape is stored as data: [out, in]
+            sp = parts[enc.shape_part]
+            if sp.raw is None:
                 raise CheckpointError(f"'{logical}': packed weights must come from safetensors.")
-            shape = tuple(int(x) for x in ws.tolist())
-        else:
-            shape = enc.logical_shape(sig)
+            shape = tuple(int(x) for x in map_tensor(sp.file, sp.raw).tolist())
         q = qcfg.params(module, shape)
-        if enc.name == "pack-quantized":
+        if q.block is None and enc.default_block is not None:
+            q = replace(q, block=enc.default_block)
+        if "weight_packed" in parts:
             bits = infer_num_bits(shape[-1], parts["weight_packed"].shape[-1])
             if q.num_bits is None:
-                q = QuantParams(bits, q.block, q.symmetric, q.extra)
+                q = replace(q, num_bits=bits)
             elif bits is not None and bits != q.num_bits:
                 raise CheckpointError(
                     f"{parts['weight_packed'].file}: '{logical}' packed shape "
@@ -453,12 +452,10 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
 
 def _check_scales(m: TensorMeta) -> None:
     """Catch scale / weight shape disagreements at open time, not mid-conversion."""
-    key = "weight_scale_inv" if m.encoding == "fp8-block" else "weight_scale"
-    s = m.parts[key]
+    s = m.parts[ENCODINGS[m.encoding].scale_part]
     if len(m.shape) != 2:
         raise CheckpointError(f"{m.file}: encoded tensor '{m.name}' must be 2-D, got {m.shape}.")
-    block = m.quant.block or ((128, 128) if m.encoding == "fp8-block" else None)
     try:
-        scale_block(s.shape, m.shape, block)
+        scale_block(s.shape, m.shape, m.quant.block)
     except ValueError as e:
         raise CheckpointError(f"{s.file}: '{m.name}' {m.encoding}: {e}.") from e

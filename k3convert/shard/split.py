@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..checkpoint import PartMeta, TensorMeta
-from ..checkpoint.encodings import ACTIVATION_PARTS, scale_block
+from ..checkpoint.encodings import ACTIVATION_PARTS, ENCODINGS, scale_block
 from ..stream.format import SplitError
 from .layout import divisors
 
@@ -81,12 +81,10 @@ class Piece:
 def _scale_map(m: TensorMeta, part: str, d: int, packed_bits: int | None = None):
     """AxisMap (or COPY) of a scale / zero-point part for logical dim d."""
     pm = m.parts[part]
-    scale_key = "weight_scale_inv" if m.encoding == "fp8-block" else "weight_scale"
-    sshape = tuple(m.parts[scale_key].shape)
+    sshape = tuple(m.parts[ENCODINGS[m.encoding].scale_part].shape)
     if len(sshape) == 0 or math.prod(sshape) == 1:
         return COPY
-    block = m.quant.block or ((128, 128) if m.encoding == "fp8-block" else None)
-    b = scale_block(sshape, tuple(m.shape), block)
+    b = scale_block(sshape, tuple(m.shape), m.quant.block)
     s2 = (sshape[0], 1) if len(sshape) == 1 else sshape
     is_block = m.encoding == "fp8-block" or (m.quant.extra or {}).get("strategy") == "block"
     if s2[d] == 1 and not is_block:

@@ -241,14 +241,15 @@ def load_unit(root: Path, rank: int, u: dict, verify: bool = True) -> Unit:
 
 
 # -- readers --------------------------------------------------------------------------
-def _quant(q: dict | None) -> QuantParams:
-    if not q:
-        return QuantParams()
+def _quant(q: dict | None, encoding: str) -> QuantParams:
+    """A manifest entry's quant metadata, with the encoding's default block applied."""
+    q = q or {}
+    default = ENCODINGS[encoding].default_block if encoding in ENCODINGS else None
     return QuantParams(
         num_bits=q.get("num_bits"),
-        block=tuple(q["block"]) if q.get("block") else None,
+        block=tuple(q["block"]) if q.get("block") else default,
         symmetric=q.get("symmetric"),
-        extra={"strategy": q.get("strategy"), "type": q.get("type")},
+        extra={"strategy": q.get("strategy"), "type": q.get("type")} if q else {},
     )
 
 
@@ -347,7 +348,7 @@ class RankReader:
         shape = tuple(e0["logical_shape"])
         if any(e["split_dim"] is not None or e["contents"] == "local_shape" for e in es):
             shape = self._local_shape(name, es)
-        return TensorMeta(name, shape, e0["encoding"], parts, _quant(e0["quant"]))
+        return TensorMeta(name, shape, e0["encoding"], parts, _quant(e0["quant"], e0["encoding"]))
 
     def _local_shape(self, name: str, es: list[dict]) -> tuple[int, ...]:
         by = {e["part"]: e for e in es}
@@ -369,7 +370,7 @@ class RankReader:
             t = parts["weight"]
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         try:
-            w = ENCODINGS[enc].dequantize(parts, _quant(es[0]["quant"]))
+            w = ENCODINGS[enc].dequantize(parts, _quant(es[0]["quant"], enc))
         except ValueError as e:
             raise CheckpointError(
                 f"{self.stream.root / self.unit_entries[i]['file']}: cannot dequantize "
