@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from tests.models import save_model
+from tests.models import QUANT_FAMILIES, save_model
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k25")
 
@@ -35,3 +35,10 @@ def model_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def quant_sources(tmp_path_factory) -> dict:
+    """family -> tiny model whose Linear inputs are all multiples of 128 (QUANT_FAMILIES)."""
+    root = tmp_path_factory.mktemp("quant_sources")
+    return {f: save_model(f, root / f, **kw) for f, kw in QUANT_FAMILIES.items()}

@@ -57,6 +57,8 @@ _GQA_BASE = dict(
 #: family -> (transformers config class, what differs from _GQA_BASE)
 _GQA_FAMILIES = {
     "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -109,6 +111,8 @@ def config_for(family: str, **kw):
 
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",

@@ -8,8 +8,6 @@ placement, shared experts, MTP layers, vision merge kernel...).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 
@@ -22,7 +20,7 @@ from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import ArchError, ConfigError, UnknownTensorsError
 from tests.conftest import FAMILIES
 from tests.encode import append_mtp_layer
-from tests.models import VOCAB, build_model
+from tests.models import build_model
 
 # (family, overrides) built through model_factory; ids name the variant
 VARIANTS = {
@@ -43,30 +41,8 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _tf_direct(name: str, tmp_path_factory):
-    """qwen2 / mistral: families the registry serves by alias, built here directly."""
-    import transformers as tf
-
-    cls = {"qwen2": "Qwen2", "mistral": "Mistral"}[name]
-    cfg = getattr(tf, cls + "Config")(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = getattr(tf, cls + "ForCausalLM")(cfg).eval()
-    d = tmp_path_factory.mktemp(name) / "model"
-    with contextlib.redirect_stderr(io.StringIO()):
-        model.save_pretrained(d)
-    return d, model
-
-
 @pytest.fixture(scope="module")
-def case(tiny_models, model_factory, tmp_path_factory):
+def case(tiny_models, model_factory):
     """case(id) -> (checkpoint dir, the transformers model that was saved)."""
     cache: dict = {}
 
@@ -74,8 +50,8 @@ def case(tiny_models, model_factory, tmp_path_factory):
         if cid not in cache:
             if cid in FAMILIES:
                 cache[cid] = (tiny_models[cid], build_model(cid))
-            elif cid in ("qwen2", "mistral"):
-                cache[cid] = _tf_direct(cid, tmp_path_factory)
+            elif cid in ("qwen2", "mistral"):  # served by alias: built here, not session-wide
+                cache[cid] = (model_factory(cid), build_model(cid))
             else:
                 fam, kw = VARIANTS[cid]
                 cache[cid] = (model_factory(fam, **kw), build_model(fam, **kw))

@@ -30,21 +30,12 @@ from safetensors.torch import save_file
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.quant import quantize
-from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS, save_model
+from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS
 
-FAMILIES = QUANT_FAMILIES
-SCHEMES = QUANT_SCHEMES
 #: max ||w - deq|| / ||w|| per tensor (Gaussian N(0, 0.02) init weights)
 REL_ERR = {"fp8-block": 0.04, "fp8-dynamic": 0.04, "w8a8": 0.012, "w4a16": 0.16}
-DIRECT_GAPS = RELOAD_GAPS  # transformers cannot load these OUT dirs directly
 LOGIT_TOL = 1e-3
 RESULTS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant_src")
-    return {f: save_model(f, root / f, **kw) for f, kw in FAMILIES.items()}
 
 
 def _logits(path, ids, **kw):
@@ -77,10 +68,10 @@ def _is_quant(ckpt, name) -> bool:
     return ckpt.meta(name).encoding != "plain"
 
 
-@pytest.mark.parametrize("scheme_name", SCHEMES)
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_compressed_tensors_oracle(family, scheme_name, sources, tmp_path):
-    src = sources[family]
+@pytest.mark.parametrize("scheme_name", QUANT_SCHEMES)
+@pytest.mark.parametrize("family", list(QUANT_FAMILIES))
+def test_compressed_tensors_oracle(family, scheme_name, quant_sources, tmp_path):
+    src = quant_sources[family]
     out, dense, ours = tmp_path / "out", tmp_path / "dense", tmp_path / "ours"
     res = quantize(src=src, out=out, scheme=scheme_name, progress=False)
     plan = res.plan
@@ -137,7 +128,7 @@ def test_compressed_tensors_oracle(family, scheme_name, sources, tmp_path):
     try:
         l_direct = _logits(out, ids, quantization_config=CompressedTensorsConfig(dequantize=True))
     except Exception:
-        if (family, scheme_name) not in DIRECT_GAPS:
+        if (family, scheme_name) not in RELOAD_GAPS:
             raise
     else:
         d_direct = float((l_dense - l_direct).abs().max()) / scale

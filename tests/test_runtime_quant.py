@@ -46,21 +46,12 @@ from k3convert.runtime import Runtime
 from k3convert.runtime.forward_cmd import run_forward
 from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS, save_model
 
-FAMILIES = QUANT_FAMILIES
-SCHEMES = QUANT_SCHEMES
-LOAD_GAPS = RELOAD_GAPS
 TOL = 1e-3
 RESULTS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rtq_src")
-    return {f: save_model(f, root / f, **kw) for f, kw in FAMILIES.items()}
-
-
-@pytest.fixture(scope="module")
-def quantized(sources, tmp_path_factory):
+def quantized(quant_sources, tmp_path_factory):
     """(family, scheme) -> OUT, quantized once per module."""
     root = tmp_path_factory.mktemp("rtq_out")
     cache: dict = {}
@@ -68,7 +59,7 @@ def quantized(sources, tmp_path_factory):
     def get(family: str, scheme: str):
         if (family, scheme) not in cache:
             out = root / f"{family}-{scheme}"
-            quantize(src=sources[family], out=out, scheme=scheme, progress=False)
+            quantize(src=quant_sources[family], out=out, scheme=scheme, progress=False)
             cache[family, scheme] = out
         return cache[family, scheme]
 
@@ -147,8 +138,8 @@ def _dense(out, dense):
         )
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+@pytest.mark.parametrize("family", list(QUANT_FAMILIES))
 def test_weights_match_compressed_tensors_dequantizer(family, scheme, quantized, tmp_path):
     """(a) act quant OFF on OUT == transformers on compressed-tensors' dense DENSE."""
     out = quantized(family, scheme)
@@ -172,11 +163,11 @@ def test_weights_match_compressed_tensors_dequantizer(family, scheme, quantized,
     assert d <= TOL, f"{family} {scheme}: {d:.2e}"
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+@pytest.mark.parametrize("family", list(QUANT_FAMILIES))
 def test_activations_match_transformers(family, scheme, quantized):
     """(b) act quant ON on OUT == transformers + compressed-tensors loading OUT."""
-    if (family, scheme) in LOAD_GAPS:
+    if (family, scheme) in RELOAD_GAPS:
         pytest.skip(
             f"transformers 5.24 CompressedTensorsDequantize handles only FP8 'weight' and "
             f"packed 'weight_packed' MoE experts; {scheme}'s int8 'weight' experts yield "
@@ -204,8 +195,8 @@ def test_activations_match_transformers(family, scheme, quantized):
         assert off_gap > 5 * TOL, f"activation quantization changed nothing ({off_gap:.1e})"
 
 
-def test_default_and_switch(quantized, sources):
-    src = open_checkpoint(sources["deepseek_v3"])
+def test_default_and_switch(quantized, quant_sources):
+    src = open_checkpoint(quant_sources["deepseek_v3"])
     with Runtime(src) as rt:
         assert not rt.act_specs and not rt.act_quant
     with Runtime(open_checkpoint(quantized("deepseek_v3", "fp8-dynamic"))) as rt:
@@ -268,11 +259,11 @@ def _calibrate(src) -> dict[str, torch.Tensor]:
     return {m: a / 448.0 for m, a in amax.items()}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_static_fp8(family, sources, tmp_path):
+@pytest.mark.parametrize("family", list(QUANT_FAMILIES))
+def test_static_fp8(family, quant_sources, tmp_path):
     out = tmp_path / "out"
-    scales = _calibrate(sources[family])
-    quantize(src=sources[family], out=out, scheme="fp8", progress=False, input_scales=scales)
+    scales = _calibrate(quant_sources[family])
+    quantize(src=quant_sources[family], out=out, scheme="fp8", progress=False, input_scales=scales)
     ck = open_checkpoint(out)
     name = "model.layers.0.self_attn.o_proj.weight"
     assert "input_scale" in ck.meta(name).parts
@@ -306,10 +297,10 @@ def test_static_fp8(family, sources, tmp_path):
     assert off_gap > 5 * TOL
 
 
-def test_static_scales_are_required(sources, tmp_path):
+def test_static_scales_are_required(quant_sources, tmp_path):
     out = tmp_path / "out"
-    scales = _calibrate(sources["llama"])
-    quantize(src=sources["llama"], out=out, scheme="fp8", progress=False, input_scales=scales)
+    scales = _calibrate(quant_sources["llama"])
+    quantize(src=quant_sources["llama"], out=out, scheme="fp8", progress=False, input_scales=scales)
     ck = open_checkpoint(out)
 
     class NoParts:  # a source that cannot hand out input_scale parts
