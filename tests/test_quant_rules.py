@@ -109,7 +109,8 @@ def test_kimi_recipe_mixed_precision(dsv3, tmp_path):
     src = open_checkpoint(dsv3)
     n = "model.layers.1.mlp.experts.5.gate_proj.weight"
     assert ck.meta(n).encoding == "pack-quantized"
-    assert torch.allclose(ck.get(n), e.scheme.dequantize(ck.get_parts(n)), rtol=1e-2, atol=1e-6)
+    sd = ck.get_parts(n)["weight_scale"].dtype  # both are one rounding of the exact product
+    assert torch.equal(ck.get(n, sd), e.scheme.dequantize(ck.get_parts(n)).to(sd))
     assert float((ck.get(n) - src.get(n)).norm() / src.get(n).norm()) < 0.12
     k = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(ck.get(k), src.get(k))
