@@ -16,6 +16,7 @@ from k3convert.errors import CheckpointError, ConfigError, K3Error, OutputError
 from k3convert.runtime import Runtime, WeightSource
 from k3convert.runtime import source as source_mod
 from k3convert.runtime.forward_cmd import run_forward
+from tests import encode
 from tests.models import VOCAB
 from tests.test_runtime import IMG, assert_fp32_parity, batch, image_inputs, oracle
 
@@ -170,7 +171,6 @@ def _dequantized_copy(src, dst):
 
 @pytest.mark.parametrize("encoding", ["fp8-block", "int4-packed"])
 def test_quantized_source_dequantized_on_load(encoding, tiny_models, tmp_path):
-    encode = pytest.importorskip("tests.encode")
     src = tiny_models["deepseek_v3"]
     q = tmp_path / "q"
     if encoding == "fp8-block":
