@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -27,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import evict
 
 METHODS = ("k3convert", "load_file", "safe_open")
 
@@ -151,16 +152,6 @@ def write_checkpoint(root: Path, gb: float, max_tensor_mb: float, file_gb: float
     return {"files": file_idx, "tensors": 2 * i, "size": size, "largest": largest}
 
 
-def evict(root: Path) -> None:
-    for f in root.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def run_worker(method: str, root: Path, *extra: str) -> dict:
     extra = tuple(a for a in extra if a != "--dir" and a != str(root))
     out = subprocess.run(
@@ -210,7 +201,7 @@ def main() -> None:
         )
         rows = []
         for method in args.methods.split(","):
-            evict(root)
+            evict(root.glob("*.safetensors"))
             cold = run_worker(method, root)
             warm = run_worker(method, root)
             for cache, r in (("cold", cold), ("warm", warm)):

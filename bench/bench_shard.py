@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from _common import evict
 from safetensors.torch import load_file, save_file
 
 from k3convert.arch import resolve
@@ -153,22 +154,6 @@ def weight_files(d: Path) -> list[Path]:
 
 def dir_bytes(paths) -> int:
     return sum(p.stat().st_size for p in paths)
-
-
-def evict(paths) -> bool:
-    """Drop clean pages of ``paths`` from the page cache (best effort, no root needed)."""
-    ok = True
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError:
-            ok = False
-    return ok
 
 
 def best(fn, repeat: int = 2, before=None) -> float:
