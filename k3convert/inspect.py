@@ -12,9 +12,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .arch import COMPONENTS, load_config, resolve
+from .arch import COMPONENTS, load_config, resolve, validate_source
 from .checkpoint import open_checkpoint
-from .errors import ArchError
+from .checkpoint.output import refuse_partial
 
 _CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -69,6 +69,8 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
     p = Path(path)
     if p.is_dir() and (p / "manifest.json").is_file():
         return _inspect_stream(p, tensors=tensors, keep_mtp=keep_mtp)
+    if p.exists():
+        refuse_partial(p)
     config_only = p.is_file() and p.suffix == ".json"
     if p.is_dir() and not any(
         f.suffix in (".safetensors", ".bin", ".pt", ".pth") for f in p.iterdir()
@@ -83,15 +85,8 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
         ckpt = open_checkpoint(p)
         arch, cfg = resolve(ckpt.config, str(Path(ckpt.root) / "config.json"))
         names = ckpt.names()
-        matched = arch.match(cfg, names, where=str(ckpt.root))
-        bad = [n for n in names if tuple(ckpt.meta(n).shape) != matched[n].shape]
-        if bad:
-            n = bad[0]
-            raise ArchError(
-                f"{ckpt.meta(n).file}: tensor '{n}' has shape {list(ckpt.meta(n).shape)} but "
-                f"config.json implies {list(matched[n].shape)} ({len(bad)} tensor(s) disagree); "
-                f"the weights do not match the config."
-            )
+        # the same validation as every other verb; missing tensors are reported, not fatal
+        matched = validate_source(arch, cfg, ckpt, str(ckpt.root), complete=False)
         rows = [(n, ckpt.meta(n).shape, ckpt.meta(n), matched[n].role) for n in names]
         if not keep_mtp:
             rows = [r for r in rows if not r[3].mtp]

@@ -438,7 +438,8 @@ def synthesize(
     out = Path(out)
     groups = group_by_size(planned, lambda p: p.nbytes, int(shard_mb * (1 << 20)))
     names = shard_names(len(groups))
-    with staged_output(out, force=force, need_bytes=total) as tmp:
+    source = Path(config) if Path(config).exists() else None  # a preset name reads no path
+    with staged_output(out, force=force, need_bytes=total, source=source) as tmp:
         weight_map: dict[str, str] = {}
         with tqdm(
             total=total,

@@ -23,6 +23,9 @@ from .base import (
     known_model_types,
 )
 
+#: layers x routed experts a config may imply (Kimi K3: 93 x 896 = 83 k)
+MAX_LAYER_EXPERTS = 1 << 22
+
 
 def load_config(path: str | Path) -> dict:
     """config.json from a model directory or the file itself."""
@@ -38,7 +41,29 @@ def load_config(path: str | Path) -> dict:
 def resolve(raw: dict, where: str = "config.json") -> tuple[Arch, Any]:
     """(arch, parsed config) for a raw config.json dict."""
     arch = arch_for_config(raw, where)
-    return arch, arch.parse_config(raw, where)
+    cfg = arch.parse_config(raw, where)
+    text = getattr(cfg, "text", cfg)
+    layers = text.num_layers + getattr(text, "num_mtp", 0)
+    if layers * max(getattr(text, "num_experts", 0), 1) > MAX_LAYER_EXPERTS:
+        raise ConfigError(
+            f"{where}: {layers} layers x {text.num_experts} experts is beyond any real model "
+            f"(at most {MAX_LAYER_EXPERTS} expert instances); the config is damaged."
+        )
+    return arch, cfg
+
+
+def validate_source(arch: Arch, cfg: Any, source, where: str, *, complete: bool = True):
+    """``arch.validate`` over a weight source (a Checkpoint, a Stream, or anything with
+    ``names()``; shapes are checked when it also has ``meta(name)``): name -> Match."""
+    meta = getattr(source, "meta", None)
+    return arch.validate(
+        cfg,
+        source.names(),
+        where,
+        shape_of=(lambda n: meta(n).shape) if meta is not None else None,
+        file_of=(lambda n: getattr(meta(n), "file", where)) if meta is not None else None,
+        complete=complete,
+    )
 
 
 __all__ = [
@@ -52,4 +77,5 @@ __all__ = [
     "known_model_types",
     "load_config",
     "resolve",
+    "validate_source",
 ]

@@ -12,12 +12,13 @@ writes, so these three can never disagree.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from ..errors import ArchError, ConfigError, UnknownTensorsError
+from ..errors import ArchError, CheckpointError, ConfigError, UnknownTensorsError
 
 #: components inspect reports, in display order
 COMPONENTS = (
@@ -180,6 +181,48 @@ class Arch:
             raise UnknownTensorsError(self.name, unknown, where)
         return out
 
+    def validate(
+        self,
+        cfg: Any,
+        names: Iterable[str],
+        where: str,
+        *,
+        shape_of: Callable[[str], tuple[int, ...]] | None = None,
+        file_of: Callable[[str], Any] | None = None,
+        complete: bool = True,
+    ) -> dict[str, Match]:
+        """:meth:`match`, plus the checks every verb runs before it uses a weight source.
+
+        ``shape_of(name)``: the tensor's logical (dequantized) shape, which must be the
+        one config.json implies. ``complete``: every tensor the config implies must be
+        present (MTP layers only when the source has any; a tied lm_head is not a
+        tensor). ``file_of(name)`` locates a bad tensor in the message.
+        """
+        names = list(names)
+        matched = self.match(cfg, names, where)
+        if shape_of is not None:
+            bad = [n for n in names if tuple(shape_of(n)) != matched[n].shape]
+            if bad:
+                n = bad[0]
+                loc = file_of(n) if file_of is not None else where
+                raise ArchError(
+                    f"{loc}: tensor '{n}' has shape {list(shape_of(n))} but config.json "
+                    f"implies {list(matched[n].shape)} ({len(bad)} tensor(s) disagree); the "
+                    f"weights do not match the config."
+                )
+        if complete:
+            present = {m.canonical for m in matched.values()}
+            mtp = any(m.role.mtp for m in matched.values())
+            missing = [i.name for i in self.instances(cfg, mtp=mtp) if i.name not in present]
+            if missing:
+                more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
+                raise CheckpointError(
+                    f"{where}: lacks {len(missing)} tensor(s) that config.json implies: "
+                    f"{', '.join(missing[:6])}{more}; the download or conversion is "
+                    f"incomplete, or config.json describes another model."
+                )
+        return matched
+
     def classify(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Role]:
         """Role of every name (see :meth:`match`)."""
         return {n: m.role for n, m in self.match(cfg, names, where).items()}
@@ -314,7 +357,60 @@ def req(raw: dict, key: str, where: str, *alts: str) -> Any:
     raise ConfigError(f"{where}: missing required key '{key}'.")
 
 
-def positive(value: Any, key: str, where: str) -> int:
+#: largest value a config integer may take; a key not listed here gets DEFAULT_LIMIT.
+#: Generous (several times today's largest releases) but finite, so that an absurd
+#: config is refused instead of enumerating a billion layers.
+LIMITS = {
+    "num_hidden_layers": 4096,
+    "num_nextn_predict_layers": 64,
+    "num_attention_heads": 16384,
+    "num_key_value_heads": 16384,
+    "n_routed_experts": 65536,
+    "num_experts": 65536,
+    "num_local_experts": 65536,
+    "num_experts_per_tok": 65536,
+    "n_shared_experts": 1024,
+    "n_group": 65536,
+    "topk_group": 65536,
+    "first_k_dense_replace": 4096,
+    "moe_layer_freq": 4096,
+}
+DEFAULT_LIMIT = 1 << 24  # widths, vocabularies, ranks, patch and position-table sizes
+
+
+def positive(value: Any, key: str, where: str, *, limit: int | None = None) -> int:
+    """A config integer in [1, limit] (LIMITS[key] or DEFAULT_LIMIT by default)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {value!r}.")
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {_short(value)}.")
+    top = limit if limit is not None else LIMITS.get(key, DEFAULT_LIMIT)
+    if value > top:
+        raise ConfigError(
+            f"{where}: '{key}' = {value} is beyond any real model (at most {top}); the config "
+            f"is damaged or not a model config."
+        )
     return value
+
+
+def count(value: Any, key: str, where: str) -> int:
+    """A config integer that may be 0 (absent or null: 0), bounded like :func:`positive`."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return 0
+    return positive(value, key, where)
+
+
+def finite(value: Any, key: str, where: str, default: float) -> float:
+    """A positive, finite config float (``default`` when absent or null)."""
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: '{key}' must be a number, got {_short(value)}.")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{where}: '{key}' must be a positive finite number, got {value!r}.")
+    return v
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: its repr, cut to 60 characters."""
+    r = repr(value)
+    return r if len(r) <= 60 else f"{type(value).__name__} {r[:57]}..."

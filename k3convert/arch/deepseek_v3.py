@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import Arch, positive, register, req
+from .base import Arch, count, finite, positive, register, req
 from .base import TensorSpec as T
 from .common import embed_and_head, gated_mlp, layer_norms, router
 
@@ -62,10 +62,10 @@ class DeepseekV3Config:
 def parse(raw: dict, where: str = "config.json") -> DeepseekV3Config:
     g = lambda k, *alts: req(raw, k, where, *alts)  # noqa: E731
     p = lambda k: positive(g(k), k, where)  # noqa: E731
-    experts = raw.get("n_routed_experts") or 0
-    topk = raw.get("num_experts_per_tok") or 0
-    n_group = raw.get("n_group") or 1
-    topk_group = raw.get("topk_group") or 1
+    experts = count(raw.get("n_routed_experts"), "n_routed_experts", where)
+    topk = count(raw.get("num_experts_per_tok"), "num_experts_per_tok", where)
+    n_group = positive(raw.get("n_group") or 1, "n_group", where)
+    topk_group = positive(raw.get("topk_group") or 1, "topk_group", where)
     if experts:
         if topk > experts:
             raise ConfigError(
@@ -96,15 +96,19 @@ def parse(raw: dict, where: str = "config.json") -> DeepseekV3Config:
             where,
         ),
         num_experts=experts,
-        num_shared_experts=raw.get("n_shared_experts") or 0,
+        num_shared_experts=count(raw.get("n_shared_experts"), "n_shared_experts", where),
         num_experts_per_tok=topk,
-        first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
-        moe_layer_freq=raw.get("moe_layer_freq") or 1,
+        first_k_dense_replace=count(
+            raw.get("first_k_dense_replace"), "first_k_dense_replace", where
+        ),
+        moe_layer_freq=positive(raw.get("moe_layer_freq") or 1, "moe_layer_freq", where),
         n_group=n_group,
         topk_group=topk_group,
-        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        routed_scaling_factor=finite(
+            raw.get("routed_scaling_factor"), "routed_scaling_factor", where, 1.0
+        ),
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        num_mtp=raw.get("num_nextn_predict_layers") or 0,
+        num_mtp=count(raw.get("num_nextn_predict_layers"), "num_nextn_predict_layers", where),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
     )

@@ -63,7 +63,9 @@ def parse(raw: dict, where: str = "config.json") -> KimiK25Config:
     heads = positive(req(vc, "num_attention_heads", vw), "num_attention_heads", vw)
     if hidden % heads:
         raise ConfigError(f"{vw}: hidden_size {hidden} not divisible by {heads} heads.")
-    merge = tuple(vc.get("merge_kernel_size") or (2, 2))
+    merge = vc.get("merge_kernel_size") or (2, 2)
+    if not isinstance(merge, list | tuple) or len(merge) != 2:
+        raise ConfigError(f"{vw}: 'merge_kernel_size' must be two integers, got {merge!r:.60}.")
     vision = VisionConfig(
         hidden_size=hidden,
         num_layers=positive(req(vc, "num_hidden_layers", vw), "num_hidden_layers", vw),
@@ -72,7 +74,7 @@ def parse(raw: dict, where: str = "config.json") -> KimiK25Config:
         patch_size=positive(vc.get("patch_size") or 14, "patch_size", vw),
         pos_emb_height=positive(vc.get("pos_emb_height") or 64, "pos_emb_height", vw),
         pos_emb_width=positive(vc.get("pos_emb_width") or 64, "pos_emb_width", vw),
-        merge_kernel_size=(int(merge[0]), int(merge[1])),
+        merge_kernel_size=tuple(positive(m, "merge_kernel_size", vw) for m in merge),
     )
     tie = bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", False)))
     text = deepseek_v3.parse({**tc, "tie_word_embeddings": tie}, f"{where}: text_config")

@@ -50,7 +50,9 @@ def parse(raw: dict, where: str = "config.json") -> MoeConfig:
         num_experts=experts,
         num_experts_per_tok=topk,
         norm_topk_prob=bool(raw.get("norm_topk_prob", mixtral)),
-        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        decoder_sparse_step=positive(
+            raw.get("decoder_sparse_step") or 1, "decoder_sparse_step", where
+        ),
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
     )
 

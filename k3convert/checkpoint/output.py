@@ -1,34 +1,60 @@
-"""Writing a Hugging Face model directory safely: checks first, temp dir, rename last.
+"""Writing outputs safely: checks first, temp dir, rename last, sources never touched.
 
-Every stage that writes a checkpoint (synth, quantize) goes through here, so they share
-one behaviour: an existing OUT is refused unless forced, the disk-space estimate is
-checked before a byte is written, files are written into ``.OUT.partial-PID`` and the
-directory is renamed into place only when complete (a crash never leaves something
-that looks finished), and shards are named and indexed the way transformers expects.
+Every stage that writes (synth, quantize, shard, forward --save-logits) goes through
+here, so they share one behaviour:
+
+* :func:`guard_out` refuses, before anything is touched, an OUT that is a source, holds
+  a source, lies inside one (symlinks resolved), or is itself a symbolic link; ``--force``
+  only ever replaces a previous *output*;
+* :func:`staged_output` checks the disk-space estimate, writes into ``.OUT.partial-PID``
+  (with an ownership marker naming the process), renames the directory into place only
+  when complete (a crash never leaves something that looks finished), and removes stale
+  partial directories of earlier runs that it can prove are dead;
+* :func:`refuse_partial` keeps readers from taking such a partial directory (or an
+  interrupted stream) for a checkpoint;
+* every ``OSError`` while writing (disk full, read-only filesystem, permissions) becomes
+  one :class:`OutputError` line naming the path.
+
+Shards are named and indexed the way transformers expects.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+import socket
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import OutputError
+from ..errors import CheckpointError, OutputError
 
 T = TypeVar("T")
 INDEX = "model.safetensors.index.json"
+#: ownership marker inside a partial output directory (removed just before the rename)
+PARTIAL_MARKER = ".k3-partial.json"
+#: an interrupted ``shard`` keeps its journal in OUT until the manifest is written
+STREAM_JOURNAL = ".k3-journal"
+_PARTIAL_RX = re.compile(r"^\..+\.partial-\d+$")
 
 
 def free_bytes(path: str | os.PathLike) -> int:
     """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent)."""
-    p = Path(path).resolve()
+    return shutil.disk_usage(existing_parent(Path(path))).free
+
+
+def existing_parent(p: Path) -> Path:
+    """``p`` resolved, or its nearest ancestor that exists."""
+    p = p.resolve()
     while not p.exists():
         p = p.parent
-    return shutil.disk_usage(p).free
+    return p
 
 
 def group_by_size(items: Sequence[T], size_of: Callable[[T], int], limit: int) -> list[list[T]]:
@@ -60,6 +86,162 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int) ->
     (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+# -- OUT versus the sources ----------------------------------------------------------
+def guard_out(out: str | os.PathLike, sources: Iterable[str | os.PathLike | None]) -> Path:
+    """Refuse an OUT that would destroy or mix with a source; returns ``out`` as a Path.
+
+    Refused: OUT is a symbolic link; OUT resolves to a source, contains one, or lies
+    inside one (so neither ``--force`` nor the temp directory next to OUT can touch a
+    source). ``sources`` are directories or files that are read (``None`` entries are
+    ignored); a file stands for its directory.
+    """
+    out = Path(out)
+    if out.is_symlink():
+        raise OutputError(
+            f"{out}: is a symbolic link (to {os.readlink(out)}); k3convert neither writes "
+            f"through nor replaces links: give the real path, or remove the link."
+        )
+    o = out.resolve()
+    for s in sources:
+        if s is None:
+            continue
+        sp = Path(s).resolve()
+        root = sp.parent if sp.is_file() else sp
+        if o in (root, sp):
+            what = "is the source"
+        elif root in o.parents:
+            what = f"lies inside the source {root}"
+        elif o in root.parents:
+            what = f"contains the source {root}"
+        else:
+            continue
+        raise OutputError(
+            f"{out}: {what}; writing there could overwrite or delete the input. Choose an "
+            f"OUT outside {root} (and not a directory above it)."
+        )
+    return out
+
+
+def probe_writable(out: Path) -> None:
+    """Fail now, with the OS's reason, if OUT's directory cannot be written (read-only
+    filesystem, permissions), rather than after the work or with a misleading message."""
+    d = existing_parent(out.parent if not out.is_dir() else out)
+    try:
+        tempfile.TemporaryDirectory(dir=d, prefix=".k3-probe-").cleanup()
+    except OSError as e:
+        raise write_error(e, out, "creating a file in " + str(d)) from e
+
+
+def write_error(e: OSError, out: Path, what: str = "writing") -> OutputError:
+    """One line for an OSError raised while writing ``out`` (disk full, read-only, ...)."""
+    where = e.filename or out
+    hint = {
+        errno.ENOSPC: "the disk is full: free space or choose another OUT",
+        errno.EDQUOT: "the disk quota is exhausted: free space or choose another OUT",
+        errno.EROFS: "the filesystem is read-only: choose another OUT",
+        errno.EACCES: "permission denied: choose a directory you can write to",
+        errno.EPERM: "permission denied: choose a directory you can write to",
+        errno.EFBIG: "the file grew past the size this system allows",
+    }.get(e.errno, "check the path and the disk")
+    return OutputError(
+        f"{out}: {what} failed at {where}: {e.strerror or e}; {hint}. Nothing was left "
+        f"that looks complete."
+    )
+
+
+def reports_write_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a keyword-only stage that writes ``out=``: an OSError escaping it (disk
+    full mid-write, read-only filesystem) becomes one OutputError line."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError as e:
+            raise write_error(e, Path(kwargs.get("out") or "OUT")) from e
+
+    return wrapper
+
+
+# -- partial directories -------------------------------------------------------------
+def _proc_start(pid: int) -> str | None:
+    """An identifier of process ``pid``'s start (Linux: /proc start time), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # field 22: starttime
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if start is not None and Path("/proc").is_dir():
+        return _proc_start(pid) == start  # a reused pid is another process
+    return True
+
+
+def _marker() -> dict:
+    return {
+        "tool": "k3convert",
+        "pid": os.getpid(),
+        "start": _proc_start(os.getpid()),
+        "host": socket.gethostname(),
+    }
+
+
+def _owned_stale(d: Path, out: Path) -> bool:
+    """True if ``d`` is a partial output of ``out`` by a k3convert run that is dead."""
+    try:
+        m = json.loads((d / PARTIAL_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(m, dict) or m.get("tool") != "k3convert" or m.get("out") != str(out):
+        return False
+    if m.get("host") != socket.gethostname() or not isinstance(m.get("pid"), int):
+        return False  # another machine's run on a shared filesystem: cannot tell
+    if _alive(m["pid"], m.get("start")):
+        raise OutputError(
+            f"{out}: another k3convert run (pid {m['pid']}) is writing it right now "
+            f"({d.name}); wait for it to finish, or choose another OUT."
+        )
+    return True
+
+
+def _remove_stale(out: Path) -> None:
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    for d in parent.glob(f".{glob_escape(out.name)}.partial-*"):
+        if d.is_dir() and not d.is_symlink() and _owned_stale(d, out.resolve()):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def refuse_partial(path: str | os.PathLike) -> None:
+    """CheckpointError if ``path`` is (inside) an unfinished k3convert output."""
+    p = Path(path)
+    d = p if p.is_dir() else p.parent
+    if (d / PARTIAL_MARKER).exists() or _PARTIAL_RX.match(d.resolve().name):
+        raise CheckpointError(
+            f"{p}: is the unfinished output of an interrupted k3convert run (a "
+            f"'.OUT.partial-PID' directory), not a checkpoint; rerun the command that "
+            f"wrote it (it removes the stale directory) and use its OUT."
+        )
+    if (d / STREAM_JOURNAL).is_dir() and not (d / "manifest.json").is_file():
+        raise CheckpointError(
+            f"{p}: is an interrupted `k3convert shard` output (no manifest.json yet), not a "
+            f"checkpoint; rerun the same shard command to finish it."
+        )
+
+
 @contextmanager
 def staged_output(
     out: str | os.PathLike,
@@ -70,39 +252,44 @@ def staged_output(
 ) -> Iterator[Path]:
     """Yield a fresh temp directory next to ``out``; rename it to ``out`` on success.
 
-    Refuses up front: an existing ``out`` without ``force``, ``out`` equal to ``source``,
-    and less free disk than ``need_bytes`` (plus a small margin). On any error the temp
-    directory is removed and ``out`` is left as it was.
+    Refuses up front: an OUT that :func:`guard_out` refuses, an existing ``out`` without
+    ``force``, and less free disk than ``need_bytes`` (plus a small margin). On any error
+    the temp directory is removed and ``out`` is left as it was; OSErrors become one
+    OutputError line.
     """
-    out = Path(out)
+    out = guard_out(out, [source])
     if out.exists() and not force:
         raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
-    if source is not None and out.resolve() == Path(source).resolve():
-        raise OutputError(f"{out} is the source checkpoint; choose another OUT.")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT.")
+    probe_writable(out)
     free = free_bytes(out.parent)
     need = int(need_bytes * 1.02) + (16 << 20)
     if need > free:
         raise OutputError(
             f"{out}: needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is "
-            f"free on {free_dir(out)}; free disk, choose another OUT, or write less (e.g. "
-            f"synth --tiny / fewer --layers)."
+            f"free on {existing_parent(out.parent)}; free disk, choose another OUT, or write "
+            f"less (e.g. synth --tiny / fewer --layers)."
         )
+    _remove_stale(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        (tmp / PARTIAL_MARKER).write_text(json.dumps({**_marker(), "out": str(out.resolve())}))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(e, out, "creating the output directory") from e
     try:
         yield tmp
+        (tmp / PARTIAL_MARKER).unlink()
         if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+            shutil.rmtree(out)
         tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(e, out) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def free_dir(out: Path) -> Path:
-    p = out.parent.resolve()
-    while not p.exists():
-        p = p.parent
-    return p

@@ -30,6 +30,7 @@ from .encodings import (
     infer_num_bits,
     scale_block,
 )
+from .output import refuse_partial
 from .safetensors_io import RawTensorInfo, map_tensor, read_header, strict_json_loads
 
 INDEX_NAMES = ("model.safetensors.index.json",)
@@ -379,6 +380,7 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
             f"(e.g. '{missing[0]}' expected in {wm[missing[0]]}); the files and the index "
             f"disagree."
         )
+    refuse_partial(p)
     wrong = [n for n, pm in raw.items() if n in wm and pm.file.name != Path(wm[n]).name]
     extra = [n for n in raw if n not in wm]
     if wrong or extra:

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from .. import __version__ as _k3_version
 from ..arch import resolve as resolve_arch
+from ..arch import validate_source
 from ..checkpoint import open_checkpoint
 from ..checkpoint.output import group_by_size, shard_names, staged_output, write_index
 from ..checkpoint.safetensors_io import SafetensorsWriter
@@ -131,7 +132,8 @@ def plan_quantization(
         default = get_scheme(scheme)
     ckpt = open_checkpoint(src)
     arch, cfg = resolve_arch(ckpt.config, f"{ckpt.root}/config.json")
-    roles = arch.classify(cfg, ckpt.names(), str(ckpt.root))
+    matched = validate_source(arch, cfg, ckpt, str(ckpt.root))
+    roles = {n: m.role for n, m in matched.items()}
     plan = resolve(
         _infos(ckpt, roles),
         arch=arch.name,

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..arch import resolve
+from ..arch import resolve, validate_source
 from ..device import resolve_device
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
 from .decoder import Step, TextSettings, decoder_layer, make_step, text_settings
 from .ops import LinearHook, rms_norm
@@ -141,11 +141,11 @@ class Runtime:
         self.vision: VisionSettings | None = None
         if self.arch.name == "kimi_k25":
             self.vision = vision_settings(raw, self.cfg, where)
-        names = list(source.names())
+        # shapes against config.json and completeness: the same checks as every verb
+        matched = validate_source(self.arch, self.cfg, source, where)
         self.plan: Plan = make_plan(
-            self.arch, self.cfg, names, tied=bool(self.cfg.tie_word_embeddings), where=where
+            self.cfg, matched, tied=bool(self.cfg.tie_word_embeddings), where=where
         )
-        self._check_complete(where)
         #: routed experts' weight names (left unquantized unless act_quant_experts)
         entries = [e for u in self.plan.units.values() for e in u.values()]
         self._routed = frozenset(e.name for e in entries if e.role.expert is not None)
@@ -201,9 +201,11 @@ class Runtime:
             position_ids = self.default_positions(input_ids)
         try:
             h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+            _finite(h, "the embeddings", "embed")
             for i in range(self.num_layers):
                 h = self.run_layer(i, h, position_ids, attention_mask)
-            return self.head(h)
+                _finite(h, f"layer {i}'s output", f"layer.{i}")
+            return _finite(self.head(h), "the logits", "head")
         finally:
             if not self.loader.resident:
                 self.loader.release()
@@ -313,70 +315,6 @@ class Runtime:
         self.close()
 
     # -- internals ------------------------------------------------------------------
-    def _required(self) -> dict[str, list[str]]:
-        """unit -> keys the forward reads there (so gaps fail at open, not mid-run)."""
-        ts, cfg = self.text, _text_cfg(self.cfg)
-        mlp = ("gate_proj", "up_proj", "down_proj")
-        if ts.attention == "gqa":
-            attn = [f"attention.{k}" for k in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            if getattr(cfg, "qk_norm", False):
-                attn += ["norms.q_norm", "norms.k_norm"]
-        else:
-            q = (
-                ["attention.q_a_proj", "norms.q_a_layernorm", "attention.q_b_proj"]
-                if ts.q_lora_rank
-                else ["attention.q_proj"]
-            )
-            attn = [
-                *q,
-                "attention.kv_a_proj_with_mqa",
-                "norms.kv_a_layernorm",
-                "attention.kv_b_proj",
-                "attention.o_proj",
-            ]
-        req: dict[str, list[str]] = {
-            "embed": ["embeddings.embed_tokens"],
-            "head": ["norms.final_norm", "head.lm_head"],
-        }
-        for i in range(self.num_layers):
-            keys = ["norms.input_layernorm", "norms.post_attention_layernorm", *attn]
-            if cfg.is_moe_layer(i):
-                keys.append("router.router")
-                if ts.router == "sigmoid_group":
-                    keys.append("router.e_score_correction_bias")
-                keys += [f"routed_experts.{e}.{m}" for e in range(ts.num_experts) for m in mlp]
-                if getattr(cfg, "num_shared_experts", 0):
-                    keys += [f"shared_experts.{m}" for m in mlp]
-            else:
-                keys += [f"dense_mlp.{m}" for m in mlp]
-            req[f"layer.{i}"] = keys
-        if self.vision is not None:
-            v = ["vision.patch_embed", "vision.patch_embed_bias", "vision.pos_emb"]
-            for b in range(self.vision.num_layers):
-                for k in ("norm0", "norm1", "wqkv", "wo", "fc0", "fc1"):
-                    v += [f"blocks.{b}.vision.{k}", f"blocks.{b}.vision.{k}_bias"]
-            v += ["vision.final_layernorm", "vision.final_layernorm_bias"]
-            for k in ("pre_norm", "proj_in", "proj_out"):
-                v += [f"projector.{k}", f"projector.{k}_bias"]
-            req["vision"] = v
-        return req
-
-    def _check_complete(self, where: str) -> None:
-        missing = [
-            f"{unit}: {key}"
-            for unit, keys in self._required().items()
-            for key in keys
-            if key not in self.plan.units.get(unit, {})
-        ]
-        if missing:
-            more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
-            shown = "; ".join(missing[:6]) + more
-            raise CheckpointError(
-                f"{where}: the weights lack {len(missing)} tensor(s) the forward pass needs "
-                f"({shown}); the checkpoint is incomplete or was written by a tool that "
-                f"dropped them."
-            )
-
     def _activation_specs(self, raw: dict) -> dict[str, ActivationSpec]:
         """Weight name -> input-activation spec, for every Linear the forward runs that
         the quantization_config quantizes (static specs without their scale yet)."""
@@ -498,6 +436,10 @@ class Runtime:
             raise ConfigError(
                 f"input_ids must be an integer tensor [batch, seq], got {t.dtype} {tuple(t.shape)}."
             )
+        if t.numel() == 0:
+            raise ConfigError(
+                f"input_ids is empty ({tuple(t.shape)}); give at least one token per sequence."
+            )
         return t.long().to(self.device)
 
     def _mask(self, mask, like: torch.Tensor) -> torch.Tensor:
@@ -510,6 +452,17 @@ class Runtime:
                 f"[batch, seq] {tuple(like.shape[:2])}."
             )
         return m.to(self.device)
+
+
+def _finite(t: torch.Tensor, what: str, unit: str) -> torch.Tensor:
+    """``t`` if it holds no NaN / inf; else the error that names the first bad stage."""
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(
+            f"{what} hold NaN or infinite values: the weights of unit '{unit}' (or their "
+            f"scales), or a config value they use, are not finite. Check the source with "
+            f"`k3convert inspect`, and the config's eps / scaling values."
+        )
+    return t
 
 
 def _group_error(where: str, bad: list[tuple[str, int, int]]) -> ConfigError:

@@ -15,14 +15,15 @@ alive at once (the current one and the prefetched one), whatever the model size.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..arch import Arch, Role
+from ..arch import Role
+from ..arch.base import Match
 from ..errors import CheckpointError
 
 
@@ -85,11 +86,11 @@ class Plan:
         return self.order[i + 1] if i + 1 < len(self.order) else None
 
 
-def make_plan(arch: Arch, cfg: Any, names: Sequence[str], *, tied: bool, where: str) -> Plan:
-    """Group ``names`` into units; MTP layers are left out (the forward never runs them)."""
-    matched = arch.match(cfg, names, where)
+def make_plan(cfg: Any, matched: Mapping[str, Match], *, tied: bool, where: str) -> Plan:
+    """Group the matched names (``Arch.validate``) into units; MTP layers are left out
+    (the forward never runs them)."""
     units: dict[str, dict[str, Entry]] = {}
-    for n in names:
+    for n in matched:
         role = matched[n].role
         if role.mtp:
             continue

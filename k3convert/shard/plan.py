@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..arch import resolve
+from ..arch import resolve, validate_source
 from ..arch.base import Role
 from ..checkpoint import Checkpoint, TensorMeta
 from ..checkpoint.safetensors_io import TORCH_TO_ST
@@ -211,7 +211,7 @@ def build_plan(
     """Plan every unit of every rank; raises before anything is written."""
     arch, cfg = resolve(ck.config, str(ck.root / "config.json"))
     names = ck.names()
-    roles = arch.classify(cfg, names, str(ck.root))
+    roles = {n: m.role for n, m in validate_source(arch, cfg, ck, str(ck.root)).items()}
     by_unit: dict[str, list[str]] = {}
     for n in names:
         by_unit.setdefault(roles[n].unit, []).append(n)

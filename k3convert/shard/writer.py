@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint.output import free_bytes, guard_out, probe_writable, reports_write_errors
 from ..errors import ConfigError, OutputError
 from ..stream.format import (
     COMPRESSIONS,
@@ -75,7 +76,7 @@ class ShardResult:
 
 def _prepare_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a directory; pass force=True to replace it.")
+        raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT.")
     if not out.exists():
         return
     complete = (out / MANIFEST).is_file()
@@ -95,6 +96,7 @@ def _prepare_out(out: Path, force: bool) -> None:
         )
 
 
+@reports_write_errors
 def shard(
     *,
     src,
@@ -132,6 +134,7 @@ def shard(
     out = Path(out)
     layout = Layout(tp=tp, pp=pp, moe_ep=ep)
     ck = open_checkpoint(src)
+    guard_out(out, [ck.root])
     src_files = ck.files()
     lock = threading.Lock()
     bar = tqdm(
@@ -163,12 +166,13 @@ def shard(
         )
         _prepare_out(out, force)
         total = sum(up.header()[2] for up in plan.units)
-        parent = out if out.exists() else out.parent
-        free = shutil.disk_usage(parent if parent.exists() else Path.cwd()).free
-        if compress == "none" and free < total:
+        probe_writable(out)
+        free = free_bytes(out) + sum(f.stat().st_size for f in out.glob("rank*/*") if f.is_file())
+        if free < total:  # zstd rarely saves more than a few percent on weights
             raise OutputError(
-                f"{out}: needs {total / 1e9:.2f} GB but {free / 1e9:.2f} GB are free; free "
-                f"space or use compress='zstd'."
+                f"{out}: needs about {total / 1e9:.2f} GB (uncompressed size; zstd saves "
+                f"little on weights) but {free / 1e9:.2f} GB are free; free space or choose "
+                f"another OUT."
             )
         out.mkdir(parents=True, exist_ok=True)
         (out / JOURNAL).mkdir(exist_ok=True)
