@@ -51,3 +51,7 @@ class ConfigError(K3Error):
 
 class OutputError(K3Error):
     """An output path exists, is not writable, or there is not enough free disk."""
+
+
+class NonFiniteError(K3Error):
+    """A computation on the user's weights or inputs produced NaN / inf."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..arch.base import finite
 from ..errors import ConfigError
 from .ops import activation, attend, rms_norm
 from .rope import Rotary, apply_rope, apply_rope_interleaved, rope_config, yarn_mscale
@@ -92,7 +93,7 @@ def text_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettin
     if fam is None:
         raise ConfigError(f"{where}: the runtime has no forward pass for '{arch_name}'.")
     act = activation(raw.get("hidden_act"), where)
-    eps = float(raw.get("rms_norm_eps") or 1e-6)
+    eps = finite(raw.get("rms_norm_eps"), "rms_norm_eps", where, 1e-6)
     windows = _windows(raw, cfg.num_layers)
     common: dict = dict(
         family=arch_name,

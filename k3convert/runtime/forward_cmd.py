@@ -8,12 +8,15 @@ transformers is importable), optional float32 logits saved for offline compariso
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.output import guard_out, probe_writable, write_error
+from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import CheckpointError, ConfigError, OutputError
 from .runtime import Runtime, parse_dtype
 
@@ -35,6 +38,11 @@ def parse_ids(text: str) -> torch.Tensor:
             raise ConfigError(
                 f"--ids: '{bad}' is not an integer token id; give ids like --ids \"1 2 3\"."
             ) from None
+    big = next((t for s in seqs for t in s if not 0 <= t < 2**63), None)
+    if big is not None:
+        raise ConfigError(
+            f"--ids: {str(big)[:30]} is not a token id (ids are integers in [0, vocab size))."
+        )
     if len({len(s) for s in seqs}) != 1:
         raise ConfigError(
             f"--ids: sequences have different lengths ({', '.join(str(len(s)) for s in seqs)}); "
@@ -63,17 +71,46 @@ def _need(d: dict, key: str, path, what: str) -> torch.Tensor:
     return d[key]
 
 
-def _tokenizer(src: Path):
+def _tokenizer(src: Path) -> tuple[object | None, str | None]:
+    """(tokenizer or None, a note for the report). Never runs code from the model
+    directory: a tokenizer that needs its own Python (an ``auto_map``) is not loaded."""
     if not any((src / f).is_file() for f in TOKENIZER_FILES):
-        return None
+        return None, None
+    if _needs_custom_code(src):
+        return None, (
+            "tokenizer: needs custom code from the model directory (auto_map), which "
+            "k3convert never runs; showing token ids"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        return None
+        return None, None
     try:
-        return AutoTokenizer.from_pretrained(str(src))
-    except Exception:  # a broken tokenizer must not hide the logits; ids are printed
-        return None
+        tok = AutoTokenizer.from_pretrained(
+            str(src), trust_remote_code=False, local_files_only=True
+        )
+    except Exception as e:  # a broken tokenizer must not hide the logits; ids are printed
+        msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        return None, f"tokenizer: not loaded ({msg}); showing token ids"
+    return tok, None
+
+
+def _needs_custom_code(src: Path) -> bool:
+    """True if tokenizer_config.json or config.json maps a tokenizer class to code."""
+    for name in ("tokenizer_config.json", "config.json"):
+        f = src / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        amap = data.get("auto_map") if isinstance(data, dict) else None
+        if name == "tokenizer_config.json" and amap:
+            return True
+        if isinstance(amap, dict) and "AutoTokenizer" in amap:
+            return True
+    return False
 
 
 def run_forward(
@@ -114,6 +151,11 @@ def run_forward(
                 f"--ids-file {ids_file}: input_ids must be integer [batch, seq], got "
                 f"{input_ids.dtype} {tuple(input_ids.shape)}."
             )
+        if input_ids.numel() == 0:
+            raise ConfigError(
+                f"--ids-file {ids_file}: input_ids {tuple(input_ids.shape)} is empty; give at "
+                f"least one sequence of at least one token."
+            )
         if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
             raise ConfigError(
                 f"--ids-file {ids_file}: attention_mask {tuple(mask.shape)} does not match "
@@ -125,11 +167,7 @@ def run_forward(
         pv = _need(d, "pixel_values", pixel_values, "--pixel-values")
         grid = _need(d, "image_grid_thw", pixel_values, "--pixel-values")
     if save_logits is not None:
-        out = Path(save_logits)
-        if not out.parent.is_dir():
-            raise OutputError(
-                f"--save-logits {out}: directory {out.parent} does not exist; create it first."
-            )
+        _check_logits_path(Path(save_logits), Path(src))
     ckpt = open_source(src)
     world = getattr(ckpt, "world", 1)
     if world != 1:
@@ -145,16 +183,33 @@ def run_forward(
     return _report(Path(src), rt, input_ids, mask, logits, top, dtype, device, save_logits)
 
 
-def _save(logits: torch.Tensor, out: Path) -> None:
-    from safetensors.torch import save_file
+def _logits_tmp(out: Path) -> Path:
+    return out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
-    tmp = out.with_name(out.name + ".tmp")
+
+def _check_logits_path(out: Path, src: Path) -> None:
+    """Before the (long) forward: the path is not in the source, and can be written."""
+    guard_out(out, [src])
+    if out.is_dir():
+        raise OutputError(f"--save-logits {out}: is a directory; give a file name.")
+    if not out.parent.is_dir():
+        raise OutputError(
+            f"--save-logits {out}: directory {out.parent} does not exist; create it first."
+        )
+    probe_writable(out)
+
+
+def _save(logits: torch.Tensor, out: Path) -> None:
+    """float32 logits as safetensors, written to a temp name and renamed (atomic)."""
+    t = logits.float().contiguous().cpu()
+    tmp = _logits_tmp(out)
     try:
-        save_file({"logits": logits.float().contiguous().cpu()}, str(tmp))
+        with SafetensorsWriter(tmp, [("logits", t.dtype, tuple(t.shape))], {"format": "pt"}) as w:
+            w.write("logits", t)
         os.replace(tmp, out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise OutputError(f"--save-logits {out}: cannot write ({e.strerror}).") from e
+        raise write_error(e, out, "--save-logits: writing") from e
 
 
 def _act_line(rt: Runtime) -> str:
@@ -176,12 +231,13 @@ def _act_line(rt: Runtime) -> str:
 
 
 def _report(src, rt, input_ids, mask, logits, top, dtype, device, saved) -> str:
-    tok = _tokenizer(src if src.is_dir() else src.parent)
+    tok, note = _tokenizer(src if src.is_dir() else src.parent)
     b, s = input_ids.shape
     k = min(top, logits.shape[-1])
     lines = [
         f"{src}: {rt.arch.name}, {rt.num_layers} layers, {dtype} on {device}; input [{b}, {s}]",
         _act_line(rt),
+        *([note] if note else []),
     ]
     for row in range(b):
         if mask is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arch.base import count, finite
 from ..errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -52,14 +53,17 @@ def rope_config(raw: dict, dim: int, where: str = "config.json") -> RopeConfig:
             f"{where}: rope type '{rope_type}' is not supported by the runtime; supported: "
             f"{', '.join(ROPE_TYPES)}."
         )
-    theta = params.get("rope_theta") or raw.get("rope_theta") or 10000.0
+    theta = finite(params.get("rope_theta", raw.get("rope_theta")), "rope_theta", where, 1e4)
+    for k in ("factor", "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+        if params.get(k) is not None:
+            finite(params[k], f"rope_parameters.{k}", where, 1.0)
     prf = params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
     if prf != 1.0:
         raise ConfigError(
             f"{where}: partial_rotary_factor={prf} is not supported by the runtime for "
             f"{raw.get('model_type')}."
         )
-    max_pos = int(raw.get("max_position_embeddings") or 0)
+    max_pos = count(raw.get("max_position_embeddings"), "max_position_embeddings", where)
     params = dict(params)
     if rope_type in ("yarn", "llama3"):
         omax = raw.get("original_max_position_embeddings") or params.get(

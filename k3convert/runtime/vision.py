@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..arch.base import finite, positive
 from ..errors import ConfigError
 from .ops import activation, layer_norm
 from .source import Weights
@@ -61,10 +62,14 @@ def vision_settings(raw: dict, cfg, where: str) -> VisionSettings:
         num_layers=v.num_layers,
         patch_size=v.patch_size,
         merge=v.merge_kernel_size,
-        pos_emb_time=int(vc.get("pos_emb_time") or 4),
-        rope_theta=float(rp.get("rope_theta") or vc.get("rope_theta") or 10000.0),
+        pos_emb_time=positive(vc.get("pos_emb_time") or 4, "pos_emb_time", f"{where}: vision"),
+        rope_theta=finite(
+            rp.get("rope_theta", vc.get("rope_theta")), "rope_theta", f"{where}: vision", 1e4
+        ),
         act=activation(vc.get("hidden_act") or "gelu_pytorch_tanh", f"{where}: vision_config"),
-        proj_eps=float(raw.get("projection_layer_norm_eps") or 1e-5),
+        proj_eps=finite(
+            raw.get("projection_layer_norm_eps"), "projection_layer_norm_eps", where, 1e-5
+        ),
         image_token_id=cfg.image_token_id,
         video_token_id=raw.get("video_token_id"),
     )
@@ -77,6 +82,16 @@ def check_grid(vs: VisionSettings, pixel_values: torch.Tensor, grid: torch.Tenso
         raise ConfigError(
             f"image_grid_thw must be [num_images, 3] (frames, rows, cols), got {tuple(grid.shape)}."
         )
+    if grid.dtype.is_floating_point or grid.dtype == torch.bool or grid.numel() == 0:
+        raise ConfigError(
+            f"image_grid_thw must hold integers for at least one image, got {grid.dtype} "
+            f"{tuple(grid.shape)}."
+        )
+    if bool((grid < 1).any()):
+        bad = grid[(grid < 1).any(-1)][0].tolist()
+        raise ConfigError(
+            f"image_grid_thw entries must be positive (frames, rows, cols >= 1), got {bad}."
+        )
     if pixel_values.ndim == 2 and pixel_values.shape[1] == 3 * p * p:
         pixel_values = pixel_values.view(-1, 3, p, p)
     elif pixel_values.ndim >= 4 and tuple(pixel_values.shape[-3:]) == (3, p, p):
@@ -86,6 +101,8 @@ def check_grid(vs: VisionSettings, pixel_values: torch.Tensor, grid: torch.Tenso
             f"pixel_values must be [num_patches, 3, {p}, {p}] (patch_size {p}), got "
             f"{tuple(pixel_values.shape)}."
         )
+    if not bool(torch.isfinite(pixel_values).all()):
+        raise ConfigError("pixel_values hold NaN or infinite values; check the image pipeline.")
     total = int(grid.prod(-1).sum())
     if total != pixel_values.shape[0]:
         raise ConfigError(
