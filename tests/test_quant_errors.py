@@ -54,6 +54,70 @@ def test_nan_in_source_names_tensor(llama, tmp_path):
         quantize(src=src, out=out, scheme="fp8-block", progress=False)
 
 
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w2a16", "fp8-block-ue8m0"])
+def test_huge_finite_weights_write_finite_scales(llama, tmp_path, scheme):
+    """3e38 / -3e38 (finite) in a source weight: every scale and every value
+    compressed-tensors dequantizes from OUT is finite."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from k3convert.checkpoint import open_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(llama, src)
+    sd = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    sd[name][3, 5], sd[name][3, 6], sd[name][40, 0] = 3e38, -3e38, -3.3e38
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    res = quantize(src=src, out=out, scheme=scheme, progress=False)
+    ck = open_checkpoint(out)
+    for r in res.plan.quantized:
+        parts = ck.get_parts(r.name)
+        assert torch.isfinite(parts["weight_scale"].float()).all(), r.name
+        ct_scheme = QuantizationScheme.model_validate(r.scheme.ct_scheme(["Linear"]))
+        comp = BaseCompressor.get_value_from_registry(r.scheme.format)
+        ct = comp.decompress(dict(parts), ct_scheme)["weight"].float()
+        assert torch.isfinite(ct).all(), r.name
+        assert torch.equal(ct, r.scheme.dequantize(parts)), r.name
+    w, s_w = ck.get(name), load_file(src / "model.safetensors")[name]
+    bits = getattr(res.plan.quantized[0].scheme, "num_bits", None)
+    step = 0.07 if bits is None else 2 / (2**bits - 1)  # one quantization step of amax
+    for i, j in [(3, 5), (3, 6), (40, 0)]:
+        assert abs(float(w[i, j]) - float(s_w[i, j])) <= step * 3.3e38, (i, j)
+
+
+def test_unrepresentable_weight_refused_with_name(llama, tmp_path):
+    from k3convert.quant import WeightRangeError
+    from k3convert.recipe import parse_recipe
+
+    src = tmp_path / "src"
+    shutil.copytree(llama, src)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.0.self_attn.o_proj.weight"][1, 2] = 1e6
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    recipe = parse_recipe(
+        {"quantize": {"rules": [{"scheme": "w4a16", "options": {"scale_dtype": "float16"}}]}}
+    )
+    out = tmp_path / "out"
+    with pytest.raises(WeightRangeError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight'"):
+        quantize(src=src, out=out, recipe=recipe, progress=False)
+    assert not out.exists() and not _leftovers(tmp_path, "out")
+
+
+def test_non_finite_input_scale_is_never_written(llama, tmp_path):
+    from k3convert.quant import plan_quantization
+
+    _, plan = plan_quantization(src=llama, scheme="fp8")
+    scales = {r.module: 0.01 for r in plan.quantized}
+    bad = "model.layers.1.self_attn.k_proj"
+    scales[bad] = float("inf")
+    out = tmp_path / "out"
+    with pytest.raises(NonFiniteWeightError, match=rf"'{bad}\.input_scale'"):
+        quantize(src=llama, out=out, scheme="fp8", input_scales=scales, progress=False)
+    assert not out.exists() and not _leftovers(tmp_path, "out")
+
+
 def test_unknown_scheme(llama, tmp_path):
     with pytest.raises(UnknownSchemeError, match=r"Known schemes: .*fp8-block.*w4a16"):
         quantize(src=llama, out=tmp_path / "o", scheme="int5-magic", progress=False)

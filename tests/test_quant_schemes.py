@@ -10,6 +10,7 @@ import torch
 from k3convert.errors import ConfigError, K3Error
 from k3convert.quant import (
     GroupSizeError,
+    IntScheme,
     UnknownSchemeError,
     get_scheme,
     known_schemes,
@@ -240,3 +241,115 @@ def test_options_and_group_errors():
     with pytest.raises(GroupSizeError, match=r"groups of 128 .* 96 of 'model\.x\.weight'"):
         get_scheme("fp8-block").check("model.x.weight", (64, 96))
     get_scheme("fp8-block-w").check("model.x.weight", (64, 96))  # weight-only: partial ok
+
+
+# -- huge but finite weights (issue 12, item 8) -------------------------------------
+def _huge(dtype, mag: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    w[0, 0], w[0, 1] = mag, -mag  # one group spans the whole float range
+    w[5, 200] = -mag  # a group whose amax is its negative end (q = q_min)
+    w[9, 7:9] = torch.tensor([mag, mag * 0.999])
+    return w.to(dtype)
+
+
+def _step(s) -> float:
+    """Largest |dequantized - w| / max|w| a scheme may give (one step, fp8 half a step
+    plus ue8m0's clamp below 2**128)."""
+    bits = getattr(s, "num_bits", None)
+    return 0.07 if bits is None else 2 / (2**bits - 1)
+
+
+@pytest.mark.parametrize("name", known_schemes())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mag", ["3e38", "max"])
+def test_huge_weights_give_finite_scales_and_values(name, dtype, mag):
+    s = get_scheme(name)
+    w = _huge(dtype, torch.finfo(dtype).max if mag == "max" else 3e38)
+    parts = s.quantize(w)
+    for k, v in parts.items():
+        if v.dtype.is_floating_point:
+            assert torch.isfinite(v.float()).all(), f"{k} not finite"
+    d = s.dequantize(parts)
+    assert torch.isfinite(d).all()
+    wf = w.float()
+    err = float((d - wf).abs().max()) / float(wf.abs().max())
+    assert err <= _step(s), f"max error {err:.3f} of max|w|"
+    # rows without huge values are quantized exactly as without them (where their
+    # scales are their own: not per tensor, not in a 128-row FP8 block)
+    if s.strategy in ("channel", "group"):
+        ref = s.dequantize(s.quantize(torch.where(wf.abs() > 1, 0.0, wf)))
+        rows = [r for r in range(64) if r not in (0, 5, 9)]
+        assert torch.equal(d[rows], ref[rows])
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "w3a16", "int3-g32-asym", "w2a16",
+                                  "int2-g64-asym", "int8-channel", "int8-g128-asym"])  # fmt: skip
+def test_huge_weights_decompress_finite_with_compressed_tensors(name):
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    s = get_scheme(name)
+    for dtype in (torch.float32, torch.bfloat16):
+        parts = s.quantize(_huge(dtype, 3e38))
+        scheme = QuantizationScheme.model_validate(s.ct_scheme(["Linear"]))
+        ct = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"]
+        assert torch.isfinite(ct.float()).all()
+        assert torch.equal(ct.float(), s.dequantize(parts))
+
+
+def test_unrepresentable_scale_is_refused_with_the_name():
+    from k3convert.quant import WeightRangeError
+
+    s = get_scheme("w4a16", scale_dtype="float16")  # float16 scales end at 65504
+    w = torch.randn(8, 128)
+    w[2, 3] = 1e6
+    with pytest.raises(WeightRangeError, match=r"'model\.x\.weight'.*float16") as e:
+        s.quantize(w, name="model.x.weight")
+    assert isinstance(e.value, K3Error)
+    w[2, 3] = 4e4  # a scale of 4e4 / 7.5 and the values themselves fit float16: fine
+    assert torch.isfinite(s.dequantize(s.quantize(w))).all()
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "fp8-block", "fp8-tensor", "w8a8",
+                                  "fp8-block-ue8m0"])  # fmt: skip
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused_with_the_name(name, bad):
+    from k3convert.quant import NonFiniteWeightError
+
+    w = torch.randn(128, 128)
+    w[7, 9] = bad
+    with pytest.raises(NonFiniteWeightError, match=r"'model\.x\.weight'"):
+        get_scheme(name).quantize(w, name="model.x.weight")
+
+
+@pytest.mark.parametrize("name", [n for n in known_schemes() if not n.startswith("fp8-block")])
+@pytest.mark.parametrize("scale", [0.02, 1e36])
+def test_scales_are_compressed_tensors_calculate_qparams(name, scale):
+    """Ordinary (and large but harmless) inputs: scales and zero points are exactly what
+    compressed-tensors computes, cast to the scale dtype."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    s = get_scheme(name)
+    if isinstance(s, IntScheme) and not s.symmetric:
+        s = get_scheme(name, scale_dtype="float32")  # zero points from the same scale
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 256, generator=g) * scale
+    w[:, :64] += scale  # asymmetric groups
+    parts = s.quantize(w)
+    args = QuantizationArgs.model_validate(s.weight_args())
+    if s.strategy == "tensor":
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    else:
+        group = 256 if s.strategy == "channel" else s.group_size
+        gs = w.view(96, -1, group)
+        lo, hi = gs.amin(-1), gs.amax(-1)
+    ct_scale, ct_zp = calculate_qparams(lo, hi, args)
+    sd = s.sdtype if isinstance(s, IntScheme) else torch.float32
+    assert torch.equal(parts["weight_scale"], ct_scale.to(sd))
+    if isinstance(s, IntScheme) and not s.symmetric:
+        zp = parts["weight_zero_point"]
+        if s.packed:
+            zp = unpack_int32(zp, s.num_bits, tuple(ct_zp.shape), packed_dim=0)
+        assert torch.equal(zp.to(torch.int8), ct_zp.to(torch.int8))

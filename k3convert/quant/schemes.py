@@ -32,6 +32,16 @@ amax/127.5 for int8) and ``q = clamp(round(w / scale), q_min, q_max)``; asymmetr
 ``scale = (max - min) / (q_max - q_min)`` with min <= 0 <= max and
 ``zp = round(clamp(q_min - min / scale))``. Zero or denormal ranges get the smallest
 normal scale so no division produces NaN or Inf.
+
+Huge but finite weights (|w| near the float max) never give a non-finite scale, zero
+point or dequantized value: scales are computed in float32 as above, and only where
+that formula overflows does a group take a fallback - the asymmetric range in float64,
+a symmetric int scale of ``amax / q_max`` (so ``q_min * scale`` cannot overflow), an
+FP8 scale one ulp smaller, or a ue8m0 block clamped to the largest e4m3 value whose
+product with its power-of-two scale is finite. Ordinary inputs never reach a fallback,
+so their parts stay bit-identical to compressed-tensors'. What no finite scale of the
+scale dtype can hold (e.g. 1e6 with float16 scales) is refused naming the tensor
+(:class:`WeightRangeError`); NaN / Inf input is :class:`NonFiniteWeightError`.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from .activations import ActivationSpec
 from .packing import pack_int32, packed_len, unpack_int32
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+_F32_MAX = float(torch.finfo(torch.float32).max)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,7 +71,12 @@ class GroupSizeError(ConfigError):
 
 
 class NonFiniteWeightError(CheckpointError):
-    """A source weight holds NaN or Inf."""
+    """A source weight holds NaN or Inf (or a scale about to be written is not finite)."""
+
+
+class WeightRangeError(CheckpointError):
+    """A finite weight too large for the scheme: no finite scale of its scale dtype (or
+    no finite dequantized value) represents it."""
 
 
 def _esize(dtype: torch.dtype) -> int:
@@ -106,7 +122,8 @@ class Scheme:
         """(part suffix, dtype, shape) of what ``quantize`` returns for ``shape``."""
         raise NotImplementedError
 
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
+        """w: [out, in] float -> parts; name: the tensor, for error messages."""
         raise NotImplementedError
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -154,6 +171,23 @@ def _finite_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scale.clamp(min=torch.finfo(dtype).tiny)
 
 
+def _not_finite(scheme: Scheme, name: str, extreme: torch.Tensor) -> NonFiniteWeightError:
+    bad = int((~torch.isfinite(extreme)).sum())
+    return NonFiniteWeightError(
+        f"scheme '{scheme.name}': tensor '{name}' holds NaN/Inf value(s) ({bad} group(s) "
+        f"affected); the source is corrupt - fix or re-download it."
+    )
+
+
+def _out_of_range(scheme: Scheme, name: str, amax: float, what: str, dtype) -> WeightRangeError:
+    hint = " or use scale_dtype float32" if dtype != torch.float32 else ""
+    return WeightRangeError(
+        f"scheme '{scheme.name}' cannot represent tensor '{name}': its largest magnitude "
+        f"{amax:.4g} gives a {what} beyond the range of {str(dtype).removeprefix('torch.')} "
+        f"(max {torch.finfo(dtype).max:.4g}); keep it (--keep '{name}'){hint}."
+    )
+
+
 # -- FP8 ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FP8Scheme(Scheme):
@@ -191,28 +225,44 @@ class FP8Scheme(Scheme):
             s = (math.ceil(out / self.block[0]), math.ceil(inp / self.block[1]))
         return [("weight", torch.float8_e4m3fn, (out, inp)), ("weight_scale", torch.float32, s)]
 
-    def _scale(self, amax: torch.Tensor) -> torch.Tensor:
+    def _scale(self, amax: torch.Tensor, name: str):
+        """(scale, clamp limit) of each scale's group; the limit is FP8_MAX (a float) unless
+        ``FP8_MAX * scale`` overflows float32, which only amax within an ulp of the float32
+        max (float32 scales) or above ~3.39e38 (ue8m0) reaches."""
         s = _finite_scale(amax / FP8_MAX, torch.float32)
+        if not bool(torch.isfinite(s).all()):
+            raise _not_finite(self, name, amax)
         if self.scale_fmt == "ue8m0":
             s = torch.exp2(torch.ceil(torch.log2(s)))
-        return s
+        over = ~torch.isfinite(s * FP8_MAX)
+        if not bool(over.any()):
+            return s, FP8_MAX
+        if self.scale_fmt == "float32":  # one ulp smaller: |q| <= 448 keeps q * s finite
+            return torch.where(over, torch.nextafter(s, torch.zeros_like(s)), s), FP8_MAX
+        # power-of-two scale (2**120): the largest e4m3 value whose product stays finite
+        lim = (_F32_MAX / s).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+        down = (lim.view(torch.uint8) - 1).view(torch.float8_e4m3fn).float()
+        lim = torch.where(torch.isfinite(lim.float() * s), lim.float(), down)
+        if not bool(torch.isfinite(lim * s).all()):  # cannot happen for e4m3 / float32
+            raise _out_of_range(self, name, float(amax.max()), "dequantized value", s.dtype)
+        return s, lim
 
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
         """w: [out, in] -> weight fp8 [out, in], weight_scale fp32 (see class doc)."""
         if self.strategy == "block":
-            return self._quantize_blocks(w)
+            return self._quantize_blocks(w, name)
         w = w.float()
         if self.strategy == "tensor":
-            scale = self._scale(w.abs().amax()).reshape(1)
-            q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            return {"weight": q, "weight_scale": scale}
-        if self.strategy == "channel":
-            scale = self._scale(w.abs().amax(dim=1, keepdim=True))
-            q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            return {"weight": q, "weight_scale": scale}
-        raise AssertionError(self.strategy)
+            scale, lim = self._scale(w.abs().amax().reshape(1), name)
+        elif self.strategy == "channel":
+            scale, lim = self._scale(w.abs().amax(dim=1, keepdim=True), name)
+        else:
+            raise AssertionError(self.strategy)
+        x = w / scale
+        x = x.clamp_(-FP8_MAX, FP8_MAX) if isinstance(lim, float) else x.clamp_(-lim, lim)
+        return {"weight": x.to(torch.float8_e4m3fn), "weight_scale": scale}
 
-    def _quantize_blocks(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _quantize_blocks(self, w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
         """One band of b0 rows at a time: the float32 working set stays cache-sized and
         the only full-size allocation is the fp8 output."""
         out, inp = w.shape
@@ -232,9 +282,13 @@ class FP8Scheme(Scheme):
             else:
                 padded = rows
             blocks = padded.view(i1 - i0, b0, c, b1)
-            s = self._scale(blocks.abs().amax(dim=3).amax(dim=1))
+            s, lim = self._scale(blocks.abs().amax(dim=3).amax(dim=1), name)
             scale[i0:i1] = s
-            blocks.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+            blocks.div_(s[:, None, :, None])
+            if isinstance(lim, float):
+                blocks.clamp_(-FP8_MAX, FP8_MAX)
+            else:
+                blocks.clamp_(-lim[:, None, :, None], lim[:, None, :, None])
             q[i0 * b0 : i0 * b0 + n] = padded[:n, :inp].to(torch.float8_e4m3fn)
         return {"weight": q, "weight_scale": scale}
 
@@ -356,7 +410,7 @@ class IntScheme(Scheme):
             p.append(("weight_zero_point", torch.int8, (out, ng)))
         return p
 
-    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
         """w: [out, in] -> parts (see class doc); groups along the input dim.
 
         Works on bands of rows so float32 temporaries stay cache-sized.
@@ -371,7 +425,7 @@ class IntScheme(Scheme):
         for r0 in range(0, out, band):
             r1 = min(out, r0 + band)
             g = w[r0:r1].float().view(r1 - r0, ng, inp // ng)
-            qs, ss, zs = self._quantize_rows(g)
+            qs, ss, zs = self._quantize_rows(g, name)
             q[r0:r1] = qs.view(r1 - r0, inp)
             scale[r0:r1] = ss
             if zp is not None:
@@ -390,23 +444,70 @@ class IntScheme(Scheme):
                 parts["weight_zero_point"] = zp.to(torch.int8)
         return parts
 
-    def _quantize_rows(self, g: torch.Tensor):
-        """g: [rows, ng, group] fp32 -> (q int8, scale sd [rows, ng], zp fp32 | None)."""
+    def _quantize_rows(self, g: torch.Tensor, name: str = "weight"):
+        """g: [rows, ng, group] fp32 -> (q int8, scale sd [rows, ng], zp fp32 | None).
+
+        compressed-tensors' formulas in float32; a group where they overflow (see the
+        module doc) takes a fallback, and what stays non-finite is refused.
+        """
         bit_range = float(self.qmax - self.qmin)
         sd = self.sdtype
         if self.symmetric:
             amax = g.abs().amax(-1)
-            scale = _finite_scale(amax / (bit_range / 2), sd).to(sd)
-            s32 = scale.float()
-            q = torch.round((g / s32[..., None]).clamp_(self.qmin, self.qmax))
-            return q.to(torch.int8), scale, None
-        lo = g.amin(-1).clamp(max=0)
-        hi = g.amax(-1).clamp(min=0)
-        scale = _finite_scale((hi - lo) / bit_range, sd).to(sd)
+            if not bool(torch.isfinite(amax).all()):
+                raise _not_finite(self, name, amax)
+            s = amax / (bit_range / 2)
+            lo = None
+        else:
+            lo = g.amin(-1).clamp(max=0)
+            hi = g.amax(-1).clamp(min=0)
+            if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
+                raise _not_finite(self, name, hi - lo)
+            s = (hi - lo) / bit_range
+            wide = torch.isinf(s)
+            if bool(wide.any()):  # max - min overflows float32: the same formula in float64
+                s = torch.where(wide, ((hi.double() - lo.double()) / bit_range).float(), s)
+        scale = _finite_scale(s, sd).to(sd)
+        if not bool(torch.isfinite(scale).all()):
+            big = float(g.abs().amax())
+            raise _out_of_range(self, name, big, f"scale of {float(s.max()):.4g}", sd)
+        q, zp = self._round(g, scale, lo)
+        # (q - zp) * scale is what every loader computes, in the scale's dtype: a bound
+        # per group first (cheap), then the values themselves where the bound overflows
+        qmin = torch.tensor(float(-self.qmin))
+        span = qmin if zp is None else torch.maximum(qmin + zp, self.qmax - zp)
+        if bool(torch.isfinite(span.to(sd) * scale).all()):
+            return q, scale, zp
+        dq = q.float() if zp is None else q.float() - zp[..., None]
+        over = ~torch.isfinite(dq.abs().amax(-1).to(sd) * scale)
+        if bool(over.any()):
+            # amax / q_max with a zero point of 0 (a valid asymmetric encoding too): every
+            # |q| <= q_max, so |q * scale| is amax to within one rounding - rounded down
+            # one ulp where q_max * scale would still overflow
+            amax = g.abs().amax(-1)
+            s2 = _finite_scale(amax / self.qmax, sd).to(sd)
+            up = ~torch.isfinite(s2 * self.qmax)
+            s2 = torch.where(up, torch.nextafter(s2, torch.zeros_like(s2)), s2)
+            q2 = torch.round((g / s2.float()[..., None]).clamp_(-self.qmax, self.qmax))
+            ok = torch.isfinite(q2.abs().amax(-1).to(sd) * s2)
+            if not bool(ok[over].all()):
+                big = float(amax[over & ~ok].max())
+                raise _out_of_range(self, name, big, "dequantized value", sd)
+            scale = torch.where(over, s2, scale)
+            q = torch.where(over[..., None], q2.to(torch.int8), q)
+            if zp is not None:
+                zp = torch.where(over, torch.zeros_like(zp), zp)
+        return q, scale, zp
+
+    def _round(self, g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None):
+        """(q int8, zp fp32 | None) of groups g under ``scale`` (compressed-tensors)."""
         s32 = scale.float()
+        if lo is None:
+            q = torch.round((g / s32[..., None]).clamp_(self.qmin, self.qmax))
+            return q.to(torch.int8), None
         zp = torch.round(torch.clamp(self.qmin - lo / s32, self.qmin, self.qmax))
         q = torch.round((g / s32[..., None] + zp[..., None]).clamp_(self.qmin, self.qmax))
-        return q.to(torch.int8), scale, zp
+        return q.to(torch.int8), zp
 
     def dequantize(self, parts):
         """(q - zp) * scale computed in the scale's dtype (as compressed-tensors) -> fp32."""

@@ -176,13 +176,26 @@ def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor
         return {r.name: t}
     w = ckpt.get(r.name)
     _check_finite(r.name, w, ckpt.root)
-    parts = r.scheme.quantize(w)
+    parts = r.scheme.quantize(w, name=r.name)
     del w
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     if r.scheme.needs_input_scale:
         s = input_scales[r.module]
         out[f"{r.module}.input_scale"] = torch.as_tensor(s, dtype=torch.float32).reshape(1)
     return out
+
+
+def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
+    """Last line of defence: no scale (weight_scale, input_scale) is written non-finite."""
+    if not (name.endswith("_scale") and t.dtype.is_floating_point):
+        return
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise NonFiniteWeightError(
+            f"{where}: refusing to write '{name}': {bad} of its {t.numel()} value(s) are "
+            f"NaN/Inf; a quantized weight with such a scale dequantizes to garbage. "
+            f"Keep the tensor (--keep), or fix the calibration scales that gave it."
+        )
 
 
 def _ordered(fn, items, workers: int):
@@ -304,6 +317,7 @@ def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_sca
                             raise AssertionError(
                                 f"{name}: produced {t.dtype}{tuple(t.shape)}, planned {dt}{shape}"
                             )
+                        _check_scale(name, t, ckpt.root)
                         w.write(name, t)
                         weight_map[name] = fname
                         total += t.numel() * t.element_size()
