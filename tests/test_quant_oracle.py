@@ -141,3 +141,66 @@ def test_compressed_tensors_oracle(family, scheme_name, quant_sources, tmp_path)
         f"{family} {scheme_name}: worst rel err {worst_rel:.4f}, dense vs ours {d_ours:.1e}, "
         f"direct vs dense {'n/a (known gap)' if d_direct is None else f'{d_direct:.1e}'}"
     )
+
+
+@pytest.mark.parametrize("scheme_name", ["w4a16", "fp8-dynamic"])
+def test_tied_lm_head_is_ignored_and_transformers_loads_it(scheme_name, model_factory, tmp_path):
+    """tie_word_embeddings: lm_head has no tensor of its own but is a Linear module, so
+    ``ignore`` must list it; otherwise transformers (targets: Linear) builds a quantized
+    lm_head without scales and returns garbage (w4a16: the load fails; fp8: NaN)."""
+    import transformers as tf
+    from compressed_tensors.utils.match import match_name
+
+    from k3convert.quant import fake_quant_activation
+    from tests.models import QUANT_FAMILIES
+
+    src = model_factory("llama", tie_word_embeddings=True, **QUANT_FAMILIES["llama"])
+    assert "lm_head.weight" not in open_checkpoint(src).names()
+    out = tmp_path / "out"
+    res = quantize(src=src, out=out, scheme=scheme_name, progress=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in qc["ignore"]
+    assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+
+    # the reference: the source model with our dequantized weights and, where the scheme
+    # quantizes activations, compressed-tensors' activation fake quantization. Loaded
+    # with dtype=float32, transformers upcasts bf16 scales and dequantizes in float32,
+    # so the reference does too (the scheme computes in the scale's dtype)
+    with contextlib.redirect_stderr(io.StringIO()):
+        ref = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    q = open_checkpoint(out)
+    quantized = {r.module: r for r in res.plan.quantized}
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for m, r in quantized.items():
+            parts = dict(q.get_parts(r.name))
+            parts["weight_scale"] = parts["weight_scale"].float()
+            params[f"{m}.weight"].copy_(r.scheme.dequantize(parts))
+    for name, mod in ref.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            # every Linear transformers builds is either quantized or ignored
+            ignored = any(match_name(name, t) for t in qc["ignore"])
+            assert (name in quantized) != ignored, name
+            if name in quantized and quantized[name].scheme.act is not None:
+                act = quantized[name].scheme.act
+                mod.register_forward_pre_hook(
+                    lambda _m, a, s=act: (fake_quant_activation(a[0], s),)
+                )
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight  # still tied
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 160, (2, 16))
+    with torch.no_grad():
+        l_ref = ref(ids).logits
+    l_src = _logits(src, ids)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        direct = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(direct.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        l_direct = direct(ids).logits
+    scale = float(l_ref.abs().max())
+    d = float((l_direct - l_ref).abs().max()) / scale
+    assert d <= LOGIT_TOL, f"direct load vs dequantized reference: {d:.2e}"
+    rel = float((l_direct - l_src).norm() / l_src.norm())
+    assert rel < 0.25, f"relative error against the source {rel:.3f}"  # garbage is ~1
+    print(f"tied {scheme_name}: direct vs reference {d:.1e}, vs source {rel:.3f}")

@@ -166,11 +166,16 @@ def _regex_of(template: str) -> str:
 
 @dataclass
 class Plan:
-    """The resolved table: every logical tensor of the source, in storage order."""
+    """The resolved table: every logical tensor of the source, in storage order.
+
+    unstored: Linear modules the model has whose weight the source does not store (a
+    tied lm_head); they stay in high precision and are listed in ``ignore``.
+    """
 
     rows: list[Decision]
     arch: str
     warnings: list[str] = field(default_factory=list)
+    unstored: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> list[Decision]:
@@ -198,7 +203,8 @@ class Plan:
         checkpoints); with several, each group's targets are disjoint name regexes
         (layer / expert indices generalised) or exact names where a template mixes
         schemes. Kept modules are always listed in ``ignore``, which every loader checks
-        before targets.
+        before targets - stored or not: a tied lm_head has no tensor of its own but is a
+        Linear module every loader builds (and would quantize under ``Linear``).
         """
         linear_rows = [r for r in self.rows if r.name.endswith(".weight")]
         by_tpl: dict[str, list[Decision]] = {}
@@ -226,6 +232,8 @@ class Plan:
                 else:
                     for r in quant:
                         targets[distinct.index(r.scheme)].append(r.module)
+        stored = {r.module for r in linear_rows}
+        ignore.extend(m for m in self.unstored if m not in stored and m not in ignore)
         groups = {}
         for i, s in enumerate(distinct):
             t = ["Linear"] if len(distinct) == 1 else targets[i]
@@ -281,6 +289,8 @@ class Plan:
             f"{len(self.rows)} tensors ({nq} quantized, {len(self.rows) - nq} kept): "
             f"{_fmt(before)} -> {_fmt(after)} ({ratio:.2f}x)"
         )
+        if self.unstored:
+            lines.append(f"kept, not stored (tied): {', '.join(self.unstored)} - listed in ignore")
         for wmsg in self.warnings:
             lines.append(f"warning: {wmsg}")
         return "\n".join(lines)
@@ -346,8 +356,11 @@ def resolve(
     default: Scheme | None = None,
     keep: Sequence[str] = (),
     default_keep: bool = True,
+    unstored: Sequence[str] = (),
 ) -> Plan:
-    """Decide every tensor (see module doc); scheme checks (group sizes) run here."""
+    """Decide every tensor (see module doc); scheme checks (group sizes) run here.
+
+    unstored: Linear modules the model has but the source does not store (see Plan)."""
     for p in keep:
         check_pattern(p, "--keep")
     validate_rule_roles(rules, (t.role for t in tensors))
@@ -402,4 +415,4 @@ def resolve(
             )
         raise GroupSizeError(f"{bad[0]}{more}")
     warnings = [f"--keep {p} matches no tensor" for p in keep if p not in used_keep]
-    return Plan(rows, arch, warnings)
+    return Plan(rows, arch, warnings, tuple(unstored))

@@ -20,6 +20,7 @@ kept tensors of an encoded source are written dequantized in the config dtype.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -141,8 +142,27 @@ def plan_quantization(
         default=default,
         keep=keep,
         default_keep=default_keep,
+        unstored=_tied_linears(arch, cfg),
     )
     return ckpt, plan
+
+
+def _tied_linears(arch, cfg) -> list[str]:
+    """Linear modules the model builds but the checkpoint does not store because they are
+    tied to another tensor (lm_head with ``tie_word_embeddings``): the rows the
+    architecture table has only when untied. They run in the source precision, so the
+    quantization_config must ignore them, or a loader targeting ``Linear`` builds them
+    quantized with no scales."""
+    if not getattr(cfg, "tie_word_embeddings", False) or not dataclasses.is_dataclass(cfg):
+        return []
+    have = {s.pattern for s in arch.table(cfg)}
+    untied = arch.table(dataclasses.replace(cfg, tie_word_embeddings=False))
+    return [
+        s.pattern.removesuffix(".weight")
+        for s in untied
+        if s.pattern not in have and s.scope == "global" and s.pattern.endswith(".weight")
+        and len(s.shape(cfg)) == 2 and s.component not in ("embeddings", "norms")
+    ]  # fmt: skip
 
 
 def _entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
