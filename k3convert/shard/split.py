@@ -174,10 +174,14 @@ def split_tensor(
     what: str = "rows",
     degree_name: str = "tp",
 ) -> list[Piece]:
-    """Cut ``m`` along logical dim ``d`` into ``n`` pieces (see module docstring)."""
-    maps = axis_maps(m, d)
+    """Cut ``m`` along logical dim ``d`` into ``n`` pieces (see module docstring).
+
+    ``n == 1`` gives the whole tensor (``dim`` None, every part unsplit), as the spec
+    records a part a rank holds whole, e.g. a single KV head every rank holds.
+    """
     if n == 1:
-        mode = "even"
+        return [whole(m)]
+    maps = axis_maps(m, d)
     why = _problem(m, d, n, mode, granule, maps, what)
     if why:
         legal = legal_degrees(m, d, mode, granule)

@@ -279,7 +279,8 @@ def write_unit(
                 if on_bytes:
                     on_bytes(t.nbytes)
             if cw is not None:
-                cw.flush(zstandard.FLUSH_FRAME)
+                # close() ends the frame: exactly one frame per unit (spec 3.2); a
+                # flush(FLUSH_FRAME) first would make close() append a second, empty one
                 cw.close()
             stored.flush()
             if raw.n != total:
@@ -312,6 +313,7 @@ def plan_key(up: UnitPlan, compression: str, source_id: list) -> str:
         "unit": up.name,
         "file": up.file,
         "compression": compression,
+        "zstd_frames": 1,  # units of older writers held two frames: rewrite them
         "tensors": [t.entry for t in up.tensors],
         "source": source_id,
     }
