@@ -17,6 +17,7 @@ redundant replicas of the hottest experts as DeepSeek's EPLB does.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,8 +177,11 @@ def place_experts(
     if redundant > num_experts * (ep - 1):
         raise ConfigError(f"redundant_experts={redundant} exceeds what {ep} ranks can hold.")
     loads = [float(x) for x in load]
-    if any(x < 0 for x in loads):
-        raise ConfigError(f"expert_load{loc} has negative counts.")
+    for e, x in enumerate(loads):
+        if not math.isfinite(x) or x < 0:
+            raise ConfigError(
+                f"expert_load{loc}, expert {e}: count {x!r} is not a finite non-negative number."
+            )
     replicas = [1] * num_experts
     heap = [(-loads[e], e) for e in range(num_experts)]
     heapq.heapify(heap)

@@ -11,6 +11,7 @@ stage). A tied lm_head is written into the head unit as a copy of the embedding
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -92,26 +93,40 @@ def load_expert_load(expert_load) -> dict[int, list[float]] | None:
     file holding one (optionally under a ``"layers"`` key)."""
     if expert_load is None:
         return None
+    src = "expert_load"
     if isinstance(expert_load, (str, os.PathLike)):
         p = Path(expert_load)
+        src = str(p)
         try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ConfigError(f"{p}: cannot read expert load JSON ({e}).") from e
     else:
         data = expert_load
     if isinstance(data, Mapping) and "layers" in data and isinstance(data["layers"], Mapping):
         data = data["layers"]
     if not isinstance(data, Mapping):
-        raise ConfigError("expert_load must map layer index -> list of per-expert counts.")
+        raise ConfigError(f"{src}: must map layer index -> list of per-expert counts.")
     out = {}
     for k, v in data.items():
         try:
-            out[int(k)] = [float(x) for x in v]
-        except (TypeError, ValueError) as e:
+            layer = int(k)
+            if isinstance(v, (str, bytes, Mapping)):
+                raise TypeError("not a list")
+            counts = [float(x) for x in v]
+        except (TypeError, ValueError, OverflowError) as e:
             raise ConfigError(
-                f"expert_load['{k}']: expected a layer index and a list of numbers."
+                f"{src}: layer '{k}': expected a layer index and a list of numbers."
             ) from e
+        for i, x in enumerate(counts):
+            # json reads NaN / Infinity; they would reach the manifest (not JSON) and
+            # make every placement comparison false
+            if not math.isfinite(x) or x < 0:
+                raise ConfigError(
+                    f"{src}: layer {layer}, expert {i}: routing count {x!r} is not a finite "
+                    f"non-negative number; give tokens routed to each expert (>= 0)."
+                )
+        out[layer] = counts
     return out
 
 

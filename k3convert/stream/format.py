@@ -147,6 +147,12 @@ def parse_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Raw
         tensors, meta = parse_header_json(p, head[8:base], base, size)
     except SafetensorsFormatError as e:
         raise StreamCorruptError(str(e)) from e
+    except (TypeError, ValueError, RecursionError, OverflowError) as e:
+        # untrusted JSON of the wrong shape (a list as a dtype, 10k nested arrays, ...)
+        raise StreamCorruptError(
+            f"{where}: safetensors header is malformed ({type(e).__name__}: {e}); the unit is "
+            f"corrupt - re-create it with `k3convert shard --force`."
+        ) from e
     for t in tensors.values():
         if (t.start % ALIGN) and not t.name.startswith(PAD_PREFIX):
             raise StreamCorruptError(
@@ -165,7 +171,7 @@ def unit_file(rank: int, index: int, unit: str, compression: str) -> str:
 
 # -- manifest rendering ---------------------------------------------------------------
 def dump_manifest(doc) -> str:
-    """``json.dumps(doc, indent=1) + "\\n"``, byte for byte, several times faster.
+    """``json.dumps(doc, indent=1, allow_nan=False) + "\\n"``, byte for byte, faster.
 
     The stdlib falls back to its pure-Python encoder whenever ``indent`` is set; the
     manifest of a large layout has hundreds of thousands of tokens, and it is written
@@ -225,5 +231,6 @@ def _dump(o, ind: str, out: list[str]) -> None:
             lead = sep
         out.append("\n" + ind + "]")
     else:  # floats, non-str keys, subclasses, ...: the stdlib's rendering, re-indented
-        # (json.dumps never emits a raw newline inside a string, so this is exact)
-        out.append(json.dumps(o, indent=1).replace("\n", "\n" + ind))
+        # (json.dumps never emits a raw newline inside a string, so this is exact);
+        # NaN / Infinity are not JSON: refused (ValueError) instead of written bare
+        out.append(json.dumps(o, indent=1, allow_nan=False).replace("\n", "\n" + ind))
