@@ -14,10 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .consistency import coverage_problems, inside
 from .format import (
+    MANIFEST,
     IncompleteStreamError,
     ManifestError,
     NotAStreamError,
+    StreamCorruptError,
     StreamError,
     StreamVersionError,
 )
@@ -67,7 +70,7 @@ def check(out, *, workers: int = 2) -> CheckReport:
         manifest = load_manifest(root)
     except (NotAStreamError, IncompleteStreamError, StreamVersionError) as e:
         return CheckReport(root, "not_stream", [str(e)])
-    except ManifestError as e:
+    except (ManifestError, StreamCorruptError) as e:
         return CheckReport(root, "damaged", [str(e)])
     jobs = [(r["rank"], u) for r in manifest["ranks"] for u in r["units"]]
 
@@ -75,21 +78,29 @@ def check(out, *, workers: int = 2) -> CheckReport:
         rank, u = job
         try:
             buf, path = read_unit_bytes(root, rank, u, verify=True, full=True)
-            header_of(buf, rank, u, path)
+            header_of(buf, rank, u, path, root)
         except StreamError as e:
             return str(e)
         return None
 
-    problems: list[str] = []
+    problems: list[str] = coverage_problems(manifest, root / MANIFEST)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         problems += [p for p in pool.map(one, jobs) if p]
     for f in manifest["files"]:
-        p = root / f["name"]
-        if not p.is_file():
-            problems.append(f"{p}: carried file is missing.")
+        try:
+            p = inside(root, f["name"], "carried file")  # before anything is opened
+        except StreamCorruptError as e:
+            problems.append(str(e))
             continue
-        with open(p, "rb") as fh:
-            got = hashlib.file_digest(fh, "sha256").hexdigest()
+        if not p.is_file():
+            problems.append(f"{p}: carried file is missing (or not a regular file).")
+            continue
+        try:
+            with open(p, "rb") as fh:
+                got = hashlib.file_digest(fh, "sha256").hexdigest()
+        except OSError as e:
+            problems.append(f"{p}: carried file cannot be read ({e.strerror}).")
+            continue
         if got != f["sha256"]:
             problems.append(f"{p}: sha256 mismatch with the manifest; the file was changed.")
     return CheckReport(

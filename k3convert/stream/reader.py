@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import struct
 from collections import OrderedDict, deque
@@ -31,8 +32,15 @@ import zstandard
 
 from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
 from ..checkpoint.encodings import ENCODINGS
-from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
-from ..errors import CheckpointError
+from ..checkpoint.safetensors_io import ST_DTYPES
+from ..errors import CheckpointError, K3Error
+from .consistency import (
+    check_header_layout,
+    check_paths,
+    check_unit_entries,
+    inside,
+    zstd_content_size,
+)
 from .format import (
     FORMAT,
     JOURNAL,
@@ -51,6 +59,32 @@ from .schema import validate
 
 
 # -- manifest -------------------------------------------------------------------------
+def _manifest_json(text: str, mp: Path):
+    """Strict JSON: no key given twice in one object, no NaN / Infinity (not JSON, though
+    Python's json reads them), no number too large for a float."""
+
+    def pairs(kv):
+        seen: dict = {}
+        for k, v in kv:
+            if k in seen:
+                raise ManifestError(f"{mp}: key '{k}' is listed twice in one object.")
+            seen[k] = v
+        return seen
+
+    def constant(name: str):
+        raise ManifestError(f"{mp}: holds {name}, which is not JSON; the manifest is damaged.")
+
+    def number(text: str) -> float:
+        x = float(text)
+        if not math.isfinite(x):
+            raise ManifestError(
+                f"{mp}: number {text[:40]} is out of range; the manifest is damaged."
+            )
+        return x
+
+    return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
+
+
 def load_manifest(root: Path) -> dict:
     """Parse and validate ``root/manifest.json`` (schema, version, numbering)."""
     if not root.is_dir():
@@ -67,9 +101,15 @@ def load_manifest(root: Path) -> dict:
             f"{root}: not a stream directory (no {MANIFEST}); create one with `k3convert shard`."
         )
     try:
-        doc = strict_json_loads(mp.read_text(encoding="utf-8"), "key", ManifestError)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ManifestError) as e:
+        doc = _manifest_json(mp.read_text(encoding="utf-8"), mp)
+    except ManifestError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ManifestError(f"{mp}: not valid JSON ({e}); the manifest is damaged.") from e
+    except RecursionError:
+        raise ManifestError(
+            f"{mp}: not valid JSON (nested too deeply); the manifest is damaged."
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotAStreamError(f"{mp}: not a {FORMAT} manifest (format key is missing or wrong).")
     if doc.get("version") != VERSION:
@@ -77,7 +117,10 @@ def load_manifest(root: Path) -> dict:
             f"{mp}: {FORMAT} version {doc.get('version')!r} is not supported; this k3convert "
             f"reads version {VERSION}. Use a matching k3convert or re-shard the model."
         )
-    errs = validate(doc)
+    try:
+        errs = validate(doc)
+    except RecursionError:
+        errs = ["nested too deeply"]
     if errs:
         more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
         raise ManifestError(f"{mp}: violates the manifest schema: {'; '.join(errs[:5])}{more}.")
@@ -86,13 +129,46 @@ def load_manifest(root: Path) -> dict:
         raise ManifestError(f"{mp}: layout.world / ranks disagree with tp * pp.")
     if lay["moe_tp"] * lay["moe_ep"] != lay["tp"]:
         raise ManifestError(f"{mp}: layout moe_tp * moe_ep != tp.")
+    stages = {s["pp_rank"]: s["units"] for s in lay["stages"]}
+    if sorted(stages) != list(range(lay["pp"])) or len(lay["stages"]) != lay["pp"]:
+        raise ManifestError(
+            f"{mp}: layout.stages must list pp_rank 0 .. {lay['pp'] - 1} once each."
+        )
     for i, r in enumerate(doc["ranks"]):
-        if r["rank"] != i or r["pp_rank"] * lay["tp"] + r["tp_rank"] != i:
+        if (
+            r["rank"] != i
+            or r["pp_rank"] * lay["tp"] + r["tp_rank"] != i
+            or r["tp_rank"] >= lay["tp"]
+            or r["ep_rank"] * lay["moe_tp"] + r["moe_tp_rank"] != r["tp_rank"]
+            or r["moe_tp_rank"] >= lay["moe_tp"]
+        ):
             raise ManifestError(f"{mp}: ranks[{i}] is numbered {r['rank']} / inconsistent.")
+        if [u["name"] for u in r["units"]] != stages[r["pp_rank"]]:
+            raise ManifestError(
+                f"{mp}: ranks[{i}] units differ from layout.stages[{r['pp_rank']}].units."
+            )
+        owner: dict[str, str] = {}
         for j, u in enumerate(r["units"]):
-            if u["index"] != j or ".." in u["file"]:
-                raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has a bad index or file.")
+            if u["index"] != j:
+                raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has index {u['index']}.")
+            num = u["name"].partition(".")[2]
+            if u["layer"] != (int(num) if num else None):
+                raise ManifestError(
+                    f"{mp}: ranks[{i}].units[{j}] ('{u['name']}') has layer {u['layer']}."
+                )
+            for e in u["tensors"]:
+                if owner.setdefault(e["logical"], u["name"]) != u["name"]:
+                    raise StreamCorruptError(
+                        f"{mp}: rank {i}: logical tensor '{e['logical']}' is in units "
+                        f"'{owner[e['logical']]}' and '{u['name']}'; one logical tensor lives "
+                        f"in one unit - the manifest is damaged or was edited."
+                    )
+    check_paths(doc, mp)
     return doc
+
+
+def manifest_where(root: Path, rank: int, u: dict) -> str:
+    return f"{root / MANIFEST} (rank {rank}, unit '{u['name']}', file {u['file']})"
 
 
 # -- units ----------------------------------------------------------------------------
@@ -121,7 +197,7 @@ def _where(rank: int, u: dict, path: Path) -> str:
 
 
 def check_size(root: Path, rank: int, u: dict) -> Path:
-    path = root / u["file"]
+    path = inside(root, u["file"], f"rank {rank}, unit '{u['name']}'")
     try:
         size = path.stat().st_size
     except OSError:
@@ -151,9 +227,21 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
     ``full`` also checks the uncompressed size / hash of zstd units.
     """
     path = check_size(root, rank, u)
+    where = _where(rank, u, path)
+    try:
+        if u["compression"] == "none":
+            with open(path, "rb") as fh:
+                buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        else:
+            buf = path.read_bytes()
+    except (OSError, ValueError) as e:
+        raise StreamCorruptError(f"{where}: cannot read the unit ({e}).") from e
+    if len(buf) != u["bytes"]:  # changed since check_size
+        raise StreamCorruptError(
+            f"{where}: unit is {len(buf)} bytes but the manifest says {u['bytes']}; re-create "
+            f"it with `k3convert shard --force`."
+        )
     if u["compression"] == "none":
-        with open(path, "rb") as fh:
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         if verify:
             got = hashlib.sha256(buf).hexdigest()
             if got != u["sha256"]:
@@ -161,12 +249,28 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
         elif hasattr(buf, "madvise"):
             buf.madvise(mmap.MADV_WILLNEED)
         return buf, path
-    data = path.read_bytes()
+    data = buf
     if verify:
         got = hashlib.sha256(data).hexdigest()
         if got != u["sha256"]:
             raise _hash_error(rank, u, path, "sha256", u["sha256"], got)
-    raw = bytearray(u["raw_bytes"])
+    # never trust the frame's claim: it must match raw_bytes, which must match the
+    # manifest's tensor table (check_unit_entries), before anything is allocated
+    size = zstd_content_size(data, where)
+    if size != u["raw_bytes"]:
+        raise StreamCorruptError(
+            f"{where}: zstd frame claims {size} bytes of content but the manifest's raw_bytes "
+            f"is {u['raw_bytes']}; the unit is corrupt - re-create it with `k3convert shard "
+            f"--force`."
+        )
+    check_unit_entries(u, manifest_where(root, rank, u))
+    try:
+        raw = bytearray(u["raw_bytes"])
+    except MemoryError:
+        raise StreamError(
+            f"{where}: unit needs {u['raw_bytes'] / 2**30:.1f} GiB of memory to decompress, "
+            f"more than is available; free memory or re-shard with compression 'none'."
+        ) from None
     try:
         with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as r:
             n, mv = 0, memoryview(raw)
@@ -176,12 +280,14 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
                     break
                 n += k
             extra = r.read(1)
-    except zstandard.ZstdError as e:
-        raise StreamCorruptError(f"{_where(rank, u, path)}: zstd data is corrupt ({e}).") from e
+    except (zstandard.ZstdError, ValueError) as e:
+        raise StreamCorruptError(
+            f"{where}: zstd data is corrupt ({e}); re-create it with `k3convert shard --force`."
+        ) from e
     if n != len(raw) or extra:
         raise StreamCorruptError(
-            f"{_where(rank, u, path)}: decompresses to a different size than the manifest's "
-            f"raw_bytes {u['raw_bytes']}; the unit is corrupt."
+            f"{where}: decompresses to a different size than the manifest's raw_bytes "
+            f"{u['raw_bytes']}; the unit is corrupt - re-create it with `k3convert shard --force`."
         )
     if full:
         got = hashlib.sha256(raw).hexdigest()
@@ -190,14 +296,19 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
     return raw, path
 
 
-def header_of(buf, rank: int, u: dict, path: Path):
-    """Validate the unit's header against the format and the manifest; tensor infos."""
+def header_of(buf, rank: int, u: dict, path: Path, root: Path):
+    """Validate the unit's header against the format and the manifest; tensor infos.
+
+    Checks the manifest's entry for the unit first (``root``: the stream directory),
+    then the header: metadata, names, dtypes, shapes, order, offsets, padding.
+    """
     where = _where(rank, u, path)
+    check_unit_entries(u, manifest_where(root, rank, u))
     if len(buf) < 8:
         raise StreamCorruptError(f"{where}: unit is too short for a safetensors header.")
     (n,) = struct.unpack("<Q", bytes(buf[:8]))
     head = bytes(buf[: min(len(buf), 8 + n)])
-    _, infos, meta = parse_header(head, len(buf), where)
+    base, infos, meta = parse_header(head, len(buf), where)
     want_meta = {"format": FORMAT, "version": str(VERSION), "rank": str(rank), "unit": u["name"]}
     if {k: meta.get(k) for k in want_meta} != want_meta:
         raise StreamCorruptError(
@@ -219,12 +330,13 @@ def header_of(buf, rank: int, u: dict, path: Path):
                 f"{where}: header disagrees with the manifest for tensor '{e['name']}': header "
                 f"{t.st_dtype}{list(t.shape)}, manifest {e['dtype']}{e['shape']}."
             )
+    check_header_layout(buf, base, infos, u, where)
     return infos
 
 
 def load_unit(root: Path, rank: int, u: dict, verify: bool = True) -> Unit:
     buf, path = read_unit_bytes(root, rank, u, verify)
-    infos = header_of(buf, rank, u, path)
+    infos = header_of(buf, rank, u, path, root)
     base = torch.frombuffer(buf, dtype=torch.uint8)
     tensors = {}
     for e in u["tensors"]:
@@ -278,7 +390,16 @@ class RankReader:
         return [u["name"] for u in self.unit_entries]
 
     def unit(self, which: int | str, *, verify_hashes: bool | None = None) -> Unit:
-        i = which if isinstance(which, int) else self.unit_names().index(which)
+        names = self.unit_names()
+        if isinstance(which, int) and -len(names) <= which < len(names):
+            i = which
+        elif isinstance(which, str) and which in names:
+            i = names.index(which)
+        else:
+            raise StreamError(
+                f"{self.stream.root}: rank {self.rank} has no unit {which!r}; its units are "
+                f"{names}."
+            )
         v = self.stream.verify_hashes if verify_hashes is None else verify_hashes
         return load_unit(self.stream.root, self.rank, self.unit_entries[i], v)
 
@@ -371,10 +492,12 @@ class RankReader:
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         try:
             w = ENCODINGS[enc].dequantize(parts, _quant(es[0]["quant"], enc))
-        except ValueError as e:
-            raise CheckpointError(
-                f"{self.stream.root / self.unit_entries[i]['file']}: cannot dequantize "
-                f"'{name}' ({enc}): {e}."
+        except (ValueError, ArithmeticError, RuntimeError, LookupError, TypeError) as e:
+            u = self.unit_entries[i]
+            raise StreamCorruptError(
+                f"{_where(self.rank, u, self.stream.root / u['file'])}: cannot dequantize "
+                f"'{name}' ({enc}): {e}; its parts do not fit their manifest entry - "
+                f"re-create the stream with `k3convert shard --force`."
             ) from e
         return w.to(dtype or torch.float32)
 
@@ -390,8 +513,11 @@ class Stream:
         self.verify_hashes = verify_hashes
         lay = manifest["layout"]
         self.layout = Layout(lay["tp"], lay["pp"], lay["moe_tp"], lay["moe_ep"])
-        cfg = root / "config.json"
-        self.config: dict = load_json(cfg) if cfg.is_file() else {}
+        cfg = inside(root, "config.json", "carried file")
+        try:
+            self.config: dict = load_json(cfg) if cfg.is_file() else {}
+        except K3Error as e:
+            raise StreamCorruptError(f"{e} The stream's carried config.json is damaged.") from e
         self._ranks: dict[int, RankReader] = {}
         self._names: list[str] | None = None
         self._name_set: set[str] = set()
@@ -406,7 +532,7 @@ class Stream:
 
     @property
     def aux_files(self) -> list[Path]:
-        return [self.root / f["name"] for f in self.manifest["files"]]
+        return [inside(self.root, f["name"], "carried file") for f in self.manifest["files"]]
 
     def rank(self, r: int) -> RankReader:
         if not 0 <= r < self.world:
@@ -459,5 +585,6 @@ def open_stream(path, *, verify_hashes: bool = True) -> Stream:
     manifest = load_manifest(root)
     for r in manifest["ranks"]:
         for u in r["units"]:
+            check_unit_entries(u, manifest_where(root, r["rank"], u))
             check_size(root, r["rank"], u)
     return Stream(root, manifest, verify_hashes)
