@@ -321,6 +321,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory.")
+    refuse_partial(p)
     if p.is_file():
         if p.suffix not in WEIGHT_SUFFIXES:
             raise CheckpointError(
@@ -380,7 +381,6 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
             f"(e.g. '{missing[0]}' expected in {wm[missing[0]]}); the files and the index "
             f"disagree."
         )
-    refuse_partial(p)
     wrong = [n for n, pm in raw.items() if n in wm and pm.file.name != Path(wm[n]).name]
     extra = [n for n in raw if n not in wm]
     if wrong or extra:
