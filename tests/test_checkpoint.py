@@ -883,3 +883,81 @@ def test_mtp_checkpoint_reads(tiny_models, tmp_path):
     assert sorted(ck.names()) == sorted(ref)
     n = "model.layers.3.shared_head.head.weight"
     assert_bitwise(ck.get(n), ref[n])
+
+
+# -- header JSON that is deep, or has bools / non-integers for integers (12.13, 12.17) --
+
+
+def test_deeply_nested_header_is_a_format_error(st_copy):
+    d, f = st_copy
+    _, data = read_raw(f)
+    deep = '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    _rewrite(f, deep, data)
+    msg = _expect(d, SafetensorsFormatError, f.name)
+    assert "nested" in msg and "\n" not in msg
+
+
+def test_deeply_nested_config_and_manifest_are_clean_errors(st_copy, tmp_path):
+    from k3convert.stream import ManifestError, open_stream
+
+    d, _ = st_copy
+    (d / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _expect(d, CheckpointError, "config.json", "nested")
+    s = tmp_path / "stream"
+    s.mkdir()
+    (s / "manifest.json").write_text('{"format": ' + "{" * 50_000)
+    with pytest.raises(ManifestError, match="nested"):
+        open_stream(s)
+
+
+F32_64 = {"dtype": "F32", "shape": [64, 1], "data_offsets": [0, 256]}
+U8_1 = {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}
+
+
+@pytest.mark.parametrize(
+    ("base", "field", "value"),
+    [
+        (F32_64, "shape", [64, True]),
+        (F32_64, "shape", [True, 64]),
+        (F32_64, "shape", [64.0, 1]),
+        (F32_64, "shape", [64, -1]),
+        (F32_64, "shape", "64"),
+        (U8_1, "shape", [True]),
+        (U8_1, "data_offsets", [0, True]),
+        (U8_1, "data_offsets", [False, 1]),
+        (U8_1, "data_offsets", [0.0, 1]),
+        (U8_1, "data_offsets", [0, 1.0]),
+        (U8_1, "data_offsets", [0, 1, 1]),
+        (U8_1, "dtype", ["U8"]),  # unhashable: used to raise TypeError
+        (U8_1, "dtype", True),
+    ],
+)
+def test_header_entry_non_integers_are_rejected(tmp_path, base, field, value):
+    """JSON true is a Python int: [64, true] used to pass as [64, 1]."""
+    d = tmp_path / "m"
+    d.mkdir()
+    entry = dict(base, **{field: value})
+    write_raw(
+        d / "model.safetensors", {"model.norm.weight": entry}, b"\0" * base["data_offsets"][1]
+    )
+    msg = _expect(d, SafetensorsFormatError, "model.safetensors", "model.norm.weight")
+    assert "\n" not in msg
+
+
+def test_stream_unit_header_uses_the_same_entry_parser():
+    from k3convert.stream import StreamCorruptError
+    from k3convert.stream.format import ALIGN, parse_header
+
+    js = json.dumps({"t": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}).encode()
+    head = struct.pack("<Q", ALIGN - 8) + js + b" " * (ALIGN - 8 - len(js))
+    with pytest.raises(StreamCorruptError, match="invalid shape"):
+        parse_header(head + b"\0", ALIGN + 1, "unit.safetensors")
+
+
+def test_header_shape_too_large_for_torch_is_rejected(tmp_path):
+    """A zero-element tensor whose other dims overflow int64 strides."""
+    d = tmp_path / "m"
+    d.mkdir()
+    entry = {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}
+    write_raw(d / "model.safetensors", {"model.norm.weight": entry}, b"")
+    _expect(d, SafetensorsFormatError, "model.safetensors", "model.norm.weight")

@@ -47,6 +47,9 @@ TORCH_TO_ST = {v[0]: k for k, v in ST_DTYPES.items()}
 
 #: Refuse absurd header sizes before allocating (the reference implementation caps at 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Largest element count of any tensor (and of a zero-sized tensor's non-zero dims):
+#: torch computes strides in int64, and a data region cannot be larger anyway.
+MAX_NUMEL = 2**62
 
 
 @dataclass(frozen=True)
@@ -110,10 +113,23 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     return SafetensorsHeader(p, n, tensors, metadata, size)
 
 
+class JSONNestingError(json.JSONDecodeError):
+    """JSON nested deeper than the parser's recursion limit (a JSONDecodeError, so every
+    caller that reports invalid JSON with its file reports this too)."""
+
+    def __init__(self, doc: str):
+        super().__init__("nested too deeply (more levels of [ / { than the parser allows)", doc, 0)
+
+    def __str__(self) -> str:
+        return self.msg
+
+
 def strict_json_loads(text: str, what: str, error: type[Exception]):
     """json.loads that refuses a key given twice in one object (json keeps the last).
 
     ``what`` prefixes the message ("path: tensor"), ``error`` is the class raised.
+    Nesting too deep for the parser raises :class:`JSONNestingError` (a
+    ``json.JSONDecodeError``) instead of RecursionError.
     """
 
     def hook(pairs):
@@ -124,7 +140,10 @@ def strict_json_loads(text: str, what: str, error: type[Exception]):
             seen[k] = v
         return seen
 
-    return json.loads(text, object_pairs_hook=hook)
+    try:
+        return json.loads(text, object_pairs_hook=hook)
+    except RecursionError:
+        raise JSONNestingError(text) from None
 
 
 def parse_header_json(
@@ -143,11 +162,29 @@ def parse_header_json(
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"{p}: header must be a JSON object.")
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise SafetensorsFormatError(f"{p}: __metadata__ must be a JSON object of strings.")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsFormatError(
+            f"{p}: __metadata__ must be a JSON object of strings; the header is corrupt."
+        )
     tensors = {name: _parse_entry(p, name, entry, base) for name, entry in header.items()}
     _check_tiling(p, tensors, base, size)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    return tensors, dict(metadata)
+
+
+def _is_uint(x: object) -> bool:
+    """A JSON non-negative integer: not a bool (JSON true is a Python int), not a float."""
+    return type(x) is int and x >= 0
+
+
+def _numel_over(shape: list[int], limit: int) -> bool:
+    """Whether the non-zero dims multiply past ``limit`` (stops as soon as they do, so a
+    hostile shape of a million huge dims costs no big-integer arithmetic)."""
+    n = 1
+    for d in shape:
+        n *= max(d, 1)
+        if n > limit:
+            return True
+    return False
 
 
 def _parse_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:
@@ -156,24 +193,31 @@ def _parse_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:
             f"{p}: tensor '{name}' header entry needs dtype, shape and data_offsets."
         )
     st = entry["dtype"]
-    if st not in ST_DTYPES:
+    if not isinstance(st, str) or st not in ST_DTYPES:
         raise SafetensorsFormatError(
-            f"{p}: tensor '{name}' has unsupported dtype '{st}' "
+            f"{p}: tensor '{name}' has unsupported dtype {_short(st)} "
             f"(supported: {', '.join(ST_DTYPES)})."
         )
     shape = entry["shape"]
     offs = entry["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise SafetensorsFormatError(f"{p}: tensor '{name}' has an invalid shape {shape!r}.")
-    if not (
-        isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
-    ) or not (0 <= offs[0] <= offs[1]):
+    if not (isinstance(shape, list) and all(_is_uint(d) for d in shape)):
         raise SafetensorsFormatError(
-            f"{p}: tensor '{name}' has invalid data_offsets {offs!r} (need [begin, end], "
-            f"0 <= begin <= end)."
+            f"{p}: tensor '{name}' has an invalid shape {_short(shape)} (need a list of "
+            f"non-negative integers); the header is corrupt."
+        )
+    if _numel_over(shape, MAX_NUMEL):
+        raise SafetensorsFormatError(
+            f"{p}: tensor '{name}' has shape {_short(shape)}, too large for any tensor "
+            f"(more than {MAX_NUMEL} elements); the header is corrupt."
+        )
+    ok = isinstance(offs, list) and len(offs) == 2 and all(_is_uint(o) for o in offs)
+    if not ok or offs[0] > offs[1]:
+        raise SafetensorsFormatError(
+            f"{p}: tensor '{name}' has invalid data_offsets {_short(offs)} (need [begin, end], "
+            f"integers with 0 <= begin <= end); the header is corrupt."
         )
     dtype, bits = ST_DTYPES[st]
-    expect = math.ceil(math.prod(shape) * bits / 8)
+    expect = -(-math.prod(shape) * bits // 8)  # exact: no float rounding of large sizes
     got = offs[1] - offs[0]
     if got != expect:
         raise SafetensorsFormatError(
@@ -182,6 +226,12 @@ def _parse_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:
             f"byte-count mismatch)."
         )
     return RawTensorInfo(name, dtype, st, tuple(shape), base + offs[0], got)
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """repr of a header value, cut so that a hostile header cannot flood a message."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def _check_tiling(p: Path, tensors: dict[str, RawTensorInfo], base: int, size: int) -> None:
