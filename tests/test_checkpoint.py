@@ -885,6 +885,93 @@ def test_mtp_checkpoint_reads(tiny_models, tmp_path):
     assert_bitwise(ck.get(n), ref[n])
 
 
+# -- nothing outside the model directory is read (issue 12.2) --------------------------
+
+
+def _index_dir(tiny_models, tmp_path) -> tuple[Path, Path, dict]:
+    """A 2-file sharded llama in tmp/sh and a spare copy of its files in tmp/other."""
+    sh = reshard(tiny_models["llama"], tmp_path / "sh", n_files=2)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in sh.glob("*.safetensors"):
+        (other / f.name).write_bytes(f.read_bytes())
+    idx = sh / "model.safetensors.index.json"
+    return sh, other, json.loads(idx.read_text())
+
+
+def _first_tensor_of(j: dict, fname: str) -> str:
+    return next(k for k, v in j["weight_map"].items() if v == fname)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_index_entry_outside_model_dir_is_refused(tiny_models, tmp_path, how):
+    sh, other, j = _index_dir(tiny_models, tmp_path)
+    fname = "model-00002-of-00002.safetensors"
+    name = _first_tensor_of(j, fname)
+    if how == "dotdot":
+        target = f"../other/{fname}"
+    elif how == "absolute":
+        target = str(other / fname)
+    else:
+        (sh / "link.safetensors").symlink_to(other / fname)
+        target = "link.safetensors"
+    (sh / fname).unlink()  # only the copy outside exists
+    for k, v in j["weight_map"].items():
+        if v == fname:
+            j["weight_map"][k] = target
+    (sh / "model.safetensors.index.json").write_text(json.dumps(j))
+    msg = _expect(sh, CheckpointError, "model.safetensors.index.json", target, "outside")
+    assert f"'{name}'" in msg and "\n" not in msg
+
+
+def test_index_entry_symlink_inside_model_dir_is_fine(tiny_models, tmp_path):
+    """A link that stays inside the directory (e.g. into a blobs/ folder) is read."""
+    sh, _, _ = _index_dir(tiny_models, tmp_path)
+    fname = "model-00002-of-00002.safetensors"
+    (sh / "blobs").mkdir()
+    (sh / fname).rename(sh / "blobs" / "abc123")
+    (sh / fname).symlink_to(Path("blobs") / "abc123")
+    ck = open_checkpoint(sh)
+    ref = load_state(tiny_models["llama"])
+    for n in ck.names():
+        assert_bitwise(ck.get(n), ref[n], n)
+
+
+def test_safetensors_symlink_outside_model_dir_is_refused(st_copy, tmp_path):
+    d, _ = st_copy
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"model.norm.weight": torch.ones(64)}, outside)
+    (d / "extra.safetensors").symlink_to(outside)
+    _expect(d, CheckpointError, "extra.safetensors", "outside", str(d))
+
+
+@pytest.mark.parametrize("which", ["tokenizer.json", "config.json"])
+def test_aux_or_config_symlink_outside_model_dir_is_refused(st_copy, tmp_path, which):
+    """Aux files are carried into outputs: one that links outside would copy a foreign
+    file (e.g. a secret) into the converted model."""
+    d, _ = st_copy
+    secret = tmp_path / "secret.json"
+    secret.write_text((d / "config.json").read_text())
+    (d / which).unlink(missing_ok=True)
+    (d / which).symlink_to(secret)
+    _expect(d, CheckpointError, which, "outside", str(d))
+
+
+def test_index_outside_model_dir_is_refused_by_every_verb(tiny_models, tmp_path, capsys):
+    """`shard` used to crash with a raw ValueError from Path.relative_to."""
+    from k3convert.cli import main
+
+    sh, other, j = _index_dir(tiny_models, tmp_path)
+    for k in j["weight_map"]:
+        j["weight_map"][k] = str(other / j["weight_map"][k])
+    (sh / "model.safetensors.index.json").write_text(json.dumps(j))
+    for argv in (["inspect", sh], ["shard", sh, tmp_path / "out"]):
+        rc = main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and "outside" in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "out").exists()
+
+
 # -- header JSON that is deep, or has bools / non-integers for integers (12.13, 12.17) --
 
 

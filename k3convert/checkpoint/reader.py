@@ -215,13 +215,19 @@ class Checkpoint:
 
     @cached_property
     def aux_files(self) -> list[Path]:
-        """Tokenizer / processor / other non-weight files, carried along untouched."""
+        """Tokenizer / processor / other non-weight files, carried along untouched.
+
+        Checked by :func:`open_checkpoint`: none of them resolves outside the directory.
+        """
         skip = {"config.json", *INDEX_NAMES, *BIN_INDEX_NAMES}
-        return sorted(
+        files = sorted(
             p
             for p in self.root.iterdir()
             if p.is_file() and p.name not in skip and not p.name.endswith(WEIGHT_SUFFIXES)
         )
+        for f in files:
+            _check_inside(self.root, f, "file (carried into outputs)")
+        return files
 
     # -- data -------------------------------------------------------------------
     def get_parts(self, name: str) -> dict[str, torch.Tensor]:
@@ -286,17 +292,58 @@ def load_bin(path: Path) -> dict:
     return sd
 
 
+def _resolved(p: Path) -> Path:
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise CheckpointError(
+            f"{p}: cannot resolve the path ({e}); fix or remove the symbolic link."
+        ) from e
+
+
+def _outside(root: Path, p: Path) -> Path | None:
+    """Where ``p`` really is if that is outside ``root`` (after every symlink), else None."""
+    real = _resolved(p)
+    return None if real.is_relative_to(_resolved(root)) else real
+
+
+def _check_inside(root: Path, p: Path, what: str) -> None:
+    """Refuse a file of the model directory that resolves (by a symlink) outside it."""
+    real = _outside(root, p)
+    if real is not None:
+        raise CheckpointError(
+            f"{p}: {what} resolves to {real}, outside the model directory {root}; "
+            f"k3convert reads nothing outside it - copy the real file in (`cp -L`) or "
+            f"remove the link."
+        )
+
+
 def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """Weight files to read and the index's weight_map (None without an index)."""
+    """Weight files to read and the index's weight_map (None without an index).
+
+    Every file must resolve inside ``root``: an index entry or a symlink that leads
+    elsewhere is refused, so nothing outside the model directory is ever read.
+    """
     for idx_name in INDEX_NAMES + BIN_INDEX_NAMES:
         idx = root / idx_name
         if idx.is_file():
+            _check_inside(root, idx, "index")
             data = load_json(idx)
             wm = data.get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise CheckpointError(f"{idx}: 'weight_map' must map tensor names to files.")
             files = sorted(set(wm.values()))
             for f in files:
+                real = None if Path(f).is_absolute() else _outside(root, root / f)
+                if Path(f).is_absolute() or real is not None:
+                    users = [k for k, v in wm.items() if v == f]
+                    to = f" (it resolves to {real})" if real is not None else ""
+                    more = f" (and {len(users) - 1} more)" if len(users) > 1 else ""
+                    raise CheckpointError(
+                        f"{idx}: weight_map entry '{users[0]}'{more} names '{f}', outside "
+                        f"the model directory {root}{to}; weight files must be inside it - "
+                        f"put the file in {root} and name it relative to the directory."
+                    )
                 if not (root / f).is_file():
                     users = [k for k, v in wm.items() if v == f]
                     raise CheckpointError(
@@ -306,10 +353,11 @@ def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
                     )
             return [root / f for f in files], wm
     st = sorted(root.glob("*.safetensors"))
-    if st:
-        return st, None
-    bins = sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-    return bins, None
+    if not st:
+        st = sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    for f in st:
+        _check_inside(root, f, "weight file")
+    return st, None
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -333,7 +381,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         root = p
         files, wm = _weight_files(root)
     cfg_path = root / "config.json"
-    config = load_json(cfg_path) if cfg_path.is_file() else {}
+    if cfg_path.is_file():
+        _check_inside(root, cfg_path, "config")
+        config = load_json(cfg_path)
+    else:
+        config = {}
     if not files:
         raise CheckpointError(
             f"{root}: no weights found (expected model.safetensors, *.safetensors with "
@@ -353,7 +405,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         _check_index(root, wm, raw)
     qcfg = QuantConfig(_quant_config(config))
     metas = _group(raw, qcfg)
-    return Checkpoint(root, config, metas, files)
+    ck = Checkpoint(root, config, metas, files)
+    ck.aux_files  # noqa: B018  (refuses an aux file that links outside, up front)
+    return ck
 
 
 def _quant_config(config: dict) -> dict | None:
@@ -381,7 +435,7 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
             f"(e.g. '{missing[0]}' expected in {wm[missing[0]]}); the files and the index "
             f"disagree."
         )
-    wrong = [n for n, pm in raw.items() if n in wm and pm.file.name != Path(wm[n]).name]
+    wrong = [n for n, pm in raw.items() if n in wm and pm.file != root / wm[n]]
     extra = [n for n in raw if n not in wm]
     if wrong or extra:
         n = (wrong or extra)[0]
