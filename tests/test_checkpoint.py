@@ -972,6 +972,61 @@ def test_index_outside_model_dir_is_refused_by_every_verb(tiny_models, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+# -- compressed-tensors weight_shape of the wrong kind (issue 12.13) -------------------
+
+
+def _packed_dir(tmp_path: Path, weight_shape: torch.Tensor) -> Path:
+    """A one-tensor llama-shaped pack-quantized int4 checkpoint with a given weight_shape."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tests.encode import int_group_quantize, pack_quantized_config
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    q = int_group_quantize(w, 4, 32)
+    base = "model.layers.0.mlp.up_proj."
+    d = tmp_path / "packed"
+    d.mkdir()
+    cfg = {"model_type": "llama", "quantization_config": pack_quantized_config(4, 32, True, [])}
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = {
+        base + "weight_packed": pack_to_int32(q["q"], 4),
+        base + "weight_scale": q["scale"],
+        base + "weight_shape": weight_shape,
+    }
+    save_file(tensors, d / "model.safetensors")
+    return d
+
+
+def test_packed_weight_shape_good_control(tmp_path):
+    d = _packed_dir(tmp_path, torch.tensor([16, 64]))
+    ck = open_checkpoint(d)
+    assert ck.meta("model.layers.0.mlp.up_proj.weight").shape == (16, 64)
+    assert ck.get("model.layers.0.mlp.up_proj.weight").shape == (16, 64)
+
+
+@pytest.mark.parametrize(
+    "ws",
+    [
+        torch.tensor([16, 64, 1]),  # rank 3 shape
+        torch.tensor([[16, 64], [16, 64]]),  # 2-D
+        torch.tensor(16),  # scalar
+        torch.tensor([16.0, 64.0]),  # float dtype
+        torch.tensor([True, True]),  # bool dtype
+        torch.tensor([-16, 64]),  # negative
+        torch.tensor([16, -64]),
+        torch.tensor([2**40, 64]),  # huge
+        torch.tensor([16, 2**62]),
+        torch.tensor([8, 64]),  # disagrees with weight_packed's rows
+        torch.tensor([], dtype=torch.int64),  # empty
+    ],
+    ids=lambda t: f"{t.dtype}{list(t.shape)}",
+)
+def test_packed_weight_shape_malformed_is_a_checkpoint_error(tmp_path, ws):
+    d = _packed_dir(tmp_path, ws)
+    msg = _expect(d, CheckpointError, "model.layers.0.mlp.up_proj.weight_shape")
+    assert "model.safetensors" in msg and "\n" not in msg
+
+
 # -- header JSON that is deep, or has bools / non-integers for integers (12.13, 12.17) --
 
 
@@ -1048,3 +1103,59 @@ def test_header_shape_too_large_for_torch_is_rejected(tmp_path):
     entry = {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}
     write_raw(d / "model.safetensors", {"model.norm.weight": entry}, b"")
     _expect(d, SafetensorsFormatError, "model.safetensors", "model.norm.weight")
+
+
+def test_packed_weight_packed_of_the_wrong_kind_is_a_checkpoint_error(tmp_path):
+    """A 1-D or float weight_packed used to raise IndexError / pass to the unpacker."""
+    d = _packed_dir(tmp_path, torch.tensor([16, 64]))
+    f = d / "model.safetensors"
+    header, data = read_raw(f)
+    name = "model.layers.0.mlp.up_proj.weight_packed"
+    header[name]["shape"] = [math.prod(header[name]["shape"])]
+    _rewrite(f, header, data)
+    _expect(d, CheckpointError, name, "int32")
+    header[name]["dtype"] = "F32"
+    _rewrite(f, header, data)
+    _expect(d, CheckpointError, name, "int32")
+
+
+def test_packed_zero_point_of_the_wrong_rank_is_a_checkpoint_error(tmp_path):
+    """A 3-D weight_zero_point used to crash the unpacker with a RuntimeError in get()."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tests.encode import int_group_quantize, pack_quantized_config
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    q = int_group_quantize(w, 4, 32, symmetric=False)
+    base = "model.layers.0.mlp.up_proj."
+    zp = pack_to_int32(q["zero_point"], 4, packed_dim=0)  # [2, 2]
+    d = tmp_path / "m"
+    d.mkdir()
+    qc = pack_quantized_config(4, 32, False, [])
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
+    tensors = {
+        base + "weight_packed": pack_to_int32(q["q"], 4),
+        base + "weight_scale": q["scale"],
+        base + "weight_shape": torch.tensor([16, 64]),
+        base + "weight_zero_point": zp.reshape(1, *zp.shape),
+    }
+    save_file(tensors, d / "model.safetensors")
+    ck = open_checkpoint(d)
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight.*zero point"):
+        ck.get(base + "weight")
+    tensors[base + "weight_zero_point"] = zp
+    save_file(tensors, d / "model.safetensors")
+    assert open_checkpoint(d).get(base + "weight").shape == (16, 64)  # control
+
+
+def test_empty_scale_without_a_block_is_a_checkpoint_error(tmp_path):
+    """scale_block divided by a zero scale dim (ZeroDivisionError) when no block is known."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    tensors = {
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(4, 8).to(torch.float8_e4m3fn),
+        "model.layers.0.mlp.up_proj.weight_scale": torch.ones(0, 1),
+    }
+    save_file(tensors, d / "model.safetensors")
+    _expect(d, CheckpointError, "model.layers.0.mlp.up_proj.weight", "empty")

@@ -55,11 +55,15 @@ def scale_block(
     which is exact whenever the dims divide.
     """
     out, inp = shape
+    if block is not None and min(block) < 1:
+        raise ValueError(f"block {tuple(block)} is not positive")
     if len(scale_shape) == 0 or math.prod(scale_shape) == 1:
         return out, inp
     s0, s1 = (scale_shape[0], 1) if len(scale_shape) == 1 else tuple(scale_shape[:2])
     if len(scale_shape) > 2:
         raise ValueError(f"scale shape {tuple(scale_shape)} is not 1-D or 2-D")
+    if not block and 0 in (s0, s1, out, inp):
+        raise ValueError(f"scale shape {tuple(scale_shape)} or weight {tuple(shape)} is empty")
     b0 = block[0] if block else math.ceil(out / s0)
     b1 = block[1] if block else math.ceil(inp / s1)
     if b0 == 1 and s0 == out and block and block[0] == 1 and s1 == 1:
@@ -154,6 +158,11 @@ def _deq_packed(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
     scale = p["weight_scale"]
     if "weight_zero_point" in p:
         zshape = tuple(scale.shape)
+        if len(zshape) != 2 or p["weight_zero_point"].dim() != 2:
+            raise ValueError(
+                f"zero points {tuple(p['weight_zero_point'].shape)} packed along dim 0 need "
+                f"2-D zero points and scales (scale is {zshape})"
+            )
         zp = unpack_int32(p["weight_zero_point"], bits, zshape, packed_dim=0)
         vals = vals - expand_scale(zp, (out, inp), q.block)
     return vals * expand_scale(scale, (out, inp), q.block)

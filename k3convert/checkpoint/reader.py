@@ -37,6 +37,17 @@ INDEX_NAMES = ("model.safetensors.index.json",)
 BIN_INDEX_NAMES = ("pytorch_model.bin.index.json",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _HASH_CHUNK = 8 << 20
+#: dtypes a packed weight's ``weight_shape`` part may have (it holds [out, in])
+_INT_DTYPES = (
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
 
 
 @dataclass(frozen=True)
@@ -484,10 +495,7 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
         if enc.shape_part == "weight":
             shape = parts["weight"].shape
         else:  # the logical shape is stored as data: [out, in]
-            sp = parts[enc.shape_part]
-            if sp.raw is None:
-                raise CheckpointError(f"'{logical}': packed weights must come from safetensors.")
-            shape = tuple(int(x) for x in map_tensor(sp.file, sp.raw).tolist())
+            shape = _stored_shape(logical, parts[enc.shape_part], parts.get("weight_packed"))
         q = qcfg.params(module, shape)
         if q.block is None and enc.default_block is not None:
             q = replace(q, block=enc.default_block)
@@ -504,6 +512,38 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
         metas[logical] = TensorMeta(logical, shape, enc.name, parts, q)
         _check_scales(metas[logical])
     return metas
+
+
+def _stored_shape(logical: str, sp: PartMeta, packed: PartMeta | None) -> tuple[int, int]:
+    """A packed weight's [out, in] from its ``weight_shape`` part, checked against the
+    packed words (int32 [out, ceil(in * bits / 32)] for some bits in 1..8)."""
+    if sp.raw is None:
+        raise CheckpointError(f"'{logical}': packed weights must come from safetensors.")
+    where = f"{sp.file}: tensor '{sp.name}'"
+    fix = "the checkpoint is corrupt - re-export or re-download it."
+    dtype = str(sp.dtype).removeprefix("torch.")
+    if sp.dtype not in _INT_DTYPES or sp.shape != (2,):
+        raise CheckpointError(
+            f"{where} must hold the two integers [out, in] of '{logical}' but is "
+            f"{dtype}{list(sp.shape)}; {fix}"
+        )
+    out, inp = map_tensor(sp.file, sp.raw).tolist()
+    if packed is None:
+        return out, inp
+    if packed.dtype != torch.int32 or len(packed.shape) != 2:
+        raise CheckpointError(
+            f"{packed.file}: tensor '{packed.name}' must be int32 [out, words] but is "
+            f"{str(packed.dtype).removeprefix('torch.')}{list(packed.shape)}; {fix}"
+        )
+    rows, words = packed.shape
+    fits = any(-(-inp * b // 32) == words for b in range(1, 9))
+    if out < 1 or inp < 1 or out != rows or not fits:
+        raise CheckpointError(
+            f"{where} says [{out}, {inp}], but '{packed.name}' is int32 "
+            f"{list(packed.shape)}, which does not hold {out} x {inp} values of 1..8 bits; "
+            f"{fix}"
+        )
+    return out, inp
 
 
 def _check_scales(m: TensorMeta) -> None:
