@@ -17,12 +17,21 @@ resolved against the registry, and patterns are compiled. Example::
       default_keep: true                # architecture default exceptions
 
 Tensors matched by no rule are kept unless ``quantize.scheme`` names a default.
+
+Reading is defensive (``yaml.safe_load`` semantics through a SafeLoader subclass): a
+recipe must be UTF-8 and at most :data:`MAX_RECIPE_BYTES`; nesting deeper than
+:data:`MAX_DEPTH` levels and documents that expand (aliases repeating their anchors) to
+more than :data:`MAX_NODES` nodes are refused while composing, before anything is
+expanded (billion-laughs bombs); duplicate keys are an error naming the key and its
+lines. Messages quote a bad value as its type and a short prefix (:func:`short_repr`),
+never the whole value.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import reprlib
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -67,6 +76,41 @@ class Recipe:
 
 _SKIP = {"source"}
 
+#: a recipe is a few KiB; anything larger is not one
+MAX_RECIPE_BYTES = 1 << 20
+#: YAML nodes a recipe may expand to, every alias counted as a copy of its anchor
+MAX_NODES = 100_000
+#: nesting levels of sequences / mappings
+MAX_DEPTH = 64
+_SHORT = 60
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = _SHORT
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def short_repr(value: Any, limit: int = _SHORT) -> str:
+    """``type prefix``: the value's type and at most ``limit`` characters of its repr.
+
+    Bounded work whatever the value (reprlib stops at depth 2, four items, 60 characters
+    of a string), so a huge or alias-expanded value never reaches a message.
+    """
+    try:
+        r = _REPR.repr(value)
+    except Exception:  # an int beyond str()'s digit limit, a broken __repr__
+        r = "..."
+    if len(r) > limit:
+        r = r[: limit - 3] + "..."
+    return f"{type(value).__name__} {r}"
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key for a key path: short, one line."""
+    k = key if isinstance(key, str) else short_repr(key)
+    k = k.replace("\n", "\\n")
+    return k if len(k) <= _SHORT else k[: _SHORT - 3] + "..."
+
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
@@ -87,25 +131,26 @@ def _convert(value: Any, tp, path: str, src: str):
         if isinstance(value, (str, int, float, bool)) or value is None:
             value = [] if value is None else [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{src}: '{path}' must be a list, got {type(value).__name__}.")
+            raise ConfigError(f"{src}: '{path}' must be a list, got {short_repr(value)}.")
         return tuple(_convert(v, elem, f"{path}[{i}]", src) for i, v in enumerate(value))
     if tp is dict or origin is dict:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise ConfigError(f"{src}: '{path}' must be a mapping, got {type(value).__name__}.")
+            raise ConfigError(f"{src}: '{path}' must be a mapping, got {short_repr(value)}.")
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{src}: '{path}' must be true or false, got {value!r}.")
+            raise ConfigError(f"{src}: '{path}' must be true or false, got {short_repr(value)}.")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{src}: '{path}' must be a string, got {value!r}.")
+            raise ConfigError(f"{src}: '{path}' must be a string, got {short_repr(value)}.")
         return value
     if tp is int:
+        # bools are ints to Python, not to a recipe: group_size: true is a mistake
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{src}: '{path}' must be an integer, got {value!r}.")
+            raise ConfigError(f"{src}: '{path}' must be an integer, got {short_repr(value)}.")
         return value
     return value
 
@@ -115,14 +160,14 @@ def _build(cls, data: Any, path: str, src: str):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{src}: '{where}' must be a mapping, got {type(data).__name__}.")
+        raise ConfigError(f"{src}: '{where}' must be a mapping, got {short_repr(data)}.")
     hints = typing.get_type_hints(cls)
     valid = [f.name for f in fields(cls) if f.name not in _SKIP]
     kwargs = {}
     for key, value in data.items():
-        kp = f"{path}.{key}" if path else str(key)
+        kp = f"{path}.{_key_text(key)}" if path else _key_text(key)
         if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
+            close = difflib.get_close_matches(_key_text(key), valid, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(
                 f"{src}: unknown key '{kp}'{hint} Valid keys at '{where}': {', '.join(valid)}."
@@ -146,20 +191,131 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
-    """Read and validate a recipe YAML file (``yaml.safe_load``)."""
+    """Read and validate a recipe YAML file (``yaml.safe_load`` semantics, bounded: see
+    the module doc)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{p}: cannot read recipe ({e.strerror}).") from e
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise ConfigError(
+            f"{p}: larger than {MAX_RECIPE_BYTES >> 10} KiB; a recipe is a short YAML file "
+            f"- is this the right path?"
+        )
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{p}:{line}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+            f"save the recipe as UTF-8."
+        ) from e
+    return parse_recipe(_load_yaml(text, str(p)), str(p))
+
+
+def _load_yaml(text: str, src: str) -> Any:
+    loader = None
+    try:
+        loader = _RecipeLoader(text, src)  # checks every character is printable
+        return loader.get_single_data()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+        where = f"{src}:{mark.line + 1}:{mark.column + 1}" if mark else src
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = " ".join(str(problem).split())
+        if len(problem) > 120:
+            problem = problem[:117] + "..."
         raise ConfigError(f"{where}: not valid YAML ({problem}); fix the recipe file.") from e
-    return parse_recipe(data, str(p))
+    except RecursionError as e:  # MAX_DEPTH stops nesting first; a last resort
+        raise ConfigError(f"{src}: nested too deeply to read; a recipe is flat.") from e
+    except ValueError as e:  # e.g. an integer beyond Python's digit limit
+        msg = " ".join(str(e).split())[:120]
+        raise ConfigError(f"{src}: a value cannot be read ({msg}); fix the recipe.") from e
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses, while composing (before any value is built or expanded):
+    nesting deeper than MAX_DEPTH, recursive aliases, documents whose expansion (each
+    alias counted as a copy of its anchor's nodes) exceeds MAX_NODES, and duplicate
+    mapping keys."""
+
+    def __init__(self, text: str, src: str):
+        super().__init__(text)
+        self._src = src
+        self._depth = 0
+        self._total = 0  # expanded nodes composed so far
+        self._sizes: dict[int, int] = {}  # id(node) -> its expanded size, once complete
+
+    def _at(self, mark) -> str:
+        return f"{self._src}:{mark.line + 1}" if mark is not None else self._src
+
+    def _grow(self, n: int, mark) -> None:
+        self._total += n
+        if self._total > MAX_NODES:
+            raise ConfigError(
+                f"{self._at(mark)}: the recipe expands to more than {MAX_NODES} YAML "
+                f"nodes (each *alias repeats its &anchor); refusing what looks like an "
+                f"alias bomb - a recipe needs a few hundred."
+            )
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = self.anchors.get(event.anchor)
+            if node is not None:
+                size = self._sizes.get(id(node))
+                if size is None:
+                    raise ConfigError(
+                        f"{self._at(event.start_mark)}: alias *{_key_text(event.anchor)} "
+                        f"refers to a collection that contains it (recursive alias)."
+                    )
+                self._grow(size, event.start_mark)
+            return super().compose_node(parent, index)
+        mark = self.peek_event().start_mark
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise ConfigError(
+                f"{self._at(mark)}: nested more than {MAX_DEPTH} levels deep; a recipe is "
+                f"a few levels of mappings and lists."
+            )
+        start = self._total
+        self._grow(1, mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        self._sizes[id(node)] = self._total - start
+        return node
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        # duplicate keys, on the keys as written (before merge keys are flattened in)
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+                if first is None:
+                    seen[key] = line
+                    continue
+            except TypeError:  # unhashable: SafeConstructor reports it
+                continue
+            raise ConfigError(
+                f"{self._src}:{line}: duplicate key '{_key_text(key)}' (first at line "
+                f"{first}); YAML would silently keep the last one - remove one."
+            )
+        return node
 
 
 def _validate(r: Recipe) -> None:
@@ -172,6 +328,7 @@ def _validate(r: Recipe) -> None:
     for i, rule in enumerate(q.rules):
         where = f"{r.source}: quantize.rules[{i}]"
         if rule.scheme != KEEP:
+            _check_options(get_scheme, rule, f"quantize.rules[{i}]", r.source)
             _scheme(get_scheme, rule.scheme, rule.options, where)
         elif rule.options:
             raise ConfigError(f"{where}: a 'keep' rule takes no options.")
@@ -186,10 +343,32 @@ def _validate(r: Recipe) -> None:
         )
 
 
+def _check_options(get_scheme, rule: RuleSpec, path: str, src: str) -> None:
+    """Every option is a field of the rule's scheme and has that field's type (key path
+    in the message: ``quantize.rules[0].options.group_size must be an integer``)."""
+    try:
+        scheme = get_scheme(rule.scheme)
+    except ConfigError as e:
+        raise type(e)(f"{src}: {path}: {e}") from e
+    hints = typing.get_type_hints(type(scheme))
+    allowed = scheme.options()
+    for key, value in rule.options.items():
+        kp = f"{path}.options.{_key_text(key)}"
+        if not isinstance(key, str) or key not in allowed:
+            close = difflib.get_close_matches(_key_text(key), list(allowed), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{src}: unknown key '{kp}': scheme '{rule.scheme}' has no option "
+                f"'{_key_text(key)}'.{hint} "
+                f"Its options: {', '.join(allowed) or 'none'}."
+            )
+        _convert(value, hints[key], kp, src)
+
+
 def _scheme(get_scheme, name: str, options: dict, where: str) -> None:
     try:
         get_scheme(name, **options)
     except ConfigError as e:
         raise type(e)(f"{where}: {e}") from e
     except TypeError as e:  # option of the wrong type
-        raise ConfigError(f"{where}: bad options {options!r} ({e}).") from e
+        raise ConfigError(f"{where}: bad options {short_repr(options)} ({e}).") from e

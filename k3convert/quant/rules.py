@@ -32,6 +32,7 @@ import torch
 
 from ..arch.base import COMPONENTS, Role
 from ..errors import ConfigError
+from ..recipe import short_repr
 from .schemes import GroupSizeError, Scheme, get_scheme
 
 KEEP = "keep"
@@ -64,12 +65,15 @@ def pattern_matches(pattern: str, *names: str) -> bool:
 
 def check_pattern(pattern: str, where: str) -> None:
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigError(f"{where}: a pattern must be a non-empty string, got {pattern!r}.")
+        raise ConfigError(
+            f"{where}: a pattern must be a non-empty string, got {short_repr(pattern)}."
+        )
     if pattern.startswith("re:"):
         try:
             re.compile(pattern[3:])
         except re.error as e:
-            raise ConfigError(f"{where}: invalid regex {pattern!r} ({e}).") from e
+            shown = repr(pattern) if len(pattern) <= 60 else short_repr(pattern)
+            raise ConfigError(f"{where}: invalid regex {shown} ({e}).") from e
 
 
 def role_names(role: Role) -> set[str]:

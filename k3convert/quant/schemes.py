@@ -48,12 +48,14 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from ..recipe import short_repr
 from .activations import ActivationSpec
 from .packing import pack_int32, packed_len, unpack_int32
 
@@ -77,6 +79,15 @@ class NonFiniteWeightError(CheckpointError):
 class WeightRangeError(CheckpointError):
     """A finite weight too large for the scheme: no finite scale of its scale dtype (or
     no finite dequantized value) represents it."""
+
+
+def _positive_int(v) -> bool:
+    """A positive int that is not a bool (True is an int to Python, not to a config)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _one_of(v, choices: tuple[str, ...]) -> bool:
+    return isinstance(v, str) and v in choices
 
 
 def _esize(dtype: torch.dtype) -> int:
@@ -204,15 +215,19 @@ class FP8Scheme(Scheme):
     scale_fmt: str = "float32"
 
     def __post_init__(self):
-        if self.strategy not in ("tensor", "channel", "block"):
+        if not _one_of(self.strategy, ("tensor", "channel", "block")):
             raise ConfigError(
-                f"FP8 strategy must be tensor, channel or block, not {self.strategy}."
+                f"FP8 strategy must be tensor, channel or block, not {short_repr(self.strategy)}."
             )
-        if self.scale_fmt not in ("float32", "ue8m0"):
-            raise ConfigError(f"scale_fmt must be 'float32' or 'ue8m0', not '{self.scale_fmt}'.")
-        b = tuple(self.block)
-        if len(b) != 2 or not all(isinstance(v, int) and v > 0 for v in b):
-            raise ConfigError(f"block must be two positive ints [rows, cols], got {self.block}.")
+        if not _one_of(self.scale_fmt, ("float32", "ue8m0")):
+            raise ConfigError(
+                f"scale_fmt must be 'float32' or 'ue8m0', not {short_repr(self.scale_fmt)}."
+            )
+        b = tuple(self.block) if isinstance(self.block, (list, tuple)) else ()
+        if len(b) != 2 or not all(_positive_int(v) for v in b):
+            raise ConfigError(
+                f"block must be two positive ints [rows, cols], got {short_repr(self.block)}."
+            )
         object.__setattr__(self, "block", b)
 
     def parts(self, shape):
@@ -343,19 +358,26 @@ class IntScheme(Scheme):
     scale_dtype: str = "bfloat16"
 
     def __post_init__(self):
-        if not (isinstance(self.num_bits, int) and 2 <= self.num_bits <= 8):
-            raise ConfigError(f"num_bits must be an integer in 2..8, got {self.num_bits!r}.")
-        if self.strategy not in ("channel", "group"):
-            raise ConfigError(f"int strategy must be channel or group, not '{self.strategy}'.")
-        if self.strategy == "group" and not (
-            isinstance(self.group_size, int) and self.group_size > 0
-        ):
-            raise ConfigError(f"group_size must be a positive integer, got {self.group_size!r}.")
+        if not (_positive_int(self.num_bits) and 2 <= self.num_bits <= 8):
+            raise ConfigError(
+                f"num_bits must be an integer in 2..8, got {short_repr(self.num_bits)}."
+            )
+        if not _one_of(self.strategy, ("channel", "group")):
+            raise ConfigError(
+                f"int strategy must be channel or group, not {short_repr(self.strategy)}."
+            )
+        if self.strategy == "group" and not _positive_int(self.group_size):
+            raise ConfigError(
+                f"group_size must be a positive integer, got {short_repr(self.group_size)}."
+            )
         if self.strategy == "channel":
             object.__setattr__(self, "group_size", None)
-        if self.scale_dtype not in _DTYPES:
+        if not isinstance(self.symmetric, bool):
+            raise ConfigError(f"symmetric must be true or false, got {short_repr(self.symmetric)}.")
+        if not _one_of(self.scale_dtype, tuple(_DTYPES)):
             raise ConfigError(
-                f"scale_dtype must be one of {', '.join(_DTYPES)}, not '{self.scale_dtype}'."
+                f"scale_dtype must be one of {', '.join(_DTYPES)}, not "
+                f"{short_repr(self.scale_dtype)}."
             )
 
     @property
@@ -562,13 +584,29 @@ def known_schemes() -> list[str]:
     return list(_REGISTRY)
 
 
+def _known_summary() -> str:
+    """The registered names, the int{bits}-g{group}[-asym] grid written as one pattern
+    (when it is complete) so the message stays one readable line."""
+    grid = {n: re.fullmatch(r"int(\d)-g(\d+)(-asym)?", n) for n in _REGISTRY}
+    cells = [m for m in grid.values() if m]
+    bits = sorted({m[1] for m in cells}, key=int, reverse=True)
+    groups = sorted({m[2] for m in cells}, key=int)
+    full = {f"int{b}-g{g}{a}" for b in bits for g in groups for a in ("", "-asym")}
+    if not cells or full != {m[0] for m in cells}:
+        return ", ".join(_REGISTRY)
+    rest = [n for n, m in grid.items() if not m]
+    return ", ".join([*rest, f"int{{{','.join(bits)}}}-g{{{','.join(groups)}}}[-asym]"])
+
+
 def get_scheme(name: str, **options) -> Scheme:
     """The registered scheme ``name``, with ``options`` (e.g. group_size=32) applied."""
     if not isinstance(name, str) or name not in _REGISTRY:
-        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=3)
+        short = isinstance(name, str) and len(name) <= 60
+        shown = f"'{name}'" if short else short_repr(name)
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=3) if short else []
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownSchemeError(
-            f"unknown quantization scheme '{name}'.{hint} Known schemes: {', '.join(_REGISTRY)}."
+            f"unknown quantization scheme {shown}.{hint} Known schemes: {_known_summary()}."
         )
     s = _REGISTRY[name]
     if not options:
@@ -576,11 +614,12 @@ def get_scheme(name: str, **options) -> Scheme:
     allowed = s.options()
     bad = [k for k in options if k not in allowed]
     if bad:
+        shown = f"'{bad[0]}'" if len(bad[0]) <= 60 else short_repr(bad[0])
         raise ConfigError(
-            f"scheme '{name}' has no option '{bad[0]}'; its options are "
+            f"scheme '{name}' has no option {shown}; its options are "
             f"{', '.join(allowed) or 'none'}."
         )
-    if "block" in options and options["block"] is not None:
+    if isinstance(options.get("block"), list):
         options = {**options, "block": tuple(options["block"])}
     return replace(s, **options)
 
