@@ -7,6 +7,9 @@ Anything that is not a K3Error is a bug in k3convert and keeps its traceback.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 
 class K3Error(Exception):
     """Base class of every error a user can cause with bad input."""
@@ -55,3 +58,27 @@ class OutputError(K3Error):
 
 class NonFiniteError(K3Error):
     """A computation on the user's weights or inputs produced NaN / inf."""
+
+
+# -- values in messages ---------------------------------------------------------------
+SHORT = 60
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = SHORT
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def short_repr(value: Any, limit: int = SHORT) -> str:
+    """``type prefix``: the value's type and at most ``limit`` characters of its repr.
+
+    Bounded work whatever the value (reprlib stops at depth 2, four items, 60 characters
+    of a string), so a huge or alias-expanded value never reaches a message.
+    """
+    try:
+        r = _REPR.repr(value)
+    except Exception:  # an int beyond str()'s digit limit, a broken __repr__
+        r = "..."
+    if len(r) > limit:
+        r = r[: limit - 3] + "..."
+    return f"{type(value).__name__} {r}"

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import reprlib
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -40,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from .errors import SHORT, ConfigError, short_repr
 
 
 @dataclass(frozen=True)
@@ -82,34 +81,13 @@ MAX_RECIPE_BYTES = 1 << 20
 MAX_NODES = 100_000
 #: nesting levels of sequences / mappings
 MAX_DEPTH = 64
-_SHORT = 60
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel = 2
-_REPR.maxstring = _REPR.maxother = _REPR.maxlong = _SHORT
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
-
-
-def short_repr(value: Any, limit: int = _SHORT) -> str:
-    """``type prefix``: the value's type and at most ``limit`` characters of its repr.
-
-    Bounded work whatever the value (reprlib stops at depth 2, four items, 60 characters
-    of a string), so a huge or alias-expanded value never reaches a message.
-    """
-    try:
-        r = _REPR.repr(value)
-    except Exception:  # an int beyond str()'s digit limit, a broken __repr__
-        r = "..."
-    if len(r) > limit:
-        r = r[: limit - 3] + "..."
-    return f"{type(value).__name__} {r}"
 
 
 def _key_text(key: Any) -> str:
     """A mapping key for a key path: short, one line."""
     k = key if isinstance(key, str) else short_repr(key)
     k = k.replace("\n", "\\n")
-    return k if len(k) <= _SHORT else k[: _SHORT - 3] + "..."
+    return k if len(k) <= SHORT else k[: SHORT - 3] + "..."
 
 
 def _type_name(tp) -> str:

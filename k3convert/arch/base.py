@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from ..errors import ArchError, CheckpointError, ConfigError, UnknownTensorsError
+from ..errors import ArchError, CheckpointError, ConfigError, UnknownTensorsError, short_repr
 
 #: components inspect reports, in display order
 COMPONENTS = (
@@ -381,7 +381,7 @@ DEFAULT_LIMIT = 1 << 24  # widths, vocabularies, ranks, patch and position-table
 def positive(value: Any, key: str, where: str, *, limit: int | None = None) -> int:
     """A config integer in [1, limit] (LIMITS[key] or DEFAULT_LIMIT by default)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {_short(value)}.")
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {short_repr(value)}.")
     top = limit if limit is not None else LIMITS.get(key, DEFAULT_LIMIT)
     if value > top:
         raise ConfigError(
@@ -403,14 +403,8 @@ def finite(value: Any, key: str, where: str, default: float) -> float:
     if value is None:
         return float(default)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: '{key}' must be a number, got {_short(value)}.")
+        raise ConfigError(f"{where}: '{key}' must be a number, got {short_repr(value)}.")
     v = float(value)
     if not math.isfinite(v) or v <= 0:
         raise ConfigError(f"{where}: '{key}' must be a positive finite number, got {value!r}.")
     return v
-
-
-def _short(value: Any) -> str:
-    """A value for an error message: its repr, cut to 60 characters."""
-    r = repr(value)
-    return r if len(r) <= 60 else f"{type(value).__name__} {r[:57]}..."

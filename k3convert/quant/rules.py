@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..arch.base import COMPONENTS, Role
-from ..errors import ConfigError
-from ..recipe import short_repr
+from ..errors import ConfigError, short_repr
 from .schemes import GroupSizeError, Scheme, get_scheme
 
 KEEP = "keep"

@@ -54,8 +54,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
-from ..recipe import short_repr
+from ..errors import CheckpointError, ConfigError, short_repr
 from .activations import ActivationSpec
 from .packing import pack_int32, packed_len, unpack_int32
 
