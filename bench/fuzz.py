@@ -330,7 +330,8 @@ def edit_header(
         cands: list = [odd_value(rng, s), [*s, 1], [1, *s], s[::-1], []]
         if s:
             i = rng.randrange(len(s))
-            for v in (s[i] + 1, s[i] - 1, 0, s[i] * 2, True, 2**40, 2**64, -1, float(s[i])):
+            d = s[i] if type(s[i]) is int else 1  # an earlier edit may have left a non-int
+            for v in (d + 1, d - 1, 0, d * 2, True, 2**40, 2**64, -1, float(d)):
                 cands.append([*s[:i], v, *s[i + 1 :]])
             cands.append([math.prod(s)] if all(type(d) is int for d in s) else [0])
         new = rng.choice(cands)
@@ -339,6 +340,7 @@ def edit_header(
     if op == "offsets":
         o = e.get("data_offsets")
         o = o if isinstance(o, list) and len(o) == 2 else [0, 0]
+        o = [v if type(v) is int else 0 for v in o]  # an earlier edit may have left non-ints
         other = h[rng.choice(names)]
         oo = other.get("data_offsets") if isinstance(other, dict) else None
         d = rng.choice([1, 2, 4, 8, 64, 4096])
