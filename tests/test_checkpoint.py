@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import pickle
+import shutil
 import struct
 from pathlib import Path
 
@@ -935,6 +936,30 @@ def test_index_entry_symlink_inside_model_dir_is_fine(tiny_models, tmp_path):
     ref = load_state(tiny_models["llama"])
     for n in ck.names():
         assert_bitwise(ck.get(n), ref[n], n)
+
+
+def test_hub_cache_snapshot_links_into_its_blobs_are_read(tiny_models, tmp_path):
+    """huggingface_hub's cache: snapshots/REV/* are links to ../../blobs/SHA (the layout
+    every `huggingface-cli download` without --local-dir leaves); a link to another
+    model's blobs is still refused."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in sorted(tiny_models["llama"].iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(f.name.encode()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    ck = open_checkpoint(snap)
+    ref = load_state(tiny_models["llama"])
+    for n in ck.names():
+        assert_bitwise(ck.get(n), ref[n], n)
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    (snap / "config.json").unlink()
+    shutil.copyfile(tiny_models["llama"] / "config.json", other / "cfg")
+    (snap / "config.json").symlink_to(other / "cfg")
+    _expect(snap, CheckpointError, "config.json", "outside")
 
 
 def test_safetensors_symlink_outside_model_dir_is_refused(st_copy, tmp_path):

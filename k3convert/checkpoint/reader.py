@@ -312,10 +312,21 @@ def _resolved(p: Path) -> Path:
         ) from e
 
 
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where the files of ``root`` may really live: the directory itself, and for a
+    Hugging Face hub-cache snapshot (``models--X/snapshots/REV``, whose files are links
+    to ``../../blobs/SHA``) that model's own ``blobs`` directory."""
+    r = _resolved(root)
+    roots = [r]
+    if r.parent.name == "snapshots" and r.parent.parent.name.startswith("models--"):
+        roots.append(r.parent.parent / "blobs")
+    return roots
+
+
 def _outside(root: Path, p: Path) -> Path | None:
     """Where ``p`` really is if that is outside ``root`` (after every symlink), else None."""
     real = _resolved(p)
-    return None if real.is_relative_to(_resolved(root)) else real
+    return None if any(real.is_relative_to(a) for a in _allowed_roots(root)) else real
 
 
 def _check_inside(root: Path, p: Path, what: str) -> None:
