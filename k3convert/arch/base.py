@@ -398,13 +398,19 @@ def count(value: Any, key: str, where: str) -> int:
     return positive(value, key, where)
 
 
-def finite(value: Any, key: str, where: str, default: float) -> float:
-    """A positive, finite config float (``default`` when absent or null)."""
+def finite(value: Any, key: str, where: str, default: float, *, zero: bool = False) -> float:
+    """A positive (``zero``: or zero) finite config float (``default`` when absent/null)."""
     if value is None:
         return float(default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: '{key}' must be a number, got {short_repr(value)}.")
-    v = float(value)
-    if not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"{where}: '{key}' must be a positive finite number, got {value!r}.")
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond any float
+        v = math.inf
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero):
+        kind = "non-negative" if zero else "positive"
+        raise ConfigError(
+            f"{where}: '{key}' must be a {kind} finite number, got {short_repr(value)}."
+        )
     return v

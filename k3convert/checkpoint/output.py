@@ -93,7 +93,7 @@ def guard_out(out: str | os.PathLike, sources: Iterable[str | os.PathLike | None
     Refused: OUT is a symbolic link; OUT resolves to a source, contains one, or lies
     inside one (so neither ``--force`` nor the temp directory next to OUT can touch a
     source). ``sources`` are directories or files that are read (``None`` entries are
-    ignored); a file stands for its directory.
+    ignored): OUT may sit next to a source file, not at it or above it.
     """
     out = Path(out)
     if out.is_symlink():
@@ -102,24 +102,50 @@ def guard_out(out: str | os.PathLike, sources: Iterable[str | os.PathLike | None
             f"through nor replaces links: give the real path, or remove the link."
         )
     o = out.resolve()
+    o_chain = _identities([o, *o.parents])  # OUT and every directory above it
     for s in sources:
         if s is None:
             continue
         sp = Path(s).resolve()
-        root = sp.parent if sp.is_file() else sp
-        if o in (root, sp):
+        is_dir = sp.is_dir()
+        s_id = _identity(sp)
+        # compared by (device, inode), so a bind mount or other alias is caught too
+        if o == sp or (s_id is not None and s_id == _identity(o)):
             what = "is the source"
-        elif root in o.parents:
-            what = f"lies inside the source {root}"
-        elif o in root.parents:
-            what = f"contains the source {root}"
+        elif is_dir and s_id is not None and s_id in o_chain[1:]:
+            what = f"lies inside the source {sp}"
+        elif _identity(o) is not None and _identity(o) in _identities(list(sp.parents)):
+            what = f"contains the source {sp}"
         else:
             continue
         raise OutputError(
             f"{out}: {what}; writing there could overwrite or delete the input. Choose an "
-            f"OUT outside {root} (and not a directory above it)."
+            f"OUT outside {sp} (and not a directory above it)."
         )
     return out
+
+
+def _identity(p: Path) -> tuple[int, int] | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _identities(paths: list[Path]) -> list[tuple[int, int] | None]:
+    return [_identity(p) for p in paths]
+
+
+def check_replaceable(out: Path, looks_like_output: bool, what: str) -> None:
+    """``--force`` replaces a previous output, never an arbitrary directory: refuse a
+    non-empty OUT that is not ``what`` (``looks_like_output`` False)."""
+    if out.is_dir() and not looks_like_output and any(out.iterdir()):
+        raise OutputError(
+            f"{out}: --force replaces a previous {what}, but this directory is not one "
+            f"(and is not empty); remove it yourself if that is really meant, or choose "
+            f"another OUT."
+        )
 
 
 def probe_writable(out: Path) -> None:
@@ -144,7 +170,7 @@ def write_error(e: OSError, out: Path, what: str = "writing") -> OutputError:
         errno.EFBIG: "the file grew past the size this system allows",
     }.get(e.errno, "check the path and the disk")
     return OutputError(
-        f"{out}: {what} failed at {where}: {e.strerror or e}; {hint}. Nothing was left "
+        f"{out}: {what} failed: {where}: {e.strerror or e}; {hint}. Nothing was left "
         f"that looks complete."
     )
 
@@ -262,6 +288,7 @@ def staged_output(
         raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT.")
+    check_replaceable(out, (out / "config.json").is_file(), "model directory (no config.json)")
     probe_writable(out)
     free = free_bytes(out.parent)
     need = int(need_bytes * 1.02) + (16 << 20)

@@ -118,6 +118,10 @@ def load_json(path: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror}).") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path}: not UTF-8 text (byte {e.start}); JSON files must be UTF-8."
+        ) from e
     try:
         data = strict_json_loads(text, f"{path}: key", CheckpointError)
     except json.JSONDecodeError as e:

@@ -114,11 +114,13 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
 
 
 class JSONNestingError(json.JSONDecodeError):
-    """JSON nested deeper than the parser's recursion limit (a JSONDecodeError, so every
-    caller that reports invalid JSON with its file reports this too)."""
+    """JSON the parser cannot take although it is well formed: nested deeper than its
+    recursion limit, or an integer longer than Python's digit limit (a JSONDecodeError, so
+    every caller that reports invalid JSON with its file reports this too)."""
 
-    def __init__(self, doc: str):
-        super().__init__("nested too deeply (more levels of [ / { than the parser allows)", doc, 0)
+    def __init__(self, doc: str, why: str = "nested too deeply (more levels of [ / { than "
+                 "the parser allows)"):  # fmt: skip
+        super().__init__(why, doc, 0)
 
     def __str__(self) -> str:
         return self.msg
@@ -144,6 +146,10 @@ def strict_json_loads(text: str, what: str, error: type[Exception]):
         return json.loads(text, object_pairs_hook=hook)
     except RecursionError:
         raise JSONNestingError(text) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:  # e.g. an integer beyond int()'s digit limit
+        raise JSONNestingError(text, str(e).split(";")[0][:120]) from None
 
 
 def parse_header_json(

@@ -55,8 +55,8 @@ def rope_config(raw: dict, dim: int, where: str = "config.json") -> RopeConfig:
         )
     theta = finite(params.get("rope_theta", raw.get("rope_theta")), "rope_theta", where, 1e4)
     for k in ("factor", "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
-        if params.get(k) is not None:
-            finite(params[k], f"rope_parameters.{k}", where, 1.0)
+        if params.get(k) is not None:  # mscale 0 means "off" to DeepSeek's configs
+            finite(params[k], f"rope_parameters.{k}", where, 1.0, zero=k.startswith("mscale"))
     prf = params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
     if prf != 1.0:
         raise ConfigError(

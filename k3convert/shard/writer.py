@@ -38,7 +38,13 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..checkpoint.output import free_bytes, guard_out, probe_writable, reports_write_errors
+from ..checkpoint.output import (
+    check_replaceable,
+    free_bytes,
+    guard_out,
+    probe_writable,
+    reports_write_errors,
+)
 from ..errors import ConfigError, OutputError
 from ..stream.format import (
     COMPRESSIONS,
@@ -82,6 +88,7 @@ def _prepare_out(out: Path, force: bool) -> None:
     complete = (out / MANIFEST).is_file()
     partial = (out / JOURNAL).is_dir()
     if force:
+        check_replaceable(out, complete or partial, "stream (no manifest.json / .k3-journal)")
         shutil.rmtree(out)
         return
     if complete:

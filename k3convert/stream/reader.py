@@ -152,6 +152,8 @@ def load_manifest(root: Path) -> dict:
             if u["index"] != j:
                 raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has index {u['index']}.")
             num = u["name"].partition(".")[2]
+            if len(num) > 9:
+                raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has a unit name too long.")
             if u["layer"] != (int(num) if num else None):
                 raise ManifestError(
                     f"{mp}: ranks[{i}].units[{j}] ('{u['name']}') has layer {u['layer']}."
@@ -558,8 +560,9 @@ class Stream:
         return list(self._names)
 
     def __contains__(self, name: str) -> bool:
-        self.names()
-        return name in self._name_set
+        if self._names is None:
+            self.names()
+        return name in self._name_set  # no list copy: called once per tensor
 
     def meta(self, name: str) -> TensorMeta:
         if name not in self:
