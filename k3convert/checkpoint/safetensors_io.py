@@ -126,12 +126,13 @@ class JSONNestingError(json.JSONDecodeError):
         return self.msg
 
 
-def strict_json_loads(text: str, what: str, error: type[Exception]):
+def strict_json_loads(text: str, what: str, error: type[Exception], *, finite: bool = False):
     """json.loads that refuses a key given twice in one object (json keeps the last).
 
     ``what`` prefixes the message ("path: tensor"), ``error`` is the class raised.
-    Nesting too deep for the parser raises :class:`JSONNestingError` (a
-    ``json.JSONDecodeError``) instead of RecursionError.
+    ``finite``: also refuse NaN / Infinity (not JSON, though Python's json reads them)
+    and numbers too large for a float. Nesting too deep for the parser raises
+    :class:`JSONNestingError` (a ``json.JSONDecodeError``) instead of RecursionError.
     """
 
     def hook(pairs):
@@ -142,8 +143,18 @@ def strict_json_loads(text: str, what: str, error: type[Exception]):
             seen[k] = v
         return seen
 
+    def constant(name: str):
+        raise error(f"{what.rsplit(':', 1)[0]}: holds {name}, which is not JSON.")
+
+    def number(token: str) -> float:
+        x = float(token)
+        if not math.isfinite(x):
+            raise error(f"{what.rsplit(':', 1)[0]}: number {token[:40]} is out of range.")
+        return x
+
+    extra = dict(parse_constant=constant, parse_float=number) if finite else {}
     try:
-        return json.loads(text, object_pairs_hook=hook)
+        return json.loads(text, object_pairs_hook=hook, **extra)
     except RecursionError:
         raise JSONNestingError(text) from None
     except json.JSONDecodeError:

@@ -17,8 +17,6 @@ bit-identical tensors (dequantized through the same encodings when asked).
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import mmap
 import struct
 from collections import OrderedDict, deque
@@ -32,7 +30,7 @@ import zstandard
 
 from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
 from ..checkpoint.encodings import ENCODINGS
-from ..checkpoint.safetensors_io import ST_DTYPES
+from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError, K3Error
 from .consistency import (
     check_header_layout,
@@ -60,29 +58,8 @@ from .schema import validate
 
 # -- manifest -------------------------------------------------------------------------
 def _manifest_json(text: str, mp: Path):
-    """Strict JSON: no key given twice in one object, no NaN / Infinity (not JSON, though
-    Python's json reads them), no number too large for a float."""
-
-    def pairs(kv):
-        seen: dict = {}
-        for k, v in kv:
-            if k in seen:
-                raise ManifestError(f"{mp}: key '{k}' is listed twice in one object.")
-            seen[k] = v
-        return seen
-
-    def constant(name: str):
-        raise ManifestError(f"{mp}: holds {name}, which is not JSON; the manifest is damaged.")
-
-    def number(text: str) -> float:
-        x = float(text)
-        if not math.isfinite(x):
-            raise ManifestError(
-                f"{mp}: number {text[:40]} is out of range; the manifest is damaged."
-            )
-        return x
-
-    return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
+    """Strict JSON (the shared loader): no key twice, no NaN / Infinity, finite numbers."""
+    return strict_json_loads(text, f"{mp}: key", ManifestError, finite=True)
 
 
 def load_manifest(root: Path) -> dict:
