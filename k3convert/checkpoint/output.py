@@ -148,10 +148,12 @@ def check_replaceable(out: Path, looks_like_output: bool, what: str) -> None:
         )
 
 
-def probe_writable(out: Path) -> None:
-    """Fail now, with the OS's reason, if OUT's directory cannot be written (read-only
-    filesystem, permissions), rather than after the work or with a misleading message."""
-    d = existing_parent(out.parent if not out.is_dir() else out)
+def probe_writable(out: Path, *, inside: bool = False) -> None:
+    """Fail now, with the OS's reason, if the directory the writes go to cannot be
+    written (read-only filesystem, permissions), rather than after the work or with a
+    misleading message. ``inside``: the writes go into OUT itself (shard), else next to
+    it (the ``.OUT.partial`` directory, a logits temp file)."""
+    d = existing_parent(out if inside and out.is_dir() else out.parent)
     try:
         tempfile.TemporaryDirectory(dir=d, prefix=".k3-probe-").cleanup()
     except OSError as e:

@@ -173,7 +173,7 @@ def shard(
         )
         _prepare_out(out, force)
         total = sum(up.header()[2] for up in plan.units)
-        probe_writable(out)
+        probe_writable(out, inside=True)
         free = free_bytes(out) + sum(f.stat().st_size for f in out.glob("rank*/*") if f.is_file())
         if free < total:  # zstd rarely saves more than a few percent on weights
             raise OutputError(
