@@ -126,6 +126,7 @@ def test_unknown_scheme(llama, tmp_path):
 def test_out_exists_and_force(llama, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # a previous output: --force may replace it
     (out / "marker").write_text("x")
     with pytest.raises(OutputError, match="already exists"):
         quantize(src=llama, out=out, scheme="fp8-dynamic", progress=False)
