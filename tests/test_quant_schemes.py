@@ -43,6 +43,18 @@ SQNR = {
 }
 
 
+def finite_roundtrip(s, w: torch.Tensor) -> torch.Tensor:
+    """Quantize and dequantize ``w`` with scheme ``s``; every float part and the result
+    must be finite."""
+    parts = s.quantize(w)
+    for k, v in parts.items():
+        if v.dtype.is_floating_point:
+            assert torch.isfinite(v.float()).all(), f"{k} not finite"
+    d = s.dequantize(parts)
+    assert torch.isfinite(d).all()
+    return d
+
+
 def sqnr(w: torch.Tensor, d: torch.Tensor) -> float:
     return 10 * math.log10(float((w**2).sum() / ((w - d) ** 2).sum()))
 
@@ -97,12 +109,7 @@ def test_degenerate_inputs_stay_finite(name, case):
         w[:128, :128] = 0
     else:
         w = w * 1e-30
-    parts = s.quantize(w)
-    for k, v in parts.items():
-        if v.dtype.is_floating_point:
-            assert torch.isfinite(v.float()).all(), f"{k} not finite"
-    d = s.dequantize(parts)
-    assert torch.isfinite(d).all()
+    d = finite_roundtrip(s, w)
     if case == "zero":
         assert torch.equal(d, torch.zeros_like(d))
     if case == "zero-block":
@@ -266,12 +273,7 @@ def _step(s) -> float:
 def test_huge_weights_give_finite_scales_and_values(name, dtype, mag):
     s = get_scheme(name)
     w = _huge(dtype, torch.finfo(dtype).max if mag == "max" else 3e38)
-    parts = s.quantize(w)
-    for k, v in parts.items():
-        if v.dtype.is_floating_point:
-            assert torch.isfinite(v.float()).all(), f"{k} not finite"
-    d = s.dequantize(parts)
-    assert torch.isfinite(d).all()
+    d = finite_roundtrip(s, w)
     wf = w.float()
     err = float((d - wf).abs().max()) / float(wf.abs().max())
     assert err <= _step(s), f"max error {err:.3f} of max|w|"
