@@ -555,3 +555,17 @@ def test_unit_name_with_a_huge_layer_number(llama, tmp_path, capsys):
         rc, out, err = run(capsys, *args)
         assert rc in (1, 2), out[-300:]
         assert "Traceback" not in err
+
+
+def test_damaged_manifest_is_exit_1_in_forward_and_check(llama, tmp_path, capsys):
+    s = tmp_path / "s"
+    rc, _, err = run(capsys, "shard", llama, s)
+    assert rc == 0, err
+    m = json.loads((s / "manifest.json").read_text())
+    m["files"][0]["name"] = "../outside.json"
+    (s / "manifest.json").write_text(json.dumps(m))
+    rc, _, _ = run(capsys, "shard", "--check", s)
+    assert rc == 1
+    rc, _, err = run(capsys, "forward", s, "--ids", "1 2")
+    assert rc == 1
+    one_line_error(err)

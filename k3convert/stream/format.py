@@ -48,7 +48,10 @@ class StreamVersionError(StreamError):
 
 
 class ManifestError(StreamError):
-    """manifest.json is not valid JSON or violates the schema."""
+    """manifest.json is not valid JSON, violates the schema or names paths outside the
+    stream: damage (exit 1), as ``shard --check`` reports it, in every verb."""
+
+    exit_code = 1
 
 
 class StreamCorruptError(StreamError):
