@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .consistency import coverage_problems, inside
+from .consistency import check_unit_entries, coverage_problems, inside
 from .format import (
     MANIFEST,
     IncompleteStreamError,
@@ -24,7 +24,7 @@ from .format import (
     StreamError,
     StreamVersionError,
 )
-from .reader import header_of, load_manifest, read_unit_bytes
+from .reader import header_of, load_manifest, manifest_where, read_unit_bytes
 
 EXIT = {"intact": 0, "damaged": 1, "not_stream": 2}
 
@@ -77,6 +77,7 @@ def check(out, *, workers: int = 2) -> CheckReport:
     def one(job) -> str | None:
         rank, u = job
         try:
+            check_unit_entries(u, manifest_where(root, rank, u))  # once, before reading
             buf, path = read_unit_bytes(root, rank, u, verify=True, full=True)
             header_of(buf, rank, u, path, root)
         except StreamError as e:

@@ -203,7 +203,10 @@ def _hash_error(rank, u, path, which, want, got) -> StreamCorruptError:
 def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = False):
     """The unit's raw safetensors bytes (an mmap or a bytearray), verified on request.
 
-    ``full`` also checks the uncompressed size / hash of zstd units.
+    ``u`` must have passed :func:`check_unit_entries` (``open_stream`` checks every unit
+    once; ``check`` each unit before reading it), so ``raw_bytes`` is bounded by the
+    tensor table before anything is allocated. ``full`` also checks the uncompressed
+    size / hash of zstd units.
     """
     path = check_size(root, rank, u)
     where = _where(rank, u, path)
@@ -242,7 +245,6 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
             f"is {u['raw_bytes']}; the unit is corrupt - re-create it with `k3convert shard "
             f"--force`."
         )
-    check_unit_entries(u, manifest_where(root, rank, u))
     try:
         raw = bytearray(u["raw_bytes"])
     except MemoryError:
@@ -278,11 +280,10 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
 def header_of(buf, rank: int, u: dict, path: Path, root: Path):
     """Validate the unit's header against the format and the manifest; tensor infos.
 
-    Checks the manifest's entry for the unit first (``root``: the stream directory),
-    then the header: metadata, names, dtypes, shapes, order, offsets, padding.
+    ``u`` has passed :func:`check_unit_entries` (see :func:`read_unit_bytes`); checks
+    the header: metadata, names, dtypes, shapes, order, offsets, padding.
     """
     where = _where(rank, u, path)
-    check_unit_entries(u, manifest_where(root, rank, u))
     if len(buf) < 8:
         raise StreamCorruptError(f"{where}: unit is too short for a safetensors header.")
     (n,) = struct.unpack("<Q", bytes(buf[:8]))
