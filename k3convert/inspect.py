@@ -69,14 +69,13 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
     p = Path(path)
     if p.is_dir() and (p / "manifest.json").is_file():
         return _inspect_stream(p, tensors=tensors, keep_mtp=keep_mtp)
-    if p.exists():
-        refuse_partial(p)
     config_only = p.is_file() and p.suffix == ".json"
     if p.is_dir() and not any(
         f.suffix in (".safetensors", ".bin", ".pt", ".pth") for f in p.iterdir()
     ):  # a directory holding only config.json
         config_only = True
     if config_only:
+        refuse_partial(p)  # open_checkpoint does the same for the other branch
         raw = load_config(p)
         arch, cfg = resolve(raw, str(p))
         rows = [(i.name, i.shape, None, i.role) for i in arch.instances(cfg, mtp=keep_mtp)]
