@@ -1,0 +1,553 @@
+"""Parity metrics of candidate vs reference logits / hidden states, and pass thresholds.
+
+Everything is computed in float64 a few positions at a time, so a [B, S, 163840] vocab
+never needs a float64 copy of the whole tensor, and the results are plain JSON-able
+Python values (finite floats or None) that the report can store as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, NonFiniteError
+
+# One float64 chunk of logits holds at most this many values (32 MiB): 25 positions of a
+# 163840 vocab, capped at MAX_CHUNK positions for small vocabularies.
+CHUNK_ELEMENTS = 1 << 22
+MAX_CHUNK = 64
+IGNORE_INDEX = -100
+
+
+# -- logits ---------------------------------------------------------------------------
+def compare_logits(
+    ref: torch.Tensor,
+    cand: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    per_position: bool = False,
+    chunk: int | None = None,
+) -> dict[str, Any]:
+    """Compare candidate logits with the reference's at the selected positions.
+
+    ref, cand: logits [B, S, V] (any float dtype; computed in float64). mask: [B, S],
+    nonzero = a real token whose logits count (None = every position). targets: [B, S]
+    next-token ids for perplexity, ``-100`` = ignored (the caller shifts; see
+    ``inputs.next_token_targets``). per_position: also return ``kld_per_position`` (one
+    float per selected position, in order). chunk: positions per float64 chunk (None =
+    as many as fit in 2**22 values, at most 64).
+
+    Returns a JSON-able dict:
+
+    - ``positions``: selected positions; ``nonfinite_positions``: those where the
+      candidate has a NaN/inf logit (then every error metric is None: unbounded).
+    - ``max_abs_err``: max |cand - ref|.
+    - ``max_rel_err``: max |cand - ref| / max |ref| - relative to the reference's largest
+      magnitude over all selected logits, not elementwise (logits near 0 would make an
+      elementwise ratio meaningless). 0.0 when both are all zero, None when only ref is.
+    - ``rel_l2``: ||cand - ref|| / ||ref|| over all selected values (same zero rule).
+    - ``cosine``: mean over positions of the cosine similarity of the two logit vectors
+      (1.0 where both vectors are zero, 0.0 where only one is).
+    - ``kld``: {mean, median, p90, p99, p99_9, max} of KL(ref || cand) in nats per
+      position, from float64 log_softmax; percentiles as ``numpy.percentile`` (linear).
+      Rounding may make a KL slightly negative; it is clamped to 0.0, so identical
+      logits give exactly 0.0.
+    - ``top1``: fraction of positions where the argmax agrees; ``top1_mismatches``.
+    - with targets: ``ppl_ref``, ``ppl_cand`` (exp of the mean NLL of the target ids),
+      ``ppl_ratio`` (cand / ref) and ``ppl_tokens`` (positions with a target; the
+      ``ppl_*`` values are None when there are none, or on overflow).
+    """
+    b, s, v = _check_logits(ref, cand)
+    sel = _selection(mask, (b, s), "mask")
+    tgt = None
+    if targets is not None:
+        tgt = _targets(targets, (b, s), v)
+    idx = sel.nonzero().squeeze(-1)
+    n = int(idx.numel())
+    if n == 0:
+        raise ConfigError("compare_logits: the mask selects no position; nothing to compare.")
+    if chunk is None:
+        chunk = max(1, min(MAX_CHUNK, CHUNK_ELEMENTS // max(v, 1)))
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"compare_logits: chunk must be a positive integer, got {chunk!r}.")
+
+    ref2, cand2 = ref.reshape(-1, v), cand.reshape(-1, v)
+    tgt_flat = tgt.reshape(-1) if tgt is not None else None
+    max_abs = ref_max = sq_diff = sq_ref = cos_sum = 0.0
+    agree = nonfinite = ppl_tokens = 0
+    nll_ref = nll_cand = 0.0
+    klds: list[torch.Tensor] = []
+    for start in range(0, n, chunk):
+        ix = idx[start : start + chunk]
+        r = ref2.index_select(0, ix.to(ref2.device)).to(torch.float64)
+        c = cand2.index_select(0, ix.to(cand2.device)).to(r.device, torch.float64)
+        if not bool(torch.isfinite(r).all()):
+            bad = int(ix[(~torch.isfinite(r)).any(-1).nonzero()[0, 0]])
+            raise NonFiniteError(
+                f"reference logits are NaN/inf at batch {bad // s}, position {bad % s}; "
+                f"the reference must be finite to judge the candidate."
+            )
+        finite = torch.isfinite(c).all(-1)  # on r's device, like everything below
+        nonfinite += int((~finite).sum())
+        agree += int(((r.argmax(-1) == c.argmax(-1)) & finite).sum())
+
+        diff = c - r
+        max_abs = max(max_abs, float(diff.abs().max()))
+        ref_max = max(ref_max, float(r.abs().max()))
+        sq_diff += float(diff.square().sum())
+        sq_ref += float(r.square().sum())
+        del diff
+        cos_sum += float(_cosine_rows(r, c).sum())
+
+        lr = torch.log_softmax(r, dim=-1)
+        del r
+        lc = torch.log_softmax(c, dim=-1)
+        del c
+        klds.append((lr.exp() * (lr - lc)).sum(-1).clamp_min(0.0).cpu())
+        if tgt_flat is not None:
+            t = tgt_flat.index_select(0, ix).to(lr.device)
+            keep = t != IGNORE_INDEX
+            if bool(keep.any()):
+                tk = t[keep].unsqueeze(-1)
+                nll_ref -= float(lr[keep].gather(-1, tk).sum())
+                nll_cand -= float(lc[keep].gather(-1, tk).sum())
+                ppl_tokens += int(keep.sum())
+        del lr, lc
+
+    kld = torch.cat(klds).numpy()
+    bad = nonfinite > 0
+    out: dict[str, Any] = {
+        "positions": n,
+        "nonfinite_positions": nonfinite,
+        "max_abs_err": None if bad else _finite(max_abs),
+        "max_rel_err": None if bad else _ratio(max_abs, ref_max),
+        "rel_l2": None if bad else _ratio(math.sqrt(sq_diff), math.sqrt(sq_ref)),
+        "cosine": None if bad else _finite(cos_sum / n),
+        "kld": _kld_summary(kld, bad),
+        "top1": agree / n,
+        "top1_mismatches": n - agree,
+    }
+    if tgt is not None:
+        out.update(_ppl(nll_ref, nll_cand, ppl_tokens, bad))
+    if per_position:
+        out["kld_per_position"] = [_finite(float(x)) for x in kld]
+    return out
+
+
+def _check_logits(ref: Any, cand: Any) -> tuple[int, int, int]:
+    for name, t in (("ref", ref), ("cand", cand)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 3 or not t.dtype.is_floating_point:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+            raise ConfigError(f"compare_logits: {name} must be float logits [B, S, V], got {got}.")
+    if ref.shape != cand.shape:
+        raise ConfigError(
+            f"compare_logits: candidate logits {tuple(cand.shape)} do not match the "
+            f"reference's {tuple(ref.shape)} (a different vocab size or input?)."
+        )
+    if ref.numel() == 0:
+        raise ConfigError(f"compare_logits: logits {tuple(ref.shape)} are empty.")
+    b, s, v = ref.shape
+    return b, s, v
+
+
+def _selection(mask: torch.Tensor | None, shape: tuple[int, int], what: str) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(shape[0] * shape[1], dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != shape:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ConfigError(f"compare_logits: {what} must be [B, S] = {list(shape)}, got {got}.")
+    return (mask != 0).reshape(-1).cpu()
+
+
+def _targets(targets: Any, shape: tuple[int, int], vocab: int) -> torch.Tensor:
+    if (
+        not isinstance(targets, torch.Tensor)
+        or tuple(targets.shape) != shape
+        or targets.dtype.is_floating_point
+        or targets.dtype == torch.bool
+    ):
+        got = (
+            f"{targets.dtype} {tuple(targets.shape)}"
+            if isinstance(targets, torch.Tensor)
+            else type(targets).__name__
+        )
+        raise ConfigError(
+            f"compare_logits: targets must be integer [B, S] = {list(shape)}, got {got}."
+        )
+    t = targets.to(torch.int64).cpu()
+    bad = (t != IGNORE_INDEX) & ((t < 0) | (t >= vocab))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ConfigError(
+            f"compare_logits: target id {int(t[i, j])} at batch {i}, position {j} is not in "
+            f"[0, {vocab}) and not {IGNORE_INDEX} (ignored)."
+        )
+    return t
+
+
+def _cosine_rows(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # dot / sqrt(|r|² |c|²): exactly 1.0 for identical rows (sqrt(x * x) == x in IEEE)
+    nr, nc = r.square().sum(-1), c.square().sum(-1)
+    cos = (r * c).sum(-1) / (nr * nc).sqrt()
+    cos = torch.where((nr == 0) & (nc == 0), 1.0, cos)
+    cos = torch.where((nr == 0) ^ (nc == 0), 0.0, cos)
+    return cos.clamp(-1.0, 1.0)
+
+
+def _kld_summary(kld: np.ndarray, bad: bool) -> dict[str, float | None]:
+    keys = ("mean", "median", "p90", "p99", "p99_9", "max")
+    if bad:
+        return dict.fromkeys(keys)
+    pct = np.percentile(kld, [50.0, 90.0, 99.0, 99.9])
+    vals = (kld.mean(), *pct, kld.max())
+    return {k: _finite(float(x)) for k, x in zip(keys, vals, strict=True)}
+
+
+def _ppl(nll_ref: float, nll_cand: float, tokens: int, bad: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"ppl_tokens": tokens, "ppl_ref": None, "ppl_cand": None}
+    out["ppl_ratio"] = None
+    if tokens == 0:
+        return out
+    mr, mc = nll_ref / tokens, nll_cand / tokens
+    out["ppl_ref"] = _exp(mr)
+    if not bad:
+        out["ppl_cand"] = _exp(mc)
+        out["ppl_ratio"] = _exp(mc - mr)
+    return out
+
+
+def _exp(x: float) -> float | None:
+    try:
+        return _finite(math.exp(x))
+    except OverflowError:
+        return None
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _ratio(num: float, den: float) -> float | None:
+    if num == 0.0:
+        return 0.0
+    if den == 0.0:
+        return None
+    return _finite(num / den)
+
+
+# -- hidden states --------------------------------------------------------------------
+def rel_l2(ref: torch.Tensor, cand: torch.Tensor) -> float:
+    """||cand - ref|| / ||ref|| of two same-shape tensors (hidden states), in float64.
+
+    0.0 when they are equal (both zero included); ``math.inf`` when the reference is
+    zero but the candidate is not, or the candidate has a NaN/inf (an unbounded error:
+    a report stores it as None). Sums of squares in float64 cannot overflow for float32
+    or bf16 inputs. A non-finite reference raises NonFiniteError.
+    """
+    if not isinstance(ref, torch.Tensor) or not isinstance(cand, torch.Tensor):
+        raise ConfigError("rel_l2: ref and cand must be tensors.")
+    if ref.shape != cand.shape:
+        raise ConfigError(
+            f"rel_l2: candidate {tuple(cand.shape)} does not match reference {tuple(ref.shape)}."
+        )
+    r_all, c_all = ref.reshape(-1), cand.reshape(-1)
+    num = den = 0.0
+    for start in range(0, r_all.numel(), CHUNK_ELEMENTS):
+        r = r_all[start : start + CHUNK_ELEMENTS].to(torch.float64)
+        c = c_all[start : start + CHUNK_ELEMENTS].to(torch.float64)
+        if not bool(torch.isfinite(r).all()):
+            raise NonFiniteError("rel_l2: the reference hidden state holds NaN/inf.")
+        if not bool(torch.isfinite(c).all()):
+            return math.inf
+        num += float((c - r).square().sum())
+        den += float(r.square().sum())
+    if num == 0.0:
+        return 0.0
+    if den == 0.0:
+        return math.inf
+    return math.sqrt(num) / math.sqrt(den)
+
+
+# -- thresholds -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits a candidate must meet; None = not checked.
+
+    max_kld: mean KL(ref || cand) per position, nats. min_top1: fraction of positions
+    whose argmax agrees. max_rel_err: ``max_rel_err`` of compare_logits (max abs error
+    relative to the reference's largest logit). kind: where the numbers come from.
+    """
+
+    max_kld: float | None
+    min_top1: float | None
+    max_rel_err: float | None
+    kind: str = "custom"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Loosest last. "exact": an unquantized resharding only reorders float reductions, so the
+# logits agree to float32 rounding. Quantized families: mean KLD / top-1 agreement that a
+# healthy quantization of a real model meets with margin on a few hundred tokens (fp8 and
+# int8 ~1e-3 nats on released checkpoints, int4 group-128 ~1e-2), while a broken one
+# (wrong scales, swapped shards, a missed layer) lands orders of magnitude above. int8 is
+# tighter than fp8: 8-bit integers with per-channel scales keep more mantissa than e4m3.
+FAMILIES: dict[str, Thresholds] = {
+    "exact": Thresholds(max_kld=1e-6, min_top1=1.0, max_rel_err=1e-5, kind="exact"),
+    "int8": Thresholds(max_kld=0.005, min_top1=0.95, max_rel_err=None, kind="int8"),
+    "fp8": Thresholds(max_kld=0.01, min_top1=0.9, max_rel_err=None, kind="fp8"),
+    "int4": Thresholds(max_kld=0.05, min_top1=0.8, max_rel_err=None, kind="int4"),
+    "int3": Thresholds(max_kld=0.2, min_top1=0.6, max_rel_err=None, kind="int3"),
+    "int2": Thresholds(max_kld=1.0, min_top1=0.3, max_rel_err=None, kind="int2"),
+}
+_ORDER = list(FAMILIES)
+
+_ALIASES: list[tuple[str, str]] = [
+    (r"exact|none|plain", "exact"),
+    (r"fp8(-.*)?", "fp8"),
+    (r"int8(-.*)?", "int8"),
+]
+
+
+def default_thresholds(kind: str) -> Thresholds:
+    """Thresholds of a family or scheme name.
+
+    Families: "exact" (unquantized resharding), "fp8", "int8", "int4", "int3", "int2".
+    Scheme names map to the loosest family of their weights and activations: fp8 /
+    fp8-block / fp8-dynamic / fp8-* -> fp8; int8-* and wNaM by N-bit int weights and
+    M-bit activations (int, or fp8 for a "-fp8" suffix; 16 = not quantized): w8a8 /
+    w8a8-g128 -> int8, w4a16 / w4a16-asym / w4a8-fp8 -> int4, w3a16 -> int3;
+    intN-gG[-asym] -> intN. N = 5..7 bits -> int4 (the nearest looser family), 1 -> int2.
+    """
+    if not isinstance(kind, str):
+        raise ConfigError(f"thresholds: kind must be a string, got {type(kind).__name__}.")
+    k = kind.strip().lower()
+    if k in FAMILIES:
+        return FAMILIES[k]
+    for pattern, family in _ALIASES:
+        if re.fullmatch(pattern, k):
+            return FAMILIES[family]
+    m = re.fullmatch(r"int(\d{1,2})(-.*)?", k)
+    if m and 1 <= int(m.group(1)) <= 16:
+        return FAMILIES[_int_family(int(m.group(1)))]
+    m = re.fullmatch(r"w(\d{1,2})a(\d{1,2})(-.*)?", k)
+    if m and all(1 <= int(x) <= 16 for x in m.group(1, 2)):
+        act_bits, rest = int(m.group(2)), m.group(3) or ""
+        act = "fp8" if act_bits == 8 and "fp8" in rest else _int_family(act_bits)
+        return FAMILIES[max(_int_family(int(m.group(1))), act, key=_ORDER.index)]
+    raise ConfigError(
+        f"thresholds: unknown kind {kind[:40]!r}; use one of {', '.join(FAMILIES)} or a "
+        f"scheme name (fp8-block, w8a8, w4a16, int4-g128, ...)."
+    )
+
+
+def _int_family(bits: int) -> str:
+    if bits >= 16:
+        return "exact"
+    if bits >= 8:
+        return "int8"
+    if bits >= 4:
+        return "int4"
+    return "int3" if bits == 3 else "int2"
+
+
+def _args_family(args: Any, where: str) -> str:
+    """Family of one compressed-tensors QuantizationArgs dict (defaults: 8 bits, int)."""
+    if not isinstance(args, dict):
+        raise ConfigError(f"config.json: {where} must be an object, got {type(args).__name__}.")
+    bits = args.get("num_bits", 8)
+    typ = args.get("type", "int")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 64:
+        raise ConfigError(f"config.json: {where}.num_bits must be an integer 1..64, got {bits!r}.")
+    if typ == "int":
+        return _int_family(bits)
+    if typ == "float":
+        if bits >= 16:
+            return "exact"
+        return "fp8" if bits == 8 else "int4"  # fp4 / fp6 are about as coarse as int4
+    raise ConfigError(f"config.json: {where}.type must be 'int' or 'float', got {str(typ)[:30]!r}.")
+
+
+def _qc_families(qc: Any, where: str) -> list[str]:
+    if not isinstance(qc, dict):
+        raise ConfigError(f"config.json: {where} must be an object, got {type(qc).__name__}.")
+    method = qc.get("quant_method", "compressed-tensors")
+    out: list[str] = []
+    if "config_groups" in qc or method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise ConfigError(f"config.json: {where}.config_groups must be an object.")
+        for gname, g in groups.items():
+            if not isinstance(g, dict):
+                raise ConfigError(f"config.json: {where}.config_groups.{gname} must be an object.")
+            for key in ("weights", "input_activations"):
+                if g.get(key) is not None:
+                    out.append(_args_family(g[key], f"{where}.config_groups.{gname}.{key}"))
+        if qc.get("kv_cache_scheme") is not None:
+            out.append(_args_family(qc["kv_cache_scheme"], f"{where}.kv_cache_scheme"))
+        return out
+    if method == "fp8":  # DeepSeek-V3's native block fp8
+        return ["fp8"]
+    bits = qc.get("bits")  # gptq / awq style
+    if isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 64:
+        return [_int_family(bits)]
+    raise ConfigError(
+        f"config.json: {where} has quant_method {str(method)[:40]!r}, whose precision "
+        f"k3convert cannot tell; choose the thresholds explicitly."
+    )
+
+
+def thresholds_for_quant_config(config: dict) -> Thresholds:
+    """Thresholds for a candidate whose config.json dict is ``config``.
+
+    Reads ``quantization_config`` (or ``compression_config``) at the top level and in
+    ``text_config`` (kimi_k25 keeps it in either) and takes the loosest family of every
+    config group's ``weights`` and ``input_activations`` ({num_bits, type}) and of the
+    ``kv_cache_scheme``: int 8 bits -> int8, float 8 -> fp8, int 4..7 / float 4..6 ->
+    int4, int 3 -> int3, int 1..2 -> int2. quant_method "fp8" (DeepSeek-V3 native) ->
+    fp8; a gptq/awq-style ``bits`` -> its int family. No quantization_config -> "exact".
+
+    This judges a candidate against an UNQUANTIZED reference; when the reference is the
+    same quantized checkpoint (a resharding), use ``default_thresholds("exact")``.
+    """
+    if not isinstance(config, dict):
+        raise ConfigError(f"config.json must be an object, got {type(config).__name__}.")
+    found: list[tuple[Any, str]] = []
+    scopes: list[tuple[dict, str]] = [(config, "")]
+    if isinstance(config.get("text_config"), dict):
+        scopes.append((config["text_config"], "text_config."))
+    for scope, prefix in scopes:
+        for key in ("quantization_config", "compression_config"):
+            if scope.get(key) is not None:
+                found.append((scope[key], prefix + key))
+    families = ["exact"]
+    for qc, where in found:
+        families += _qc_families(qc, where)
+    return FAMILIES[max(families, key=_ORDER.index)]
+
+
+# -- pass / fail ----------------------------------------------------------------------
+def limit_checks(metrics: dict[str, Any], th: Thresholds) -> list[dict[str, Any]]:
+    """One row per limit that ``th`` sets: {metric, value, op, limit, passed}.
+
+    kld.mean <= max_kld, top1 >= min_top1, max_rel_err <= max_rel_err; a None
+    (non-finite) value fails. Shared by ``check`` and the report table.
+    """
+    kld = metrics.get("kld") or {}
+    rows = []
+    for metric, value, op, limit, name in (
+        ("kld.mean", kld.get("mean"), "<=", th.max_kld, "max_kld"),
+        ("top1", metrics.get("top1"), ">=", th.min_top1, "min_top1"),
+        ("max_rel_err", metrics.get("max_rel_err"), "<=", th.max_rel_err, "max_rel_err"),
+    ):
+        if limit is None:
+            continue
+        ok = (
+            value is not None
+            and math.isfinite(value)
+            and (value <= limit if op == "<=" else value >= limit)
+        )
+        rows.append(
+            {"metric": metric, "value": value, "op": op, "limit": limit, "name": name, "passed": ok}
+        )
+    return rows
+
+
+def check(
+    report_metrics: dict[str, Any], th: Thresholds, layers: list[dict] | None = None
+) -> tuple[bool, str | None]:
+    """(passed, the first failure's message) of compare_logits' metrics against ``th``.
+
+    Order: non-finite candidate logits, then kld.mean, top1, max_rel_err. The message
+    names the metric, its value and the limit. With ``layers`` ([{"layer": name,
+    "rel_l2": x}, ...] in forward order, the embedding stage first) a failure also names
+    the layer ``locate_divergence`` picks.
+    """
+    msg = None
+    nf = report_metrics.get("nonfinite_positions") or 0
+    if nf:
+        msg = (
+            f"candidate logits are NaN/inf at {nf} of {report_metrics.get('positions')} position(s)"
+        )
+    else:
+        for row in limit_checks(report_metrics, th):
+            if row["passed"]:
+                continue
+            v = row["value"]
+            if v is None or not math.isfinite(v):
+                msg = f"{row['metric']} is not finite (limit {row['name']} {row['limit']:g})"
+            else:
+                bad_op = ">" if row["op"] == "<=" else "<"
+                msg = f"{row['metric']} = {v:.6g} {bad_op} {row['name']} {row['limit']:g}"
+            break
+    if msg is None:
+        return True, None
+    if layers:
+        where = _divergence_text(layers)
+        if where:
+            msg += f"; {where}"
+    return False, msg
+
+
+def _err(x: Any) -> float:
+    """A layer's rel_l2 as a comparable float: None / NaN count as an infinite error."""
+    if x is None:
+        return math.inf
+    x = float(x)
+    return math.inf if math.isnan(x) else x
+
+
+JUMP_FLOOR = 1e-6
+JUMP_FACTOR = 10.0
+
+
+def locate_divergence(layers: list[dict]) -> tuple[int, bool] | None:
+    """(index, by_rule) of the layer where the hidden-state error starts, or None.
+
+    Rule: the first layer whose rel_l2 exceeds ``max(1e-6, 10 × the error before it)``
+    (the error before the first entry is 0, since both models see the same ids);
+    by_rule = True. If no layer does, the layer with the largest absolute increase over
+    the one before it; by_rule = False. None when the list is empty or no error ever
+    grows. A None / NaN / inf rel_l2 counts as an infinite error.
+    """
+    errs = [_err(e.get("rel_l2")) for e in layers]
+    prev = 0.0
+    for i, x in enumerate(errs):
+        if x > max(JUMP_FLOOR, JUMP_FACTOR * prev):
+            return i, True
+        prev = x
+    best, best_inc = None, 0.0
+    prev = 0.0
+    for i, x in enumerate(errs):
+        if x - prev > best_inc:
+            best, best_inc = i, x - prev
+        prev = x
+    return None if best is None else (best, False)
+
+
+def _divergence_text(layers: list[dict]) -> str | None:
+    hit = locate_divergence(layers)
+    if hit is None:
+        return None
+    i, by_rule = hit
+    name = layers[i].get("layer", i)
+    here = _fmt_err(layers[i].get("rel_l2"))
+    before = _fmt_err(layers[i - 1].get("rel_l2")) if i > 0 else "0"
+    lead = (
+        "hidden-state error first exceeds max(1e-6, 10× the error before it)"
+        if by_rule
+        else "no layer's error exceeds max(1e-6, 10× the one before it); the largest increase is"
+    )
+    return f"{lead} at layer {name!r} (#{i}: rel_l2 {here}, before it {before})"
+
+
+def _fmt_err(x: Any) -> str:
+    e = _err(x)
+    return "inf/NaN" if math.isinf(e) else f"{e:.3e}"
