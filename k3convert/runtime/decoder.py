@@ -157,15 +157,24 @@ def text_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettin
 
 @dataclass
 class Step:
-    """Per-forward inputs shared by all layers: rope tables and masks."""
+    """Per-forward inputs shared by all layers: rope tables and masks.
+
+    With a KV cache the queries are the ``S`` new tokens and the keys are the ``past``
+    cached ones plus those: masks are ``[B, 1, S, past + S]``.
+    """
 
     cos: torch.Tensor  # [B, S, rope_dim] float32
     sin: torch.Tensor
-    masks: dict[int | None, torch.Tensor | None]  # window -> [B, 1, S, S] bool or None
+    masks: dict[int | None, torch.Tensor | None]  # window -> [B, 1, S, past+S] bool or None
+    past: int = 0
 
 
 # -- attention -----------------------------------------------------------------------
-def gqa_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step):
+def gqa_attention(
+    ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step, cache=None
+):
+    """Head counts come from the weights' shapes, so a tensor-parallel rank's slice (its
+    local heads, its KV head) runs the same code."""
     b, s, _ = h.shape
     d = ts.head_dim
     q = lin(w, "attention.q_proj", h).view(b, s, -1, d)
@@ -178,20 +187,24 @@ def gqa_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, ma
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = apply_rope(q, step.cos, step.sin)
     k = apply_rope(k, step.cos, step.sin)
+    if cache is not None:
+        k, v = cache.append("k", k, 2), cache.append("v", v, 2)
     o = attend(q, k, v, mask, ts.scale, causal=True)
     return lin(w, "attention.o_proj", o)
 
 
-def mla_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step):
+def mla_attention(
+    ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step, cache=None
+):
     b, s, _ = h.shape
-    nh = ts.num_heads
     if "attention.q_a_proj" in w:
         qa = lin(w, "attention.q_a_proj", h)
         qa = rms_norm(qa, w.need("norms.q_a_layernorm"), MLA_LORA_NORM_EPS)
         q = lin(w, "attention.q_b_proj", qa)
     else:
         q = lin(w, "attention.q_proj", h)
-    q = q.view(b, s, nh, ts.qk_nope + ts.qk_rope).transpose(1, 2)
+    q = q.view(b, s, -1, ts.qk_nope + ts.qk_rope).transpose(1, 2)  # local heads
+    nh = q.shape[1]
     q_nope, q_rot = q.split([ts.qk_nope, ts.qk_rope], dim=-1)
     ckv = lin(w, "attention.kv_a_proj_with_mqa", h)
     latent, k_rot = ckv.split([ts.kv_lora_rank, ts.qk_rope], dim=-1)
@@ -200,6 +213,8 @@ def mla_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, ma
     rot = apply_rope_interleaved if ts.rope_interleave else apply_rope
     q_rot = rot(q_rot, step.cos, step.sin)
     k_rot = rot(k_rot, step.cos, step.sin)
+    if cache is not None and cache.mla == "latent":
+        return _mla_latent(ts, lin, w, q_nope, q_rot, latent, k_rot, mask, cache)
     # transformers feeds kv_b_proj the latent as [B, 1, S, r]; per-token activation
     # quantization then takes one scale per sequence (dims 2.. are reduced), so keep it
     kv = lin(w, "attention.kv_b_proj", latent.view(b, 1, s, ts.kv_lora_rank))
@@ -207,7 +222,38 @@ def mla_attention(ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, ma
     k_nope, v = kv.transpose(1, 2).split([ts.qk_nope, ts.v_head_dim], dim=-1)
     q = torch.cat((q_nope, q_rot), dim=-1)
     k = torch.cat((k_nope, k_rot.expand(b, nh, s, ts.qk_rope)), dim=-1)
+    if cache is not None:
+        k, v = cache.append("k", k, 2), cache.append("v", v, 2)
     o = attend(q, k, v, mask, ts.scale, causal=True)
+    return lin(w, "attention.o_proj", o)
+
+
+def _mla_latent(
+    ts: TextSettings, lin: Linear, w: Weights, q_nope, q_rot, latent, k_rot, mask, cache
+):
+    """MLA over the compressed cache: ``kv_b_proj = [W_uk; W_uv]`` per head is absorbed,
+    ``q_nope . (W_uk c) = (W_uk^T q_nope) . c`` and ``o = W_uv (p . c)``, so only the
+    normed latent ``c`` and the roped key are cached. kv_b_proj runs as a weight here,
+    not as a Linear call (no activation quantization or hook for it)."""
+    b, nh, s, _ = q_nope.shape
+    c = cache.append("latent", latent, 1)  # [B, Skv, r]
+    kr = cache.append("k_rot", k_rot[:, 0], 1)  # [B, Skv, rope]
+    wkv = w.need("attention.kv_b_proj").view(nh, ts.qk_nope + ts.v_head_dim, ts.kv_lora_rank)
+    w_uk, w_uv = wkv.split([ts.qk_nope, ts.v_head_dim], dim=1)
+    q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk.to(q_nope.dtype))
+    scores = torch.einsum("bhsr,btr->bhst", q_lat, c) + torch.einsum("bhsd,btd->bhst", q_rot, kr)
+    scores = scores.float() * ts.scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif s > 1:
+        t = c.shape[1]
+        causal = torch.ones(s, t, dtype=torch.bool, device=scores.device).tril(t - s)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    p = scores.softmax(dim=-1).to(c.dtype)
+    o_lat = torch.einsum("bhst,btr->bhsr", p, c)
+    o = torch.einsum("bhsr,hvr->bshv", o_lat, w_uv.to(o_lat.dtype)).reshape(
+        b, s, nh * ts.v_head_dim
+    )
     return lin(w, "attention.o_proj", o)
 
 
@@ -253,17 +299,34 @@ def sigmoid_group_topk(ts: TextSettings, logits: torch.Tensor, w: Weights):
 ROUTERS = {"softmax": softmax_topk, "sigmoid_group": sigmoid_group_topk}
 
 
-def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor) -> torch.Tensor:
+def route(ts: TextSettings, lin: Linear, w: Weights, flat: torch.Tensor):
+    """Router in float32: (weights [T, k], expert ids [T, k])."""
+    logits = lin(w, "router.router", flat.float())
+    return ROUTERS[ts.router](ts, logits, w)
+
+
+def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, slots=None) -> torch.Tensor:
+    """Routed experts (+ shared experts). ``slots(idx) -> bool [T, k]``: which (token,
+    choice) slots this rank computes (expert parallelism: only experts it holds, one copy
+    of each); None computes every slot. Experts absent from ``w`` must not be selected."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    logits = lin(w, "router.router", flat.float())
-    weights, idx = ROUTERS[ts.router](ts, logits, w)
+    weights, idx = route(ts, lin, w, flat)
     # one gather and one scatter for all experts: slots sorted by expert, each expert
     # runs on its contiguous run of rows (ascending expert order, as the reference sums)
     k = idx.shape[1]
-    order = idx.reshape(-1).argsort(stable=True)
-    tok = order // k
-    counts = torch.bincount(idx.reshape(-1), minlength=ts.num_experts).tolist()
+    eid = idx.reshape(-1)
+    wts = weights.reshape(-1)
+    if slots is not None:
+        keep = slots(idx).reshape(-1)
+        pos = keep.nonzero().squeeze(1)
+        eid, wts = eid[pos], wts[pos]
+    else:
+        pos = None
+    order = eid.argsort(stable=True)
+    slot = order if pos is None else pos[order]
+    tok = slot // k
+    counts = torch.bincount(eid, minlength=ts.num_experts).tolist()
     xs = flat[tok]
     ys = torch.empty_like(xs)
     start = 0
@@ -273,7 +336,7 @@ def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor) -> torch.Ten
                 ts, lin, w, f"routed_experts.{e}", xs[start : start + n]
             )
             start += n
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    ys = ys * wts[order, None].to(ys.dtype)
     out = torch.zeros_like(flat).index_add_(0, tok, ys)
     if "shared_experts.gate_proj" in w:
         # [B, S, H] as transformers passes it (per-token activation scales)
@@ -281,16 +344,29 @@ def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor) -> torch.Ten
     return out.view(shape)
 
 
-def decoder_layer(
-    ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, layer: int, step: Step
+def attention_block(
+    ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, layer: int, step: Step, cache=None
 ) -> torch.Tensor:
+    """The attention half of a layer without its residual: o_proj's output (a partial
+    sum on a tensor-parallel rank)."""
     h = rms_norm(x, w.need("norms.input_layernorm"), ts.rms_eps)
     mask = step.masks[ts.windows[layer]]
-    x = x + ATTENTION[ts.attention](ts, lin, w, h, mask, step)
+    return ATTENTION[ts.attention](ts, lin, w, h, mask, step, cache)
+
+
+def mlp_block(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, slots=None):
+    """The MLP / MoE half of a layer without its residual (a partial sum under TP / EP)."""
     h = rms_norm(x, w.need("norms.post_attention_layernorm"), ts.rms_eps)
     if "router.router" in w:
-        return x + moe(ts, lin, w, h)
-    return x + gated_mlp(ts, lin, w, "dense_mlp", h)
+        return moe(ts, lin, w, h, slots)
+    return gated_mlp(ts, lin, w, "dense_mlp", h)
+
+
+def decoder_layer(
+    ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, layer: int, step: Step, cache=None
+) -> torch.Tensor:
+    x = x + attention_block(ts, lin, w, x, layer, step, cache)
+    return x + mlp_block(ts, lin, w, x)
 
 
 def make_step(
@@ -298,16 +374,19 @@ def make_step(
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     device: torch.device,
+    past: int = 0,
 ) -> Step:
+    """Rope tables for the query positions; masks over ``past + S`` keys.
+    attention_mask: [B, past + S] (1 = real token) or None."""
     from .ops import attention_mask as build_mask
 
     b, s = position_ids.shape
     cos, sin = ts.rotary.cos_sin(position_ids.to(device))
     masks = {
-        win: build_mask(attention_mask, s, batch=b, window=win, device=device)
+        win: build_mask(attention_mask, s, batch=b, window=win, device=device, past=past)
         for win in set(ts.windows)
     }
-    return Step(cos, sin, masks)
+    return Step(cos, sin, masks, past)
 
 
 def linear_plain(w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:

@@ -49,21 +49,26 @@ def attention_mask(
     batch: int,
     window: int | None,
     device: torch.device,
+    past: int = 0,
 ) -> torch.Tensor | None:
-    """Boolean [B, 1, S, S] mask (True = may attend): causal, padding, sliding window.
+    """Boolean [B, 1, S, past + S] mask (True = may attend): causal, padding, window.
 
-    None when plain causal attention needs no mask. Query rows that could see no key
-    (left padding) are opened to every key: their outputs are garbage by definition but
-    stay finite, so they cannot poison real tokens through 0 * NaN.
+    ``past`` cached keys precede the S queries (query i sits at key index past + i);
+    attention_mask covers all past + S keys. None when plain causal attention needs no
+    mask (no cache, no padding, no window). Query rows that could see no key (left
+    padding) are opened to every key: their outputs are garbage by definition but stay
+    finite, so they cannot poison real tokens through 0 * NaN.
     """
-    if attention_mask is None and window is None:
+    if attention_mask is None and window is None and past == 0:
         return None
     s = position_count
-    i = torch.arange(s, device=device)
-    allowed = i[None, :] <= i[:, None]
+    t = past + s
+    qi = torch.arange(past, t, device=device)
+    ki = torch.arange(t, device=device)
+    allowed = ki[None, :] <= qi[:, None]
     if window is not None:
-        allowed = allowed & ((i[:, None] - i[None, :]) < window)
-    allowed = allowed[None, None].expand(batch, 1, s, s)
+        allowed = allowed & ((qi[:, None] - ki[None, :]) < window)
+    allowed = allowed[None, None].expand(batch, 1, s, t)
     if attention_mask is not None:
         allowed = allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
     empty = ~allowed.any(-1, keepdim=True)

@@ -47,6 +47,7 @@ from ..arch import resolve, validate_source
 from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
+from .cache import KVCache
 from .decoder import Step, TextSettings, decoder_layer, make_step, text_settings
 from .ops import LinearHook, rms_norm
 from .source import Plan, UnitLoader, Weights, WeightSource, make_plan
@@ -126,6 +127,18 @@ class Runtime:
         act_quant: bool | None = None,
         act_quant_experts: bool = False,
     ):
+        self._setup(source, device, dtype, act_quant, act_quant_experts)
+        self.loader = UnitLoader(
+            source, self.plan, dtype=self.dtype, device=self.device, prefetch=prefetch,
+            resident=resident, input_scales=self._static,
+        )  # fmt: skip
+
+    def _setup(self, source, device, dtype, act_quant, act_quant_experts) -> None:
+        """Everything but the weight loader: the config, the plan of units, the checks."""
+        self._hooks: list[tuple[Callable[[str], bool], LinearHook]] = []
+        self._step_key: tuple | None = None
+        self._step: Step | None = None
+        self._step_refs: tuple = ()
         self.source = source
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype)
@@ -156,14 +169,7 @@ class Runtime:
         if self.act_quant:
             self._check_groups(where)
         self._check_input_scales(static, where)
-        self.loader = UnitLoader(
-            source, self.plan, dtype=self.dtype, device=self.device, prefetch=prefetch,
-            resident=resident, input_scales=static,
-        )  # fmt: skip
-        self._hooks: list[tuple[Callable[[str], bool], LinearHook]] = []
-        self._step_key: tuple | None = None
-        self._step: Step | None = None
-        self._step_refs: tuple = ()
+        self._static = static
 
     # -- public ---------------------------------------------------------------------
     @property
@@ -188,24 +194,35 @@ class Runtime:
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        on_layer: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, V] float32.
 
-        attention_mask [B, S] (1 = token, 0 = padding). position_ids default to 0..S-1 for
-        every row, as transformers' forward does.
+        attention_mask [B, S] (1 = token, 0 = padding); with a ``cache`` holding P tokens
+        it covers all P + S keys. position_ids default to P..P+S-1 for every row, as
+        transformers' forward does. cache: a :class:`KVCache` that this call appends the
+        S tokens to (prefill, then one token per decode step). on_layer(i, hidden): called
+        with each decoder layer's output (verify's per-layer comparison).
         """
         input_ids = self._ids(input_ids)
+        past = cache.length if cache is not None else 0
         if attention_mask is not None:
-            attention_mask = self._mask(attention_mask, input_ids)
+            attention_mask = self._mask(attention_mask, input_ids, past)
         if position_ids is None:
-            position_ids = self.default_positions(input_ids)
+            position_ids = self.default_positions(input_ids, past)
         try:
             h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
             _finite(h, "the embeddings", "embed")
             for i in range(self.num_layers):
-                h = self.run_layer(i, h, position_ids, attention_mask)
+                h = self.run_layer(i, h, position_ids, attention_mask, cache)
                 _finite(h, f"layer {i}'s output", f"layer.{i}")
-            return _finite(self.head(h), "the logits", "head")
+                if on_layer is not None:
+                    on_layer(i, h)
+            logits = _finite(self.head(h), "the logits", "head")
+            if cache is not None:
+                cache.advance(input_ids.shape[1])
+            return logits
         finally:
             if not self.loader.resident:
                 self.loader.release()
@@ -228,17 +245,8 @@ class Runtime:
             special = input_ids == self.vision.image_token_id
             if self.vision.video_token_id is not None:
                 special |= input_ids == int(self.vision.video_token_id)
-        w = self.loader.get("embed")
-        table = w.need("embeddings.embed_tokens")
         ids = input_ids.masked_fill(special, 0) if special is not None else input_ids
-        vocab = table.shape[0]
-        if int(ids.max()) >= vocab or int(ids.min()) < 0:
-            raise ConfigError(
-                f"input ids must lie in [0, {vocab}) (the vocabulary size); got "
-                f"{int(ids.min())}..{int(ids.max())}."
-            )
-        h = F.embedding(ids.to(table.device), table).to(self.dtype)
-        del w, table
+        h = self._embed_tokens(ids)
         if pixel_values is None:
             if image_grid_thw is not None:
                 raise ConfigError("image_grid_thw was given without pixel_values.")
@@ -266,6 +274,12 @@ class Runtime:
         h[special.to(h.device)] = feats.to(h.dtype)
         return h
 
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.loader.get("embed")
+        table = w.need("embeddings.embed_tokens")
+        check_vocab(ids, table.shape[0])
+        return F.embedding(ids.to(table.device), table).to(self.dtype)
+
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
         """Vision tower + projector: [num_image_tokens, H] in the compute dtype."""
@@ -284,15 +298,19 @@ class Runtime:
         hidden: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Decoder layer ``i``: hidden [B, S, H] -> [B, S, H]."""
+        """Decoder layer ``i``: hidden [B, S, H] -> [B, S, H] (appending to ``cache``'s
+        layer i; ``cache.length`` is not advanced here, ``forward`` does that)."""
         if not 0 <= i < self.num_layers:
             raise ConfigError(f"layer {i} does not exist; the model has {self.num_layers}.")
+        past = cache.length if cache is not None else 0
         if position_ids is None:
-            position_ids = self.default_positions(hidden)
-        step = self._step_for(position_ids, attention_mask, hidden)
+            position_ids = self.default_positions(hidden, past)
+        step = self._step_for(position_ids, attention_mask, hidden, past)
         w = self.loader.get(f"layer.{i}")
-        return decoder_layer(self.text, self._linear, w, hidden.to(self.dtype), i, step)
+        lc = cache.layer(i) if cache is not None else None
+        return decoder_layer(self.text, self._linear, w, hidden.to(self.dtype), i, step, lc)
 
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -301,9 +319,9 @@ class Runtime:
         h = rms_norm(hidden.to(self.dtype), w.need("norms.final_norm"), self.text.rms_eps)
         return self._linear(w, "head.lm_head", h).float()
 
-    def default_positions(self, like: torch.Tensor) -> torch.Tensor:
+    def default_positions(self, like: torch.Tensor, past: int = 0) -> torch.Tensor:
         b, s = like.shape[:2]
-        return torch.arange(s, device=self.device)[None].expand(b, s)
+        return torch.arange(past, past + s, device=self.device)[None].expand(b, s)
 
     def close(self) -> None:
         self.loader.close()
@@ -404,17 +422,17 @@ class Runtime:
                         y = r
         return y
 
-    def _step_for(self, position_ids, attention_mask, hidden) -> Step:
+    def _step_for(self, position_ids, attention_mask, hidden, past: int = 0) -> Step:
         """Rope tables and masks, built once per (position_ids, attention_mask) pair.
 
         Cached on the identity of the caller's tensors (kept alive while cached, so an id
         cannot be reused); mutating them in place between layers is not supported.
         """
-        key = (id(position_ids), id(attention_mask), tuple(hidden.shape[:2]))
+        key = (id(position_ids), id(attention_mask), tuple(hidden.shape[:2]), past)
         if self._step is not None and self._step_key == key:
             return self._step
         refs = (position_ids, attention_mask)
-        mask = self._mask(attention_mask, hidden) if attention_mask is not None else None
+        mask = self._mask(attention_mask, hidden, past) if attention_mask is not None else None
         pos = torch.as_tensor(position_ids)
         if pos.ndim == 1:
             pos = pos[None]
@@ -424,7 +442,7 @@ class Runtime:
                 f"{hidden.shape[1]}."
             )
         pos = pos.expand(hidden.shape[0], -1)
-        self._step = make_step(self.text, pos, mask, self.device)
+        self._step = make_step(self.text, pos, mask, self.device, past)
         self._step_key, self._step_refs = key, refs
         return self._step
 
@@ -442,16 +460,26 @@ class Runtime:
             )
         return t.long().to(self.device)
 
-    def _mask(self, mask, like: torch.Tensor) -> torch.Tensor:
+    def _mask(self, mask, like: torch.Tensor, past: int = 0) -> torch.Tensor:
         m = torch.as_tensor(mask)
         if m.ndim == 1:
             m = m[None]
-        if tuple(m.shape) != tuple(like.shape[:2]):
+        want = (like.shape[0], past + like.shape[1])
+        if tuple(m.shape) != want:
+            cached = f" (the {past} cached tokens included)" if past else ""
             raise ConfigError(
                 f"attention_mask shape {tuple(m.shape)} does not match the input's "
-                f"[batch, seq] {tuple(like.shape[:2])}."
+                f"[batch, keys] {want}{cached}."
             )
         return m.to(self.device)
+
+
+def check_vocab(ids: torch.Tensor, vocab: int) -> None:
+    if int(ids.max()) >= vocab or int(ids.min()) < 0:
+        raise ConfigError(
+            f"input ids must lie in [0, {vocab}) (the vocabulary size); got "
+            f"{int(ids.min())}..{int(ids.max())}."
+        )
 
 
 def _finite(t: torch.Tensor, what: str, unit: str) -> torch.Tensor:

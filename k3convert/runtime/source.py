@@ -14,6 +14,7 @@ alive at once (the current one and the prefetched one), whatever the model size.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -114,13 +115,46 @@ def make_plan(cfg: Any, matched: Mapping[str, Match], *, tied: bool, where: str)
     return Plan(units, order)
 
 
-class Weights(dict):
-    """A loaded unit: key -> tensor, plus key -> source name for hooks and messages."""
+class Lazy:
+    """A tensor made when it is used (a routed expert, dequantized on use): a Kimi-K2 MoE
+    layer is ~17 B parameters, so a unit's experts are never dequantized all at once."""
 
-    def __init__(self, unit: str, tensors: dict[str, torch.Tensor], names: dict[str, str]):
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
+
+class Weights(dict):
+    """A loaded unit: key -> tensor, plus key -> source name for hooks and messages.
+
+    Values may be :class:`Lazy`: ``need`` / ``get`` / ``[]`` make them on every use and
+    keep nothing, so one expert at a time exists in the compute dtype. ``splits``: key ->
+    the manifest entry of the tensor's weight part on a tensor-parallel rank (split_dim,
+    offset, pad, logical_shape); empty for an unsharded source.
+    """
+
+    def __init__(
+        self,
+        unit: str,
+        tensors: dict[str, torch.Tensor],
+        names: dict[str, str],
+        splits: dict[str, dict] | None = None,
+    ):
         super().__init__(tensors)
         self.unit = unit
         self.names = names
+        self.splits = splits or {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        v = dict.__getitem__(self, key)
+        return v.make() if isinstance(v, Lazy) else v
+
+    def get(self, key: str, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
     def need(self, key: str) -> torch.Tensor:
         try:
@@ -217,35 +251,23 @@ class UnitLoader:
 
     def _load(self, unit: str, touch: bool = False) -> Weights:
         """Read one unit. touch: fault file-mapped pages in now (prefetch thread: the I/O
-        overlaps compute); synchronous loads leave that to first use, which costs the same."""
+        overlaps compute); synchronous loads leave that to first use, which costs the same.
+        Routed experts stay :class:`Lazy` (dequantized and converted when they run)."""
         entries = self.plan.units.get(unit, {})
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor | Lazy] = {}
         for key, e in entries.items():
-            dtype = torch.float32 if key in FP32_KINDS else self.dtype
-            t = self.source.get(e.name, None)
-            if not t.is_floating_point():
-                raise CheckpointError(
-                    f"tensor '{e.name}' comes back as {t.dtype}, not a float tensor; the "
-                    f"weight source must dequantize encoded tensors in get()."
-                )
-            if key == "embeddings.embed_tokens" and unit == "embed" and self.device.type == "cpu":
-                # rows are gathered from the stored table; converting it whole would copy
-                # the largest tensor of the model for a handful of rows
-                tensors[key] = t
-                continue
-            if t.dtype == dtype and self.device.type == "cpu":
-                # zero copy: a file-mapped tensor is used in place (the source's mapping is
-                # released when the unit is dropped)
-                tensors[key] = _touch(t) if touch else t
-                continue
-            out = torch.empty(t.shape, dtype=dtype, device=self.device)
-            out.copy_(t)  # one pass: convert (and move)
-            tensors[key] = out
+            if e.role.expert is not None:
+                tensors[key] = Lazy(functools.partial(self._tensor, key, e.name, False))
+            else:
+                tensors[key] = self._tensor(key, e.name, touch)
         for key, e in entries.items():
             if e.name in self.input_scales:
                 tensors.update(self._activation_params(key, e.name))
         self.loads += 1
         return Weights(unit, tensors, {k: e.name for k, e in entries.items()})
+
+    def _tensor(self, key: str, name: str, touch: bool) -> torch.Tensor:
+        return to_compute(self.source.get(name, None), key, name, self.dtype, self.device, touch)
 
     def _activation_params(self, key: str, name: str) -> dict[str, torch.Tensor]:
         get_parts = getattr(self.source, "get_parts", None)
@@ -258,6 +280,26 @@ class UnitLoader:
         if "input_zero_point" in parts:
             out[key + "_input_zero_point"] = parts["input_zero_point"].to(self.device)
         return out
+
+
+def to_compute(
+    t: torch.Tensor, key: str, name: str, dtype: torch.dtype, device: torch.device, touch: bool
+) -> torch.Tensor:
+    """A loaded tensor in the compute dtype on the device; zero-copy when it already is."""
+    dtype = torch.float32 if key in FP32_KINDS else dtype
+    if not t.is_floating_point():
+        raise CheckpointError(
+            f"tensor '{name}' comes back as {t.dtype}, not a float tensor; the "
+            f"weight source must dequantize encoded tensors in get()."
+        )
+    if device.type == "cpu" and (t.dtype == dtype or key == "embeddings.embed_tokens"):
+        # zero copy: a file-mapped tensor is used in place (the source's mapping is released
+        # when the unit is dropped). The embedding table is gathered row by row as stored:
+        # converting it whole would copy the largest tensor of the model for a few rows.
+        return _touch(t) if touch else t
+    out = torch.empty(t.shape, dtype=dtype, device=device)
+    out.copy_(t)  # one pass: convert (and move)
+    return out
 
 
 def _touch(t: torch.Tensor) -> torch.Tensor:
