@@ -1,0 +1,372 @@
+"""The runtime over every rank of a layout: tensor, expert and pipeline parallel.
+
+Each rank computes with only what it holds (its units, its slices, its experts), and the
+ranks combine as a serving engine's do, through :class:`Collectives`:
+
+- a decoder layer is two phases, attention then MLP / MoE; in each, every rank of the
+  stage's tensor-parallel group computes its *partial* output (column-split linears run
+  locally; the row-split o_proj / down_proj give partial sums, their bias added by the
+  rank holding the first slice only) and one all-reduce (gather + sum in rank order)
+  completes it, then the residual is added;
+- vocab-parallel embedding: each rank looks up the ids inside its rows, zeros for the
+  rest, all-reduce; vocab-parallel lm_head: all-gather, concatenate, trim the padding;
+- experts: a rank runs only the routed experts it holds; an expert held by several EP
+  ranks (redundant copies) serves token ``t`` from copy ``t mod copies`` (the copy list
+  of the manifest, in order), so each (token, choice) slot is computed exactly once; the
+  MoE output joins the TP all-reduce (DeepSeek's reference scheme). Routers are
+  replicated, so every rank routes identically;
+- pipeline stages hand the hidden state on in order (rank ``(s, t)`` to ``(s+1, t)``);
+  the first stage holds embed and vision, the last holds the head, whose logits are
+  broadcast to every process.
+
+Simulated (default), ranks run one at a time in this process, and each phase loads only
+the part of one rank's unit it needs (attention or MLP), so peak memory stays near one
+rank's layer; routed experts are dequantized when they run, one at a time. Under
+torchrun each process runs its own rank and the same code exchanges real tensors.
+
+Activation fake-quantization (quantized candidates) sees each rank's local input, as
+serving kernels do: a row-parallel Linear's per-token scale is taken over its slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CheckpointError, ConfigError
+from ..runtime.cache import KVCache
+from ..runtime.decoder import attention_block, mlp_block
+from ..runtime.ops import rms_norm
+from ..runtime.runtime import Runtime, _finite, check_vocab
+from ..runtime.source import FP32_KINDS, Lazy, Plan, Weights, to_compute
+from ..runtime.vision import encode_images
+from .collectives import Collectives, SimulatedCollectives
+from .ranks import RankSet
+
+#: components a phase loads (unit keys are ``component.kind``)
+ATTENTION_PHASE = ("attention", "norms")
+MLP_PHASE = ("norms", "dense_mlp", "shared_experts", "routed_experts", "router")
+
+
+class RankLoader:
+    """One rank's units as :class:`Weights`, keyed like the unsharded runtime's, with
+    each tensor's manifest entry in ``Weights.splits``. Nothing is kept between calls:
+    the stream reader keeps the unit's mapping, :meth:`release` drops it."""
+
+    def __init__(self, reader, plan: Plan, *, dtype, device, input_scales: frozenset[str]):
+        self.reader, self.plan = reader, plan
+        self.dtype, self.device = dtype, device
+        self.input_scales = input_scales
+        # (unit, global name) -> local logical name; the tied lm_head is its own copy
+        self._local: dict[tuple[str, str], str] = {}
+        self._entry: dict[str, dict] = {}
+        for u in reader.unit_entries:
+            for e in u["tensors"]:
+                glob = e.get("tied_to") or e["logical"]
+                self._local[(u["name"], glob)] = e["logical"]
+                if e["part"] in ("weight", "weight_packed"):
+                    self._entry[e["logical"]] = e
+
+    def holds(self, unit: str) -> bool:
+        return any(u["name"] == unit for u in self.reader.unit_entries)
+
+    def get(self, unit: str, components: tuple[str, ...] | None = None) -> Weights:
+        entries = self.plan.units.get(unit, {})
+        tensors: dict = {}
+        names: dict[str, str] = {}
+        splits: dict[str, dict] = {}
+        for key, e in entries.items():
+            if components is not None and key.split(".", 1)[0] not in components:
+                continue
+            local = self._local.get((unit, e.name))
+            if local is None:
+                continue
+            names[key] = e.name
+            splits[key] = self._entry.get(local, {})
+        for key in list(names):
+            if key.endswith("_bias") and self._drop_bias(splits.get(key[: -len("_bias")])):
+                del names[key], splits[key]  # row-parallel: the first slice's rank adds it
+                continue
+            local = self._local[(unit, entries[key].name)]
+            if entries[key].role.expert is not None:
+                tensors[key] = Lazy(functools.partial(self._tensor, key, local))
+            else:
+                tensors[key] = self._tensor(key, local)
+            if entries[key].name in self.input_scales:
+                tensors.update(self._activation_params(key, local))
+        return Weights(unit, tensors, names, splits)
+
+    @staticmethod
+    def _drop_bias(e: dict | None) -> bool:
+        return bool(e) and e.get("split_dim") == 1 and e.get("offset", 0) != 0
+
+    def _tensor(self, key: str, local: str) -> torch.Tensor:
+        return to_compute(self.reader.get(local, None), key, local, self.dtype, self.device, False)
+
+    def _activation_params(self, key: str, local: str) -> dict[str, torch.Tensor]:
+        parts = self.reader.get_parts(local)
+        out = {}
+        if "input_scale" in parts:
+            out[key + "_input_scale"] = parts["input_scale"].to(self.device, self.dtype)
+        if "input_zero_point" in parts:
+            out[key + "_input_zero_point"] = parts["input_zero_point"].to(self.device)
+        return out
+
+    def release(self) -> None:
+        self.reader._cache.clear()
+
+
+class ParallelRuntime(Runtime):
+    """:class:`Runtime`'s interface (``forward``, ``embed``, ``run_layer``, ``head``)
+    over a :class:`RankSet`; see the module docstring.
+
+    On a process that does not run the stage a piece belongs to (torchrun, pp > 1) the
+    hidden state is ``None``; ``forward`` returns the logits on every process.
+    """
+
+    def __init__(
+        self,
+        ranks: RankSet,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        *,
+        collectives: Collectives | None = None,
+        act_quant: bool | None = None,
+        act_quant_experts: bool = False,
+    ):
+        self.ranks = ranks
+        self._setup(ranks.view, device, dtype, act_quant, act_quant_experts)
+        self.layout = ranks.layout
+        self.coll = collectives or SimulatedCollectives(ranks.world)
+        if self.coll.world != ranks.world:
+            raise ConfigError(
+                f"the collectives span {self.coll.world} ranks but the layout has {ranks.world}."
+            )
+        self.loaders = {
+            r: RankLoader(
+                ranks.rank(r), self.plan, dtype=self.dtype, device=self.device,
+                input_scales=self._static,
+            )
+            for r in range(ranks.world)
+            if self.coll.runs(r)
+        }  # fmt: skip
+        self._stage_of = {u: s.pp_rank for s in ranks.stages for u in s.units}
+        for u in self.plan.order:
+            if u not in self._stage_of:
+                raise CheckpointError(f"{ranks.where}: no pipeline stage holds unit '{u}'.")
+        self.vocab = self.ranks.view.meta(
+            self.plan.units["embed"]["embeddings.embed_tokens"].name
+        ).shape[0]
+        self._slot_tables: dict[int, tuple | None] = {}
+        self._stage = 0  # stage the hidden state is on during a forward
+
+    # -- forward ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        on_layer: Callable[[int, torch.Tensor | None], None] | None = None,
+    ) -> torch.Tensor:
+        input_ids = self._ids(input_ids)
+        past = cache.length if cache is not None else 0
+        if attention_mask is not None:
+            attention_mask = self._mask(attention_mask, input_ids, past)
+        if position_ids is None:
+            position_ids = self.default_positions(input_ids, past)
+        self._shape = (*input_ids.shape, self.text.hidden_size)
+        try:
+            self._stage = 0
+            h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+            if h is not None:
+                _finite(h, "the embeddings", "embed")
+            for i in range(self.num_layers):
+                h = self.run_layer(i, h, position_ids, attention_mask, cache)
+                if h is not None:
+                    _finite(h, f"layer {i}'s output", f"layer.{i}")
+                if on_layer is not None:
+                    on_layer(i, self._to_rank0(h, self._stage_of[f"layer.{i}"]))
+            logits = self.head(h)
+            if cache is not None:
+                cache.advance(input_ids.shape[1])
+            return logits
+        finally:
+            for ld in self.loaders.values():
+                ld.release()
+            self._step_key = self._step = None
+            self._step_refs = ()
+
+    __call__ = forward
+
+    def _group(self, unit: str) -> tuple[tuple[int, ...], list[int]]:
+        g = self.ranks.tp_group(self._stage_of[unit])
+        return g, self.coll.local(g)
+
+    def _handoff(self, h: torch.Tensor | None, stage: int) -> torch.Tensor | None:
+        """Move the hidden state from the current stage to ``stage`` (rank (s, t) sends
+        to (s', t)); processes outside ``stage`` end with None."""
+        if stage == self._stage:
+            return h
+        src_g, dst_g = self.ranks.tp_group(self._stage), self.ranks.tp_group(stage)
+        out = None
+        for src, dst in zip(src_g, dst_g, strict=True):
+            a, b = self.coll.runs(src), self.coll.runs(dst)
+            if a and b:
+                out = h
+            elif a:
+                self.coll.send(h, src, dst)
+            elif b:
+                out = self.coll.recv(src, dst, self._shape, self.dtype)
+        self._stage = stage
+        return out
+
+    def _to_rank0(self, h: torch.Tensor | None, stage: int) -> torch.Tensor | None:
+        """The hidden state on the process running rank 0 (for per-layer reports)."""
+        owner = self.ranks.tp_group(stage)[0]
+        if self.coll.runs(owner) and self.coll.runs(0):
+            return h
+        if self.coll.runs(owner):
+            self.coll.send(h, owner, 0)
+            return None
+        if self.coll.runs(0):
+            return self.coll.recv(owner, 0, self._shape, self.dtype)
+        return None
+
+    # -- embed / vision -----------------------------------------------------------------
+    @torch.inference_mode()
+    def embed(self, input_ids, pixel_values=None, image_grid_thw=None):
+        _, local = self._group("embed")
+        if not local:
+            return None
+        return super().embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        check_vocab(ids, self.vocab)
+        group, local = self._group("embed")
+        parts = {}
+        for r in local:
+            w = self.loaders[r].get("embed")
+            table = w.need("embeddings.embed_tokens")
+            sp = w.splits.get("embeddings.embed_tokens", {})
+            if sp.get("split_dim") == 0:
+                rows = table.shape[0] - sp["pad"]
+                loc = ids - sp["offset"]
+                inside = (loc >= 0) & (loc < rows)
+                e = F.embedding(loc.clamp(0, max(rows - 1, 0)).to(table.device), table)
+                parts[r] = e.to(self.dtype).masked_fill(~inside[..., None].to(e.device), 0)
+            elif r == group[0]:
+                parts[r] = F.embedding(ids.to(table.device), table).to(self.dtype)
+            else:  # a replicated table: the group's first rank contributes it
+                parts[r] = torch.zeros(
+                    (*ids.shape, table.shape[1]), dtype=self.dtype, device=self.device
+                )
+            del w, table
+        return self.coll.all_reduce(parts, group)
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values, image_grid_thw):
+        if self.vision is None:
+            raise ConfigError(f"'{self.arch.name}' has no vision tower.")
+        _, local = self._group("vision")
+        w = self.loaders[local[0]].get("vision")  # replicated: one copy computes
+        feats, _ = encode_images(
+            self.vision, self._linear, w, pixel_values, image_grid_thw.long().cpu(), self.dtype
+        )
+        return feats
+
+    # -- layers ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_layer(self, i, hidden, position_ids=None, attention_mask=None, cache=None):
+        if not 0 <= i < self.num_layers:
+            raise ConfigError(f"layer {i} does not exist; the model has {self.num_layers}.")
+        unit = f"layer.{i}"
+        hidden = self._handoff(hidden, self._stage_of[unit])
+        group, local = self._group(unit)
+        if not local:
+            return None
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = self.default_positions(hidden, past)
+        step = self._step_for(position_ids, attention_mask, hidden, past)
+        x = hidden.to(self.dtype)
+        parts = {}
+        for r in local:
+            w = self.loaders[r].get(unit, ATTENTION_PHASE)
+            lc = cache.for_rank(r).layer(i) if cache is not None else None
+            parts[r] = attention_block(self.text, self._linear, w, x, i, step, lc)
+            del w
+        x = x + self.coll.all_reduce(parts, group)
+        parts = {}
+        for r in local:
+            w = self.loaders[r].get(unit, MLP_PHASE)
+            parts[r] = mlp_block(self.text, self._linear, w, x, self._slots(r, i))
+            del w
+        x = x + self.coll.all_reduce(parts, group)
+        for r in local:
+            self.loaders[r].release()
+        return x
+
+    def _slots(self, rank: int, layer: int):
+        """The (token, choice) slots ``rank`` computes in MoE layer ``layer`` (None: all)."""
+        if layer not in self._slot_tables:
+            copies = self.ranks.expert_copies(layer)
+            if copies is None or (self.layout.moe_ep == 1 and all(len(c) == 1 for c in copies)):
+                self._slot_tables[layer] = None
+            else:
+                most = max(len(c) for c in copies)
+                table = torch.tensor(
+                    [c + [c[0]] * (most - len(c)) for c in copies], dtype=torch.long
+                )
+                n = torch.tensor([len(c) for c in copies], dtype=torch.long)
+                self._slot_tables[layer] = (table, n)
+        tab = self._slot_tables[layer]
+        if tab is None:
+            return None
+        table, n = tab
+        ep_rank = self.layout.coords(rank)["ep_rank"]
+
+        def slots(idx: torch.Tensor) -> torch.Tensor:
+            idx = idx.cpu()
+            tok = torch.arange(idx.shape[0])[:, None]
+            copy = tok % n[idx]
+            return (table[idx, copy] == ep_rank).to(idx.device)
+
+        return slots
+
+    # -- head -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def head(self, hidden):
+        hidden = self._handoff(hidden, self._stage_of["head"])
+        group, local = self._group("head")
+        src = group[0]
+        logits = None
+        if local:
+            parts = {}
+            for r in local:
+                w = self.loaders[r].get("head")
+                h = rms_norm(hidden.to(self.dtype), w.need("norms.final_norm"), self.text.rms_eps)
+                parts[r] = self._linear(w, "head.lm_head", h).float()
+                sp = w.splits.get("head.lm_head", {})
+                del w
+            gathered = self.coll.all_gather(parts, group)
+            if sp.get("split_dim") == 0:  # vocab-parallel: concatenate, trim the padding
+                logits = torch.cat(gathered, dim=-1)[..., : self.vocab]
+            else:  # replicated: the group's first rank's
+                logits = gathered[0]
+            _finite(logits, "the logits", "head")
+        b, s, _ = self._shape
+        return self.coll.broadcast(logits, src, (b, s, self.vocab), torch.float32)
+
+    def close(self) -> None:
+        for ld in self.loaders.values():
+            ld.release()
+
+
+__all__ = ["ATTENTION_PHASE", "FP32_KINDS", "MLP_PHASE", "ParallelRuntime", "RankLoader"]
