@@ -317,6 +317,75 @@ def demo(
     run_demo(out=out, preset=family, echo=typer.echo)
 
 
+@app.command()
+def verify(
+    candidate: Annotated[
+        Path,
+        typer.Argument(
+            help="Stream directory (all ranks), quantized checkpoint, or checkpoint + --layout."
+        ),
+    ],
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            help="Reference checkpoint (default: the original named in the candidate's "
+            "provenance), or 'transformers' to run transformers' own model on it."
+        ),
+    ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(help="For a checkpoint: cut it on the fly for e.g. tp=4,pp=2,ep=2."),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="Inputs: .jsonl (text / input_ids), .txt, or .safetensors (input_ids)."),
+    ] = None,
+    random: Annotated[int, typer.Option(help="Random sequences when no --data (seeded).")] = 2,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+    pixel_values: Annotated[
+        Path | None,
+        typer.Option(help="safetensors with pixel_values and image_grid_thw (kimi_k25)."),
+    ] = None,
+    decode: Annotated[
+        int, typer.Option(help="Also decode N tokens greedily with a KV cache and check them.")
+    ] = 0,
+    kv_cache: Annotated[
+        str | None, typer.Option(help="KV cache dtype for --decode: fp8 (e4m3, per-tensor).")
+    ] = None,
+    mla_cache: Annotated[
+        str, typer.Option(help="MLA cache for --decode: expanded or latent.")
+    ] = "expanded",
+    max_kld: Annotated[float | None, typer.Option(help="Fail above this mean KLD.")] = None,
+    min_top1: Annotated[float | None, typer.Option(help="Fail below this top-1 agreement.")] = None,
+    max_rel_err: Annotated[
+        float | None, typer.Option(help="Fail above this logits max relative error.")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG plot of the report here.")] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: fp32 or bf16.")] = "fp32",
+    device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
+):
+    """Run every rank of CANDIDATE as the cluster will and report parity against the
+    original: exit 0 pass, 1 fail (first failing metric and layer named), 2 bad input."""
+    from .verify.report import render_table
+    from .verify.run import run_verify
+
+    rep = run_verify(
+        candidate=candidate, reference=reference, layout=layout, data=data, random=random,
+        seq_len=seq_len, seed=seed, pixel_values=pixel_values, decode=decode,
+        kv_cache=kv_cache, mla_cache=mla_cache, max_kld=max_kld, min_top1=min_top1,
+        max_rel_err=max_rel_err, json_path=json_out, plot_path=plot, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    if rep.get("rank", 0) != 0:
+        return
+    typer.echo(render_table(rep))
+    if not rep["passed"]:
+        typer.echo(f"FAIL: {rep['failure']}", err=True)
+        raise typer.Exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: K3Error -> one line on stderr, exit 2."""
     try:

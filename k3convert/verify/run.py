@@ -1,0 +1,563 @@
+"""``k3convert verify``: run a candidate the way the cluster will and compare it with a
+reference, layer by layer, then (optionally) check incremental decoding.
+
+Candidate: a stream directory (every rank, as its manifest lays them out), or a
+checkpoint (original or quantized) cut on the fly for ``--layout`` by the shard planner.
+Reference: by default the unsharded, unquantized original the candidate was made from
+(followed through the provenance the stream / quantized checkpoint records), run by our
+own runtime; ``transformers`` runs transformers' model instead (optional dependency).
+
+Both run in lockstep, one layer at a time, so per-layer hidden-state errors cost no
+memory beyond two hidden states. Under ``torchrun`` every process runs its own rank
+(``torch.distributed``), rank 0 runs the reference and writes the report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..arch import resolve
+from ..errors import CheckpointError, ConfigError
+from ..parallel import (
+    Layout,
+    ParallelRuntime,
+    SimulatedCollectives,
+    TorchDistributedCollectives,
+    init_distributed,
+    planned_ranks,
+    stream_ranks,
+    under_torchrun,
+)
+from ..runtime.cache import KVCache
+from ..runtime.runtime import Runtime, parse_dtype
+from ..stream.format import StreamCorruptError
+from . import inputs as vin
+from . import metrics as vm
+
+#: decode check with an FP8 KV cache: mean KL(full forward || fp8-cache decode) limit
+FP8_KV_MAX_KLD = 0.05
+
+
+def parse_layout(text: str | None) -> Layout | None:
+    """``tp=4,pp=2,ep=2`` (also ``moe_tp``) -> Layout."""
+    if text is None:
+        return None
+    kw: dict[str, int] = {}
+    names = {"tp": "tp", "pp": "pp", "ep": "moe_ep", "moe_ep": "moe_ep", "moe_tp": "moe_tp"}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        k, sep, v = item.partition("=")
+        if not sep or k.strip() not in names:
+            raise ConfigError(
+                f"--layout '{text}': '{item}' is not key=value with key one of tp, pp, ep, "
+                f"moe_tp (e.g. --layout tp=4,pp=2,ep=2)."
+            )
+        try:
+            kw[names[k.strip()]] = int(v)
+        except ValueError:
+            raise ConfigError(f"--layout '{text}': '{v}' is not an integer.") from None
+    return Layout(**kw)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _is_stream(p: Path) -> bool:
+    return p.is_dir() and (p / "manifest.json").is_file()
+
+
+def _open_candidate(path: Path, layout: Layout | None, check_stream: bool):
+    """(RankSet, kind, source path of provenance or None)."""
+    from ..checkpoint import open_checkpoint
+    from ..stream import open_stream
+
+    if _is_stream(path) or (path.is_dir() and (path / "journal").is_dir()):
+        if layout is not None:
+            raise ConfigError(
+                f"{path}: a stream directory carries its own layout; drop --layout (it is for "
+                f"a checkpoint cut on the fly)."
+            )
+        if check_stream:
+            from ..stream.check import check
+
+            rep = check(path)
+            if rep.status == "not_stream":
+                raise ConfigError(rep.problems[0] if rep.problems else f"{path}: not a stream.")
+            if not rep.ok:
+                shown = "; ".join(rep.problems[:3])
+                more = f" (and {len(rep.problems) - 3} more)" if len(rep.problems) > 3 else ""
+                raise StreamCorruptError(
+                    f"{path}: the stream is damaged, nothing was run: {shown}{more}. Re-run "
+                    f"`k3convert shard` or re-copy the stream."
+                )
+        st = open_stream(path, verify_hashes=not check_stream)
+        prov = st.manifest.get("source", {}).get("path")
+        return stream_ranks(st), "stream", prov
+    ck = open_checkpoint(path)
+    prov = (ck.config.get("k3convert") or {}).get("source")
+    return planned_ranks(ck, layout or Layout()), "checkpoint", prov
+
+
+def _original(path: Path, seen: int = 0) -> Path:
+    """Follow quantize's provenance (``config.json: k3convert.source``) to the
+    unquantized original, where it still exists."""
+    from ..checkpoint import load_json
+
+    cfg_path = path / "config.json"
+    if seen > 4 or not cfg_path.is_file():
+        return path
+    cfg = load_json(cfg_path)
+    src = (cfg.get("k3convert") or {}).get("source")
+    if src and cfg.get("quantization_config") is not None:
+        p = Path(src)
+        if p.is_dir() and (p / "config.json").is_file():
+            return _original(p, seen + 1)
+    return path
+
+
+def _resolve_reference(
+    reference: str | None, prov: str | None, candidate: Path
+) -> tuple[str, Path]:
+    """(kind, path) of the reference: ("runtime", P) or ("transformers", P)."""
+    if reference is not None and reference != "transformers":
+        p = Path(reference)
+        if not p.exists():
+            raise ConfigError(f"--reference {p}: no such checkpoint directory.")
+        return "runtime", p
+    if prov is None:
+        raise ConfigError(
+            f"{candidate}: records no source checkpoint to compare against; give one with "
+            f"--reference PATH."
+        )
+    p = Path(prov)
+    if not (p / "config.json").is_file():
+        raise ConfigError(
+            f"{candidate}: its provenance names the source checkpoint {p}, which is not there "
+            f"(moved or on another machine?); give it with --reference PATH."
+        )
+    p = _original(p)
+    return ("transformers" if reference == "transformers" else "runtime"), p
+
+
+_COMPARED = (
+    "arch", "num_layers", "hidden_size", "vocab_size", "num_heads", "num_kv_heads",
+    "num_experts", "num_experts_per_tok", "head_dim", "kv_lora_rank", "q_lora_rank",
+)  # fmt: skip
+
+
+def _check_same_model(cand_cfg: dict, ref_cfg: dict, cand: str, ref: str) -> None:
+    a_arch, a = resolve(cand_cfg, f"{cand}/config.json")
+    b_arch, b = resolve(ref_cfg, f"{ref}/config.json")
+    ta, tb = getattr(a, "text", a), getattr(b, "text", b)
+    va = {"arch": a_arch.name, **{k: getattr(ta, k, None) for k in _COMPARED[1:]}}
+    vb = {"arch": b_arch.name, **{k: getattr(tb, k, None) for k in _COMPARED[1:]}}
+    diff = [k for k in _COMPARED if va[k] != vb[k]]
+    if diff:
+        k = diff[0]
+        raise ConfigError(
+            f"the reference {ref} is not the candidate's model: {k} is {vb[k]} there but "
+            f"{va[k]} in {cand}; pass the checkpoint the candidate was made from with "
+            f"--reference."
+        )
+
+
+def _thresholds(cand_cfg: dict, ref_cfg: dict, layout: Layout, max_kld, min_top1, max_rel_err):
+    qc = cand_cfg.get("quantization_config") or (cand_cfg.get("text_config") or {}).get(
+        "quantization_config"
+    )
+    rq = ref_cfg.get("quantization_config") or (ref_cfg.get("text_config") or {}).get(
+        "quantization_config"
+    )
+    if qc is None or (qc == rq and (layout.tp == 1 or not _dynamic_acts(qc))):
+        kind, th = "exact", vm.default_thresholds("exact")
+    else:
+        th = vm.thresholds_for_quant_config(cand_cfg)
+        kind = "quantized"
+    over = {k: v for k, v in (("max_kld", max_kld), ("min_top1", min_top1),
+                              ("max_rel_err", max_rel_err)) if v is not None}  # fmt: skip
+    if over:
+        th = vm.Thresholds(**{**asdict(th), **over})
+        kind += " (flags)"
+    return kind, th
+
+
+def _dynamic_acts(qc: dict) -> bool:
+    for g in (qc.get("config_groups") or {}).values():
+        ia = (g or {}).get("input_activations") or {}
+        if ia and ia.get("dynamic", False):
+            return True
+    return False
+
+
+class _Lockstep:
+    """Runs the reference one layer behind nothing: each candidate layer output is
+    compared with the reference's, which advances in step."""
+
+    def __init__(self, ref: Runtime, ids, mask, pv, grid, pos, progress):
+        self.ref, self.mask, self.pos = ref, mask, pos
+        self.h = ref.embed(ids, pixel_values=pv, image_grid_thw=grid)
+        self.layers: list[dict] = []
+        self.bar = progress
+
+    def __call__(self, i: int, h: torch.Tensor | None) -> None:
+        self.h = self.ref.run_layer(i, self.h, self.pos, self.mask)
+        if h is not None:
+            err = vm.rel_l2(self.h.float(), h.float())
+            self.layers.append({"layer": i, "rel_l2": _finite_or_none(err)})
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def logits(self) -> torch.Tensor:
+        return self.ref.head(self.h)
+
+
+def _transformers_reference(path: Path, ids, mask, pv, grid) -> tuple[torch.Tensor, list]:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "--reference transformers needs the transformers package (pip install "
+            "transformers); or drop it to use k3convert's own runtime as the reference."
+        ) from None
+    from ..checkpoint import load_json
+
+    cfg = load_json(path / "config.json")
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if cfg.get("model_type") == "kimi_k25"
+        else transformers.AutoModelForCausalLM
+    )
+    try:
+        model = auto.from_pretrained(
+            path, torch_dtype=torch.float32, trust_remote_code=False, local_files_only=True
+        ).eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: transformers cannot load this checkpoint ({e}).") from e
+    kw = dict(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    if pv is not None:
+        kw.update(pixel_values=pv, image_grid_thw=grid)
+    with torch.no_grad():
+        out = model(**kw)
+    hs = out.hidden_states
+    # hidden_states[i + 1] follows layer i, except the last, which transformers returns
+    # after the final norm: layers 0 .. L-2 are comparable
+    return out.logits.float(), list(hs[1:-1])
+
+
+def run_verify(
+    *,
+    candidate,
+    reference: str | None = None,
+    layout: str | Layout | None = None,
+    data=None,
+    random: int = 2,
+    seq_len: int = 32,
+    seed: int = 0,
+    pixel_values=None,
+    decode: int = 0,
+    kv_cache: str | None = None,
+    mla_cache: str = "expanded",
+    max_kld: float | None = None,
+    min_top1: float | None = None,
+    max_rel_err: float | None = None,
+    json_path=None,
+    plot_path=None,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    check_stream: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Run the check; returns the report (``report["passed"]``). Under torchrun only rank
+    0's report is complete (``report["rank"]`` says which)."""
+    t_start = time.perf_counter()
+    cand_path = Path(candidate)
+    if not cand_path.exists():
+        raise ConfigError(f"{cand_path}: no such candidate (a stream directory or a checkpoint).")
+    lay = parse_layout(layout) if isinstance(layout, str) or layout is None else layout
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ConfigError(f"--seq-len must be a positive integer, got {seq_len!r}.")
+    if not isinstance(decode, int) or decode < 0:
+        raise ConfigError(f"--decode must be a non-negative integer, got {decode!r}.")
+    if not isinstance(random, int) or random < 1:
+        raise ConfigError(f"--random must be a positive number of sequences, got {random!r}.")
+    compute = parse_dtype(dtype)
+    dist_run = under_torchrun()
+    if dist_run:
+        from ..device import resolve_device
+
+        init_distributed(resolve_device(device))
+    ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream)
+    ref_kind, ref_path = _resolve_reference(reference, prov, cand_path)
+    from ..checkpoint import load_json, open_checkpoint
+
+    ref_cfg = load_json(ref_path / "config.json")
+    _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
+    th_kind, th = _thresholds(ranks.config, ref_cfg, ranks.layout, max_kld, min_top1, max_rel_err)
+
+    if dist_run:
+        import torch.distributed as dist
+
+        groups = [ranks.tp_group(s.pp_rank) for s in ranks.stages]
+        coll = TorchDistributedCollectives(ranks.world, groups, resolve_device(device))
+        me = dist.get_rank()
+    else:
+        coll = SimulatedCollectives(ranks.world)
+        me = 0
+    cand = ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll)
+
+    # -- inputs ------------------------------------------------------------------------
+    avoid = set()
+    if cand.vision is not None:
+        avoid = {cand.vision.image_token_id}
+        if cand.vision.video_token_id is not None:
+            avoid.add(int(cand.vision.video_token_id))
+    pv = grid = None
+    if pixel_values is not None:
+        from ..runtime.forward_cmd import _load_safetensors, _need
+
+        d = _load_safetensors(pixel_values, "--pixel-values")
+        pv = _need(d, "pixel_values", pixel_values, "--pixel-values")
+        grid = _need(d, "image_grid_thw", pixel_values, "--pixel-values").long()
+        if cand.vision is None:
+            raise ConfigError(
+                f"--pixel-values {pixel_values}: '{cand.arch.name}' has no vision tower; only "
+                f"kimi_k25 takes images."
+            )
+    if data is not None:
+        tok_dir = ref_path if (ref_path / "tokenizer_config.json").exists() else cand_path
+        ids, mask, is_text = vin.load_data(
+            data, seq_len=seq_len, vocab=cand.vocab, tokenizer_dir=tok_dir
+        )
+        input_kind = {"kind": "data", "file": str(data)}
+    else:
+        ids = vin.random_ids(cand.vocab, random, seq_len, seed, avoid=avoid)
+        mask, is_text = None, False
+        input_kind = {"kind": "random", "seed": seed}
+        if pv is not None:
+            ids = _place_images(ids, grid, cand.vision.image_token_id, cand.vision)
+    if mask is not None and bool(mask.all()):
+        mask = None
+    input_kind.update(batch=int(ids.shape[0]), seq_len=int(ids.shape[1]),
+                      images=0 if grid is None else int(grid.shape[0]))  # fmt: skip
+    from ..runtime.runtime import check_vocab
+
+    check_vocab(ids.masked_fill(_special(ids, avoid), 0) if avoid else ids, cand.vocab)
+
+    # -- the forward, in lockstep with the reference ----------------------------------
+    bar = None
+    if progress and me == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cand.num_layers, desc="verify: layers", unit="layer", file=sys.stderr,
+                   leave=False)  # fmt: skip
+    pos = cand.default_positions(ids)
+    ref_rt = lock = None
+    t0 = time.perf_counter()
+    if me == 0 and ref_kind == "runtime":
+        ref_rt = Runtime(open_checkpoint(ref_path), device=device, dtype=compute, act_quant=None)
+        lock = _Lockstep(ref_rt, ids, mask, pv, grid, pos, bar)
+    elif bar is not None:
+        lock = _progress_only(bar)
+    try:
+        logits = cand.forward(
+            ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
+            on_layer=lock,
+        )  # fmt: skip
+        t_fwd = time.perf_counter() - t0
+        report: dict = {"rank": me}
+        if me == 0:
+            if ref_rt is not None:
+                ref_logits = lock.logits()
+                layers = lock.layers
+                ref_rt.loader.release()
+            else:
+                ref_logits, hs = _transformers_reference(ref_path, ids, mask, pv, grid)
+                layers = []
+                hcand: list = []
+                cand.forward(ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
+                             position_ids=pos, on_layer=lambda i, h: hcand.append(h))  # fmt: skip
+                for i, (a, b) in enumerate(zip(hs, hcand, strict=False)):
+                    err = vm.rel_l2(a.float(), b.float())
+                    layers.append({"layer": i, "rel_l2": _finite_or_none(err)})
+            targets = (
+                vin.next_token_targets(ids, mask if mask is not None else torch.ones_like(ids))
+                if is_text
+                else None
+            )
+            metrics = vm.compare_logits(ref_logits, logits, mask=mask, targets=targets)
+            # bit-level fingerprint: a simulated and a torchrun run must print the same
+            metrics["candidate_sha256"] = hashlib.sha256(
+                logits.contiguous().numpy().tobytes()
+            ).hexdigest()
+            report.update(
+                candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
+                reference_kind=ref_kind, layout=ranks.layout.to_json(),
+                experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
+                device=str(cand.device), inputs=input_kind, logits=metrics, layers=layers,
+                thresholds={"kind": th_kind, **asdict(th)},
+                act_quant=_act_note(cand),
+            )  # fmt: skip
+        t_ref = time.perf_counter() - t0 - t_fwd
+    finally:
+        if bar is not None:
+            bar.close()
+        if ref_rt is not None:
+            ref_rt.close()
+
+    # -- decode check --------------------------------------------------------------------
+    t1 = time.perf_counter()
+    if decode:
+        dec = _decode_check(cand, ids, mask, pv, grid, decode, kv_cache, mla_cache)
+        if me == 0:
+            report["decode"] = dec
+    t_dec = time.perf_counter() - t1
+    cand.close()
+
+    if me != 0:
+        return report
+    rss = _peak_rss_mib()
+    report["time_s"] = round(time.perf_counter() - t_start, 3)
+    report["time_breakdown_s"] = {
+        "candidate_forward": round(t_fwd, 3),
+        "reference": round(t_ref, 3),
+        "decode": round(t_dec, 3),
+    }
+    report["peak_rss_mib"] = round(rss, 1)
+    report["peak_rss_scope"] = (
+        "this process (rank 0)" if dist_run else "this process (all ranks simulated)"
+    )
+    passed, why = vm.check(report["logits"], th, report["layers"])
+    dec = report.get("decode")
+    if passed and dec is not None and not dec["passed"]:
+        passed, why = False, dec["failure"]
+    report["passed"] = passed
+    report["failure"] = why
+    if json_path is not None:
+        from .report import write_json
+
+        write_json(report, json_path)
+    if plot_path is not None:
+        from .report import plot
+
+        plot(report, plot_path)
+    return report
+
+
+def _finite_or_none(x: float) -> float | None:
+    """JSON has no inf: a layer whose error is unbounded is recorded as None."""
+    return x if math.isfinite(x) else None
+
+
+def _progress_only(bar):
+    def cb(i, h):
+        bar.update(1)
+
+    return cb
+
+
+def _special(ids: torch.Tensor, avoid: set) -> torch.Tensor:
+    m = torch.zeros_like(ids, dtype=torch.bool)
+    for t in avoid:
+        m |= ids == t
+    return m
+
+
+def _place_images(ids: torch.Tensor, grid: torch.Tensor, token: int, vs) -> torch.Tensor:
+    """Random prompts with images: every image's merged patches as image tokens in row
+    0, one image after another from position 1."""
+    merge = vs.merge[0] * vs.merge[1]
+    need = int(grid.prod(-1).sum()) // merge
+    if 1 + need > ids.shape[1]:
+        raise ConfigError(
+            f"the images need {need} image tokens but --seq-len is {ids.shape[1]}; raise "
+            f"--seq-len to at least {need + 1}."
+        )
+    ids = ids.clone()
+    ids[0, 1 : 1 + need] = token
+    return ids
+
+
+def _expert_summary(ranks) -> dict | None:
+    ex = ranks.experts
+    if not ex:
+        return None
+    red = ex.get("redundant", 0)
+    return {"policy": ex.get("policy"), "num_experts": ex.get("num_experts"), "redundant": red,
+            "copy_rule": "token t uses copy t mod copies of its expert"}  # fmt: skip
+
+
+def _act_note(cand: ParallelRuntime) -> str | None:
+    if not cand.act_specs or not cand.act_quant:
+        return None
+    if cand.layout.tp > 1:
+        return (
+            "activation fake-quantization on; row-parallel Linears (o_proj, down_proj) "
+            "quantize their local input slice, as serving engines do"
+        )
+    return "activation fake-quantization on"
+
+
+def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache) -> dict:
+    """Greedy decode of ``n`` tokens with a KV cache, against full forwards."""
+    cache = KVCache(mla=mla_cache, kv_dtype=kv_cache)
+    b = ids.shape[0]
+    ones = torch.ones(b, 1, dtype=torch.long)
+    full_mask = mask
+    step_logits = [cand.forward(ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
+                                cache=cache)[:, -1:]]  # fmt: skip
+    seq = ids
+    for _ in range(n - 1):
+        tok = step_logits[-1][:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat((seq, tok), dim=1)
+        if full_mask is not None:
+            full_mask = torch.cat((full_mask, ones), dim=1)
+        step_logits.append(cand.forward(tok, attention_mask=full_mask, cache=cache))
+    inc = torch.cat(step_logits, dim=1)  # [B, n, V]
+    full = cand.forward(seq, attention_mask=full_mask, pixel_values=pv, image_grid_thw=grid)
+    full = full[:, ids.shape[1] - 1 :]
+    err = float(((inc - full).abs().max() / full.abs().max().clamp_min(1e-30)).item())
+    same = bool((inc.argmax(-1) == full.argmax(-1)).all())
+    out = {"steps": n, "kv_cache": cache.describe(), "max_rel_err": err, "argmax_equal": same,
+           "cache_mib": round(cache.nbytes() / 2**20, 3)}  # fmt: skip
+    if kv_cache == "fp8":
+        kld = vm.compare_logits(full, inc)["kld"]
+        out["kld_vs_full"] = kld
+        ok = bool(kld["mean"] is not None and kld["mean"] <= FP8_KV_MAX_KLD)
+        out["passed"] = ok
+        out["failure"] = (
+            None
+            if ok
+            else (
+                f"decode with an FP8 KV cache: mean KLD {kld['mean']:.3g} vs the full forward "
+                f"exceeds {FP8_KV_MAX_KLD}"
+            )
+        )
+    else:
+        limit = 1e-5 if cand.dtype == torch.float32 else 2e-2
+        ok = same and err <= limit
+        out["passed"] = ok
+        out["failure"] = (
+            None
+            if ok
+            else (
+                f"incremental decode differs from the full forward: max rel err {err:.3g} "
+                f"(limit {limit:g}), argmax {'equal' if same else 'differs'}"
+            )
+        )
+    return out
+
+
+def report_json(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=True)
+
+
+__all__ = ["parse_layout", "report_json", "run_verify"]
