@@ -169,14 +169,15 @@ def run_forward(
     if save_logits is not None:
         _check_logits_path(Path(save_logits), Path(src))
     ckpt = open_source(src)
-    world = getattr(ckpt, "world", 1)
-    if world != 1:
-        raise ConfigError(
-            f"{src}: a stream sharded for {world} ranks; `k3convert forward` runs single-rank "
-            f"streams (tp = pp = 1) and checkpoints. Shard with --tp 1 --pp 1 to smoke-test "
-            f"one, or run the original checkpoint."
-        )
-    with Runtime(ckpt, device=device, dtype=compute, act_quant=None if act_quant else False) as rt:
+    aq = None if act_quant else False
+    if getattr(ckpt, "world", 1) != 1:
+        # every rank of the stream, simulated in this process (k3convert verify compares)
+        from ..parallel import ParallelRuntime, stream_ranks
+
+        rt = ParallelRuntime(stream_ranks(ckpt), device=device, dtype=compute, act_quant=aq)
+    else:
+        rt = Runtime(ckpt, device=device, dtype=compute, act_quant=aq)
+    with rt:
         logits = rt.forward(input_ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid)
     if save_logits is not None:
         _save(logits, Path(save_logits))

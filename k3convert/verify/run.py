@@ -103,7 +103,9 @@ def _open_candidate(path: Path, layout: Layout | None, check_stream: bool):
         prov = st.manifest.get("source", {}).get("path")
         return stream_ranks(st), "stream", prov
     ck = open_checkpoint(path)
-    prov = (ck.config.get("k3convert") or {}).get("source")
+    # a quantized checkpoint names its source; an original is its own reference (run
+    # unsharded), so `verify CKPT --layout ...` checks the layout alone
+    prov = (ck.config.get("k3convert") or {}).get("source") or str(path)
     return planned_ranks(ck, layout or Layout()), "checkpoint", prov
 
 
