@@ -365,9 +365,19 @@ def verify(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG plot of the report here.")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: fp32 or bf16.")] = "fp32",
     device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
+    pp_layers: Annotated[
+        str | None, typer.Option(help="With --layout: layers per stage, e.g. '20,21,20'.")
+    ] = None,
+    expert_load: Annotated[
+        Path | None, typer.Option(help="With --layout: JSON layer -> tokens per expert.")
+    ] = None,
+    redundant_experts: Annotated[
+        int, typer.Option(help="With --layout: extra replicas of the hottest experts.")
+    ] = 0,
 ):
     """Run every rank of CANDIDATE as the cluster will and report parity against the
     original: exit 0 pass, 1 fail (first failing metric and layer named), 2 bad input."""
+    from .config_parse import int_list
     from .verify.report import render_table
     from .verify.run import run_verify
 
@@ -376,7 +386,8 @@ def verify(
         seq_len=seq_len, seed=seed, pixel_values=pixel_values, decode=decode,
         kv_cache=kv_cache, mla_cache=mla_cache, max_kld=max_kld, min_top1=min_top1,
         max_rel_err=max_rel_err, json_path=json_out, plot_path=plot, dtype=dtype,
-        device=device,
+        device=device, pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
+        expert_load=expert_load, redundant_experts=redundant_experts,
     )  # fmt: skip
     if rep.get("rank", 0) != 0:
         return

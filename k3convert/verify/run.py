@@ -75,16 +75,17 @@ def _is_stream(p: Path) -> bool:
     return p.is_dir() and (p / "manifest.json").is_file()
 
 
-def _open_candidate(path: Path, layout: Layout | None, check_stream: bool):
+def _open_candidate(path: Path, layout: Layout | None, check_stream: bool, placement: dict):
     """(RankSet, kind, source path of provenance or None)."""
     from ..checkpoint import open_checkpoint
     from ..stream import open_stream
 
     if _is_stream(path) or (path.is_dir() and (path / "journal").is_dir()):
-        if layout is not None:
+        if layout is not None or any(placement.values()):
             raise ConfigError(
-                f"{path}: a stream directory carries its own layout; drop --layout (it is for "
-                f"a checkpoint cut on the fly)."
+                f"{path}: a stream directory carries its own layout and expert placement; "
+                f"drop --layout / --pp-layers / --expert-load / --redundant-experts (they are "
+                f"for a checkpoint cut on the fly)."
             )
         if check_stream:
             from ..stream.check import check
@@ -106,7 +107,7 @@ def _open_candidate(path: Path, layout: Layout | None, check_stream: bool):
     # a quantized checkpoint names its source; an original is its own reference (run
     # unsharded), so `verify CKPT --layout ...` checks the layout alone
     prov = (ck.config.get("k3convert") or {}).get("source") or str(path)
-    return planned_ranks(ck, layout or Layout()), "checkpoint", prov
+    return planned_ranks(ck, layout or Layout(), **placement), "checkpoint", prov
 
 
 def _original(path: Path, seen: int = 0) -> Path:
@@ -180,16 +181,14 @@ def _thresholds(cand_cfg: dict, ref_cfg: dict, layout: Layout, max_kld, min_top1
         "quantization_config"
     )
     if qc is None or (qc == rq and (layout.tp == 1 or not _dynamic_acts(qc))):
-        kind, th = "exact", vm.default_thresholds("exact")
+        th = vm.default_thresholds("exact")
     else:
         th = vm.thresholds_for_quant_config(cand_cfg)
-        kind = "quantized"
     over = {k: v for k, v in (("max_kld", max_kld), ("min_top1", min_top1),
                               ("max_rel_err", max_rel_err)) if v is not None}  # fmt: skip
     if over:
-        th = vm.Thresholds(**{**asdict(th), **over})
-        kind += " (flags)"
-    return kind, th
+        th = vm.Thresholds(**{**asdict(th), **over, "kind": f"{th.kind} + flags"})
+    return th
 
 
 def _dynamic_acts(qc: dict) -> bool:
@@ -275,11 +274,16 @@ def run_verify(
     plot_path=None,
     dtype: str = "fp32",
     device: str = "cpu",
+    pp_layers=None,
+    expert_load=None,
+    redundant_experts: int = 0,
     check_stream: bool = True,
     progress: bool = True,
 ) -> dict:
     """Run the check; returns the report (``report["passed"]``). Under torchrun only rank
-    0's report is complete (``report["rank"]`` says which)."""
+    0's report is complete (``report["rank"]`` says which). pp_layers / expert_load /
+    redundant_experts: the placement for a checkpoint cut on the fly, as ``shard`` takes
+    them."""
     t_start = time.perf_counter()
     cand_path = Path(candidate)
     if not cand_path.exists():
@@ -297,13 +301,16 @@ def run_verify(
         from ..device import resolve_device
 
         init_distributed(resolve_device(device))
-    ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream)
+    placement = dict(
+        pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
+    )
+    ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement)
     ref_kind, ref_path = _resolve_reference(reference, prov, cand_path)
     from ..checkpoint import load_json, open_checkpoint
 
     ref_cfg = load_json(ref_path / "config.json")
     _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
-    th_kind, th = _thresholds(ranks.config, ref_cfg, ranks.layout, max_kld, min_top1, max_rel_err)
+    th = _thresholds(ranks.config, ref_cfg, ranks.layout, max_kld, min_top1, max_rel_err)
 
     if dist_run:
         import torch.distributed as dist
@@ -405,7 +412,7 @@ def run_verify(
                 reference_kind=ref_kind, layout=ranks.layout.to_json(),
                 experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
                 device=str(cand.device), inputs=input_kind, logits=metrics, layers=layers,
-                thresholds={"kind": th_kind, **asdict(th)},
+                thresholds=asdict(th),
                 act_quant=_act_note(cand),
             )  # fmt: skip
         t_ref = time.perf_counter() - t0 - t_fwd
