@@ -131,7 +131,8 @@ def test_fp8_block_tp2(fp8_block_llama, tmp_path):
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a16-asym", "w2a16"])
 def test_quantized_resharding_is_exact(scheme, quant_sources, tmp_path):
     """Against the quantized checkpoint itself, resharding a weight-only scheme (scales
-    and packed zero points sliced with their weights) changes nothing but float summation order: verify applies the exact thresholds."""
+    and packed zero points sliced with their weights) changes nothing but the float
+    summation order: verify applies the exact thresholds."""
     q = tmp_path / "q"
     src = quant_sources["deepseek_v3"]
     quantize(src=src, out=q, scheme=scheme, progress=False)
