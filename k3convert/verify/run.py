@@ -68,6 +68,15 @@ def parse_layout(text: str | None) -> Layout | None:
 
 
 def _peak_rss_mib() -> float:
+    """This process's peak RSS. Linux: VmHWM (ru_maxrss survives exec, so a process
+    started by a large parent would report the parent's peak)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
