@@ -369,6 +369,19 @@ def run_verify(
     from ..runtime.runtime import check_vocab
 
     check_vocab(ids.masked_fill(_special(ids, avoid), 0) if avoid else ids, cand.vocab)
+    if cand.vision is not None:  # up front: under torchrun only stage 0 would notice
+        n_img = int((ids == cand.vision.image_token_id).sum())
+        merged = (
+            0
+            if grid is None
+            else int(grid.prod(-1).sum()) // (cand.vision.merge[0] * cand.vision.merge[1])
+        )
+        if n_img != merged:
+            raise ConfigError(
+                f"the inputs hold {n_img} image token(s) (id {cand.vision.image_token_id}) but "
+                f"the images give {merged} merged patches; the prompt and the images do not "
+                f"match."
+            )
 
     # -- the forward, in lockstep with the reference ----------------------------------
     bar = None
@@ -378,13 +391,16 @@ def run_verify(
         bar = tqdm(total=cand.num_layers, desc="verify: layers", unit="layer", file=sys.stderr,
                    leave=False)  # fmt: skip
     pos = cand.default_positions(ids)
-    ref_rt = lock = None
+    ref_rt = None
+    hcand: list = []
     t0 = time.perf_counter()
+    # every process passes a callback: forward then hands each layer's hidden state to
+    # rank 0 (a collective under torchrun), where the reference compares it
     if me == 0 and ref_kind == "runtime":
         ref_rt = Runtime(open_checkpoint(ref_path), device=device, dtype=compute, act_quant=None)
         lock = _Lockstep(ref_rt, ids, mask, pv, grid, pos, bar)
-    elif bar is not None:
-        lock = _progress_only(bar)
+    else:
+        lock = _Collect(hcand if me == 0 else None, bar)
     try:
         logits = cand.forward(
             ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
@@ -400,9 +416,6 @@ def run_verify(
             else:
                 ref_logits, hs = _transformers_reference(ref_path, ids, mask, pv, grid)
                 layers = []
-                hcand: list = []
-                cand.forward(ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
-                             position_ids=pos, on_layer=lambda i, h: hcand.append(h))  # fmt: skip
                 for i, (a, b) in enumerate(zip(hs, hcand, strict=False)):
                     err = vm.rel_l2(a.float(), b.float())
                     layers.append({"layer": i, "rel_l2": _finite_or_none(err)})
@@ -475,11 +488,18 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _progress_only(bar):
-    def cb(i, h):
-        bar.update(1)
+class _Collect:
+    """on_layer for processes without the lockstep reference: keeps the hidden states
+    (transformers reference, rank 0) or nothing, and ticks the progress bar."""
 
-    return cb
+    def __init__(self, keep: list | None, bar):
+        self.keep, self.bar = keep, bar
+
+    def __call__(self, i: int, h: torch.Tensor | None) -> None:
+        if self.keep is not None and h is not None:
+            self.keep.append(h)
+        if self.bar is not None:
+            self.bar.update(1)
 
 
 def _special(ids: torch.Tensor, avoid: set) -> torch.Tensor:
