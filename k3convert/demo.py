@@ -21,6 +21,8 @@ from .runtime import Runtime
 from .shard import check, shard
 from .sources import open_source
 from .synth import synthesize
+from .verify.report import render_table
+from .verify.run import run_verify
 
 #: recipes/kimi-k2-int4-experts.yaml, inline so an installed wheel has it (attention in
 #: fp8-dynamic instead of fp8-block: the tiny model's widths are below 128)
@@ -38,6 +40,7 @@ DEMO_RECIPE = {
 
 
 def run_demo(*, out: str | Path, preset: str = "kimi-k25", echo: Callable[[str], None]) -> None:
+    """synth -> inspect -> quantize -> shard -> check -> forward -> verify on a tiny model."""
     out = Path(out)
     model = out / "model"
     if model.exists():
@@ -102,5 +105,11 @@ def run_demo(*, out: str | Path, preset: str = "kimi-k25", echo: Callable[[str],
     if not torch.equal(logits["stream tp1"], logits["quantized"]):
         raise K3Error("demo: the stream's logits differ from the checkpoint it was made from.")
     echo("stream tp1 == quantized checkpoint: bit-identical logits")
+    echo("")
+    echo("== verify: the tp=2 pp=2 ep=2 stream, every rank simulated, vs the original")
+    rep = run_verify(candidate=stream, seq_len=24, decode=4, progress=False)
+    echo(render_table(rep))
+    if not rep["passed"]:
+        raise K3Error(f"demo: verify failed on {stream}: {rep['failure']}")
     echo("")
     echo(f"demo finished: artefacts in {out}/")

@@ -154,6 +154,8 @@ def _decode_lines(dec: dict) -> list[str]:
         out.append(f"  kv_cache      {dec['kv_cache']}")
     if "kld_vs_full" in dec:
         out.append(f"  kld_vs_full   {_e(dec.get('kld_vs_full'))}")
+    if dec.get("compared_by"):
+        out.append(f"  compared by   {dec['compared_by']}")
     return out
 
 

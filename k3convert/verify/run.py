@@ -43,7 +43,8 @@ from ..stream.format import StreamCorruptError
 from . import inputs as vin
 from . import metrics as vm
 
-#: decode check with an FP8 KV cache: mean KL(full forward || fp8-cache decode) limit
+#: decode check where bit-exactness cannot hold (FP8 KV cache, dynamic activation
+#: scales): mean KL(full forward || incremental decode) limit
 FP8_KV_MAX_KLD = 0.05
 
 
@@ -447,7 +448,7 @@ def run_verify(
     # -- decode check --------------------------------------------------------------------
     t1 = time.perf_counter()
     if decode:
-        dec = _decode_check(cand, ids, mask, pv, grid, decode, kv_cache, mla_cache)
+        dec = _decode_check(cand, ids, mask, pv, grid, decode, kv_cache, mla_cache, avoid)
         if me == 0:
             report["decode"] = dec
     t_dec = time.perf_counter() - t1
@@ -544,7 +545,7 @@ def _act_note(cand: ParallelRuntime) -> str | None:
     return "activation fake-quantization on"
 
 
-def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache) -> dict:
+def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> dict:
     """Greedy decode of ``n`` tokens with a KV cache, against full forwards."""
     cache = KVCache(mla=mla_cache, kv_dtype=kv_cache)
     b = ids.shape[0]
@@ -553,8 +554,13 @@ def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache) -> dict:
     step_logits = [cand.forward(ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
                                 cache=cache)[:, -1:]]  # fmt: skip
     seq = ids
+    special = sorted(avoid)
     for _ in range(n - 1):
-        tok = step_logits[-1][:, -1].argmax(-1, keepdim=True)
+        nxt = step_logits[-1][:, -1]
+        if special:  # greedy, but never an image / video placeholder (it needs pixels)
+            nxt = nxt.clone()
+            nxt[:, special] = float("-inf")
+        tok = nxt.argmax(-1, keepdim=True)
         seq = torch.cat((seq, tok), dim=1)
         if full_mask is not None:
             full_mask = torch.cat((full_mask, ones), dim=1)
@@ -566,31 +572,30 @@ def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache) -> dict:
     same = bool((inc.argmax(-1) == full.argmax(-1)).all())
     out = {"steps": n, "kv_cache": cache.describe(), "max_rel_err": err, "argmax_equal": same,
            "cache_mib": round(cache.nbytes() / 2**20, 3)}  # fmt: skip
-    if kv_cache == "fp8":
+    dynamic = cand.act_quant and any(sp.dynamic for sp in cand.act_specs.values())
+    if kv_cache == "fp8" or dynamic:
+        # not bit-for-bit: an e4m3 cache rounds K / V; dynamic activation scales depend
+        # on the chunk a Linear sees (MLA's kv_b_proj takes one scale per sequence, as
+        # transformers feeds it), so a one-token step quantizes differently
+        why = "an FP8 KV cache" if kv_cache == "fp8" else "dynamic activation quantization"
         kld = vm.compare_logits(full, inc)["kld"]
-        out["kld_vs_full"] = kld
+        out["kld_vs_full"] = kld["mean"]
+        out["kld_vs_full_max"] = kld["max"]
+        out["compared_by"] = f"mean KLD (not bit-exact with {why})"
         ok = bool(kld["mean"] is not None and kld["mean"] <= FP8_KV_MAX_KLD)
         out["passed"] = ok
-        out["failure"] = (
-            None
-            if ok
-            else (
-                f"decode with an FP8 KV cache: mean KLD {kld['mean']:.3g} vs the full forward "
-                f"exceeds {FP8_KV_MAX_KLD}"
-            )
-        )
+        out["failure"] = None if ok else (
+            f"decode with {why}: mean KLD {kld['mean']:.3g} vs the full forward exceeds "
+            f"{FP8_KV_MAX_KLD}"
+        )  # fmt: skip
     else:
         limit = 1e-5 if cand.dtype == torch.float32 else 2e-2
         ok = same and err <= limit
         out["passed"] = ok
-        out["failure"] = (
-            None
-            if ok
-            else (
-                f"incremental decode differs from the full forward: max rel err {err:.3g} "
-                f"(limit {limit:g}), argmax {'equal' if same else 'differs'}"
-            )
-        )
+        out["failure"] = None if ok else (
+            f"incremental decode differs from the full forward: max rel err {err:.3g} "
+            f"(limit {limit:g}), argmax {'equal' if same else 'differs'}"
+        )  # fmt: skip
     return out
 
 
