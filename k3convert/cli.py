@@ -374,6 +374,14 @@ def verify(
     redundant_experts: Annotated[
         int, typer.Option(help="With --layout: extra replicas of the hottest experts.")
     ] = 0,
+    resident: Annotated[
+        bool,
+        typer.Option(
+            "--resident",
+            help="Keep the candidate's weights in memory (fast --decode of small "
+            "models); default streams them layer by layer.",
+        ),
+    ] = False,
 ):
     """Run every rank of CANDIDATE as the cluster will and report parity against the
     original: exit 0 pass, 1 fail (first failing metric and layer named), 2 bad input."""
@@ -387,7 +395,7 @@ def verify(
         kv_cache=kv_cache, mla_cache=mla_cache, max_kld=max_kld, min_top1=min_top1,
         max_rel_err=max_rel_err, json_path=json_out, plot_path=plot, dtype=dtype,
         device=device, pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
-        expert_load=expert_load, redundant_experts=redundant_experts,
+        expert_load=expert_load, redundant_experts=redundant_experts, resident=resident,
     )  # fmt: skip
     if rep.get("rank", 0) != 0:
         return

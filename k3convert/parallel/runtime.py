@@ -56,8 +56,14 @@ class RankLoader:
     each tensor's manifest entry in ``Weights.splits``. Nothing is kept between calls:
     the stream reader keeps the unit's mapping, :meth:`release` drops it."""
 
-    def __init__(self, reader, plan: Plan, *, dtype, device, input_scales: frozenset[str]):
+    def __init__(
+        self, reader, plan: Plan, *, dtype, device, input_scales: frozenset[str],
+        resident: bool = False,
+    ):  # fmt: skip
         self.reader, self.plan = reader, plan
+        #: resident: every phase's weights kept once loaded, experts included (decoding a
+        #: small model fast); None streams
+        self._kept: dict | None = {} if resident else None
         self.dtype, self.device = dtype, device
         self.input_scales = input_scales
         # (unit, global name) -> local logical name; the tied lm_head is its own copy
@@ -74,6 +80,17 @@ class RankLoader:
         return any(u["name"] == unit for u in self.reader.unit_entries)
 
     def get(self, unit: str, components: tuple[str, ...] | None = None) -> Weights:
+        if self._kept is not None:
+            key = (unit, components)
+            if key not in self._kept:
+                w = self._get(unit, components)
+                for k in list(w):
+                    w[k] = w[k]  # make Lazy entries now, once
+                self._kept[key] = w
+            return self._kept[key]
+        return self._get(unit, components)
+
+    def _get(self, unit: str, components: tuple[str, ...] | None) -> Weights:
         entries = self.plan.units.get(unit, {})
         tensors: dict = {}
         names: dict[str, str] = {}
@@ -116,6 +133,11 @@ class RankLoader:
         return out
 
     def release(self) -> None:
+        if self._kept is None:
+            self.reader._cache.clear()
+
+    def close(self) -> None:
+        self._kept = {} if self._kept is not None else None
         self.reader._cache.clear()
 
 
@@ -125,6 +147,8 @@ class ParallelRuntime(Runtime):
 
     On a process that does not run the stage a piece belongs to (torchrun, pp > 1) the
     hidden state is ``None``; ``forward`` returns the logits on every process.
+    resident: keep every rank's weights (experts dequantized) once loaded, for fast
+    repeated forwards / decoding of a model that fits in memory; default streams.
     """
 
     def __init__(
@@ -136,6 +160,7 @@ class ParallelRuntime(Runtime):
         collectives: Collectives | None = None,
         act_quant: bool | None = None,
         act_quant_experts: bool = False,
+        resident: bool = False,
     ):
         self.ranks = ranks
         self._setup(ranks.view, device, dtype, act_quant, act_quant_experts)
@@ -148,7 +173,7 @@ class ParallelRuntime(Runtime):
         self.loaders = {
             r: RankLoader(
                 ranks.rank(r), self.plan, dtype=self.dtype, device=self.device,
-                input_scales=self._static,
+                input_scales=self._static, resident=resident,
             )
             for r in range(ranks.world)
             if self.coll.runs(r)
@@ -366,7 +391,7 @@ class ParallelRuntime(Runtime):
 
     def close(self) -> None:
         for ld in self.loaders.values():
-            ld.release()
+            ld.close()
 
 
 __all__ = ["ATTENTION_PHASE", "FP32_KINDS", "MLP_PHASE", "ParallelRuntime", "RankLoader"]

@@ -287,13 +287,15 @@ def run_verify(
     pp_layers=None,
     expert_load=None,
     redundant_experts: int = 0,
+    resident: bool = False,
     check_stream: bool = True,
     progress: bool = True,
 ) -> dict:
     """Run the check; returns the report (``report["passed"]``). Under torchrun only rank
     0's report is complete (``report["rank"]`` says which). pp_layers / expert_load /
     redundant_experts: the placement for a checkpoint cut on the fly, as ``shard`` takes
-    them."""
+    them. resident: keep the candidate's weights in memory (fast decoding of small
+    models); default streams them, layer by layer, on every forward and decode step."""
     t_start = time.perf_counter()
     cand_path = Path(candidate)
     if not cand_path.exists():
@@ -331,7 +333,7 @@ def run_verify(
     else:
         coll = SimulatedCollectives(ranks.world)
         me = 0
-    cand = ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll)
+    cand = ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll, resident=resident)
 
     # -- inputs ------------------------------------------------------------------------
     avoid = set()
