@@ -247,7 +247,7 @@ def _output_config(config: dict, plan: Plan, src: Path) -> dict:
         cfg.pop("quantization_config", None)
     cfg["k3convert"] = {
         "version": _k3_version,
-        "source": str(src),
+        "source": str(Path(src).resolve()),
         "schemes": {
             name: {"options": s.options(), "format": s.format} for name, s in plan.schemes().items()
         },

@@ -292,7 +292,7 @@ def _manifest(plan: Plan, ck: Checkpoint, results, sha, files, compress, recipe)
             "experts": plan.experts,
         },
         "source": {
-            "path": str(ck.root),
+            "path": str(Path(ck.root).resolve()),
             "files": [
                 {
                     "name": str(f.path.relative_to(ck.root)),
