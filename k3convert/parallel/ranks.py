@@ -40,7 +40,10 @@ class StageInfo:
 class GlobalView:
     """Every logical tensor of a rank set with its unsharded (logical) shape: what
     ``Arch.validate`` checks against config.json. Tied lm_head copies are left out, as a
-    checkpoint has none."""
+    checkpoint has none. Parts (``input_scale`` ...) are handed out by the rank readers,
+    not by the view (``rank_parts``)."""
+
+    rank_parts = True
 
     def __init__(self, config: dict, manifest: dict, root: Path):
         self.config = config

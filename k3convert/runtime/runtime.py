@@ -367,7 +367,9 @@ class Runtime:
         if not static:
             return
         meta = getattr(self.source, "meta", None)
-        if meta is None or not hasattr(self.source, "get_parts"):
+        # a parallel runtime's global view lists the parts; its rank readers hand them out
+        parts_ok = hasattr(self.source, "get_parts") or getattr(self.source, "rank_parts", False)
+        if meta is None or not parts_ok:
             if self.act_quant:
                 raise CheckpointError(
                     f"{where}: the quantization_config uses static activation scales, but "
