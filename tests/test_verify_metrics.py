@@ -307,6 +307,21 @@ def test_check_names_the_layer_where_the_error_starts():
     assert check(_metrics(), th, layers) == (True, None)
 
 
+def test_quantized_candidates_are_localised_from_the_second_layer():
+    """Every layer of a quantized model has its own error, so the first layer's is not
+    a jump from zero: the rule starts at the second layer, against the first."""
+    th = default_thresholds("int8")
+    broken = _layers([1.0e-2, 1.5e-2, 2.0e-1, 2.4e-1])
+    assert locate_divergence(broken) == (0, True)  # the exact rule blames layer 0
+    assert locate_divergence(broken, quantized=True) == (2, True)
+    ok, msg = check({**_metrics(), "kld": {**_metrics()["kld"], "mean": 1.0}}, th, broken)
+    assert not ok and "'layer2'" in msg and "second layer" in msg
+    # no 10x jump: the largest relative jump after the first layer
+    healthy = _layers([1.0e-2, 1.2e-2, 3.0e-2, 3.3e-2])
+    assert locate_divergence(healthy, quantized=True) == (2, False)
+    assert locate_divergence(_layers([0.2]), quantized=True) == (0, True)
+
+
 # -- inputs ---------------------------------------------------------------------------
 def _write_lines(path, lines):
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

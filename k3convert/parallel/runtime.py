@@ -182,11 +182,38 @@ class ParallelRuntime(Runtime):
         for u in self.plan.order:
             if u not in self._stage_of:
                 raise CheckpointError(f"{ranks.where}: no pipeline stage holds unit '{u}'.")
+        if self.act_quant:
+            self._check_local_groups()
         self.vocab = self.ranks.view.meta(
             self.plan.units["embed"]["embeddings.embed_tokens"].name
         ).shape[0]
         self._slot_tables: dict[int, tuple | None] = {}
         self._stage = 0  # stage the hidden state is on during a forward
+
+    def _check_local_groups(self) -> None:
+        """Group-wise activation quantization of a row-parallel Linear sees the rank's
+        input slice: each slice must hold whole groups (serving kernels need it too)."""
+        for r in self.ranks.readers.values():
+            for u in r.unit_entries:
+                for e in u["tensors"]:
+                    spec = self.act_specs.get(e["logical"])
+                    if spec is None or spec.strategy != "group" or e.get("split_dim") != 1:
+                        continue
+                    if e["part"] == "weight":
+                        width = e["shape"][1]
+                    elif e["part"] == "weight_packed":
+                        width = e["shape"][1] * 32 // int((e.get("quant") or {})["num_bits"])
+                    else:
+                        continue
+                    if width % spec.group_size:
+                        raise ConfigError(
+                            f"{self.ranks.where}: layout tp={self.layout.tp} cuts the input of "
+                            f"'{e['logical']}' ({e['logical_shape'][1]} wide) into {width}-wide "
+                            f"slices, which do not hold whole {spec.group_size}-channel "
+                            f"activation groups; a serving engine cannot run this layout either. "
+                            f"Use a smaller tp, or quantize these Linears' activations per "
+                            f"token (e.g. fp8-dynamic) for this layout."
+                        )
 
     # -- forward ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -467,8 +467,8 @@ def check(
 
     Order: non-finite candidate logits, then kld.mean, top1, max_rel_err. The message
     names the metric, its value and the limit. With ``layers`` ([{"layer": name,
-    "rel_l2": x}, ...] in forward order, the embedding stage first) a failure also names
-    the layer ``locate_divergence`` picks.
+    "rel_l2": x}, ...] in forward order) a failure also names the layer
+    ``locate_divergence`` picks (its quantized rule unless ``th.kind`` is exact).
     """
     msg = None
     nf = report_metrics.get("nonfinite_positions") or 0
@@ -490,7 +490,7 @@ def check(
     if msg is None:
         return True, None
     if layers:
-        where = _divergence_text(layers)
+        where = _divergence_text(layers, quantized=not th.kind.startswith("exact"))
         if where:
             msg += f"; {where}"
     return False, msg
@@ -508,43 +508,52 @@ JUMP_FLOOR = 1e-6
 JUMP_FACTOR = 10.0
 
 
-def locate_divergence(layers: list[dict]) -> tuple[int, bool] | None:
+def locate_divergence(layers: list[dict], quantized: bool = False) -> tuple[int, bool] | None:
     """(index, by_rule) of the layer where the hidden-state error starts, or None.
 
     Rule: the first layer whose rel_l2 exceeds ``max(1e-6, 10 × the error before it)``
     (the error before the first entry is 0, since both models see the same ids);
-    by_rule = True. If no layer does, the layer with the largest absolute increase over
-    the one before it; by_rule = False. None when the list is empty or no error ever
-    grows. A None / NaN / inf rel_l2 counts as an infinite error.
+    by_rule = True. quantized: the first layer's error is the quantization's own (every
+    layer has one), so the rule starts at the second layer, against the first. If no
+    layer qualifies: the layer with the largest increase over the one before it
+    (absolute; quantized: relative, from the second layer on); by_rule = False. None
+    when the list is empty or no error ever grows. None / NaN / inf count as infinite.
     """
     errs = [_err(e.get("rel_l2")) for e in layers]
-    prev = 0.0
-    for i, x in enumerate(errs):
+    start = 1 if quantized and len(errs) > 1 else 0
+    prev = errs[start - 1] if start else 0.0
+    for i in range(start, len(errs)):
+        x = errs[i]
         if x > max(JUMP_FLOOR, JUMP_FACTOR * prev):
             return i, True
         prev = x
     best, best_inc = None, 0.0
-    prev = 0.0
-    for i, x in enumerate(errs):
-        if x - prev > best_inc:
-            best, best_inc = i, x - prev
+    prev = errs[start - 1] if start else 0.0
+    for i in range(start, len(errs)):
+        x = errs[i]
+        inc = (x / prev if prev > 0 else math.inf) if quantized else x - prev
+        if inc > best_inc and x > prev:
+            best, best_inc = i, inc
         prev = x
     return None if best is None else (best, False)
 
 
-def _divergence_text(layers: list[dict]) -> str | None:
-    hit = locate_divergence(layers)
+def _divergence_text(layers: list[dict], quantized: bool = False) -> str | None:
+    hit = locate_divergence(layers, quantized)
     if hit is None:
         return None
     i, by_rule = hit
     name = layers[i].get("layer", i)
     here = _fmt_err(layers[i].get("rel_l2"))
     before = _fmt_err(layers[i - 1].get("rel_l2")) if i > 0 else "0"
-    lead = (
-        "hidden-state error first exceeds max(1e-6, 10× the error before it)"
-        if by_rule
-        else "no layer's error exceeds max(1e-6, 10× the one before it); the largest increase is"
-    )
+    if by_rule:
+        lead = "hidden-state error first exceeds max(1e-6, 10× the error before it)"
+        if quantized:
+            lead += " (from the second layer on; the first layer's is the quantization's own)"
+    elif quantized:
+        lead = "no layer's error jumps 10× over the one before it; the largest relative jump is"
+    else:
+        lead = "no layer's error exceeds max(1e-6, 10× the one before it); the largest increase is"
     return f"{lead} at layer {name!r} (#{i}: rel_l2 {here}, before it {before})"
 
 

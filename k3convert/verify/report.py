@@ -59,6 +59,12 @@ def _p(x: Any) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
+def _quantized(report: dict) -> bool:
+    """Whether the report's thresholds are a quantized family's (not exact)."""
+    kind = (report.get("thresholds") or {}).get("kind") or "exact"
+    return not str(kind).startswith("exact")
+
+
 def _mark(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
@@ -101,7 +107,7 @@ def render_table(report: dict) -> str:
             lines.append(f"  {name:<16} {value:>12}  {limit:<14} {status}".rstrip())
     layers = report.get("layers") or []
     if layers:
-        lines += _layer_lines(layers)
+        lines += _layer_lines(layers, _quantized(report))
     dec = report.get("decode")
     if dec:
         lines += _decode_lines(dec)
@@ -123,10 +129,10 @@ def _verdict(report, m, th, layers) -> tuple[bool | None, str | None]:
     return None, None
 
 
-def _layer_lines(layers: list[dict]) -> list[str]:
+def _layer_lines(layers: list[dict], quantized: bool = False) -> list[str]:
     names = [str(e.get("layer", i))[:_MAX_NAME] for i, e in enumerate(layers)]
     w = max(5, *(len(n) for n in names))
-    hit = locate_divergence(layers)
+    hit = locate_divergence(layers, quantized)
     out = ["hidden states (rel L2 error vs reference, per layer)"]
     out.append(f"  {'#':>3}  {'layer':<{w}}  {'rel_l2':>10}  {'x prev':>9}")
     prev = None
@@ -238,7 +244,7 @@ def plot(report: dict, path: str | os.PathLike) -> None:
     fig = Figure(figsize=(11, 4.2), dpi=100)
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
-    _plot_layers(ax1, report.get("layers") or [])
+    _plot_layers(ax1, report.get("layers") or [], _quantized(report))
     m = report.get("logits") or {}
     per_pos = report.get("kld_per_position") or m.get("kld_per_position")
     th = _thresholds(report)
@@ -250,7 +256,7 @@ def plot(report: dict, path: str | os.PathLike) -> None:
     _atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
 
 
-def _plot_layers(ax, layers: list[dict]) -> None:
+def _plot_layers(ax, layers: list[dict], quantized: bool = False) -> None:
     ax.set_title("hidden state: rel L2 error vs reference")
     if not layers:
         ax.text(0.5, 0.5, "no per-layer data", ha="center", va="center", transform=ax.transAxes)
@@ -268,7 +274,7 @@ def _plot_layers(ax, layers: list[dict]) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel(f"rel L2 (0 drawn at {PLOT_FLOOR:g})")
-    hit = locate_divergence(layers)
+    hit = locate_divergence(layers, quantized)
     if hit is not None:
         ax.axvline(hit[0], color="orange", ls="--", lw=1)
     if len(layers) <= 12:

@@ -104,7 +104,7 @@ def _open_candidate(path: Path, layout: Layout | None, check_stream: bool, place
             if rep.status == "not_stream":
                 raise ConfigError(rep.problems[0] if rep.problems else f"{path}: not a stream.")
             if not rep.ok:
-                shown = "; ".join(rep.problems[:3])
+                shown = "; ".join(p.rstrip(". ") for p in rep.problems[:3])
                 more = f" (and {len(rep.problems) - 3} more)" if len(rep.problems) > 3 else ""
                 raise StreamCorruptError(
                     f"{path}: the stream is damaged, nothing was run: {shown}{more}. Re-run "
@@ -308,6 +308,12 @@ def run_verify(
     if not isinstance(random, int) or random < 1:
         raise ConfigError(f"--random must be a positive number of sequences, got {random!r}.")
     compute = parse_dtype(dtype)
+    if decode:
+        KVCache(mla=mla_cache, kv_dtype=kv_cache)  # bad values fail here, before any work
+    elif kv_cache is not None or mla_cache != "expanded":
+        raise ConfigError(
+            "--kv-cache / --mla-cache choose the decode check's cache; add --decode N."
+        )
     dist_run = under_torchrun()
     if dist_run:
         from ..device import resolve_device
@@ -455,10 +461,18 @@ def run_verify(
             report["decode"] = dec
     t_dec = time.perf_counter() - t1
     cand.close()
-
+    rss_all = [_peak_rss_mib()]
+    if dist_run:
+        world = tuple(range(ranks.world))
+        got = coll.all_gather({me: torch.tensor([rss_all[0]], dtype=torch.float64)}, world)
+        rss_all = [float(t[0]) for t in got]
+        # leave the process group cleanly: gloo's threads abort a process that exits
+        # while they are still up
+        dist.barrier()
+        dist.destroy_process_group()
     if me != 0:
         return report
-    rss = _peak_rss_mib()
+    rss = max(rss_all)
     report["time_s"] = round(time.perf_counter() - t_start, 3)
     report["time_breakdown_s"] = {
         "candidate_forward": round(t_fwd, 3),
@@ -466,9 +480,11 @@ def run_verify(
         "decode": round(t_dec, 3),
     }
     report["peak_rss_mib"] = round(rss, 1)
-    report["peak_rss_scope"] = (
-        "this process (rank 0)" if dist_run else "this process (all ranks simulated)"
-    )
+    if dist_run:
+        report["peak_rss_scope"] = "the largest of the torchrun processes"
+        report["peak_rss_mib_per_rank"] = [round(x, 1) for x in rss_all]
+    else:
+        report["peak_rss_scope"] = "this process (all ranks simulated)"
     passed, why = vm.check(report["logits"], th, report["layers"])
     dec = report.get("decode")
     if passed and dec is not None and not dec["passed"]:
