@@ -832,3 +832,30 @@ def test_simulated_collectives_deterministic(model, layout, opts, model_dir):
     for i, r in enumerate(runs[1:], 1):
         assert torch.equal(runs[0], r), f"{model} {layout}: run {i} differs from run 0"
     print(f"[parity] determinism {model} {_name(layout)}: 4 runs bit-identical")
+
+
+# -- resident mode and `forward` on a multi-rank stream ---------------------------------
+def test_resident_decode_is_bit_identical_to_streamed(model_dir, monkeypatch):
+    """--resident keeps every rank's weights (experts made once): same bits as streaming,
+    and no unit is read again after the first forward."""
+    d = model_dir("deepseek_v3")
+    prompt, _ = prompt_for("deepseek_v3")
+    with par(d, lay(2, ep=2)) as streamed:
+        _, _, a = decode(streamed, prompt, steps=3)
+    with par(d, lay(2, ep=2), resident=True) as rt:
+        rt.forward(prompt)
+        reads = []
+        for ld in rt.loaders.values():
+            orig = ld._get
+            monkeypatch.setattr(ld, "_get", lambda *x, _o=orig: reads.append(x) or _o(*x))
+        _, _, b = decode(rt, prompt, steps=3)
+    assert torch.equal(a, b)
+    assert reads == []  # everything came from memory
+
+
+def test_forward_command_runs_a_multi_rank_stream(stream_dir):
+    from k3convert.runtime.forward_cmd import run_forward
+
+    s = stream_dir("deepseek_v3", tp=2, ep=2)
+    text = run_forward(src=s, ids="3 14 15 92")
+    assert "deepseek_v3" in text and "next token" in text
