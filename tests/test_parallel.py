@@ -859,3 +859,28 @@ def test_forward_command_runs_a_multi_rank_stream(stream_dir):
     s = stream_dir("deepseek_v3", tp=2, ep=2)
     text = run_forward(src=s, ids="3 14 15 92")
     assert "deepseek_v3" in text and "next token" in text
+
+
+def test_piecewise_api_equals_forward(model_dir):
+    """embed / run_layer / head on a ParallelRuntime, without a forward first."""
+    d = model_dir("deepseek_v3")
+    ids = torch.randint(0, 150, (1, 7), generator=torch.Generator().manual_seed(5))
+    with par(d, lay(2, 2, ep=2)) as rt:
+        h = rt.embed(ids)
+        for i in range(rt.num_layers):
+            h = rt.run_layer(i, h)
+        pieces = rt.head(h)
+        assert torch.equal(pieces, rt.forward(ids))
+
+
+def test_planned_units_are_cut_per_tensor_and_not_kept(model_dir):
+    """A unit planned over a checkpoint slices a tensor when it is asked for and keeps
+    nothing: memory follows what the runtime holds, one expert at a time."""
+    ranks = planned_ranks(open_checkpoint(model_dir("deepseek_v3")), lay(2, ep=2))
+    rd = ranks.rank(1)
+    i = rd.unit_names().index("layer.1")
+    unit = rd._load(i)
+    name = next(e["name"] for e in unit.entries if e.get("split_dim") == 1)
+    a = unit.tensors[name]
+    assert len(unit.tensors) == 0  # made on access, not stored
+    assert torch.equal(a, unit.tensors[name])

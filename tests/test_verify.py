@@ -549,3 +549,83 @@ def test_torchrun_matches_simulated_bit_for_bit(family, kw, nproc, tiny_models, 
 
     assert TEARDOWN_ABORT not in err, err[-4000:]  # the process group is destroyed
     assert p.returncode == 0, err[-4000:]
+
+
+# -- 5. review fixes: failures that are results, options checked up front ----------------
+def test_nonfinite_candidate_is_a_fail_with_a_report(tiny_models, tmp_path, capsys):
+    """A candidate whose forward produces inf is a failed conversion (exit 1, the report
+    written), not a bad input."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["llama"], bad)
+    f = next(bad.glob("*.safetensors"))
+    t = load_file(f)
+    t["model.layers.1.post_attention_layernorm.weight"][0] = float("inf")
+    save_file(t, f, metadata={"format": "pt"})
+    rj = tmp_path / "r.json"
+    rc, out, err = _verify(capsys, bad, "--reference", tiny_models["llama"], "--layout",
+                           "tp=2", "--json", rj)  # fmt: skip
+    assert rc == 1, err
+    rep = json.loads(rj.read_text())
+    assert rep["passed"] is False and rep["logits"] is None
+    assert "NaN / inf" in rep["failure"] and "layer 1" in rep["failure"]
+    assert [e["layer"] for e in rep["layers"]] == [0]  # layer 0 was still compared
+    assert "RESULT: FAIL" in out
+
+
+def test_bf16_resharding_has_its_own_thresholds(tiny_models):
+    """Each rank's partial sum is rounded to bf16 before the all-reduce: a bf16 reshard
+    meets bf16 limits, not fp32's 1e-5."""
+    rep = run_verify(candidate=tiny_models["llama"], layout="tp=2", dtype="bf16", progress=False)
+    assert rep["passed"], rep["failure"]
+    assert rep["thresholds"]["kind"] == "resharding-bf16"
+    assert 1e-5 < rep["logits"]["max_rel_err"] < rep["thresholds"]["max_rel_err"]
+
+
+def test_options_are_checked_before_any_work(tiny_models, tmp_path, capsys, no_forward):
+    llama = tiny_models["llama"]
+    cases = [
+        (("--json", tmp_path / "nope" / "r.json"), ("--json", "does not exist")),
+        (("--plot", tmp_path), ("--plot", "is a directory")),
+        (("--decode", "2", "--mla-cache", "latent"), ("no MLA attention",)),
+        (("--kv-cache", "fp8"), ("--decode",)),
+    ]
+    for args, needles in cases:
+        rc, _, err = _verify(capsys, llama, "--layout", "tp=2", *args)
+        assert rc == 2, (args, err)
+        _one_error_line(err, *needles)
+
+
+def test_decode_of_right_padded_data_uses_the_common_prefix(tiny_models, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}\n{"input_ids": [9, 10, 11, 12]}\n')
+    rep = run_verify(candidate=tiny_models["llama"], layout="tp=2", data=data, decode=3,
+                     progress=False)  # fmt: skip
+    assert rep["passed"], rep["failure"]
+    assert "4 tokens" in rep["decode"]["prompt"]
+
+
+def test_missing_original_of_a_quantized_candidate_is_noted(quantized, tmp_path):
+    """The quantized checkpoint's source is gone: the reference falls back to the
+    quantized checkpoint itself, and the report says so."""
+    q = tmp_path / "q"
+    shutil.copytree(quantized("w4a16"), q)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["k3convert"]["source"] = str(tmp_path / "gone")
+    (q / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "s"
+    shard(src=q, out=out, tp=2, progress=False)
+    rep = run_verify(candidate=out, progress=False)
+    assert rep["reference"] == str(q.resolve())
+    assert "not there" in rep["reference_note"] and rep["thresholds"]["kind"] == "exact"
+
+
+def test_check_of_some_ranks_only(tiny_models, stream, tmp_path):
+    """A torchrun process checks the units it will read, not every rank's."""
+    from k3convert.stream.check import check
+
+    s = _copy(stream(tiny_models["llama"], tp=2), tmp_path)
+    (s / _unit(_manifest(s), 1, "layer.1")["file"]).unlink()
+    assert check(s, ranks={0}).ok
+    assert not check(s, ranks={1}).ok and not check(s).ok

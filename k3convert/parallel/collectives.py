@@ -74,6 +74,11 @@ class Collectives(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    @abstractmethod
+    def flags(self, flag: bool) -> list[bool]:
+        """Every process's ``flag`` (one per process): how all processes agree on an
+        error that only some of them saw, so all stop the same way."""
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -105,6 +110,9 @@ class SimulatedCollectives(Collectives):
 
     def barrier(self):
         pass
+
+    def flags(self, flag):
+        return [bool(flag)]
 
     def describe(self) -> str:
         return f"simulated in one process ({self.world} ranks, one at a time)"
@@ -177,8 +185,21 @@ class TorchDistributedCollectives(Collectives):
     def barrier(self):
         self.dist.barrier()
 
+    def flags(self, flag):
+        return process_flags(flag, self.device)
+
     def describe(self) -> str:
         return f"torch.distributed ({self.dist.get_backend()}, {self.world} processes)"
+
+
+def process_flags(flag: bool, device: torch.device | None = None) -> list[bool]:
+    """Every process's ``flag`` over the default process group (one element each)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [bool(o.item()) for o in out]
 
 
 def under_torchrun() -> bool:
@@ -187,11 +208,19 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
+#: collectives wait this long for a peer (gloo's default, 30 min, is shorter than rank 0's
+#: reference forward of a large model); K3_DIST_TIMEOUT_S overrides
+DIST_TIMEOUT_S = 6 * 3600
+
+
 def init_distributed(device: torch.device) -> None:
     """Initialise the default process group from torchrun's environment (idempotent)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = "gloo" if device.type == "cpu" else None  # None: the device's default
-    dist.init_process_group(backend=backend)
+    timeout = float(os.environ.get("K3_DIST_TIMEOUT_S", DIST_TIMEOUT_S))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout))

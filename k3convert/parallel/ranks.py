@@ -167,40 +167,48 @@ class PlannedRankReader(RankReader):
         self._plans = unit_plans
 
     def _load(self, i: int) -> Unit:
-        from ..shard.unit_io import _SourceMaps, _tensor_bytes
-
         if i in self._cache:
             self._cache.move_to_end(i)
             return self._cache[i]
         up = self._plans[i]
-        src = _SourceMaps(self._ck)
-        tensors = {}
-        for tp in up.tensors:
-            e = tp.entry
-            dtype = ST_DTYPES[e["dtype"]][0]
-            mv = _tensor_bytes(src, tp)
-            with warnings.catch_warnings():  # read-only mapping: the runtime never writes
-                warnings.simplefilter("ignore", UserWarning)
-                flat = (
-                    torch.frombuffer(mv, dtype=torch.uint8)
-                    if len(mv)
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-            t = flat.view(dtype) if dtype != torch.uint8 else flat
-            tensors[e["name"]] = t.reshape(e["shape"])
-        unit = Unit(
-            self.rank,
-            up.index,
-            up.name,
-            up.layer,
-            self._ck.root,
-            list(self.unit_entries[i]["tensors"]),
-            tensors,
-        )
+        tensors = _SlicedTensors(self._ck, {t.entry["name"]: t for t in up.tensors})
+        entries = list(self.unit_entries[i]["tensors"])
+        unit = Unit(self.rank, up.index, up.name, up.layer, self._ck.root, entries, tensors)
         self._cache[i] = unit
         while len(self._cache) > 2:
             self._cache.popitem(last=False)
         return unit
+
+
+class _SlicedTensors(dict):
+    """A planned unit's tensors by physical name, each cut from the source when asked
+    for and not kept: memory follows what the runtime holds (one expert at a time), not
+    the unit. Unsplit parts are zero-copy views of the source mapping."""
+
+    def __init__(self, ck, plans: dict):
+        super().__init__()
+        from ..shard.unit_io import _SourceMaps
+
+        self._plans = plans
+        self._src = _SourceMaps(ck)
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        from ..shard.unit_io import _tensor_bytes
+
+        tp = self._plans[name]
+        e = tp.entry
+        dtype = ST_DTYPES[e["dtype"]][0]
+        mv = _tensor_bytes(self._src, tp)
+        if not len(mv):
+            return torch.empty(e["shape"], dtype=dtype)
+        with warnings.catch_warnings():  # read-only mapping: the runtime never writes
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mv, dtype=torch.uint8)
+        t = flat.view(dtype) if dtype != torch.uint8 else flat
+        return t.reshape(e["shape"])
+
+    def __contains__(self, name) -> bool:
+        return name in self._plans
 
 
 def planned_ranks(

@@ -233,19 +233,15 @@ class ParallelRuntime(Runtime):
             attention_mask = self._mask(attention_mask, input_ids, past)
         if position_ids is None:
             position_ids = self.default_positions(input_ids, past)
-        self._shape = (*input_ids.shape, self.text.hidden_size)
         try:
-            self._stage = 0
             h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-            if h is not None:
-                _finite(h, "the embeddings", "embed")
+            self._agree_finite(h, "the embeddings", "embed")
             for i in range(self.num_layers):
                 h = self.run_layer(i, h, position_ids, attention_mask, cache)
-                if h is not None:
-                    _finite(h, f"layer {i}'s output", f"layer.{i}")
+                self._agree_finite(h, f"layer {i}'s output", f"layer.{i}")
                 if on_layer is not None:
                     on_layer(i, self._to_rank0(h, self._stage_of[f"layer.{i}"]))
-            logits = self.head(h)
+            logits = _finite(self.head(h), "the logits", "head")  # on every process
             if cache is not None:
                 cache.advance(input_ids.shape[1])
             return logits
@@ -256,6 +252,13 @@ class ParallelRuntime(Runtime):
             self._step_refs = ()
 
     __call__ = forward
+
+    def _agree_finite(self, t: torch.Tensor | None, what: str, unit: str) -> None:
+        """The runtime's NaN / inf check, agreed by every process (under torchrun only
+        the processes of one stage hold ``t``; all must stop, not wait for them)."""
+        bad = t is not None and not bool(torch.isfinite(t).all())
+        if any(self.coll.flags(bad)):
+            _finite(torch.tensor(float("nan")), what, unit)
 
     def _group(self, unit: str) -> tuple[tuple[int, ...], list[int]]:
         g = self.ranks.tp_group(self._stage_of[unit])
@@ -294,6 +297,9 @@ class ParallelRuntime(Runtime):
     # -- embed / vision -----------------------------------------------------------------
     @torch.inference_mode()
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None):
+        ids = self._ids(input_ids)
+        self._stage = 0  # the hidden state starts on the first stage
+        self._shape = (*ids.shape, self.text.hidden_size)
         _, local = self._group("embed")
         if not local:
             return None
@@ -339,6 +345,8 @@ class ParallelRuntime(Runtime):
         if not 0 <= i < self.num_layers:
             raise ConfigError(f"layer {i} does not exist; the model has {self.num_layers}.")
         unit = f"layer.{i}"
+        if hidden is not None:
+            self._shape = tuple(hidden.shape)
         hidden = self._handoff(hidden, self._stage_of[unit])
         group, local = self._group(unit)
         if not local:
@@ -348,21 +356,25 @@ class ParallelRuntime(Runtime):
             position_ids = self.default_positions(hidden, past)
         step = self._step_for(position_ids, attention_mask, hidden, past)
         x = hidden.to(self.dtype)
+        # simulating several ranks: drop each rank's unit after its phase, so one rank's
+        # unit is mapped at a time (a zstd unit is then decompressed once per phase)
+        each = len(local) > 1
         parts = {}
         for r in local:
             w = self.loaders[r].get(unit, ATTENTION_PHASE)
             lc = cache.for_rank(r).layer(i) if cache is not None else None
             parts[r] = attention_block(self.text, self._linear, w, x, i, step, lc)
             del w
+            if each:
+                self.loaders[r].release()
         x = x + self.coll.all_reduce(parts, group)
         parts = {}
         for r in local:
             w = self.loaders[r].get(unit, MLP_PHASE)
             parts[r] = mlp_block(self.text, self._linear, w, x, self._slots(r, i))
             del w
-        x = x + self.coll.all_reduce(parts, group)
-        for r in local:
             self.loaders[r].release()
+        x = x + self.coll.all_reduce(parts, group)
         return x
 
     def _slots(self, rank: int, layer: int):
@@ -385,16 +397,18 @@ class ParallelRuntime(Runtime):
         ep_rank = self.layout.coords(rank)["ep_rank"]
 
         def slots(idx: torch.Tensor) -> torch.Tensor:
-            idx = idx.cpu()
-            tok = torch.arange(idx.shape[0])[:, None]
-            copy = tok % n[idx]
-            return (table[idx, copy] == ep_rank).to(idx.device)
+            cpu = idx.cpu()
+            tok = torch.arange(cpu.shape[0])[:, None]
+            copy = tok % n[cpu]
+            return (table[cpu, copy] == ep_rank).to(idx.device)
 
         return slots
 
     # -- head -----------------------------------------------------------------------------
     @torch.inference_mode()
     def head(self, hidden):
+        if hidden is not None:
+            self._shape = tuple(hidden.shape)
         hidden = self._handoff(hidden, self._stage_of["head"])
         group, local = self._group("head")
         src = group[0]
@@ -412,7 +426,6 @@ class ParallelRuntime(Runtime):
                 logits = torch.cat(gathered, dim=-1)[..., : self.vocab]
             else:  # replicated: the group's first rank's
                 logits = gathered[0]
-            _finite(logits, "the logits", "head")
         b, s, _ = self._shape
         return self.coll.broadcast(logits, src, (b, s, self.vocab), torch.float32)
 

@@ -12,9 +12,10 @@ Each attention kind owns its cache layout:
   into the query and the output, as DeepSeek's reference inference does.
 
 ``kv_dtype="fp8"`` stores every cached tensor as float8 e4m3 with one scale per tensor
-kind and layer (``k`` / ``v`` / ``latent`` / ``k_rot``): the calibrated scale when one is
-given, else a dynamic scale fixed by the first (prefill) chunk, ``amax / 448``, as
-serving engines compute it on the first forward. Later tokens are quantized with that
+kind and layer (``k`` / ``v`` / ``latent`` / ``k_rot``): the scale the caller passes in
+``scales`` (calibrated), else a dynamic scale fixed by the first (prefill) chunk,
+``amax / 448``, as serving engines compute it on the first forward. (``verify`` uses
+dynamic scales: nothing calibrates KV scales yet.) Later tokens are quantized with that
 scale (saturating at +-448); attention reads the dequantized values.
 
 One cache serves one rank: a tensor-parallel run keeps one per rank (local heads only).
@@ -135,6 +136,7 @@ class KVCache:
             k.nbytes() for k in kids.values()
         )
 
-    def describe(self) -> str:
+    def describe(self, attention: str = "mla") -> str:
         dt = "fp8 e4m3, per-tensor scales" if self.kv_dtype == "fp8" else "compute dtype"
-        return f"MLA {self.mla} / {dt}"
+        kind = f"MLA {self.mla}" if attention == "mla" else "per-head K/V"
+        return f"{kind} / {dt}"

@@ -63,8 +63,9 @@ class CheckReport:
         return "\n".join([head, *(f"  - {p}" for p in self.problems)])
 
 
-def check(out, *, workers: int = 2) -> CheckReport:
-    """Verify every unit and carried file of the stream directory ``out``."""
+def check(out, *, workers: int = 2, ranks=None) -> CheckReport:
+    """Verify every unit and carried file of the stream directory ``out``; ``ranks``: only
+    the units of these ranks (a torchrun process checks what it will read)."""
     root = Path(out)
     try:
         manifest = load_manifest(root)
@@ -72,7 +73,12 @@ def check(out, *, workers: int = 2) -> CheckReport:
         return CheckReport(root, "not_stream", [str(e)])
     except (ManifestError, StreamCorruptError) as e:
         return CheckReport(root, "damaged", [str(e)])
-    jobs = [(r["rank"], u) for r in manifest["ranks"] for u in r["units"]]
+    jobs = [
+        (r["rank"], u)
+        for r in manifest["ranks"]
+        if ranks is None or r["rank"] in ranks
+        for u in r["units"]
+    ]
 
     def one(job) -> str | None:
         rank, u = job

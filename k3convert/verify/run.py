@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..arch import resolve
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, K3Error, NonFiniteError
 from ..parallel import (
     Layout,
     ParallelRuntime,
@@ -68,6 +69,20 @@ def parse_layout(text: str | None) -> Layout | None:
     return Layout(**kw)
 
 
+def _check_output(flag: str, out) -> None:
+    """A report path must be writable before any work starts (not after an hour)."""
+    if out is None:
+        return
+    p = Path(out)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a directory; give a file name.")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: the directory {parent} does not exist.")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {p}: the directory {parent} is not writable.")
+
+
 def _peak_rss_mib() -> float:
     """This process's peak RSS. Linux: VmHWM (ru_maxrss survives exec, so a process
     started by a large parent would report the parent's peak)."""
@@ -85,7 +100,9 @@ def _is_stream(p: Path) -> bool:
     return p.is_dir() and (p / "manifest.json").is_file()
 
 
-def _open_candidate(path: Path, layout: Layout | None, check_stream: bool, placement: dict):
+def _open_candidate(
+    path: Path, layout: Layout | None, check_stream: bool, placement: dict, only_rank=None
+):
     """(RankSet, kind, source path of provenance or None)."""
     from ..checkpoint import open_checkpoint
     from ..stream import open_stream
@@ -100,7 +117,7 @@ def _open_candidate(path: Path, layout: Layout | None, check_stream: bool, place
         if check_stream:
             from ..stream.check import check
 
-            rep = check(path)
+            rep = check(path, ranks=None if only_rank is None else {only_rank})
             if rep.status == "not_stream":
                 raise ConfigError(rep.problems[0] if rep.problems else f"{path}: not a stream.")
             if not rep.ok:
@@ -120,32 +137,37 @@ def _open_candidate(path: Path, layout: Layout | None, check_stream: bool, place
     return planned_ranks(ck, layout or Layout(), **placement), "checkpoint", prov
 
 
-def _original(path: Path, seen: int = 0) -> Path:
+def _original(path: Path, seen: int = 0) -> tuple[Path, str | None]:
     """Follow quantize's provenance (``config.json: k3convert.source``) to the
-    unquantized original, where it still exists."""
+    unquantized original, where it still exists: (path, a note when it does not)."""
     from ..checkpoint import load_json
 
     cfg_path = path / "config.json"
     if seen > 4 or not cfg_path.is_file():
-        return path
+        return path, None
     cfg = load_json(cfg_path)
     src = (cfg.get("k3convert") or {}).get("source")
     if src and cfg.get("quantization_config") is not None:
         p = Path(src)
         if p.is_dir() and (p / "config.json").is_file():
             return _original(p, seen + 1)
-    return path
+        return path, (
+            f"the quantized checkpoint's own source {p} is not there, so the reference is the "
+            f"quantized checkpoint {path} itself (this checks the layout, not the "
+            f"quantization); pass --reference ORIGINAL to compare with the original"
+        )
+    return path, None
 
 
 def _resolve_reference(
     reference: str | None, prov: str | None, candidate: Path
-) -> tuple[str, Path]:
-    """(kind, path) of the reference: ("runtime", P) or ("transformers", P)."""
+) -> tuple[str, Path, str | None]:
+    """(kind, path, note) of the reference: kind "runtime" or "transformers"."""
     if reference is not None and reference != "transformers":
         p = Path(reference)
         if not p.exists():
             raise ConfigError(f"--reference {p}: no such checkpoint directory.")
-        return "runtime", p
+        return "runtime", p, None
     if prov is None:
         raise ConfigError(
             f"{candidate}: records no source checkpoint to compare against; give one with "
@@ -157,8 +179,8 @@ def _resolve_reference(
             f"{candidate}: its provenance names the source checkpoint {p}, which is not there "
             f"(moved or on another machine?); give it with --reference PATH."
         )
-    p = _original(p)
-    return ("transformers" if reference == "transformers" else "runtime"), p
+    p, note = _original(p)
+    return ("transformers" if reference == "transformers" else "runtime"), p, note
 
 
 _COMPARED = (
@@ -183,7 +205,20 @@ def _check_same_model(cand_cfg: dict, ref_cfg: dict, cand: str, ref: str) -> Non
         )
 
 
-def _thresholds(cand_cfg: dict, ref_cfg: dict, layout: Layout, max_kld, min_top1, max_rel_err):
+#: the "exact" family in a 16-bit compute dtype: each rank's partial sum is rounded to
+#: bf16 / fp16 before the all-reduce, so a reshard is exact only to that precision
+LOW_PRECISION_EXACT = {
+    torch.bfloat16: vm.Thresholds(max_kld=1e-3, min_top1=0.9, max_rel_err=5e-2,
+                                  kind="resharding-bf16"),
+    torch.float16: vm.Thresholds(max_kld=1e-4, min_top1=0.95, max_rel_err=1e-2,
+                                 kind="resharding-fp16"),
+}  # fmt: skip
+
+
+def _thresholds(
+    cand_cfg: dict, ref_cfg: dict, layout: Layout, compute: torch.dtype, max_kld, min_top1,
+    max_rel_err,
+):  # fmt: skip
     qc = cand_cfg.get("quantization_config") or (cand_cfg.get("text_config") or {}).get(
         "quantization_config"
     )
@@ -191,7 +226,7 @@ def _thresholds(cand_cfg: dict, ref_cfg: dict, layout: Layout, max_kld, min_top1
         "quantization_config"
     )
     if qc is None or (qc == rq and (layout.tp == 1 or not _dynamic_acts(qc))):
-        th = vm.default_thresholds("exact")
+        th = LOW_PRECISION_EXACT.get(compute) or vm.default_thresholds("exact")
     else:
         th = vm.thresholds_for_quant_config(cand_cfg)
     over = {k: v for k, v in (("max_kld", max_kld), ("min_top1", min_top1),
@@ -231,7 +266,7 @@ class _Lockstep:
         return self.ref.head(self.h)
 
 
-def _transformers_reference(path: Path, ids, mask, pv, grid) -> tuple[torch.Tensor, list]:
+def _need_transformers():
     try:
         import transformers
     except ImportError:
@@ -239,6 +274,11 @@ def _transformers_reference(path: Path, ids, mask, pv, grid) -> tuple[torch.Tens
             "--reference transformers needs the transformers package (pip install "
             "transformers); or drop it to use k3convert's own runtime as the reference."
         ) from None
+    return transformers
+
+
+def _transformers_reference(path: Path, ids, mask, pv, grid) -> tuple[torch.Tensor, list]:
+    transformers = _need_transformers()
     from ..checkpoint import load_json
 
     cfg = load_json(path / "config.json")
@@ -308,6 +348,13 @@ def run_verify(
     if not isinstance(random, int) or random < 1:
         raise ConfigError(f"--random must be a positive number of sequences, got {random!r}.")
     compute = parse_dtype(dtype)
+    for flag, out in (("--json", json_path), ("--plot", plot_path)):
+        _check_output(flag, out)
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib (pip install matplotlib).") from None
     if decode:
         KVCache(mla=mla_cache, kv_dtype=kv_cache)  # bad values fail here, before any work
     elif kv_cache is not None or mla_cache != "expanded":
@@ -322,13 +369,34 @@ def run_verify(
     placement = dict(
         pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
     )
-    ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement)
-    ref_kind, ref_path = _resolve_reference(reference, prov, cand_path)
+    me0 = None
+    if dist_run:
+        import torch.distributed as dist
+
+        me0 = dist.get_rank()
+    err = None
+    try:
+        ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement, me0)
+    except K3Error as e:
+        err = e
+    if dist_run:  # each process checked its own rank's units: agree on the verdict
+        from ..parallel.collectives import process_flags
+
+        failed = process_flags(err is not None)
+        if err is None and any(failed):
+            err = StreamCorruptError(
+                f"{cand_path}: torchrun process {failed.index(True)} could not open or "
+                f"check its part of the candidate (its error is printed above); nothing "
+                f"was run."
+            )
+    if err is not None:
+        raise err
+    ref_kind, ref_path, ref_note = _resolve_reference(reference, prov, cand_path)
     from ..checkpoint import load_json, open_checkpoint
 
     ref_cfg = load_json(ref_path / "config.json")
     _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
-    th = _thresholds(ranks.config, ref_cfg, ranks.layout, max_kld, min_top1, max_rel_err)
+    th = _thresholds(ranks.config, ref_cfg, ranks.layout, compute, max_kld, min_top1, max_rel_err)
 
     if dist_run:
         import torch.distributed as dist
@@ -340,6 +408,11 @@ def run_verify(
         coll = SimulatedCollectives(ranks.world)
         me = 0
     cand = ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll, resident=resident)
+    if decode and mla_cache != "expanded" and cand.text.attention != "mla":
+        raise ConfigError(
+            f"--mla-cache {mla_cache}: '{cand.arch.name}' has no MLA attention (its cache is "
+            f"per-head K/V); drop --mla-cache."
+        )
 
     # -- inputs ------------------------------------------------------------------------
     avoid = set()
@@ -405,19 +478,51 @@ def run_verify(
     t0 = time.perf_counter()
     # every process passes a callback: forward then hands each layer's hidden state to
     # rank 0 (a collective under torchrun), where the reference compares it
-    if me == 0 and ref_kind == "runtime":
-        ref_rt = Runtime(open_checkpoint(ref_path), device=device, dtype=compute, act_quant=None)
-        lock = _Lockstep(ref_rt, ids, mask, pv, grid, pos, bar)
-    else:
-        lock = _Collect(hcand if me == 0 else None, bar)
+    # rank 0 alone opens the reference; every process learns whether that worked, so a
+    # bad reference stops all of them with its one error line instead of a hang
+    err: Exception | None = None
     try:
-        logits = cand.forward(
-            ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
-            on_layer=lock,
-        )  # fmt: skip
+        if me == 0 and ref_kind == "runtime":
+            ref_rt = Runtime(
+                open_checkpoint(ref_path), device=device, dtype=compute, act_quant=None
+            )
+            lock = _Lockstep(ref_rt, ids, mask, pv, grid, pos, bar)
+        else:
+            if me == 0:
+                _need_transformers()
+            lock = _Collect(hcand if me == 0 else None, bar)
+    except K3Error as e:
+        err = e
+    failed = coll.flags(err is not None)
+    if err is not None:
+        raise err
+    if any(failed):
+        raise ConfigError(
+            f"torchrun process {failed.index(True)} could not open the reference {ref_path} "
+            f"(its error is printed above); nothing was run."
+        )
+    nonfinite = None
+    try:
+        try:
+            logits = cand.forward(
+                ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
+                position_ids=pos, on_layer=lock,
+            )  # fmt: skip
+        except NonFiniteError as e:  # agreed by every process: a failed candidate, exit 1
+            nonfinite, logits = str(e), None
         t_fwd = time.perf_counter() - t0
         report: dict = {"rank": me}
-        if me == 0:
+        base = dict(
+            candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
+            reference_kind=ref_kind, reference_note=ref_note, layout=ranks.layout.to_json(),
+            experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
+            device=str(cand.device), inputs=input_kind, thresholds=asdict(th),
+            act_quant=_act_note(cand),
+        )  # fmt: skip
+        if me == 0 and nonfinite is not None:
+            layers = list(lock.layers) if isinstance(lock, _Lockstep) else []
+            report.update(base, logits=None, layers=layers)
+        elif me == 0:
             if ref_rt is not None:
                 ref_logits = lock.logits()
                 layers = lock.layers
@@ -436,16 +541,9 @@ def run_verify(
             metrics = vm.compare_logits(ref_logits, logits, mask=mask, targets=targets)
             # bit-level fingerprint: a simulated and a torchrun run must print the same
             metrics["candidate_sha256"] = hashlib.sha256(
-                logits.contiguous().numpy().tobytes()
+                logits.detach().cpu().contiguous().numpy().tobytes()
             ).hexdigest()
-            report.update(
-                candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
-                reference_kind=ref_kind, layout=ranks.layout.to_json(),
-                experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
-                device=str(cand.device), inputs=input_kind, logits=metrics, layers=layers,
-                thresholds=asdict(th),
-                act_quant=_act_note(cand),
-            )  # fmt: skip
+            report.update(base, logits=metrics, layers=layers)
         t_ref = time.perf_counter() - t0 - t_fwd
     finally:
         if bar is not None:
@@ -455,7 +553,7 @@ def run_verify(
 
     # -- decode check --------------------------------------------------------------------
     t1 = time.perf_counter()
-    if decode:
+    if decode and nonfinite is None:
         dec = _decode_check(cand, ids, mask, pv, grid, decode, kv_cache, mla_cache, avoid)
         if me == 0:
             report["decode"] = dec
@@ -475,8 +573,9 @@ def run_verify(
     rss = max(rss_all)
     report["time_s"] = round(time.perf_counter() - t_start, 3)
     report["time_breakdown_s"] = {
-        "candidate_forward": round(t_fwd, 3),
-        "reference": round(t_ref, 3),
+        # the reference runs in lockstep inside the candidate's forward
+        "candidate_with_lockstep_reference": round(t_fwd, 3),
+        "reference_head_and_metrics": round(t_ref, 3),
         "decode": round(t_dec, 3),
     }
     report["peak_rss_mib"] = round(rss, 1)
@@ -485,7 +584,10 @@ def run_verify(
         report["peak_rss_mib_per_rank"] = [round(x, 1) for x in rss_all]
     else:
         report["peak_rss_scope"] = "this process (all ranks simulated)"
-    passed, why = vm.check(report["logits"], th, report["layers"])
+    if nonfinite is not None:
+        passed, why = False, f"the candidate's forward produced NaN / inf: {nonfinite}"
+    else:
+        passed, why = vm.check(report["logits"], th, report["layers"])
     dec = report.get("decode")
     if passed and dec is not None and not dec["passed"]:
         passed, why = False, dec["failure"]
@@ -566,8 +668,19 @@ def _act_note(cand: ParallelRuntime) -> str | None:
 def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> dict:
     """Greedy decode of ``n`` tokens with a KV cache, against full forwards."""
     cache = KVCache(mla=mla_cache, kv_dtype=kv_cache)
+    prompt_note = None
+    if mask is not None:
+        # right-padded rows would continue after their padding: decode from the longest
+        # prefix every row really has (when that keeps the images' tokens)
+        lens = mask.long().sum(-1)
+        prefix = bool((mask.bool() == (torch.arange(mask.shape[1]) < lens[:, None])).all())
+        cut = int(lens.min())
+        keeps_images = not avoid or bool((_special(ids[:, cut:], avoid) == 0).all())
+        if prefix and cut >= 1 and (pv is None or keeps_images):
+            ids, mask = ids[:, :cut], None
+            prompt_note = f"prompts cut to the {cut} tokens every row has (right padding)"
     b = ids.shape[0]
-    ones = torch.ones(b, 1, dtype=torch.long)
+    ones = torch.ones(b, 1, dtype=torch.long, device=ids.device)
     full_mask = mask
     step_logits = [cand.forward(ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
                                 cache=cache)[:, -1:]]  # fmt: skip
@@ -579,7 +692,7 @@ def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> d
             nxt = nxt.clone()
             nxt[:, special] = float("-inf")
         tok = nxt.argmax(-1, keepdim=True)
-        seq = torch.cat((seq, tok), dim=1)
+        seq = torch.cat((seq, tok.to(seq.device)), dim=1)
         if full_mask is not None:
             full_mask = torch.cat((full_mask, ones), dim=1)
         step_logits.append(cand.forward(tok, attention_mask=full_mask, cache=cache))
@@ -588,14 +701,29 @@ def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> d
     full = full[:, ids.shape[1] - 1 :]
     err = float(((inc - full).abs().max() / full.abs().max().clamp_min(1e-30)).item())
     same = bool((inc.argmax(-1) == full.argmax(-1)).all())
-    out = {"steps": n, "kv_cache": cache.describe(), "max_rel_err": err, "argmax_equal": same,
-           "cache_mib": round(cache.nbytes() / 2**20, 3)}  # fmt: skip
-    dynamic = cand.act_quant and any(sp.dynamic for sp in cand.act_specs.values())
-    if kv_cache == "fp8" or dynamic:
+    out = {"steps": n, "kv_cache": cache.describe(cand.text.attention), "max_rel_err": err,
+           "argmax_equal": same,
+           # every rank's cache when simulated; this process's ranks under torchrun
+           "cache_mib_this_process": round(cache.nbytes() / 2**20, 3)}  # fmt: skip
+    if prompt_note:
+        out["prompt"] = prompt_note
+    # activation specs that run (routed experts' only with act_quant_experts)
+    specs = {
+        n: sp for n, sp in cand.act_specs.items()
+        if cand.act_quant and (cand.act_quant_experts or n not in cand._routed)
+    }  # fmt: skip
+    dynamic = any(sp.dynamic for sp in specs.values())
+    latent_kvb = mla_cache == "latent" and any("kv_b_proj" in n for n in specs)
+    if kv_cache == "fp8" or dynamic or latent_kvb:
         # not bit-for-bit: an e4m3 cache rounds K / V; dynamic activation scales depend
         # on the chunk a Linear sees (MLA's kv_b_proj takes one scale per sequence, as
-        # transformers feeds it), so a one-token step quantizes differently
-        why = "an FP8 KV cache" if kv_cache == "fp8" else "dynamic activation quantization"
+        # transformers feeds it), so a one-token step quantizes differently; the latent
+        # cache absorbs kv_b_proj as a weight, without its input quantization
+        why = (
+            "an FP8 KV cache" if kv_cache == "fp8"
+            else "dynamic activation quantization" if dynamic
+            else "the latent MLA cache (kv_b_proj's input quantization is absorbed away)"
+        )  # fmt: skip
         kld = vm.compare_logits(full, inc)["kld"]
         out["kld_vs_full"] = kld["mean"]
         out["kld_vs_full_max"] = kld["max"]
