@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import PartMeta, TensorMeta
+from ..checkpoint import TensorMeta
 from ..checkpoint.safetensors_io import ST_DTYPES
-from ..errors import ConfigError
 from ..shard.layout import Layout
-from ..stream.reader import RankReader, Stream, Unit, _quant
+from ..stream.reader import RankReader, Stream, Unit, _quant, part_meta
 
 
 @dataclass
@@ -68,15 +67,7 @@ class GlobalView:
 
     def meta(self, name: str) -> TensorMeta:
         es = self._entries[name]
-        parts = {}
-        for e in es:
-            dtype, bits = ST_DTYPES[e["dtype"]]
-            n = 1
-            for d in e["global_shape"]:
-                n *= d
-            parts[e["part"]] = PartMeta(
-                e["name"], self.root, dtype, tuple(e["global_shape"]), -(-n * bits // 8)
-            )
+        parts = {e["part"]: part_meta(e, self.root, "global_shape") for e in es}
         e0 = es[0]
         return TensorMeta(
             name,
@@ -113,12 +104,6 @@ class RankSet:
     def rank(self, r: int) -> RankReader:
         return self.readers[r]
 
-    def stage_of_unit(self, unit: str) -> int:
-        for s in self.stages:
-            if unit in s.units:
-                return s.pp_rank
-        raise ConfigError(f"{self.where}: no pipeline stage holds unit '{unit}'.")
-
     def tp_group(self, stage: int) -> tuple[int, ...]:
         tp = self.layout.tp
         return tuple(range(stage * tp, (stage + 1) * tp))
@@ -129,10 +114,6 @@ class RankSet:
             return None
         info = self.experts["layers"].get(str(layer))
         return None if info is None else info["expert_ep_ranks"]
-
-    def release(self) -> None:
-        for rd in self.readers.values():
-            rd._cache.clear()
 
 
 def stream_ranks(stream: Stream) -> RankSet:

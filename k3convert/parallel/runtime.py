@@ -31,17 +31,15 @@ serving kernels do: a row-parallel Linear's per-token scale is taken over its sl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import CheckpointError, ConfigError
-from ..runtime.cache import KVCache
 from ..runtime.decoder import attention_block, mlp_block
 from ..runtime.ops import rms_norm
 from ..runtime.runtime import Runtime, _finite, check_vocab
-from ..runtime.source import FP32_KINDS, Lazy, Plan, Weights, to_compute
+from ..runtime.source import Lazy, Plan, Weights, activation_params, to_compute
 from ..runtime.vision import encode_images
 from .collectives import Collectives, SimulatedCollectives
 from .ranks import RankSet
@@ -75,9 +73,6 @@ class RankLoader:
                 self._local[(u["name"], glob)] = e["logical"]
                 if e["part"] in ("weight", "weight_packed"):
                     self._entry[e["logical"]] = e
-
-    def holds(self, unit: str) -> bool:
-        return any(u["name"] == unit for u in self.reader.unit_entries)
 
     def get(self, unit: str, components: tuple[str, ...] | None = None) -> Weights:
         if self._kept is not None:
@@ -113,7 +108,8 @@ class RankLoader:
             else:
                 tensors[key] = self._tensor(key, local)
             if entries[key].name in self.input_scales:
-                tensors.update(self._activation_params(key, local))
+                parts = self.reader.get_parts(local)
+                tensors.update(activation_params(parts, key, self.dtype, self.device))
         return Weights(unit, tensors, names, splits)
 
     @staticmethod
@@ -123,22 +119,13 @@ class RankLoader:
     def _tensor(self, key: str, local: str) -> torch.Tensor:
         return to_compute(self.reader.get(local, None), key, local, self.dtype, self.device, False)
 
-    def _activation_params(self, key: str, local: str) -> dict[str, torch.Tensor]:
-        parts = self.reader.get_parts(local)
-        out = {}
-        if "input_scale" in parts:
-            out[key + "_input_scale"] = parts["input_scale"].to(self.device, self.dtype)
-        if "input_zero_point" in parts:
-            out[key + "_input_zero_point"] = parts["input_zero_point"].to(self.device)
-        return out
-
     def release(self) -> None:
         if self._kept is None:
-            self.reader._cache.clear()
+            self.reader.release()
 
     def close(self) -> None:
         self._kept = {} if self._kept is not None else None
-        self.reader._cache.clear()
+        self.reader.release()
 
 
 class ParallelRuntime(Runtime):
@@ -215,50 +202,20 @@ class ParallelRuntime(Runtime):
                             f"token (e.g. fp8-dynamic) for this layout."
                         )
 
-    # -- forward ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        on_layer: Callable[[int, torch.Tensor | None], None] | None = None,
-    ) -> torch.Tensor:
-        input_ids = self._ids(input_ids)
-        past = cache.length if cache is not None else 0
-        if attention_mask is not None:
-            attention_mask = self._mask(attention_mask, input_ids, past)
-        if position_ids is None:
-            position_ids = self.default_positions(input_ids, past)
-        try:
-            h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-            self._agree_finite(h, "the embeddings", "embed")
-            for i in range(self.num_layers):
-                h = self.run_layer(i, h, position_ids, attention_mask, cache)
-                self._agree_finite(h, f"layer {i}'s output", f"layer.{i}")
-                if on_layer is not None:
-                    on_layer(i, self._to_rank0(h, self._stage_of[f"layer.{i}"]))
-            logits = _finite(self.head(h), "the logits", "head")  # on every process
-            if cache is not None:
-                cache.advance(input_ids.shape[1])
-            return logits
-        finally:
-            for ld in self.loaders.values():
-                ld.release()
-            self._step_key = self._step = None
-            self._step_refs = ()
-
-    __call__ = forward
-
-    def _agree_finite(self, t: torch.Tensor | None, what: str, unit: str) -> None:
+    # -- forward: Runtime.forward, with these three pieces ------------------------------
+    def _check_finite(self, t: torch.Tensor | None, what: str, unit: str) -> None:
         """The runtime's NaN / inf check, agreed by every process (under torchrun only
         the processes of one stage hold ``t``; all must stop, not wait for them)."""
         bad = t is not None and not bool(torch.isfinite(t).all())
         if any(self.coll.flags(bad)):
             _finite(torch.tensor(float("nan")), what, unit)
+
+    def _observed(self, i: int, h: torch.Tensor | None) -> torch.Tensor | None:
+        return self._to_rank0(h, self._stage_of[f"layer.{i}"])
+
+    def _release_units(self) -> None:
+        for ld in self.loaders.values():
+            ld.release()
 
     def _group(self, unit: str) -> tuple[tuple[int, ...], list[int]]:
         g = self.ranks.tp_group(self._stage_of[unit])
@@ -434,4 +391,4 @@ class ParallelRuntime(Runtime):
             ld.close()
 
 
-__all__ = ["ATTENTION_PHASE", "FP32_KINDS", "MLP_PHASE", "ParallelRuntime", "RankLoader"]
+__all__ = ["ATTENTION_PHASE", "MLP_PHASE", "ParallelRuntime", "RankLoader"]

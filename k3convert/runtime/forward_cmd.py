@@ -63,6 +63,34 @@ def _load_safetensors(path: str | os.PathLike, what: str) -> dict[str, torch.Ten
         raise CheckpointError(f"{what} {p}: not a readable safetensors file ({e}).") from e
 
 
+def load_ids_file(path, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids [B, S] integer, attention_mask [B, S] or None) from a safetensors
+    file; a 1-D file is one sequence. Shapes and dtypes are checked, with ``what`` (the
+    option) in every message."""
+    d = _load_safetensors(path, what)
+    ids = _need(d, "input_ids", path, what)
+    mask = d.get("attention_mask")
+    if ids.ndim == 1:
+        ids = ids[None]
+        mask = mask[None] if mask is not None and mask.ndim == 1 else mask
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ConfigError(
+            f"{what} {path}: input_ids must be integer [batch, seq], got {ids.dtype} "
+            f"{tuple(ids.shape)}."
+        )
+    if ids.numel() == 0:
+        raise ConfigError(
+            f"{what} {path}: input_ids {tuple(ids.shape)} is empty; give at least one "
+            f"sequence of at least one token."
+        )
+    if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+        raise ConfigError(
+            f"{what} {path}: attention_mask {tuple(mask.shape)} does not match input_ids "
+            f"{tuple(ids.shape)}."
+        )
+    return ids, mask
+
+
 def _need(d: dict, key: str, path, what: str) -> torch.Tensor:
     if key not in d:
         raise ConfigError(
@@ -140,27 +168,7 @@ def run_forward(
     if ids is not None:
         input_ids = parse_ids(ids)
     else:
-        d = _load_safetensors(ids_file, "--ids-file")
-        input_ids = _need(d, "input_ids", ids_file, "--ids-file")
-        mask = d.get("attention_mask")
-        if input_ids.ndim == 1:
-            input_ids = input_ids[None]
-            mask = mask[None] if mask is not None and mask.ndim == 1 else mask
-        if input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
-            raise ConfigError(
-                f"--ids-file {ids_file}: input_ids must be integer [batch, seq], got "
-                f"{input_ids.dtype} {tuple(input_ids.shape)}."
-            )
-        if input_ids.numel() == 0:
-            raise ConfigError(
-                f"--ids-file {ids_file}: input_ids {tuple(input_ids.shape)} is empty; give at "
-                f"least one sequence of at least one token."
-            )
-        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
-            raise ConfigError(
-                f"--ids-file {ids_file}: attention_mask {tuple(mask.shape)} does not match "
-                f"input_ids {tuple(input_ids.shape)}."
-            )
+        input_ids, mask = load_ids_file(ids_file, "--ids-file")
     pv = grid = None
     if pixel_values is not None:
         d = _load_safetensors(pixel_values, "--pixel-values")

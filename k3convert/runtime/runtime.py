@@ -213,23 +213,34 @@ class Runtime:
             position_ids = self.default_positions(input_ids, past)
         try:
             h = self.embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-            _finite(h, "the embeddings", "embed")
+            self._check_finite(h, "the embeddings", "embed")
             for i in range(self.num_layers):
                 h = self.run_layer(i, h, position_ids, attention_mask, cache)
-                _finite(h, f"layer {i}'s output", f"layer.{i}")
+                self._check_finite(h, f"layer {i}'s output", f"layer.{i}")
                 if on_layer is not None:
-                    on_layer(i, h)
+                    on_layer(i, self._observed(i, h))
             logits = _finite(self.head(h), "the logits", "head")
             if cache is not None:
                 cache.advance(input_ids.shape[1])
             return logits
         finally:
-            if not self.loader.resident:
-                self.loader.release()
+            self._release_units()
             self._step_key = self._step = None
             self._step_refs = ()
 
     __call__ = forward
+
+    # the three places a parallel runtime differs in ``forward``
+    def _check_finite(self, h: torch.Tensor, what: str, unit: str) -> None:
+        _finite(h, what, unit)
+
+    def _observed(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The hidden state ``on_layer`` receives after layer ``i``."""
+        return h
+
+    def _release_units(self) -> None:
+        if not self.loader.resident:
+            self.loader.release()
 
     @torch.inference_mode()
     def embed(

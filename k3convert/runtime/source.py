@@ -273,13 +273,18 @@ class UnitLoader:
         get_parts = getattr(self.source, "get_parts", None)
         if get_parts is None:
             return {}
-        parts = get_parts(name)
-        out = {}
-        if "input_scale" in parts:
-            out[key + "_input_scale"] = parts["input_scale"].to(self.device, self.dtype)
-        if "input_zero_point" in parts:
-            out[key + "_input_zero_point"] = parts["input_zero_point"].to(self.device)
-        return out
+        return activation_params(get_parts(name), key, self.dtype, self.device)
+
+
+def activation_params(parts: dict, key: str, dtype, device) -> dict[str, torch.Tensor]:
+    """A Linear's static activation parameters as unit entries ``<key>_input_scale`` (in
+    the compute dtype, as compressed-tensors keeps it) / ``<key>_input_zero_point``."""
+    out = {}
+    if "input_scale" in parts:
+        out[key + "_input_scale"] = parts["input_scale"].to(device, dtype)
+    if "input_zero_point" in parts:
+        out[key + "_input_zero_point"] = parts["input_zero_point"].to(device)
+    return out
 
 
 def to_compute(

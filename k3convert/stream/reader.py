@@ -51,6 +51,7 @@ from .format import (
     StreamCorruptError,
     StreamError,
     StreamVersionError,
+    nbytes_of,
     parse_header,
 )
 from .schema import validate
@@ -345,6 +346,13 @@ def _quant(q: dict | None, encoding: str) -> QuantParams:
     )
 
 
+def part_meta(e: dict, path: Path, shape_key: str) -> PartMeta:
+    """A manifest tensor entry as a PartMeta: ``shape_key`` "shape" (as stored on its
+    rank) or "global_shape" (the whole part)."""
+    shape = tuple(e[shape_key])
+    return PartMeta(e["name"], path, ST_DTYPES[e["dtype"]][0], shape, nbytes_of(e["dtype"], shape))
+
+
 class RankReader:
     """One rank's view: its units in execution order, and its local tensors by name."""
 
@@ -368,6 +376,10 @@ class RankReader:
 
     def unit_names(self) -> list[str]:
         return [u["name"] for u in self.unit_entries]
+
+    def release(self) -> None:
+        """Drop the units kept for ``get`` (their mappings or decompressed bytes)."""
+        self._cache.clear()
 
     def unit(self, which: int | str, *, verify_hashes: bool | None = None) -> Unit:
         names = self.unit_names()
@@ -437,14 +449,7 @@ class RankReader:
         """Local metadata (shapes as stored on this rank)."""
         i, es = self._entries(name)
         path = self.stream.root / self.unit_entries[i]["file"]
-        parts = {}
-        for e in es:
-            dtype, bits = ST_DTYPES[e["dtype"]]
-            n = 1
-            for d in e["shape"]:
-                n *= d
-            nb = -(-n * bits // 8)
-            parts[e["part"]] = PartMeta(e["name"], path, dtype, tuple(e["shape"]), nb)
+        parts = {e["part"]: part_meta(e, path, "shape") for e in es}
         e0 = es[0]
         shape = tuple(e0["logical_shape"])
         if any(e["split_dim"] is not None or e["contents"] == "local_shape" for e in es):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, short_repr
-from ..runtime.forward_cmd import _load_safetensors, _need, _tokenizer
+from ..runtime.forward_cmd import _tokenizer, load_ids_file
 from .metrics import IGNORE_INDEX
 
 # A .txt file is read up to this many characters per wanted token (no token is longer),
@@ -209,24 +209,9 @@ def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def _safetensors_data(
     p: Path, seq_len: int, vocab: int, max_samples: int
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    d = _load_safetensors(p, "data file")
-    ids = _need(d, "input_ids", p, "data file")
-    mask = d.get("attention_mask")
-    if ids.ndim == 1:
-        ids = ids[None]
-        mask = mask[None] if mask is not None and mask.ndim == 1 else mask
-    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ConfigError(
-            f"data file {p}: input_ids must be integer [batch, seq], got {ids.dtype} "
-            f"{tuple(ids.shape)}."
-        )
+    ids, mask = load_ids_file(p, "data file")
     if mask is None:
         mask = torch.ones_like(ids, dtype=torch.int64)
-    elif tuple(mask.shape) != tuple(ids.shape):
-        raise ConfigError(
-            f"data file {p}: attention_mask {tuple(mask.shape)} does not match input_ids "
-            f"{tuple(ids.shape)}."
-        )
     elif mask.dtype.is_floating_point or bool(((mask != 0) & (mask != 1)).any()):
         raise ConfigError(f"data file {p}: attention_mask must hold only 0 and 1.")
     ids, mask = ids.to(torch.int64)[:, :seq_len], mask.to(torch.int64)[:, :seq_len]

@@ -15,7 +15,6 @@ memory beyond two hidden states. Under ``torchrun`` every process runs its own r
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import resource
@@ -369,14 +368,15 @@ def run_verify(
     placement = dict(
         pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
     )
-    me0 = None
+    me = 0
     if dist_run:
         import torch.distributed as dist
 
-        me0 = dist.get_rank()
+        me = dist.get_rank()
     err = None
     try:
-        ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement, me0)
+        only = me if dist_run else None
+        ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement, only)
     except K3Error as e:
         err = e
     if dist_run:  # each process checked its own rank's units: agree on the verdict
@@ -399,14 +399,10 @@ def run_verify(
     th = _thresholds(ranks.config, ref_cfg, ranks.layout, compute, max_kld, min_top1, max_rel_err)
 
     if dist_run:
-        import torch.distributed as dist
-
         groups = [ranks.tp_group(s.pp_rank) for s in ranks.stages]
         coll = TorchDistributedCollectives(ranks.world, groups, resolve_device(device))
-        me = dist.get_rank()
     else:
         coll = SimulatedCollectives(ranks.world)
-        me = 0
     cand = ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll, resident=resident)
     if decode and mla_cache != "expanded" and cand.text.attention != "mla":
         raise ConfigError(
@@ -745,8 +741,4 @@ def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> d
     return out
 
 
-def report_json(report: dict) -> str:
-    return json.dumps(report, indent=2, sort_keys=True)
-
-
-__all__ = ["parse_layout", "report_json", "run_verify"]
+__all__ = ["parse_layout", "run_verify"]
