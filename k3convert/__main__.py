@@ -1,7 +1,5 @@
 """``python -m k3convert`` (and ``torchrun -m k3convert verify ...``)."""
 
-import sys
+from .cli import entry
 
-from .cli import main
-
-sys.exit(main())
+entry()

@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,12 +297,55 @@ def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
     return flat.reshape(info.shape)
 
 
+def map_chunks(path: Path, info: RawTensorInfo, chunk_bytes: int = 16 << 20):
+    """One tensor's values as flat views of at most ``chunk_bytes`` each, every chunk its
+    own mapping (released when the caller drops it), so a pass over a tensor of any
+    size keeps one chunk resident."""
+    esize = max(1, torch.empty((), dtype=info.dtype).element_size())
+    step = max(esize, chunk_bytes - chunk_bytes % esize)
+    for off in range(0, info.nbytes, step):
+        n = min(step, info.nbytes - off)
+        piece = (info.name, info.dtype, info.st_dtype, (n // esize,), info.start + off, n)
+        yield map_tensor(path, RawTensorInfo(*piece))
+
+
+def _copy_range(src: int, dst: int, src_off: int, dst_off: int, n: int, where: str) -> None:
+    """``n`` bytes from file descriptor ``src`` at ``src_off`` to ``dst`` at ``dst_off``,
+    copied by the kernel (``copy_file_range``: no pass through user memory, a reflink
+    where the filesystem has them), or by positional reads and writes of 8 MiB where the
+    kernel cannot (another filesystem, an old kernel)."""
+    kernel = hasattr(os, "copy_file_range")
+    while n:
+        k = 0
+        if kernel:
+            try:
+                k = os.copy_file_range(src, dst, n, src_off, dst_off)
+            except OSError:
+                kernel = False
+                continue
+        else:
+            buf = os.pread(src, min(n, 8 << 20), src_off)
+            k = len(buf)
+            if k:
+                mv = memoryview(buf)
+                while mv:
+                    mv = mv[os.pwrite(dst, mv, dst_off + k - len(mv)) :]
+        if k == 0:
+            raise SafetensorsFormatError(
+                f"{where}: the file ended {n} bytes early while being copied; it is "
+                f"truncated or was changed during the run."
+            )
+        n, src_off, dst_off = n - k, src_off + k, dst_off + k
+
+
 class SafetensorsWriter:
     """Write a .safetensors file one tensor at a time (bounded memory).
 
-    The header is computed up front from (name, dtype, shape) so tensors can be
-    produced and written in order, one at a time; ``close()`` checks every declared
-    tensor was written. Data offsets are laid out in declaration order.
+    The header is computed up front from (name, dtype, shape), so every tensor's place
+    in the file is known before any data: tensors are written either in declaration
+    order (``write``) or, from any number of threads and in any order, at their place
+    (``put``, ``copy_from``); ``close()`` checks every declared tensor was written.
+    Data offsets are laid out in declaration order.
     """
 
     def __init__(
@@ -329,9 +373,20 @@ class SafetensorsWriter:
         self._fh = open(self.path, "wb")  # noqa: SIM115  (closed in close())
         self._fh.write(struct.pack("<Q", len(raw)))
         self._fh.write(raw)
+        self._fh.flush()
         self._next = 0
+        base = 8 + len(raw)
+        self._at: dict[str, tuple[int, int]] = {}  # name -> (index, absolute offset)
+        for i, (name, _, _, n) in enumerate(self._order):
+            self._at[name] = (i, base)
+            base += n
+        self._size = base
+        self._put: set[str] = set()
+        self._lock = threading.Lock()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._put:
+            raise ValueError(f"{self.path}: sequential writes after positional ones")
         want, dtype, shape, n = self._order[self._next]
         if name != want:
             raise ValueError(f"expected tensor '{want}' next, got '{name}'")
@@ -343,14 +398,68 @@ class SafetensorsWriter:
         data = tensor.detach().contiguous().cpu().reshape(-1)
         if data.dtype == torch.bool:
             data = data.view(torch.uint8)
-        buf = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
-        if len(buf) != n:
-            raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
-        self._fh.write(buf)
+        buf = memoryview(data.view(torch.uint8).numpy()) if data.numel() else b""
+        if buf.nbytes != n:
+            raise ValueError(f"tensor '{name}' has {buf.nbytes} bytes, header says {n}")
+        self._fh.write(buf)  # straight from the tensor's memory: no bytes copy
         self._next += 1
+
+    def _claim(self, name: str, nbytes: int | None = None) -> int:
+        """The absolute offset of ``name`` for a positional write, checked and marked."""
+        if self._next:
+            raise ValueError(f"{self.path}: positional writes after sequential ones")
+        if name not in self._at:
+            raise ValueError(f"tensor '{name}' is not in the header of {self.path}")
+        i, off = self._at[name]
+        if nbytes is not None and nbytes != self._order[i][3]:
+            raise ValueError(f"tensor '{name}' has {nbytes} bytes, header says {self._order[i][3]}")
+        with self._lock:
+            if name in self._put:
+                raise ValueError(f"tensor '{name}' written twice to {self.path}")
+            self._put.add(name)
+        return off
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``name`` at its place in the file; thread-safe, any order."""
+        if name not in self._at:
+            raise ValueError(f"tensor '{name}' is not in the header of {self.path}")
+        _, dtype, shape, _ = self._order[self._at[name][0]]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, header says "
+                f"{dtype}{shape}"
+            )
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        if data.dtype == torch.bool:
+            data = data.view(torch.uint8)
+        buf = memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else b""
+        off = self._claim(name, len(buf))
+        fd = self._fh.fileno()
+        done = 0
+        while done < len(buf):
+            done += os.pwrite(fd, buf[done:], off + done)
+
+    def copy_from(self, name: str, src: Path, info: RawTensorInfo) -> None:
+        """Write ``name`` as the bytes of tensor ``info`` of file ``src``, copied by the
+        kernel (see :func:`_copy_range`); thread-safe, any order."""
+        i, _ = self._at.get(name, (None, 0))
+        if i is None or (self._order[i][1], self._order[i][2]) != (info.dtype, info.shape):
+            want = f"{self._order[i][1]}{self._order[i][2]}" if i is not None else "absent"
+            raise ValueError(f"tensor '{name}' is {info.dtype}{info.shape}, header says {want}")
+        off = self._claim(name, info.nbytes)
+        with open(src, "rb") as fh:
+            _copy_range(fh.fileno(), self._fh.fileno(), info.start, off, info.nbytes, str(src))
 
     def close(self) -> None:
         if self._fh.closed:
+            return
+        if self._put:
+            missing = [n for n, *_ in self._order if n not in self._put]
+            if not missing:
+                self._fh.truncate(self._size)  # no-op unless the last tensors are empty
+            self._fh.close()
+            if missing:
+                raise ValueError(f"{self.path}: closed before tensor '{missing[0]}' was written")
             return
         self._fh.close()
         if self._next != len(self._order):

@@ -176,6 +176,14 @@ class Scheme:
         }
 
 
+#: float dtype -> (signed int dtype of its width, mask clearing the sign bit)
+_SIGNLESS = {
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
 def _finite_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Clamp scales to the smallest normal of ``dtype`` (zero / denormal ranges)."""
     return scale.clamp(min=torch.finfo(dtype).tiny)
@@ -277,6 +285,52 @@ class FP8Scheme(Scheme):
         return {"weight": x.to(torch.float8_e4m3fn), "weight_scale": scale}
 
     def _quantize_blocks(self, w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """Whole blocks take the fused path (:meth:`_quantize_whole_blocks`); partial edge
+        blocks, scales that overflow and non-finite input take the general one."""
+        fast = self._quantize_whole_blocks(w)
+        return fast if fast is not None else self._quantize_blocks_general(w, name)
+
+    def _quantize_whole_blocks(self, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Bit-identical to the general path for a weight made of whole blocks, without a
+        float32 copy of the tensor: a band of block rows at a time, |w| is taken on the
+        raw bits (sign cleared; the order of non-negative IEEE values is that of their
+        bits, so the block maximum is exact), and ``w / scale`` is computed in float32
+        into one reused cache-sized buffer, clamped in place and cast straight into the
+        fp8 output. None when the weight needs the general path: edge blocks, a NaN/Inf
+        block or a scale for which ``448 * scale`` overflows (ue8m0 too, whose rounding
+        the general path owns)."""
+        out, inp = w.shape
+        b0, b1 = self.block
+        ints = _SIGNLESS.get(w.dtype)
+        if self.scale_fmt != "float32" or ints is None or out % b0 or inp % b1 or not w.numel():
+            return None
+        r, c = out // b0, inp // b1
+        itype, mask = ints
+        w = w.contiguous()
+        v = w.view(r, b0, c, b1)
+        bits = w.view(itype).view(r, b0, c, b1)
+        q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+        qv = q.view(r, b0, c, b1)
+        scale = torch.empty(r, c, dtype=torch.float32)
+        band = max(1, (1 << 19) // (b0 * inp))  # ~512 K elements: 2 MiB of float32
+        fbuf = torch.empty(band * b0 * inp, dtype=torch.float32)
+        ibuf = torch.empty(band * b0 * inp, dtype=itype)
+        for i0 in range(0, r, band):
+            i1 = min(r, i0 + band)
+            n = (i1 - i0) * b0 * inp
+            a = torch.bitwise_and(bits[i0:i1], mask, out=ibuf[:n].view(i1 - i0, b0, c, b1))
+            amax = a.amax(3).amax(1).view(w.dtype).float()
+            s = _finite_scale(amax / FP8_MAX, torch.float32)
+            if not bool(torch.isfinite(s * FP8_MAX).all()):
+                return None
+            scale[i0:i1] = s
+            # one dtype per op keeps every op on torch's vectorized loops (a mixed-dtype
+            # division runs element by element); float32 is exact for every input dtype
+            x = fbuf[:n].view(i1 - i0, b0, c, b1).copy_(v[i0:i1])
+            qv[i0:i1].copy_(x.div_(s[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX))
+        return {"weight": q, "weight_scale": scale}
+
+    def _quantize_blocks_general(self, w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
         """One band of b0 rows at a time: the float32 working set stays cache-sized and
         the only full-size allocation is the fp8 output."""
         out, inp = w.shape

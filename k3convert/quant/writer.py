@@ -2,7 +2,9 @@
 
 Nothing holds the model: each tensor is mapped from the source, dequantized if the
 source is encoded (an FP8-block release re-quantizes to int4 experts without a bf16
-copy), quantized, written, and dropped; at most ``2 * workers`` tensors are in flight.
+copy), quantized, written at its place in the output file, and dropped; at most
+``workers`` tensors are in flight, each worker on one core. Tensors kept as they are
+stored are copied by the kernel (``copy_file_range``) after a chunked NaN / Inf check.
 Everything that can be checked is checked before the first byte (scheme names, group
 divisibility, static activation scales, OUT, free disk); a NaN / Inf found while
 streaming aborts the run and removes the partial output. The output is written to a
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
+import math
 import os
 import shutil
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +43,7 @@ from ..arch import resolve as resolve_arch
 from ..arch import validate_source
 from ..checkpoint import open_checkpoint
 from ..checkpoint.output import group_by_size, shard_names, staged_output, write_index
-from ..checkpoint.safetensors_io import SafetensorsWriter
+from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
 from ..errors import ConfigError
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
 from .schemes import NonFiniteWeightError, get_scheme
@@ -176,7 +180,14 @@ def _entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
 
 
 def _check_finite(name: str, t: torch.Tensor, where: Path) -> None:
-    if t.dtype.is_floating_point and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+    """NaN / Inf in a tensor copied as it is. One reduction that allocates nothing (min
+    and max propagate NaN, and are finite exactly when every value is); the count is
+    taken only for the message. Quantized tensors are not checked here: every scheme
+    takes the maximum of every group and refuses a non-finite one, naming the tensor."""
+    if not (t.dtype.is_floating_point and t.dtype.itemsize > 1 and t.numel()):
+        return
+    lo, hi = torch.aminmax(t)
+    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         bad = int((~torch.isfinite(t)).sum())
         raise NonFiniteWeightError(
             f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s); the source is "
@@ -195,7 +206,6 @@ def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor
         _check_finite(r.name, t, ckpt.root)
         return {r.name: t}
     w = ckpt.get(r.name)
-    _check_finite(r.name, w, ckpt.root)
     parts = r.scheme.quantize(w, name=r.name)
     del w
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
@@ -216,24 +226,6 @@ def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
             f"NaN/Inf; a quantized weight with such a scale dequantizes to garbage. "
             f"Keep the tensor (--keep), or fix the calibration scales that gave it."
         )
-
-
-def _ordered(fn, items, workers: int):
-    """fn over items, results in order, at most 2*workers in flight."""
-    if workers <= 1:
-        for it in items:
-            yield it, fn(it)
-        return
-    with ThreadPoolExecutor(workers) as ex:
-        pending: deque = deque()
-        for it in items:
-            pending.append((it, ex.submit(fn, it)))
-            if len(pending) >= 2 * workers:
-                i, f = pending.popleft()
-                yield i, f.result()
-        while pending:
-            i, f = pending.popleft()
-            yield i, f.result()
 
 
 def _output_config(config: dict, plan: Plan, src: Path) -> dict:
@@ -265,7 +257,7 @@ def quantize(
     default_keep: bool = True,
     dry_run: bool = False,
     force: bool = False,
-    workers: int = 1,
+    workers: int | None = None,
     progress: bool = True,
     shard_size: int = DEFAULT_SHARD_SIZE,
     input_scales: Mapping[str, float | torch.Tensor] | None = None,
@@ -280,7 +272,9 @@ def quantize(
     with static activations (``fp8``), normally supplied by calibration.
     """
     t0 = time.perf_counter()
-    if not isinstance(workers, int) or workers < 1:
+    if workers is None:
+        workers = default_workers()
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
     ckpt, plan = plan_quantization(
         src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep
@@ -310,6 +304,72 @@ def quantize(
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles)
 
 
+def _job(ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping) -> Decision:
+    """Produce row ``r``'s output tensors and write each at its place in the file. A
+    tensor kept bit for bit from a safetensors source is checked for NaN / Inf one chunk
+    at a time and copied by the kernel: it never passes through this process whole."""
+    main = ckpt.meta(r.name).parts.get("weight")
+    if r.kept and not r.encoded and main is not None and main.raw is not None:
+        for chunk in map_chunks(main.file, main.raw):
+            _check_finite(r.name, chunk, ckpt.root)
+        w.copy_from(r.name, main.file, main.raw)
+        return r
+    tensors = _produce(ckpt, r, input_scales)
+    for name, dt, shape in _entries(r):
+        t = tensors.pop(name)
+        if t.dtype != dt or tuple(t.shape) != tuple(shape):
+            raise AssertionError(f"{name}: produced {t.dtype}{tuple(t.shape)}, planned {dt}{shape}")
+        _check_scale(name, t, ckpt.root)
+        w.put(name, t)
+        del t
+    return r
+
+
+def _unordered(fn, items, workers: int):
+    """fn over items on ``workers`` threads, results as they finish, at most ``workers``
+    in flight (so at most that many tensors are held); the first error cancels what has
+    not started and is raised once the running ones end."""
+    if workers <= 1:
+        for it in items:
+            yield fn(it)
+        return
+    items = iter(items)
+    with ThreadPoolExecutor(workers) as ex:
+        running = {ex.submit(fn, it) for it in itertools.islice(items, workers)}
+        try:
+            while running:
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    yield f.result()
+                for it in itertools.islice(items, len(done)):
+                    running.add(ex.submit(fn, it))
+        finally:
+            for f in running:
+                f.cancel()
+
+
+@contextmanager
+def _torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` for the block (restored after). Tensors are
+    quantized in parallel on worker threads, one core each: nested OpenMP teams (every
+    worker's op fanning out to all cores) oversubscribe the cores, and their spinning
+    threads slow everything down when other processes share the machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales) -> int:
     shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
     names = shard_names(len(shards))
@@ -324,24 +384,16 @@ def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_sca
         disable=not progress,
     )
     try:
-        for i, rows in enumerate(shards):
-            fname = names[i]
-            entries = [e for r in rows for e in _entries(r)]
-            with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-                for r, tensors in _ordered(
-                    lambda r: _produce(ckpt, r, input_scales), rows, workers
-                ):
-                    for name, dt, shape in _entries(r):
-                        t = tensors[name]
-                        if t.dtype != dt or tuple(t.shape) != tuple(shape):
-                            raise AssertionError(
-                                f"{name}: produced {t.dtype}{tuple(t.shape)}, planned {dt}{shape}"
-                            )
-                        _check_scale(name, t, ckpt.root)
-                        w.write(name, t)
-                        weight_map[name] = fname
-                        total += t.numel() * t.element_size()
-                    bar.update(r.src_bytes)
+        with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
+            for i, rows in enumerate(shards):
+                fname = names[i]
+                entries = [e for r in rows for e in _entries(r)]
+                with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+                    for r in _unordered(lambda r: _job(ckpt, r, w, input_scales), rows, workers):
+                        bar.update(r.src_bytes)
+                for name, dt, shape in entries:
+                    weight_map[name] = fname
+                    total += math.prod(shape) * dt.itemsize
     finally:
         bar.close()
     if len(shards) > 1:
