@@ -488,8 +488,63 @@ class IntScheme(Scheme):
     def quantize(self, w: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
         """w: [out, in] -> parts (see class doc); groups along the input dim.
 
-        Works on bands of rows so float32 temporaries stay cache-sized.
+        Works on bands of rows so float32 temporaries stay cache-sized; symmetric
+        schemes take the fused path (:meth:`_quantize_symmetric`) where it applies.
         """
+        fast = self._quantize_symmetric(w) if self.symmetric else None
+        return fast if fast is not None else self._quantize_general(w, name)
+
+    def _quantize_symmetric(self, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Bit-identical to the general path, without a float32 copy of the tensor: a
+        band of rows at a time, group maxima of |w| are taken on the raw bits (sign
+        cleared: exact, see :meth:`FP8Scheme._quantize_whole_blocks`), and
+        ``round(clamp(w / scale))`` runs in place in one reused float32 buffer, then is
+        packed band by band. None (the general path decides) for a NaN / Inf group or
+        a scale whose ``q_min * scale`` overflows the scale dtype."""
+        out, inp = w.shape
+        ints = _SIGNLESS.get(w.dtype)
+        if ints is None or not w.numel():
+            return None
+        itype, mask = ints
+        ng = self._ngroups(inp)
+        gs = inp // ng
+        sd = self.sdtype
+        w = w.contiguous()
+        bits = w.view(itype)
+        scale = torch.empty(out, ng, dtype=sd)
+        if self.packed:
+            words = packed_len(inp, self.num_bits)
+            result = torch.empty(out, words, dtype=torch.int32)
+        else:
+            result = torch.empty(out, inp, dtype=torch.int8)
+        band = max(1, (1 << 19) // inp)  # ~512 K elements: 2 MiB of float32
+        fbuf = torch.empty(band * inp, dtype=torch.float32)
+        ibuf = torch.empty(band * inp, dtype=itype)
+        qbuf = torch.empty(band * inp, dtype=torch.int8) if self.packed else None
+        half = float(self.qmax - self.qmin) / 2
+        span = torch.tensor(float(-self.qmin), dtype=sd)
+        for r0 in range(0, out, band):
+            r1 = min(out, r0 + band)
+            n = (r1 - r0) * inp
+            a = torch.bitwise_and(bits[r0:r1], mask, out=ibuf[:n].view(r1 - r0, inp))
+            amax = a.view(r1 - r0, ng, gs).amax(-1).view(w.dtype).float()
+            sc = _finite_scale(amax / half, sd).to(sd)
+            if not bool(torch.isfinite(span * sc).all()):
+                return None  # NaN / Inf, or a range that needs the general path's fallback
+            scale[r0:r1] = sc
+            x = fbuf[:n].view(r1 - r0, ng, gs).copy_(w[r0:r1].view(r1 - r0, ng, gs))
+            x.div_(sc.float()[..., None]).clamp_(self.qmin, self.qmax).round_()
+            if qbuf is None:
+                result[r0:r1].view(r1 - r0, ng, gs).copy_(x)
+            else:
+                q = qbuf[:n].view(r1 - r0, ng, gs).copy_(x)
+                result[r0:r1] = pack_int32(q.view(r1 - r0, inp), self.num_bits)
+        if not self.packed:
+            return {"weight": result, "weight_scale": scale}
+        shape = torch.tensor([out, inp], dtype=torch.int64)
+        return {"weight_packed": result, "weight_scale": scale, "weight_shape": shape}
+
+    def _quantize_general(self, w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
         out, inp = w.shape
         ng = self._ngroups(inp)
         sd = self.sdtype
