@@ -1,158 +1,195 @@
-"""Quantization throughput and peak memory on a multi-GB synthetic checkpoint.
+"""Quantization throughput and peak memory against baselines, measured in the same run.
 
-Writes a plain bf16 llama3-8b-shaped checkpoint (scaled by --layers / --hidden /
---intermediate) and, each in its own process so peak RSS is per stage:
+On a llama-shaped bf16 checkpoint (N(0, 0.02) weights, untied, 3 files; --layers 12 is
+1.39 GB / 697 M params, --layers 36 is 3.66 GB), each stage a fresh process, interleaved
+A B C ... A B C ..., median of --repeats, page cache warm (the source is read once
+before; dirty pages are synced before every run):
 
-- copy:       read every tensor (mmap) and write the same bytes with SafetensorsWriter
-              (the I/O floor of a streaming rewrite);
-- fp8-block:  quantize --scheme fp8-block (128x128 blocks);
-- w4a16:      quantize --scheme w4a16 (RTN, group 128, packed int4).
+- startup:             ``python -c "import torch, k3convert.cli"``: the interpreter +
+                       torch import every python tool pays (shown, not a baseline);
+- cp -r:               the I/O floor;
+- safetensors:         safetensors' own load_file + save_file of each file (one file's
+                       tensors at a time), config.json and index copied;
+- k3convert fp8-block: ``k3convert quantize SRC OUT --scheme fp8-block --workers W``;
+- llm-compressor FP8_BLOCK: ``model_free_ptq(SRC, OUT, scheme="FP8_BLOCK",
+                       ignore=["lm_head", "model.embed_tokens"], max_workers=W,
+                       device="cpu")``, when an interpreter with llmcompressor is found
+                       (--llmc-python, $K3_BENCH_LLMC_PYTHON, or this one); optional;
+- k3convert w4a16 / llm-compressor W4A16: the same with RTN int4, group 128, packed.
 
-Prints GB/s of source bytes read and peak RSS next to the checkpoint size. Goal on 2
-cores: fp8-block >= 0.5x the copy, and peak RSS bounded by a few tensors (independent
-of checkpoint size). Page cache is warm for all stages (the source is read once before).
+Both tools quantize the same tensors: every q/k/v/o/gate/up/down projection; they keep
+embed_tokens, lm_head and the norms (llm-compressor skips modules ending in "norm" by
+itself and is told to ignore the other two; the script checks that the sets match).
+What differs: k3convert writes fp8-block scales as float32 (llm-compressor: bf16) and
+repacks into --shard-size-gb files (one file here), where llm-compressor keeps the source
+file layout; w4a16 outputs have the same tensors and dtypes.
 
-    python bench/bench_quant.py [--gb 2] [--workers 2] [--keep-files] [--dir /tmp/x]
+Goals (kept from the earlier version of this script, whose floor was a python streaming
+rewrite): k3convert fp8-block within 2x of the safetensors row, and peak RSS a small
+multiple of the largest tensor, independent of --layers. cp -r pays no interpreter, so
+read "x cp -r" next to the startup row, which every python row includes. After the
+rounds the outputs are checked (quantization_config format, the quantized set), one
+line each; the exit status is 1 if one is wrong.
+
+    python bench/bench_quant.py [--repeats 3] [--workers 2] [--layers 12] [--dir D]
+        [--keep] [--llmc-python PY] [--only "cp -r,k3convert fp8-block"]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from _harness import (
+    PY,
+    STARTUP,
+    build_llama,
+    interleaved,
+    llmc_python,
+    print_table,
+    rss_floor,
+    safetensors_copy,
+    versions,
+    warm,
+)
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from k3convert.checkpoint.safetensors_io import read_header
 
-
-def stage_copy(src: Path, out: Path) -> dict:
-    from k3convert.checkpoint import open_checkpoint
-    from k3convert.checkpoint.safetensors_io import SafetensorsWriter
-
-    t0 = time.perf_counter()
-    ck = open_checkpoint(src)
-    out.mkdir(parents=True)
-    total = 0
-    entries = []
-    for n in ck.names():
-        for p in ck.meta(n).parts.values():
-            entries.append((p.name, p.dtype, p.shape))
-    with SafetensorsWriter(out / "model-00001-of-00001.safetensors", entries) as w:
-        for n in ck.names():
-            for p in ck.meta(n).parts.values():
-                t = ck._load_part(p)
-                w.write(p.name, t)
-                total += p.nbytes
-                del t
-    return {"seconds": time.perf_counter() - t0, "bytes": total, "rss_mb": _rss_mb()}
+#: (k3convert scheme, llm-compressor scheme, compressed-tensors format)
+SCHEMES = (("fp8-block", "FP8_BLOCK", "float-quantized"), ("w4a16", "W4A16", "pack-quantized"))
+LLMC_IGNORE = ["lm_head", "model.embed_tokens"]  # what k3convert keeps besides the norms
 
 
-def stage_quantize(src: Path, out: Path, scheme: str, workers: int) -> dict:
-    from k3convert.quant import quantize
-
-    t0 = time.perf_counter()
-    res = quantize(src=src, out=out, scheme=scheme, workers=workers, progress=False)
-    before, after = res.plan.totals()
-    big = max(r.src_bytes for r in res.plan.rows)
-    return {
-        "seconds": time.perf_counter() - t0,
-        "bytes": before,
-        "out_bytes": after,
-        "largest_tensor": big,
-        "rss_mb": _rss_mb(),
-    }
-
-
-def _child(args: list[str]) -> dict:
-    r = subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, check=False
+def llmc_argv(py: str, src: Path, out: Path, scheme: str, workers: int) -> list[str]:
+    code = (
+        "from llmcompressor import model_free_ptq; "
+        f"model_free_ptq({str(src)!r}, {str(out)!r}, scheme={scheme!r}, "
+        f"ignore={LLMC_IGNORE!r}, max_workers={workers}, device='cpu')"
     )
-    if r.returncode:
-        sys.stderr.write(r.stderr)
-        raise SystemExit(f"stage {args} failed")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return [py, "-c", code]
+
+
+def inspect_output(out: Path, fmt: str) -> tuple[str | None, set[str], str]:
+    """(problem or None, quantized module names, summary) of a quantized checkpoint."""
+    if not (out / "config.json").is_file():
+        return f"{out} has no config.json", set(), ""
+    qc = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+    files = sorted(out.glob("*.safetensors"))
+    tensors = [t for p in files for t in read_header(p).tensors.values()]
+    scales = {
+        t.name.removesuffix(".weight_scale"): t.st_dtype
+        for t in tensors
+        if t.name.endswith(".weight_scale")
+    }
+    summary = (
+        f"{len(scales)} modules quantized (scales {'/'.join(sorted(set(scales.values())))}), "
+        f"{sum(t.nbytes for t in tensors) / 1e9:.2f} GB in {len(files)} file(s)"
+    )
+    if qc.get("format") != fmt:
+        return (
+            f"quantization_config format {qc.get('format')!r}, expected {fmt!r}",
+            set(scales),
+            summary,
+        )
+    return None, set(scales), f"quantization_config format {fmt}, {summary}"
+
+
+def verify(results, outs) -> bool:
+    ok = True
+    for ours, theirs, fmt in SCHEMES:
+        mine = None
+        for name in (f"k3convert {ours}", f"llm-compressor {theirs}"):
+            if not isinstance(results.get(name), list) or not results[name]:
+                continue
+            problem, quantized, summary = inspect_output(outs[name], fmt)
+            if name.startswith("k3convert"):
+                mine = quantized
+            elif problem is None and mine is not None:
+                if quantized == mine:
+                    summary += ", the same set as k3convert"
+                else:
+                    a, b = sorted(mine - quantized)[:3], sorted(quantized - mine)[:3]
+                    problem = f"a different set: only k3convert {a}, only llm-compressor {b}"
+            ok &= problem is None
+            print(f"{name}: {'FAILED: ' + problem if problem else 'ok'}: {summary}")
+    return ok
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gb", type=float, default=2.0, help="approximate checkpoint size")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--dir", type=Path, default=None)
-    ap.add_argument("--keep-files", action="store_true")
-    ap.add_argument("--stage", help=argparse.SUPPRESS)
-    ap.add_argument("--src", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--scheme", help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, default=12, help="scale: 12 = 1.39 GB, 36 = 3.66 GB")
+    ap.add_argument("--dir", type=Path, help="work dir (default: a temp dir, removed)")
+    ap.add_argument("--keep", action="store_true", help="keep the default temp dir")
+    ap.add_argument("--llmc-python", help="an interpreter that can import llmcompressor")
+    ap.add_argument("--only", help="comma-separated stage names to run")
     a = ap.parse_args()
 
-    if a.stage == "copy":
-        print(json.dumps(stage_copy(a.src, a.out)))
-        return
-    if a.stage == "quantize":
-        print(json.dumps(stage_quantize(a.src, a.out, a.scheme, a.workers)))
-        return
-
-    from k3convert.synth import synthesize
-
     root = a.dir or Path(tempfile.mkdtemp(prefix="bench_quant_"))
-    root.mkdir(parents=True, exist_ok=True)
-    src = root / "src"
-    # llama3-8b shapes scaled: one layer at hidden 4096 / intermediate 14336 is ~0.44 GB
-    # bf16; vocab kept small so the (kept) embeddings do not dominate.
-    layers = max(1, round(a.gb / 0.436))
-    if not src.exists():
-        t0 = time.perf_counter()
-        synthesize(
-            config="llama3-8b",
-            out=src,
-            overrides=dict(layers=layers, vocab=32768),
-            encoding="plain",
-            shard_mb=1024,
-        )
-        print(f"synthesized {src} in {time.perf_counter() - t0:.1f} s")
-    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
-    for p in src.glob("*.safetensors"):  # warm the page cache for every stage alike
-        with open(p, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+    src = root / f"llama-{a.layers}L"
+    llmc = llmc_python(a.llmc_python)
+    w = str(a.workers)
+    outs = {}
 
-    rows = []
-    for name, args in (
-        ("copy (read+write)", ["--stage", "copy"]),
-        ("fp8-block", ["--stage", "quantize", "--scheme", "fp8-block"]),
-        ("w4a16 (RTN g128)", ["--stage", "quantize", "--scheme", "w4a16"]),
-    ):
-        out = root / f"out_{name.split()[0]}"
-        shutil.rmtree(out, ignore_errors=True)
-        r = _child([*args, "--src", str(src), "--out", str(out), "--workers", str(a.workers)])
-        shutil.rmtree(out, ignore_errors=True)
-        rows.append((name, r))
+    def out(name: str) -> Path:
+        outs[name] = root / "out" / name.replace(" ", "_")
+        return outs[name]
 
-    copy_gbs = rows[0][1]["bytes"] / rows[0][1]["seconds"] / 1e9
+    stages = [
+        ("startup", STARTUP, "python -c 'import torch, k3convert.cli' (not a baseline)"),
+        ("cp -r", ["cp", "-r", str(src), str(out("cp -r"))], "cp -r SRC OUT (the I/O floor)"),
+        ("safetensors", safetensors_copy(src, out("safetensors")), "load_file + save_file"),
+    ]
+    for ours, theirs, _ in SCHEMES:
+        name = f"k3convert {ours}"
+        k3 = [PY, "-m", "k3convert", "quantize", str(src), str(out(name))]
+        stages.append((name, [*k3, "--scheme", ours, "--workers", w], f"quantize --scheme {ours}"))
+        name = f"llm-compressor {theirs}"
+        argv = llmc and llmc_argv(llmc, src, out(name), theirs, a.workers)
+        why = "llm-compressor not installed: skipped (--llmc-python or $K3_BENCH_LLMC_PYTHON)"
+        stages.append((name, argv, f"model_free_ptq scheme={theirs}" if llmc else why))
+    if a.only:
+        only = [s.strip() for s in a.only.split(",")]
+        if unknown := set(only) - {s[0] for s in stages}:
+            ap.error(f"unknown stage(s) {sorted(unknown)}; stages: {[s[0] for s in stages]}")
+        stages = [s for s in stages if s[0] in only]
+    total, largest = build_llama(src, layers=a.layers)
+
+    def reset(name: str) -> None:
+        if name in outs:
+            shutil.rmtree(outs[name], ignore_errors=True)
+
+    (root / "out").mkdir(exist_ok=True)
+    warm(src.iterdir())
+    results = interleaved(stages, a.repeats, reset)
+
     print(
-        f"\ncheckpoint: {size / 2**30:.2f} GiB bf16, {layers} llama3-8b layers; workers={a.workers}"
+        f"\ncheckpoint: {total / 1e9:.2f} GB bf16, {total / 2e6:.0f} M params, {a.layers} llama "
+        f"layers, {len(list(src.glob('*.safetensors')))} files; "
+        f"largest tensor {largest / 2**20:.0f} MiB"
     )
-    hdr = f"{'stage':<20} {'seconds':>8} {'GB/s':>7} {'x copy':>7} {'out GiB':>8} {'peak RSS':>10}"
-    print(hdr)
-    print("-" * len(hdr))
-    for name, r in rows:
-        gbs = r["bytes"] / r["seconds"] / 1e9
-        outb = r.get("out_bytes", r["bytes"]) / 2**30
-        print(
-            f"{name:<20} {r['seconds']:>8.2f} {gbs:>7.2f} {gbs / copy_gbs:>7.2f} "
-            f"{outb:>8.2f} {r['rss_mb']:>7.0f} MiB"
-        )
-    big = rows[1][1]["largest_tensor"] / 2**20
-    print(f"largest source tensor: {big:.0f} MiB; checkpoint: {size / 2**20:.0f} MiB")
-    if not a.keep_files and a.dir is None:
+    print(f"workers {a.workers}, repeats {a.repeats}; {versions(PY, 'torch', 'safetensors')}")
+    print(
+        f"peak RSS: per process, floor {rss_floor():.0f} MiB (the launcher's, measured on `true`)"
+    )
+    if llmc:
+        print(f"llm-compressor: {versions(llmc, 'llmcompressor', 'compressed-tensors', 'torch')}")
+    print()
+    compare = {f"k3convert {o}": f"llm-compressor {t}" for o, t, _ in SCHEMES}
+    notes = {name: note for name, _, note in stages}
+    print_table(results, src_bytes=total, largest=largest, compare=compare, notes=notes)
+    print()
+    ok = verify(results, outs)
+    if a.dir is None and not a.keep:
         shutil.rmtree(root, ignore_errors=True)
+    elif a.keep:
+        print(f"kept {root}")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
