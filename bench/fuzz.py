@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import itertools
 import json
 import math
@@ -48,6 +47,7 @@ if str(ROOT) not in sys.path:  # run as `python bench/fuzz.py`
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import xxhash  # noqa: E402
 import zstandard  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -761,9 +761,9 @@ def _fixup(doc: dict, root: Path, u: dict, raw: bytes) -> None:
     stored = raw if u["compression"] == "none" else zstandard.ZstdCompressor().compress(raw)
     path.write_bytes(stored)
     u["bytes"] = len(stored)
-    u["sha256"] = hashlib.sha256(stored).hexdigest()
+    u["hash"] = "xxh3-128:" + xxhash.xxh3_128(stored).hexdigest()
     u["raw_bytes"] = len(raw)
-    u["raw_sha256"] = hashlib.sha256(raw).hexdigest()
+    u["raw_hash"] = "xxh3-128:" + xxhash.xxh3_128(raw).hexdigest()
 
 
 def _unit_raw(root: Path, u: dict) -> bytes:
@@ -797,7 +797,7 @@ def _get(doc, path: tuple):
     return doc
 
 
-UNIT_KEYS = ("file", "bytes", "sha256", "raw_bytes", "raw_sha256", "compression", "name",
+UNIT_KEYS = ("file", "bytes", "hash", "raw_bytes", "raw_hash", "compression", "name",
              "index", "layer")  # fmt: skip
 TENSOR_KEYS = ("dtype", "shape", "encoding", "part", "logical", "name", "quant", "split_dim",
                "logical_shape", "global_shape", "contents", "tied_to", "offset", "pad")  # fmt: skip

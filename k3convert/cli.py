@@ -255,6 +255,12 @@ def shard(
         int, typer.Option(help="Expert-parallel degree inside the tp group (moe_tp = tp/ep).")
     ] = 1,
     compress: Annotated[str, typer.Option(help="Unit compression: none or zstd.")] = "none",
+    unit_hash: Annotated[
+        str,
+        typer.Option(
+            help="Unit integrity hash: xxh3-128 (fast to verify on every load) or sha256."
+        ),
+    ] = "xxh3-128",
     workers: Annotated[
         int | None, typer.Option(help="Units written in parallel (default: CPU count).")
     ] = None,
@@ -295,6 +301,7 @@ def shard(
         pp=pp,
         ep=ep,
         compress=compress,
+        unit_hash=unit_hash,
         workers=workers,
         force=force,
         pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,

@@ -9,10 +9,12 @@ Builders are deterministic (seeded) and return the saved directory.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 from pathlib import Path
 
 import torch
+import xxhash
 
 VOCAB = 160  # not a multiple of 8 on purpose: exercises vocab padding in sharding
 
@@ -163,3 +165,11 @@ QUANT_SCHEMES = ("fp8-block", "fp8-dynamic", "w8a8", "w4a16")
 #: transformers 5.24 / compressed-tensors 0.20 cannot reload these quantized dirs: its
 #: fused-expert loader handles FP8 ``weight`` and packed ``weight_packed`` experts only
 RELOAD_GAPS = {("qwen3_moe", "w8a8"), ("deepseek_v3", "w8a8")}
+
+
+def unit_hash(data: bytes, algo: str = "xxh3-128") -> str:
+    """A stream unit's hash field (``ALGO:HEX``, spec 3.2), computed with xxhash / hashlib
+    directly: independent of k3convert's own hashing code."""
+    if algo == "sha256":
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+    return "xxh3-128:" + xxhash.xxh3_128(data).hexdigest()

@@ -459,7 +459,7 @@ def test_damaged_stream_is_exit_1_everywhere(llama, tmp_path, capsys):
     rc, _, _ = run(capsys, "shard", "--check", s)
     assert rc == 1
     rc, _, err = run(capsys, "forward", s, "--ids", "1 2")
-    assert rc == 1 and "sha256" in one_line_error(err)
+    assert rc == 1 and "xxh3-128 hash mismatch" in one_line_error(err)
 
 
 # -- review follow-ups -----------------------------------------------------------------------

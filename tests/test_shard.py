@@ -13,7 +13,7 @@ from tests.test_shard_support import add_mtp, assert_lossless, fp8_block, int4_g
 
 SCHEMA = json.loads(
     (
-        __import__("pathlib").Path(__file__).parents[1] / "formats/musa-stream-v1.schema.json"
+        __import__("pathlib").Path(__file__).parents[1] / "formats/musa-stream.schema.json"
     ).read_text()
 )
 

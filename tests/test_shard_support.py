@@ -21,6 +21,7 @@ from safetensors.torch import load, load_file, save_file
 
 from k3convert.arch import resolve
 from k3convert.quant.packing import pack_int32
+from tests.models import unit_hash
 
 QUANT_COMPONENTS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 
@@ -133,7 +134,7 @@ def unit_state(out: Path, u: dict) -> dict[str, torch.Tensor]:
     data = (out / u["file"]).read_bytes()
     if u["compression"] == "zstd":
         data = zstandard.ZstdDecompressor().decompress(data, max_output_size=u["raw_bytes"])
-    assert hashlib.sha256(data).hexdigest() == u["raw_sha256"]
+    assert unit_hash(data) == u["raw_hash"]
     return load(data)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+import zstandard
 from safetensors.torch import load_file, save_file
 
 from k3convert.checkpoint import open_checkpoint
@@ -29,10 +30,11 @@ from k3convert.stream import (
     open_stream,
     validate,
 )
+from tests.models import unit_hash
 from tests.test_shard_support import fp8_block, int4_group, reassemble, tree_hashes
 
 ROOT = Path(__file__).parents[1]
-SCHEMA = json.loads((ROOT / "formats/musa-stream-v1.schema.json").read_text())
+SCHEMA = json.loads((ROOT / "formats/musa-stream.schema.json").read_text())
 
 
 def make(src, out, **kw):
@@ -140,7 +142,7 @@ def test_units_are_aligned_valid_safetensors(tiny_models, tmp_path):
             for k, v in header.items():
                 if k != "__metadata__" and not k.startswith("__pad__."):
                     assert v["data_offsets"][0] % 4096 == 0
-            assert hashlib.sha256(raw).hexdigest() == u["sha256"] == u["raw_sha256"]
+            assert unit_hash(raw) == u["hash"] == u["raw_hash"]
             assert len(raw) == u["bytes"] == u["raw_bytes"]
             load_file(f)  # the reference reader accepts it
 
@@ -216,9 +218,9 @@ def test_missing_manifest_is_an_incomplete_conversion(damaged, tmp_path):
 
 def test_unknown_version(damaged):
     out, man = damaged()
-    man["version"] = 2
+    man["version"] = 3
     (out / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(StreamVersionError, match="version 2 is not supported"):
+    with pytest.raises(StreamVersionError, match="version 3 is not supported"):
         open_stream(out)
     assert check(out).exit_code == 2
 
@@ -239,8 +241,8 @@ def test_unit_swapped_for_another_is_caught_by_header(damaged):
     out, man = damaged()
     a, b = _unit(man, 0, "embed"), _unit(man, 1, "embed")
     shutil.copyfile(out / a["file"], out / b["file"])
-    b.update(bytes=a["bytes"], sha256=a["sha256"], raw_bytes=a["raw_bytes"])
-    b["raw_sha256"] = a["raw_sha256"]
+    b.update(bytes=a["bytes"], hash=a["hash"], raw_bytes=a["raw_bytes"])
+    b["raw_hash"] = a["raw_hash"]
     (out / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(StreamCorruptError, match=r"metadata .* disagrees"):
         list(open_stream(out).rank(1).units())
@@ -314,7 +316,7 @@ def test_killed_run_resumes_to_identical_output(tiny_models, tmp_path, compress)
 # -- format conformance -----------------------------------------------------------------
 def test_packaged_schema_is_the_published_one():
     pkg = ROOT / "k3convert/stream/manifest.schema.json"
-    assert pkg.read_bytes() == (ROOT / "formats/musa-stream-v1.schema.json").read_bytes()
+    assert pkg.read_bytes() == (ROOT / "formats/musa-stream.schema.json").read_bytes()
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
 
 
@@ -324,7 +326,9 @@ def test_builtin_validator_agrees_with_jsonschema(pristine):
     bad = [
         lambda m: m.update(version="1"),
         lambda m: m["layout"].update(tp=0),
-        lambda m: m["ranks"][0]["units"][0].update(sha256="xyz"),
+        lambda m: m["ranks"][0]["units"][0].update(hash="xyz"),
+        lambda m: m["ranks"][0]["units"][0].update(hash="sha256:" + "0" * 32),
+        lambda m: m["ranks"][0]["units"][0].update(sha256="0" * 64, raw_sha256="0" * 64),
         lambda m: m["ranks"][0]["units"][0].update(compression="lz4"),
         lambda m: m["ranks"][0]["units"][0]["tensors"][0].update(extra=1),
         lambda m: m["ranks"][0]["units"][0].update(name="layer"),
@@ -339,6 +343,60 @@ def test_builtin_validator_agrees_with_jsonschema(pristine):
         assert validate(m), mutate
 
 
+def _as_version_1(out: Path) -> None:
+    """Rewrite a version 2 stream as version 1 would have written it (spec 3.2), by hand:
+    "1" in every unit's metadata (same length, so no offset moves) and bare sha256 unit
+    hashes computed with hashlib."""
+    man = json.loads((out / "manifest.json").read_text())
+    man["version"] = 1
+    for r in man["ranks"]:
+        for u in r["units"]:
+            p = out / u["file"]
+            raw = p.read_bytes()
+            if u["compression"] == "zstd":
+                raw = zstandard.ZstdDecompressor().decompress(raw)
+            old = b'"format":"musa-stream","version":"2"'
+            assert raw.count(old) == 1
+            raw = raw.replace(old, b'"format":"musa-stream","version":"1"')
+            stored = raw
+            if u["compression"] == "zstd":
+                stored = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+            p.write_bytes(stored)
+            del u["hash"], u["raw_hash"]
+            u.update(bytes=len(stored), sha256=hashlib.sha256(stored).hexdigest())
+            u.update(raw_bytes=len(raw), raw_sha256=hashlib.sha256(raw).hexdigest())
+    (out / "manifest.json").write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("comp", ["none", "zstd"])
+def test_version_1_streams_are_still_read(pristine, tmp_path, comp):
+    """A version 1 stream (sha256 unit hashes) loads to the same tensors, passes --check,
+    and a damaged unit in it is still caught, by its sha256."""
+    out = tmp_path / "v1"
+    shutil.copytree(pristine[comp], out)
+    _as_version_1(out)
+    assert check(out).exit_code == 0
+    want = {n: t for u in open_stream(pristine[comp]).rank(0).units() for n, t in u.tensors.items()}
+    got = {n: t for u in open_stream(out).rank(0).units() for n, t in u.tensors.items()}
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    man = json.loads((out / "manifest.json").read_text())
+    u = man["ranks"][0]["units"][0]
+    data = bytearray((out / u["file"]).read_bytes())
+    data[-1] ^= 1
+    (out / u["file"]).write_bytes(data)
+    rep = check(out)
+    assert rep.exit_code == 1 and any("sha256" in p for p in rep.problems), rep.problems
+
+
+def test_a_unit_with_both_hash_forms_is_refused(damaged):
+    out, man = damaged()
+    man["ranks"][0]["units"][0]["sha256"] = "0" * 64  # beside hash / raw_hash
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ManifestError, match="version 2 unit records hash and raw_hash"):
+        open_stream(out)
+
+
 GOLDEN_CONFIG = {
     "model_type": "llama",
     "vocab_size": 4,
@@ -349,7 +407,7 @@ GOLDEN_CONFIG = {
     "num_key_value_heads": 1,
     "tie_word_embeddings": False,
 }
-GOLDEN_HEAD_SHA256 = "9c96a24dc2b971485947e33b4a10812e46faafbfa13935d3c4ac2d567976e11d"
+GOLDEN_HEAD_SHA256 = "deaeae6f2763585c0ab54f911288ba14840725b902453893b0f3a8fe22eda355"
 
 
 def test_golden_unit_byte_layout(tmp_path):
@@ -371,7 +429,7 @@ def test_golden_unit_byte_layout(tmp_path):
     out = make(src, tmp_path / "out")
     unit = (out / "rank00000/0002-head.safetensors").read_bytes()
     header = (
-        b'{"__metadata__":{"format":"musa-stream","version":"1","rank":"0","unit":"head"},'
+        b'{"__metadata__":{"format":"musa-stream","version":"2","rank":"0","unit":"head"},'
         b'"lm_head.weight":{"dtype":"F32","shape":[4,2],"data_offsets":[0,32]},'
         b'"__pad__.1":{"dtype":"U8","shape":[4064],"data_offsets":[32,4096]},'
         b'"model.norm.weight":{"dtype":"F32","shape":[2],"data_offsets":[4096,4104]}}'

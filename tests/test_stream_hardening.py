@@ -23,6 +23,7 @@ from k3convert.errors import ConfigError
 from k3convert.shard import check, shard
 from k3convert.stream import ManifestError, StreamCorruptError, StreamError, open_stream
 from k3convert.stream.format import dump_manifest
+from tests.models import unit_hash
 from tests.test_shard_support import fp8_block, int4_group
 
 
@@ -50,11 +51,11 @@ def _units(man):
 def _rewrite(out: Path, u: dict, stored: bytes, raw: bytes | None = None) -> None:
     """Replace a unit's stored bytes and make the manifest's hash fields agree."""
     (out / u["file"]).write_bytes(stored)
-    u.update(bytes=len(stored), sha256=_sha(stored))
+    u.update(bytes=len(stored), hash=unit_hash(stored))
     if raw is not None:
-        u.update(raw_bytes=len(raw), raw_sha256=_sha(raw))
+        u.update(raw_bytes=len(raw), raw_hash=unit_hash(raw))
     elif u["compression"] == "none":
-        u.update(raw_bytes=len(stored), raw_sha256=_sha(stored))
+        u.update(raw_bytes=len(stored), raw_hash=unit_hash(stored))
 
 
 def _damaged(out: Path, *needles: str) -> str:

@@ -26,6 +26,7 @@ import torch
 from k3convert.cli import main
 from k3convert.shard.writer import shard
 from k3convert.verify.run import run_verify
+from tests.models import unit_hash
 
 EXACT_LIMIT = 1e-6  # a faithful resharding's per-layer rel_l2 stays far below this
 NUM_LAYERS = {"llama": 2, "qwen3_moe": 2, "deepseek_v3": 3}
@@ -96,7 +97,7 @@ def _edit_unit(out: Path, man: dict, rank: int, unit: str, edit) -> None:
     edit(buf)
     assert bytes(buf) != before, "the edit changed nothing"
     p.write_bytes(buf)
-    u.update(bytes=len(buf), sha256=_sha(buf), raw_bytes=len(buf), raw_sha256=_sha(buf))
+    u.update(bytes=len(buf), hash=unit_hash(buf), raw_bytes=len(buf), raw_hash=unit_hash(buf))
 
 
 def _assert_intact(out: Path, capsys) -> None:
@@ -410,7 +411,7 @@ def test_damaged_stream_is_refused_before_computing(
     p.write_bytes(buf)
     rc, out, err = _verify(capsys, s)
     assert rc == 1
-    _one_error_line(err, "damaged", "nothing was run", "layer.0", "sha256")
+    _one_error_line(err, "damaged", "nothing was run", "layer.0", "xxh3-128 hash mismatch")
     assert out == ""
 
 

@@ -22,6 +22,7 @@ import torch
 import zstandard
 
 from ..checkpoint import Checkpoint
+from ..stream import hashing as unit_hashing
 from ..stream.format import ALIGN, FORMAT, JOURNAL, PAD_PREFIX, VERSION, dump_manifest
 from .plan import TensorPlan, UnitPlan
 
@@ -37,8 +38,8 @@ _ZEROS = memoryview(bytes(ALIGN))  # padding never reaches ALIGN bytes
 class _HashingSink:
     """File-like: forwards writes, hashing and counting the bytes on the way."""
 
-    def __init__(self, target):
-        self.target, self.h, self.n = target, hashlib.sha256(), 0
+    def __init__(self, target, algo: str):
+        self.target, self.h, self.n = target, unit_hashing.new(algo), 0
 
     def write(self, b) -> int:
         self.target.write(b)
@@ -56,8 +57,8 @@ class _FdSink:
     :meth:`flush`: callers pass immutable or freshly made buffers.
     """
 
-    def __init__(self, fd: int, gather: bool = True):
-        self.fd, self.h, self.n, self.gather = fd, hashlib.sha256(), 0, gather
+    def __init__(self, fd: int, algo: str, gather: bool = True):
+        self.fd, self.h, self.n, self.gather = fd, unit_hashing.new(algo), 0, gather
         self.pending: list = []
         self.pending_n = 0
 
@@ -241,9 +242,16 @@ def _tensor_bytes(src: _SourceMaps, tp: TensorPlan) -> memoryview:
 
 
 def write_unit(
-    ck: Checkpoint, up: UnitPlan, out: Path, compression: str, on_bytes=None, fsync=True
+    ck: Checkpoint,
+    up: UnitPlan,
+    out: Path,
+    compression: str,
+    on_bytes=None,
+    fsync=True,
+    unit_hash: str = unit_hashing.DEFAULT,
 ) -> dict:
-    """Write one unit (temp name, [fsync], rename); returns its manifest hash fields."""
+    """Write one unit (temp name, [fsync], rename); returns its manifest size and hash
+    fields (``hash`` / ``raw_hash`` as ``ALGO:HEX``)."""
     prefix, placed, total = up.header()
     if on_bytes:
         on_bytes(len(prefix))
@@ -255,12 +263,12 @@ def write_unit(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         try:
-            stored = _FdSink(fd, gather=compression == "none")  # zstd reuses its buffers
+            stored = _FdSink(fd, unit_hash, gather=compression == "none")  # zstd reuses its buffers
             cw = None
             if compression == "zstd":
                 cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
                 cw = cctx.stream_writer(stored, size=total, closefd=False)
-                raw = _HashingSink(cw)
+                raw = _HashingSink(cw, unit_hash)
             else:
                 raw = stored
             raw.write(prefix)
@@ -295,9 +303,9 @@ def write_unit(
             tmp.unlink()
     return {
         "bytes": stored.n,
-        "sha256": stored.h.hexdigest(),
+        "hash": unit_hashing.tag(unit_hash, stored.h.hexdigest()),
         "raw_bytes": raw.n,
-        "raw_sha256": raw.h.hexdigest(),
+        "raw_hash": unit_hashing.tag(unit_hash, raw.h.hexdigest()),
     }
 
 
@@ -305,10 +313,11 @@ def journal_path(out: Path, up: UnitPlan) -> Path:
     return out / JOURNAL / (up.file.replace("/", "__") + ".json")
 
 
-def plan_key(up: UnitPlan, compression: str, source_id: list) -> str:
+def plan_key(up: UnitPlan, compression: str, source_id: list, unit_hash: str) -> str:
     doc = {
         "format": FORMAT,
         "version": VERSION,
+        "unit_hash": unit_hash,
         "rank": up.rank,
         "unit": up.name,
         "file": up.file,
@@ -330,9 +339,12 @@ def resumable(out: Path, up: UnitPlan, key: str) -> dict | None:
     path = out / up.file
     if rec.get("key") != key or not path.is_file() or path.stat().st_size != rec.get("bytes"):
         return None
-    if file_sha256(path) != rec.get("sha256"):
+    want = rec.get("hash")
+    if not isinstance(want, str) or ":" not in want:
         return None
-    return {k: rec[k] for k in ("bytes", "sha256", "raw_bytes", "raw_sha256")}
+    if unit_hashing.file_digest(path, want.split(":", 1)[0]) != want:
+        return None
+    return {k: rec[k] for k in ("bytes", "hash", "raw_bytes", "raw_hash")}
 
 
 def atomic_json(path: Path, doc: dict | str, fsync: bool = True) -> None:

@@ -46,6 +46,7 @@ from ..checkpoint.output import (
     reports_write_errors,
 )
 from ..errors import ConfigError, OutputError
+from ..stream import hashing as unit_hashing
 from ..stream.format import (
     COMPRESSIONS,
     FORMAT,
@@ -119,9 +120,10 @@ def shard(
     redundant_experts: int = 0,
     progress: bool = True,
     recipe: dict | None = None,
+    unit_hash: str = unit_hashing.DEFAULT,
 ) -> ShardResult:
     """Reshard checkpoint ``src`` for ``tp`` x ``pp`` (experts over ``ep`` of the tp ranks)
-    into the stream directory ``out``. See formats/musa-stream-v1.md.
+    into the stream directory ``out``. See formats/musa-stream.md.
 
     Resumable: rerunning after an interruption skips units already written intact.
     Refuses a complete ``out`` unless ``force``. ``pp_layers``: layer counts per stage;
@@ -129,11 +131,16 @@ def shard(
     over EP ranks); ``redundant_experts``: extra replicas of the hottest experts per layer.
     ``workers``: units written in parallel (default: the number of CPUs); source files are
     hashed on up to as many threads besides, and finished units are fsynced in the
-    background.
+    background. ``unit_hash``: ``xxh3-128`` (default) or ``sha256`` for the units'
+    integrity hashes (source files are always recorded with sha256).
     """
     t0 = time.perf_counter()
     if compress not in COMPRESSIONS:
         raise ConfigError(f"compress must be one of {COMPRESSIONS}, got {compress!r}.")
+    if unit_hash not in unit_hashing.ALGORITHMS:
+        raise ConfigError(
+            f"unit hash must be one of {', '.join(unit_hashing.ALGORITHMS)}, got {unit_hash!r}."
+        )
     if workers is None:
         workers = os.cpu_count() or 2
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -195,14 +202,16 @@ def shard(
 
         def do_unit(up: UnitPlan) -> None:
             nonlocal skipped, written
-            key = plan_key(up, compress, source_id)
+            key = plan_key(up, compress, source_id, unit_hash)
             rec = resumable(out, up, key)
             if rec is not None:
                 tick(rec["raw_bytes"])
                 with lock:
                     skipped += 1
             else:
-                rec = write_unit(ck, up, out, compress, on_bytes=tick, fsync=False)
+                rec = write_unit(
+                    ck, up, out, compress, on_bytes=tick, fsync=False, unit_hash=unit_hash
+                )
                 syncer.submit(out / up.file)
                 atomic_json(journal_path(out, up), {"key": key, **rec}, fsync=False)
                 with lock:

@@ -1,4 +1,4 @@
-"""The MUSA streaming format (spec: formats/musa-stream-v1.md): reader and checker.
+"""The MUSA streaming format (spec: formats/musa-stream.md): reader and checker.
 
 ``open_stream(OUT)`` -> :class:`Stream` (validated manifest; ``rank(r).units()`` streams
 one rank's units in execution order with read-ahead, zstd and hash verification; a

@@ -2,7 +2,7 @@
 
 The schema only says what a manifest may look like; a schema-valid manifest can still
 lie about a unit (an edited ``encoding``, a renamed or reordered tensor, a path outside
-the directory) while the unit's sha256 stays valid. Everything here is checked before
+the directory) while the unit's hash stays valid. Everything here is checked before
 a unit's tensors are handed out, by the loader and by ``shard --check`` alike:
 
 * :func:`check_paths` - every path the manifest names is relative, has no ``..``
@@ -120,10 +120,8 @@ def check_unit_entries(u: dict, where: str) -> None:
             f"{where}: {msg}; the manifest disagrees with itself (edited or damaged) - {_FIX}."
         )
 
-    if u["compression"] == "none" and (
-        u["raw_bytes"] != u["bytes"] or u["raw_sha256"] != u["sha256"]
-    ):
-        bad("an uncompressed unit must have raw_bytes == bytes and raw_sha256 == sha256")
+    if u["compression"] == "none" and (u["raw_bytes"] != u["bytes"] or u["raw_hash"] != u["hash"]):
+        bad("an uncompressed unit must have raw_bytes == bytes and raw_hash == hash")
     names: set[str] = set()
     groups: dict[str, list[dict]] = {}
     for e in u["tensors"]:

@@ -1,6 +1,6 @@
-"""The MUSA streaming format, version 1: constants, errors and the unit byte layout.
+"""The MUSA streaming format, version 2: constants, errors and the unit byte layout.
 
-Spec: ``formats/musa-stream-v1.md``. A unit is a plain safetensors file whose data
+Spec: ``formats/musa-stream.md``. A unit is a plain safetensors file whose data
 region starts at a multiple of :data:`ALIGN` and whose every tensor starts at a
 multiple of :data:`ALIGN` (gaps are filled by ``__pad__.N`` U8 tensors, because
 safetensors requires the data region to be tiled without holes). That keeps units
@@ -21,7 +21,8 @@ from ..checkpoint.safetensors_io import ST_DTYPES, RawTensorInfo, parse_header_j
 from ..errors import K3Error, SafetensorsFormatError
 
 FORMAT = "musa-stream"
-VERSION = 1
+VERSION = 2  # what shard writes
+READ_VERSIONS = (1, 2)  # what the reader takes (1: sha256 unit hashes; see the spec)
 ALIGN = 4096
 MANIFEST = "manifest.json"
 JOURNAL = ".k3-journal"

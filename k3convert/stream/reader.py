@@ -16,7 +16,6 @@ bit-identical tensors (dequantized through the same encodings when asked).
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import struct
 from collections import OrderedDict, deque
@@ -32,6 +31,7 @@ from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
 from ..checkpoint.encodings import ENCODINGS
 from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError, K3Error
+from . import hashing as unit_hashing
 from .consistency import (
     check_header_layout,
     check_paths,
@@ -44,6 +44,7 @@ from .format import (
     JOURNAL,
     MANIFEST,
     PAD_PREFIX,
+    READ_VERSIONS,
     VERSION,
     IncompleteStreamError,
     ManifestError,
@@ -61,6 +62,34 @@ from .schema import validate
 def _manifest_json(text: str, mp: Path):
     """Strict JSON (the shared loader): no key twice, no NaN / Infinity, finite numbers."""
     return strict_json_loads(text, f"{mp}: key", ManifestError, finite=True)
+
+
+def _one_hash_form(doc: dict, mp: Path) -> None:
+    """Give every unit ``hash`` / ``raw_hash`` as ``ALGO:HEX`` and its format version, so
+    that nothing past this point depends on the version: version 1 units carry bare
+    sha256 fields (``sha256``, ``raw_sha256``), version 2 units tagged ones."""
+    v = doc["version"]
+    algos: set[str] = set()
+    for i, r in enumerate(doc["ranks"]):
+        for j, u in enumerate(r["units"]):
+            v1 = "sha256" in u or "raw_sha256" in u
+            v2 = "hash" in u or "raw_hash" in u
+            if (v == 1 and (v2 or not v1)) or (v == 2 and (v1 or not v2)):
+                want = "sha256 and raw_sha256" if v == 1 else "hash and raw_hash"
+                raise ManifestError(
+                    f"{mp}: ranks[{i}].units[{j}]: a version {v} unit records {want}; the "
+                    f"manifest is damaged or was edited by hand."
+                )
+            if v == 1:
+                u["hash"] = unit_hashing.tag("sha256", u.pop("sha256"))
+                u["raw_hash"] = unit_hashing.tag("sha256", u.pop("raw_sha256"))
+            u["_version"] = v
+            algos.update(h.split(":", 1)[0] for h in (u["hash"], u["raw_hash"]))
+    if len(algos) > 1:
+        raise ManifestError(
+            f"{mp}: units use more than one hash algorithm ({', '.join(sorted(algos))}); a "
+            f"stream uses one - the manifest is damaged or was edited by hand."
+        )
 
 
 def load_manifest(root: Path) -> dict:
@@ -90,10 +119,11 @@ def load_manifest(root: Path) -> dict:
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotAStreamError(f"{mp}: not a {FORMAT} manifest (format key is missing or wrong).")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READ_VERSIONS or isinstance(doc.get("version"), bool):
         raise StreamVersionError(
             f"{mp}: {FORMAT} version {doc.get('version')!r} is not supported; this k3convert "
-            f"reads version {VERSION}. Use a matching k3convert or re-shard the model."
+            f"reads versions {', '.join(map(str, READ_VERSIONS))}. Use a matching k3convert "
+            f"or re-shard the model."
         )
     try:
         errs = validate(doc)
@@ -102,6 +132,7 @@ def load_manifest(root: Path) -> dict:
     if errs:
         more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
         raise ManifestError(f"{mp}: violates the manifest schema: {'; '.join(errs[:5])}{more}.")
+    _one_hash_form(doc, mp)
     lay = doc["layout"]
     if lay["tp"] * lay["pp"] != lay["world"] or len(doc["ranks"]) != lay["world"]:
         raise ManifestError(f"{mp}: layout.world / ranks disagree with tp * pp.")
@@ -195,9 +226,12 @@ def check_size(root: Path, rank: int, u: dict) -> Path:
 
 
 def _hash_error(rank, u, path, which, want, got) -> StreamCorruptError:
+    """``want`` / ``got``: ``ALGO:HEX``; ``which``: whose bytes ('' or 'uncompressed ')."""
+    algo, w = want.split(":", 1)
+    g = got.split(":", 1)[1]
     return StreamCorruptError(
-        f"{_where(rank, u, path)}: {which} hash mismatch (manifest {want[:16]}..., file "
-        f"{got[:16]}...); the unit is corrupt - re-create it with `k3convert shard --force`."
+        f"{_where(rank, u, path)}: {which}{algo} hash mismatch (manifest {w[:16]}..., file "
+        f"{g[:16]}...); the unit is corrupt - re-create it with `k3convert shard --force`."
     )
 
 
@@ -226,17 +260,17 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
         )
     if u["compression"] == "none":
         if verify:
-            got = hashlib.sha256(buf).hexdigest()
-            if got != u["sha256"]:
-                raise _hash_error(rank, u, path, "sha256", u["sha256"], got)
+            got = unit_hashing.digest(u["hash"], buf)
+            if got != u["hash"]:
+                raise _hash_error(rank, u, path, "", u["hash"], got)
         elif hasattr(buf, "madvise"):
             buf.madvise(mmap.MADV_WILLNEED)
         return buf, path
     data = buf
     if verify:
-        got = hashlib.sha256(data).hexdigest()
-        if got != u["sha256"]:
-            raise _hash_error(rank, u, path, "sha256", u["sha256"], got)
+        got = unit_hashing.digest(u["hash"], data)
+        if got != u["hash"]:
+            raise _hash_error(rank, u, path, "", u["hash"], got)
     # never trust the frame's claim: it must match raw_bytes, which must match the
     # manifest's tensor table (check_unit_entries), before anything is allocated
     size = zstd_content_size(data, where)
@@ -272,9 +306,9 @@ def read_unit_bytes(root: Path, rank: int, u: dict, verify: bool, full: bool = F
             f"{u['raw_bytes']}; the unit is corrupt - re-create it with `k3convert shard --force`."
         )
     if full:
-        got = hashlib.sha256(raw).hexdigest()
-        if got != u["raw_sha256"]:
-            raise _hash_error(rank, u, path, "uncompressed sha256", u["raw_sha256"], got)
+        got = unit_hashing.digest(u["raw_hash"], raw)
+        if got != u["raw_hash"]:
+            raise _hash_error(rank, u, path, "uncompressed ", u["raw_hash"], got)
     return raw, path
 
 
@@ -290,7 +324,8 @@ def header_of(buf, rank: int, u: dict, path: Path, root: Path):
     (n,) = struct.unpack("<Q", bytes(buf[:8]))
     head = bytes(buf[: min(len(buf), 8 + n)])
     base, infos, meta = parse_header(head, len(buf), where)
-    want_meta = {"format": FORMAT, "version": str(VERSION), "rank": str(rank), "unit": u["name"]}
+    version = str(u.get("_version", VERSION))
+    want_meta = {"format": FORMAT, "version": version, "rank": str(rank), "unit": u["name"]}
     if {k: meta.get(k) for k in want_meta} != want_meta:
         raise StreamCorruptError(
             f"{where}: header metadata {meta} disagrees with the manifest (expected {want_meta})."

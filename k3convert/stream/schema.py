@@ -1,6 +1,6 @@
 """Manifest validation against the format's JSON Schema, without a jsonschema dependency.
 
-The schema (``manifest.schema.json``, identical to ``formats/musa-stream-v1.schema.json``;
+The schema (``manifest.schema.json``, identical to ``formats/musa-stream.schema.json``;
 a test pins that) uses a small subset of draft 2020-12, which :func:`validate`
 implements: type, const, enum, required, properties, additionalProperties,
 propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf and local
