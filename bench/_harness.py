@@ -1,4 +1,4 @@
-"""Shared helpers of the comparison benchmarks (bench_quant.py, bench_pipeline_shard.py).
+"""Shared helpers of the comparison benchmarks (bench_quant.py, bench_shard.py).
 
 Every measured command runs in a fresh process (peak RSS is that process's own, from
 ``os.wait4``), stages run interleaved (A B C A B C ...), and the table shows medians and
@@ -158,13 +158,19 @@ def interleaved(stages, repeats: int, reset) -> dict[str, list[tuple[float, floa
     return res
 
 
+#: stages that start no python interpreter (no startup to take off)
+BASELINES_WITHOUT_PYTHON = ("cp -r", "cp -r + sync")
+
+
 def print_table(results, *, src_bytes, largest, baseline="cp -r", compare=None, notes=None):
     """Medians and ratios. ``compare``: {our stage: their stage}; its column is their
     median / ours (> 1: ours is faster). ``notes``: {stage: what it does}, printed below."""
     ran = {k: v for k, v in results.items() if isinstance(v, list) and v}
     med = {k: statistics.median(w for w, _ in v) for k, v in ran.items()}
     base = med.get(baseline)
+    start = med.get("startup")
     cols = ["stage", "median s", "min s", "GB/s", f"x {baseline}"]
+    cols += ["less startup"] if start is not None else []
     cols += ["vs cmp"] if compare else []
     cols += ["peak RSS MiB", "RSS/largest"]
     rows = []
@@ -178,6 +184,9 @@ def print_table(results, *, src_bytes, largest, baseline="cp -r", compare=None, 
         row = [name, f"{m:.2f}", f"{min(w for w, _ in runs):.2f}"]
         row += ["-" if name == "startup" else f"{src_bytes / m / 1e9:.2f}"]
         row += [f"{m / base:.2f}" if base else "-"]
+        if start is not None:
+            python = name != "startup" and name not in BASELINES_WITHOUT_PYTHON
+            row += [f"{max(0.0, m - start) / base:.2f}" if base and python else "-"]
         if compare:
             other = med.get(compare.get(name, ""))
             row += [f"{other / m:.2f}" if other else "-"]
@@ -193,6 +202,9 @@ def print_table(results, *, src_bytes, largest, baseline="cp -r", compare=None, 
     for r in rows:  # an unavailable stage: its reason instead of numbers
         print(fmt(r) if len(r) > 2 else f"{r[0]:<{widths[0]}}  {r[1]}")
     print(f"GB/s: source bytes / median; x {baseline}: median / the {baseline} median;")
+    if start is not None:
+        print(f"less startup: (median - the startup median) / the {baseline} median, for the "
+              f"python stages (the work once the interpreter and torch are loaded);")  # fmt: skip
     if compare:
         print("vs cmp: the compared tool's median / ours (> 1: ours is faster);")
     print("RSS/largest: peak RSS / the largest source tensor. Stages:")
