@@ -216,7 +216,7 @@ def quantize(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT.")] = False,
     workers: Annotated[
         int | None,
-        typer.Option(help="Tensors quantized in parallel (default: the CPU cores)."),
+        typer.Option(help="Tensors quantized in parallel (default: the CPU cores, at most 8)."),
     ] = None,
     shard_size_gb: Annotated[float, typer.Option(help="Output file size in GiB.")] = 4.0,
 ):

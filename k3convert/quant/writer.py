@@ -362,12 +362,18 @@ def _torch_threads(n: int):
         torch.set_num_threads(old)
 
 
+#: default workers at most: each holds a tensor and its outputs, and past a few cores the
+#: disk, not the CPU, sets the pace
+MAX_DEFAULT_WORKERS = 8
+
+
 def default_workers() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on, at most :data:`MAX_DEFAULT_WORKERS`."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_DEFAULT_WORKERS))
 
 
 def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales) -> int:
