@@ -451,7 +451,10 @@ def entry() -> None:
     paid by every invocation. Under a tracer or profiler (coverage, cProfile), whose
     results are written at exit, or with K3_NO_FAST_EXIT=1, the exit is the normal one."""
     code = main()
-    if sys.gettrace() or sys.getprofile() or os.environ.get("K3_NO_FAST_EXIT"):
+    monitored = False
+    if hasattr(sys, "monitoring"):  # 3.12+: coverage's sys.monitoring core sets no trace
+        monitored = any(sys.monitoring.get_tool(i) for i in range(6))
+    if sys.gettrace() or sys.getprofile() or monitored or os.environ.get("K3_NO_FAST_EXIT"):
         sys.exit(code)
     import logging
 

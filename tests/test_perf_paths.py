@@ -156,6 +156,15 @@ def test_positional_writer_refuses_twice_missing_and_mixed(tmp_path):
         w.close()
 
 
+def test_sequential_writer_takes_empty_tensors(tmp_path):
+    t = {"e": torch.empty(0, 3), "x": torch.arange(4.0)}
+    with SafetensorsWriter(tmp_path / "e.safetensors", _entries(t)) as w:
+        for k, v in t.items():
+            w.write(k, v)
+    back = load_file(tmp_path / "e.safetensors")
+    assert back["e"].shape == (0, 3) and torch.equal(back["x"], t["x"])
+
+
 def test_kernel_copy_falls_back_to_reads_and_writes(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise OSError(errno.EXDEV, "cross-device")

@@ -393,7 +393,15 @@ def test_a_unit_with_both_hash_forms_is_refused(damaged):
     out, man = damaged()
     man["ranks"][0]["units"][0]["sha256"] = "0" * 64  # beside hash / raw_hash
     (out / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ManifestError, match="version 2 unit records hash and raw_hash"):
+    with pytest.raises(ManifestError, match="must record only hash and raw_hash, found hash, "):
+        open_stream(out)
+
+
+def test_a_float_version_is_refused(damaged):
+    out, man = damaged()
+    man["version"] = 2.0  # equal to 2 in JSON Schema, but not a version this reader knows
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(StreamVersionError, match=r"version 2\.0 is not supported"):
         open_stream(out)
 
 

@@ -310,6 +310,7 @@ def map_chunks(path: Path, info: RawTensorInfo, chunk_bytes: int = 16 << 20):
 
 
 def _copy_range(src: int, dst: int, src_off: int, dst_off: int, n: int, where: str) -> None:
+    # ``where``: the file and tensor, for the message
     """``n`` bytes from file descriptor ``src`` at ``src_off`` to ``dst`` at ``dst_off``,
     copied by the kernel (``copy_file_range``: no pass through user memory, a reflink
     where the filesystem has them), or by positional reads and writes of 8 MiB where the
@@ -321,6 +322,8 @@ def _copy_range(src: int, dst: int, src_off: int, dst_off: int, n: int, where: s
             try:
                 k = os.copy_file_range(src, dst, n, src_off, dst_off)
             except OSError:
+                k = 0
+            if k == 0:  # refused, or 0 for a file it cannot copy: let the reads decide
                 kernel = False
                 continue
         else:
@@ -398,9 +401,9 @@ class SafetensorsWriter:
         data = tensor.detach().contiguous().cpu().reshape(-1)
         if data.dtype == torch.bool:
             data = data.view(torch.uint8)
-        buf = memoryview(data.view(torch.uint8).numpy()) if data.numel() else b""
-        if buf.nbytes != n:
-            raise ValueError(f"tensor '{name}' has {buf.nbytes} bytes, header says {n}")
+        buf = memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else b""
+        if len(buf) != n:
+            raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
         self._fh.write(buf)  # straight from the tensor's memory: no bytes copy
         self._next += 1
 
@@ -448,7 +451,8 @@ class SafetensorsWriter:
             raise ValueError(f"tensor '{name}' is {info.dtype}{info.shape}, header says {want}")
         off = self._claim(name, info.nbytes)
         with open(src, "rb") as fh:
-            _copy_range(fh.fileno(), self._fh.fileno(), info.start, off, info.nbytes, str(src))
+            where = f"{src}: tensor '{info.name}'"
+            _copy_range(fh.fileno(), self._fh.fileno(), info.start, off, info.nbytes, where)
 
     def close(self) -> None:
         if self._fh.closed:

@@ -179,20 +179,42 @@ def _entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     return e
 
 
-def _check_finite(name: str, t: torch.Tensor, where: Path) -> None:
-    """NaN / Inf in a tensor copied as it is. One reduction that allocates nothing (min
-    and max propagate NaN, and are finite exactly when every value is); the count is
-    taken only for the message. Quantized tensors are not checked here: every scheme
-    takes the maximum of every group and refuses a non-finite one, naming the tensor."""
-    if not (t.dtype.is_floating_point and t.dtype.itemsize > 1 and t.numel()):
-        return
+def _checked(dtype: torch.dtype) -> bool:
+    """Whether values of ``dtype`` can be NaN / Inf worth refusing (fp8 has no Inf and
+    its NaN comes from the source as stored; integers have neither)."""
+    return dtype.is_floating_point and dtype.itemsize > 1
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """One reduction that allocates nothing: min and max propagate NaN, and are finite
+    exactly when every value is."""
+    if not t.numel():
+        return True
     lo, hi = torch.aminmax(t)
-    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-        bad = int((~torch.isfinite(t)).sum())
-        raise NonFiniteWeightError(
-            f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s); the source is "
-            f"corrupt - fix or re-download it (nothing was written to the output)."
-        )
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def _non_finite(name: str, bad: int, where: Path) -> NonFiniteWeightError:
+    return NonFiniteWeightError(
+        f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s); the source is "
+        f"corrupt - fix or re-download it (nothing was written to the output)."
+    )
+
+
+def _check_finite(name: str, t: torch.Tensor, where: Path) -> None:
+    """NaN / Inf in a tensor copied as it is (the count is taken only for the message).
+    Quantized tensors are not checked here: every scheme takes the maximum of every
+    group and refuses a non-finite one (:func:`_produce` names the file)."""
+    if _checked(t.dtype) and not _finite(t):
+        raise _non_finite(name, int((~torch.isfinite(t)).sum()), where)
+
+
+def _check_finite_chunks(name: str, path: Path, info, where: Path) -> None:
+    """:func:`_check_finite` over a stored tensor, one mapped chunk at a time."""
+    if not _checked(info.dtype) or all(_finite(c) for c in map_chunks(path, info)):
+        return
+    bad = sum(int((~torch.isfinite(c)).sum()) for c in map_chunks(path, info))
+    raise _non_finite(name, bad, where)
 
 
 def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor]:
@@ -206,7 +228,10 @@ def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor
         _check_finite(r.name, t, ckpt.root)
         return {r.name: t}
     w = ckpt.get(r.name)
-    parts = r.scheme.quantize(w, name=r.name)
+    try:
+        parts = r.scheme.quantize(w, name=r.name)
+    except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
+        raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
     del w
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     if r.scheme.needs_input_scale:
@@ -310,8 +335,7 @@ def _job(ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping) -> Deci
     at a time and copied by the kernel: it never passes through this process whole."""
     main = ckpt.meta(r.name).parts.get("weight")
     if r.kept and not r.encoded and main is not None and main.raw is not None:
-        for chunk in map_chunks(main.file, main.raw):
-            _check_finite(r.name, chunk, ckpt.root)
+        _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
         w.copy_from(r.name, main.file, main.raw)
         return r
     tensors = _produce(ckpt, r, input_scales)

@@ -339,10 +339,11 @@ def resumable(out: Path, up: UnitPlan, key: str) -> dict | None:
     path = out / up.file
     if rec.get("key") != key or not path.is_file() or path.stat().st_size != rec.get("bytes"):
         return None
-    want = rec.get("hash")
-    if not isinstance(want, str) or ":" not in want:
+    try:
+        algo, _ = unit_hashing.split(rec.get("hash"))
+    except ValueError:  # a damaged journal entry: the unit is rewritten
         return None
-    if unit_hashing.file_digest(path, want.split(":", 1)[0]) != want:
+    if unit_hashing.file_digest(path, algo) != rec["hash"]:
         return None
     return {k: rec[k] for k in ("bytes", "hash", "raw_bytes", "raw_hash")}
 

@@ -1,7 +1,7 @@
 """``check(out)``: verify a whole stream directory and say how it is broken.
 
-Every unit is checked (size, sha256 of the stored bytes, zstd decompression with the
-uncompressed size and sha256, safetensors header against the manifest), and so is every
+Every unit is checked (size, hash of the stored bytes, zstd decompression with the
+uncompressed size and hash, safetensors header against the manifest), and so is every
 carried file (config, tokenizer, ...). Problems are collected, not raised, so one run
 lists all of them. The CLI maps ``report.exit_code``: 0 intact, 1 damaged, 2 not a
 stream directory (including an interrupted conversion and an unknown format version).

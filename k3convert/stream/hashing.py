@@ -52,7 +52,7 @@ def digest(value_algo: str, data) -> str:
     whose algorithm is used)."""
     algo = value_algo.split(":", 1)[0]
     h = new(algo)
-    mv = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    mv = memoryview(data).cast("B")  # slices of a memoryview are views, not copies
     for i in range(0, len(mv), 64 << 20):  # bounded pieces: bytes-likes of any size
         h.update(mv[i : i + (64 << 20)])
     return tag(algo, h.hexdigest())

@@ -76,9 +76,11 @@ def _one_hash_form(doc: dict, mp: Path) -> None:
             v2 = "hash" in u or "raw_hash" in u
             if (v == 1 and (v2 or not v1)) or (v == 2 and (v1 or not v2)):
                 want = "sha256 and raw_sha256" if v == 1 else "hash and raw_hash"
+                found = sorted(k for k in ("hash", "raw_hash", "sha256", "raw_sha256") if k in u)
                 raise ManifestError(
-                    f"{mp}: ranks[{i}].units[{j}]: a version {v} unit records {want}; the "
-                    f"manifest is damaged or was edited by hand."
+                    f"{mp}: ranks[{i}].units[{j}]: a version {v} unit must record only {want}, "
+                    f"found {', '.join(found) or 'none'}; the manifest is damaged or was "
+                    f"edited by hand."
                 )
             if v == 1:
                 u["hash"] = unit_hashing.tag("sha256", u.pop("sha256"))
@@ -119,7 +121,7 @@ def load_manifest(root: Path) -> dict:
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotAStreamError(f"{mp}: not a {FORMAT} manifest (format key is missing or wrong).")
-    if doc.get("version") not in READ_VERSIONS or isinstance(doc.get("version"), bool):
+    if type(doc.get("version")) is not int or doc.get("version") not in READ_VERSIONS:
         raise StreamVersionError(
             f"{mp}: {FORMAT} version {doc.get('version')!r} is not supported; this k3convert "
             f"reads versions {', '.join(map(str, READ_VERSIONS))}. Use a matching k3convert "

@@ -4,7 +4,7 @@ The schema (``manifest.schema.json``, identical to ``formats/musa-stream.schema.
 a test pins that) uses a small subset of draft 2020-12, which :func:`validate`
 implements: type, const, enum, required, properties, additionalProperties,
 propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf and local
-``$ref``. Errors name the key path (``ranks[3].units[0].sha256``).
+``$ref``. Errors name the key path (``ranks[3].units[0].hash``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ _COMPILED: dict[int, object] = {}
 
 
 def _compiled(root: dict):
-    if id(root) not in _COMPILED:
+    """The compiled form of ``root``, made on first use (schemas are not changed in place
+    once in use: the packaged one is read once and cached)."""
+    if id(root) not in _COMPILED or _COMPILED[id(root)][0] is not root:
         memo: dict[int, object] = {}
         _COMPILED[id(root)] = (root, _compile(root, root, memo))
     return _COMPILED[id(root)][1]
@@ -88,7 +90,12 @@ def _compile(s: dict, root: dict, memo: dict):
         for key in s["$ref"].removeprefix("#/").split("/"):
             node = node[key]
         target = _compile(node, root, memo)
-        checks.append(lambda v, p, errs: target(v, p, errs) and None)
+
+        def ref(v, p, errs):
+            target(v, p, errs)  # a stop inside the referenced node ends only that node
+            return None
+
+        checks.append(ref)
     if "oneOf" in s:
         subs = [_compile(sub, root, memo) for sub in s["oneOf"]]
 
