@@ -10,11 +10,21 @@ three things: the raw ``config.json`` dict, the tensor names it holds, and
 asks for it, keeps it until another unit is asked for, and loads the next unit of the
 execution order on a background thread meanwhile. So at most two units of weights are
 alive at once (the current one and the prefetched one), whatever the model size.
+
+Over a safetensors checkpoint the plain (unencoded) tensors of a unit are mapped
+together, one file mapping per run of adjacent tensors (:func:`map_plain`), instead of
+one ``get`` (an open and an mmap) per tensor: the mapping, page faults and unmapping of
+~60 tensors a layer cost more than the layer's attention otherwise. Routed experts
+stored in the compute dtype are then used in place (zero copy, their stored bytes
+mapped with the unit); experts that need a conversion or dequantization stay
+:class:`Lazy`, converted one at a time when they run.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -250,16 +260,29 @@ class UnitLoader:
         return self._load(unit)
 
     def _load(self, unit: str, touch: bool = False) -> Weights:
-        """Read one unit. touch: fault file-mapped pages in now (prefetch thread: the I/O
-        overlaps compute); synchronous loads leave that to first use, which costs the same.
-        Routed experts stay :class:`Lazy` (dequantized and converted when they run)."""
+        """Read one unit. touch (prefetch thread): start the unit's I/O now so that it
+        overlaps compute; synchronous loads leave that to first use, which costs the same.
+        Tensors mapped with the unit (:func:`map_plain`) are only advised to the kernel
+        (readahead, no CPU spent here: page faults taken on this thread would stall the
+        compute threads on a machine with no spare core); others are faulted in.
+        Routed experts not usable in place stay :class:`Lazy` (dequantized and converted
+        when they run, one at a time)."""
         entries = self.plan.units.get(unit, {})
+        mapped = map_plain(self.source, [e.name for e in entries.values()], advise=touch)
         tensors: dict[str, torch.Tensor | Lazy] = {}
         for key, e in entries.items():
-            if e.role.expert is not None:
-                tensors[key] = Lazy(functools.partial(self._tensor, key, e.name, False))
+            t = mapped.get(e.name)
+            expert = e.role.expert is not None
+            if t is None:
+                if expert:
+                    tensors[key] = Lazy(functools.partial(self._tensor, key, e.name, False))
+                else:
+                    tensors[key] = self._tensor(key, e.name, touch)
+            elif expert and not in_place(t, key, self.dtype, self.device):
+                make = functools.partial(to_compute, t, key, e.name, self.dtype, self.device, False)
+                tensors[key] = Lazy(make)
             else:
-                tensors[key] = self._tensor(key, e.name, touch)
+                tensors[key] = to_compute(t, key, e.name, self.dtype, self.device, False)
         for key, e in entries.items():
             if e.name in self.input_scales:
                 tensors.update(self._activation_params(key, e.name))
@@ -287,24 +310,85 @@ def activation_params(parts: dict, key: str, dtype, device) -> dict[str, torch.T
     return out
 
 
+def in_place(t: torch.Tensor, key: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`to_compute` hands ``t`` back as it is (no copy)."""
+    want = torch.float32 if key in FP32_KINDS else dtype
+    return device.type == "cpu" and (t.dtype == want or key == "embeddings.embed_tokens")
+
+
 def to_compute(
     t: torch.Tensor, key: str, name: str, dtype: torch.dtype, device: torch.device, touch: bool
 ) -> torch.Tensor:
     """A loaded tensor in the compute dtype on the device; zero-copy when it already is."""
-    dtype = torch.float32 if key in FP32_KINDS else dtype
     if not t.is_floating_point():
         raise CheckpointError(
             f"tensor '{name}' comes back as {t.dtype}, not a float tensor; the "
             f"weight source must dequantize encoded tensors in get()."
         )
-    if device.type == "cpu" and (t.dtype == dtype or key == "embeddings.embed_tokens"):
+    if in_place(t, key, dtype, device):
         # zero copy: a file-mapped tensor is used in place (the source's mapping is released
         # when the unit is dropped). The embedding table is gathered row by row as stored:
         # converting it whole would copy the largest tensor of the model for a few rows.
         return _touch(t) if touch else t
+    dtype = torch.float32 if key in FP32_KINDS else dtype
     out = torch.empty(t.shape, dtype=dtype, device=device)
     out.copy_(t)  # one pass: convert (and move)
     return out
+
+
+#: tensors of a unit at most this far apart in a file share one mapping; a larger gap
+#: starts another, so a mapping never spans much that the unit does not use
+RUN_GAP = 1 << 20
+
+
+def map_plain(source, names: Iterable[str], advise: bool = False) -> dict[str, torch.Tensor]:
+    """name -> zero-copy view, for the plain floating-point safetensors tensors among
+    ``names`` of a :class:`~k3convert.checkpoint.Checkpoint` (nothing for other sources).
+
+    The same views ``source.get(name)`` returns (copy-on-write mappings of the file,
+    released when the last view dies), but one ``mmap`` per run of tensors lying within
+    :data:`RUN_GAP` of each other in one file, instead of an open and an mmap per tensor.
+    advise: ask the kernel to read the runs ahead (``MADV_WILLNEED``), without faulting.
+
+    Only the exact ``Checkpoint`` type qualifies: a wrapper or subclass may change what
+    ``get`` returns. Encoded, non-float, empty and ``.bin`` tensors are left to ``get``.
+    """
+    from ..checkpoint.reader import Checkpoint
+
+    if type(source) is not Checkpoint:
+        return {}
+    runs: dict = {}
+    for n in names:
+        m = source.meta(n)
+        raw = m.main.raw if m.encoding == "plain" else None
+        if raw is None or raw.nbytes == 0 or not raw.dtype.is_floating_point:
+            continue
+        runs.setdefault(m.main.file, []).append((raw.start, n, raw))
+    out: dict[str, torch.Tensor] = {}
+    for path, items in runs.items():
+        items.sort(key=lambda x: x[0])
+        run = [items[0]]
+        for it in items[1:]:
+            if it[0] - run[-1][2].end > RUN_GAP:
+                out.update(_map_run(path, run, advise))
+                run = []
+            run.append(it)
+        out.update(_map_run(path, run, advise))
+    return out
+
+
+def _map_run(path, run: list, advise: bool) -> dict[str, torch.Tensor]:
+    start = run[0][0] - run[0][0] % mmap.ALLOCATIONGRANULARITY
+    end = max(raw.end for _, _, raw in run)
+    with open(path, "rb") as fh:  # mmap keeps its own descriptor
+        mm = mmap.mmap(fh.fileno(), end - start, offset=start, access=mmap.ACCESS_COPY)
+    if advise and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_WILLNEED)
+    return {
+        n: torch.frombuffer(mm, dtype=raw.dtype, count=math.prod(raw.shape),
+                            offset=raw.start - start).reshape(raw.shape)
+        for _, n, raw in run
+    }  # fmt: skip
 
 
 def _touch(t: torch.Tensor) -> torch.Tensor:
