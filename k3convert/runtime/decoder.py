@@ -167,6 +167,10 @@ class Step:
     sin: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]  # window -> [B, 1, S, past+S] bool or None
     past: int = 0
+    #: MLA may lay its values out for sdpa's fused kernel (:func:`_flash_values`); off
+    #: under activation fake-quantization, where the unfused kernel transformers runs keeps
+    #: its rounding: quantizing o_proj's input amplifies any difference to whole fp8 steps
+    fused_mla: bool = True
 
 
 # -- attention -----------------------------------------------------------------------
@@ -218,14 +222,39 @@ def mla_attention(
     # transformers feeds kv_b_proj the latent as [B, 1, S, r]; per-token activation
     # quantization then takes one scale per sequence (dims 2.. are reduced), so keep it
     kv = lin(w, "attention.kv_b_proj", latent.view(b, 1, s, ts.kv_lora_rank))
-    kv = kv.view(b, s, nh, ts.qk_nope + ts.v_head_dim)
-    k_nope, v = kv.transpose(1, 2).split([ts.qk_nope, ts.v_head_dim], dim=-1)
+    kv = kv.view(b, s, nh, ts.qk_nope + ts.v_head_dim).transpose(1, 2)
+    k_nope, v = kv.split([ts.qk_nope, ts.v_head_dim], dim=-1)
     q = torch.cat((q_nope, q_rot), dim=-1)
     k = torch.cat((k_nope, k_rot.expand(b, nh, s, ts.qk_rope)), dim=-1)
     if cache is not None:
         k, v = cache.append("k", k, 2), cache.append("v", v, 2)
-    o = attend(q, k, v, mask, ts.scale, causal=True)
+    cols = None
+    if step.fused_mla:
+        v, cols = _flash_values(v, kv if cache is None else None, q.shape[-1])
+    o = attend(q, k, v, mask, ts.scale, causal=True, v_cols=cols)
     return lin(w, "attention.o_proj", o)
+
+
+def _flash_values(v: torch.Tensor, kv: torch.Tensor | None, dq: int):
+    """``(values, columns)`` for :func:`attend`: MLA's values (``v_head_dim`` wide) in a
+    tensor as wide as the queries, and the columns of the output that are theirs.
+
+    torch's CPU flash-attention kernel needs q, k and v of one head width; MLA's v is
+    narrower (64 vs 96 here, 128 vs 192 in DeepSeek-V3), which sends sdpa to its unfused
+    math path, ~3x slower at 256 tokens. Output columns are independent weighted sums of
+    the value columns, so extra columns change nothing in the real ones: without a cache
+    the last ``dq`` columns of ``kv_b_proj``'s per-head output ``[k_nope | v]`` are used
+    (a view, no copy; v is its tail); with one, v is zero-padded (one copy). Both give the
+    same bits; only flash-vs-math rounding differs from the unfused kernel.
+    """
+    dv = v.shape[-1]
+    if dv > dq:  # wider values than queries: the unfused kernel (q, k would need padding)
+        return v, None
+    if kv is not None and kv.shape[-1] >= dq:
+        return kv[..., kv.shape[-1] - dq :], slice(dq - dv, dq)
+    if dv == dq:
+        return v, None
+    return F.pad(v, (0, dq - dv)), slice(0, dv)
 
 
 def _mla_latent(
@@ -375,9 +404,10 @@ def make_step(
     attention_mask: torch.Tensor | None,
     device: torch.device,
     past: int = 0,
+    fused_mla: bool = True,
 ) -> Step:
     """Rope tables for the query positions; masks over ``past + S`` keys.
-    attention_mask: [B, past + S] (1 = real token) or None."""
+    attention_mask: [B, past + S] (1 = real token) or None. fused_mla: see :class:`Step`."""
     from .ops import attention_mask as build_mask
 
     b, s = position_ids.shape
@@ -386,7 +416,7 @@ def make_step(
         win: build_mask(attention_mask, s, batch=b, window=win, device=device, past=past)
         for win in set(ts.windows)
     }
-    return Step(cos, sin, masks, past)
+    return Step(cos, sin, masks, past, fused_mla)
 
 
 def linear_plain(w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:

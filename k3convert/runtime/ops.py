@@ -83,12 +83,18 @@ def attend(
     scale: float,
     *,
     causal: bool,
+    v_cols: slice | None = None,
 ) -> torch.Tensor:
-    """q: [B, Hq, S, D], k: [B, Hkv, S, D], v: [B, Hkv, S, Dv] -> [B, S, Hq * Dv]."""
+    """q: [B, Hq, S, D], k: [B, Hkv, S, D], v: [B, Hkv, S, Dv] -> [B, S, Hq * Dv].
+
+    v_cols: keep only these columns of each head's output (values laid out wider than
+    they are, so sdpa can take its fused kernel; see ``decoder._flash_values``)."""
     gqa = q.shape[1] != k.shape[1]
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=gqa
     )
+    if v_cols is not None:
+        o = o[..., v_cols]
     b, h, s, d = o.shape
     return o.transpose(1, 2).reshape(b, s, h * d)
 

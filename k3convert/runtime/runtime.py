@@ -441,7 +441,8 @@ class Runtime:
         Cached on the identity of the caller's tensors (kept alive while cached, so an id
         cannot be reused); mutating them in place between layers is not supported.
         """
-        key = (id(position_ids), id(attention_mask), tuple(hidden.shape[:2]), past)
+        fused = not (self.act_quant and self.act_specs)  # see decoder.Step.fused_mla
+        key = (id(position_ids), id(attention_mask), tuple(hidden.shape[:2]), past, fused)
         if self._step is not None and self._step_key == key:
             return self._step
         refs = (position_ids, attention_mask)
@@ -455,7 +456,7 @@ class Runtime:
                 f"{hidden.shape[1]}."
             )
         pos = pos.expand(hidden.shape[0], -1)
-        self._step = make_step(self.text, pos, mask, self.device, past)
+        self._step = make_step(self.text, pos, mask, self.device, past, fused)
         self._step_key, self._step_refs = key, refs
         return self._step
 
