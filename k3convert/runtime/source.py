@@ -1,6 +1,6 @@
 """Where the runtime's weights come from, and how they are staged one unit at a time.
 
-The runtime never sees files. It asks a :class:`WeightSource` for tensors by name; the
+The runtime asks a :class:`WeightSource` for tensors by name (one exception, below); the
 checkpoint reader is one today, the streaming-format reader plugs in later. A source is
 three things: the raw ``config.json`` dict, the tensor names it holds, and
 ``get(name, dtype)`` returning one tensor, dequantized when stored encoded.
@@ -11,19 +11,21 @@ asks for it, keeps it until another unit is asked for, and loads the next unit o
 execution order on a background thread meanwhile. So at most two units of weights are
 alive at once (the current one and the prefetched one), whatever the model size.
 
-Over a safetensors checkpoint the plain (unencoded) tensors of a unit are mapped
-together, one file mapping per run of adjacent tensors (:func:`map_plain`), instead of
-one ``get`` (an open and an mmap) per tensor: the mapping, page faults and unmapping of
-~60 tensors a layer cost more than the layer's attention otherwise. Routed experts
-stored in the compute dtype are then used in place (zero copy, their stored bytes
-mapped with the unit); experts that need a conversion or dequantization stay
-:class:`Lazy`, converted one at a time when they run.
+The exception: over a safetensors :class:`~k3convert.checkpoint.Checkpoint` the plain
+(unencoded) tensors of a unit are mapped here, from the checkpoint's validated header
+offsets, one file mapping per run of adjacent tensors (:func:`plain_runs`,
+:func:`map_runs`), instead of one ``get`` (an open and an mmap) per tensor; mapping,
+faulting and unmapping ~60 small mappings a layer cost about as much as the layer's
+attention. The views are the ones ``get`` returns. Routed experts stored in the compute
+dtype are then used in place (zero copy: their stored bytes, mapped with the unit);
+experts that need a conversion or dequantization stay :class:`Lazy`, made one at a time
+when they run. A unit all of whose tensors are mapped so costs ~0.3 ms to load and is
+"prefetched" on the calling thread (see :meth:`UnitLoader.get`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import mmap
 import threading
 from collections.abc import Iterable, Mapping
@@ -161,10 +163,8 @@ class Weights(dict):
         return v.make() if isinstance(v, Lazy) else v
 
     def get(self, key: str, default=None):
-        try:
-            return self[key]
-        except KeyError:
-            return default
+        # no try/except: absent keys are the common case (``<linear>_bias``, per call)
+        return self[key] if dict.__contains__(self, key) else default
 
     def need(self, key: str) -> torch.Tensor:
         try:
@@ -211,6 +211,7 @@ class UnitLoader:
         self._pending: tuple[str, Future] | None = None
         self._current: Weights | None = None
         self._cache: dict[str, Weights] = {}
+        self._runs: dict[str, tuple[list[Run], bool]] = {}  # unit -> (runs, cheap)
         self._lock = threading.Lock()
         self.loads = 0  # units loaded from the source (tests check streaming behaviour)
 
@@ -225,7 +226,18 @@ class UnitLoader:
                 self._cache[unit] = w
             nxt = self.plan.next_unit(unit)
             if self._pool is not None and nxt is not None and not self._ready(nxt):
-                self._pending = (nxt, self._pool.submit(self._load, nxt, True))
+                if self._runs_of(nxt)[1]:
+                    # nothing to compute: mapping the unit here (~0.2 ms) beats waking the
+                    # prefetch thread, whose Python would hold the GIL that this thread
+                    # needs between its ops; the kernel's readahead overlaps the I/O
+                    fut: Future = Future()
+                    try:
+                        fut.set_result(self._load(nxt, True))
+                    except Exception as e:  # raised when the unit is asked for, as before
+                        fut.set_exception(e)
+                else:
+                    fut = self._pool.submit(self._load, nxt, True)
+                self._pending = (nxt, fut)
         return w
 
     def release(self) -> None:
@@ -262,13 +274,13 @@ class UnitLoader:
     def _load(self, unit: str, touch: bool = False) -> Weights:
         """Read one unit. touch (prefetch thread): start the unit's I/O now so that it
         overlaps compute; synchronous loads leave that to first use, which costs the same.
-        Tensors mapped with the unit (:func:`map_plain`) are only advised to the kernel
+        Tensors mapped with the unit (:func:`map_runs`) are only advised to the kernel
         (readahead, no CPU spent here: page faults taken on this thread would stall the
         compute threads on a machine with no spare core); others are faulted in.
         Routed experts not usable in place stay :class:`Lazy` (dequantized and converted
         when they run, one at a time)."""
         entries = self.plan.units.get(unit, {})
-        mapped = map_plain(self.source, [e.name for e in entries.values()], advise=touch)
+        mapped = map_runs(self._runs_of(unit)[0], advise=touch)
         tensors: dict[str, torch.Tensor | Lazy] = {}
         for key, e in entries.items():
             t = mapped.get(e.name)
@@ -278,7 +290,7 @@ class UnitLoader:
                     tensors[key] = Lazy(functools.partial(self._tensor, key, e.name, False))
                 else:
                     tensors[key] = self._tensor(key, e.name, touch)
-            elif expert and not in_place(t, key, self.dtype, self.device):
+            elif expert and not in_place(t.dtype, key, self.dtype, self.device):
                 make = functools.partial(to_compute, t, key, e.name, self.dtype, self.device, False)
                 tensors[key] = Lazy(make)
             else:
@@ -288,6 +300,24 @@ class UnitLoader:
                 tensors.update(self._activation_params(key, e.name))
         self.loads += 1
         return Weights(unit, tensors, {k: e.name for k, e in entries.items()})
+
+    def _runs_of(self, unit: str) -> tuple[list[Run], bool]:
+        """The unit's :func:`plain_runs` (read from the metadata once), and whether
+        loading it is cheap: every tensor mapped, and used in place or a :class:`Lazy`
+        expert (nothing converted, dequantized or read part by part at load)."""
+        if unit not in self._runs:
+            entries = self.plan.units.get(unit, {})
+            runs = plain_runs(self.source, [e.name for e in entries.values()])
+            dtypes = {t.name: t.dtype for r in runs for t in r.tensors}
+            cheap = all(
+                e.name in dtypes
+                and e.name not in self.input_scales
+                and (e.role.expert is not None or in_place(dtypes[e.name], key, self.dtype,
+                                                             self.device))
+                for key, e in entries.items()
+            )  # fmt: skip
+            self._runs[unit] = (runs, cheap)
+        return self._runs[unit]
 
     def _tensor(self, key: str, name: str, touch: bool) -> torch.Tensor:
         return to_compute(self.source.get(name, None), key, name, self.dtype, self.device, touch)
@@ -310,10 +340,10 @@ def activation_params(parts: dict, key: str, dtype, device) -> dict[str, torch.T
     return out
 
 
-def in_place(t: torch.Tensor, key: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`to_compute` hands ``t`` back as it is (no copy)."""
+def in_place(stored: torch.dtype, key: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`to_compute` hands a ``stored`` tensor back as it is (no copy)."""
     want = torch.float32 if key in FP32_KINDS else dtype
-    return device.type == "cpu" and (t.dtype == want or key == "embeddings.embed_tokens")
+    return device.type == "cpu" and (stored == want or key == "embeddings.embed_tokens")
 
 
 def to_compute(
@@ -325,7 +355,7 @@ def to_compute(
             f"tensor '{name}' comes back as {t.dtype}, not a float tensor; the "
             f"weight source must dequantize encoded tensors in get()."
         )
-    if in_place(t, key, dtype, device):
+    if in_place(t.dtype, key, dtype, device):
         # zero copy: a file-mapped tensor is used in place (the source's mapping is released
         # when the unit is dropped). The embedding table is gathered row by row as stored:
         # converting it whole would copy the largest tensor of the model for a few rows.
@@ -341,14 +371,37 @@ def to_compute(
 RUN_GAP = 1 << 20
 
 
-def map_plain(source, names: Iterable[str], advise: bool = False) -> dict[str, torch.Tensor]:
-    """name -> zero-copy view, for the plain floating-point safetensors tensors among
-    ``names`` of a :class:`~k3convert.checkpoint.Checkpoint` (nothing for other sources).
+@dataclass(frozen=True)
+class RunTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the run's mapping
 
-    The same views ``source.get(name)`` returns (copy-on-write mappings of the file,
-    released when the last view dies), but one ``mmap`` per run of tensors lying within
-    :data:`RUN_GAP` of each other in one file, instead of an open and an mmap per tensor.
-    advise: ask the kernel to read the runs ahead (``MADV_WILLNEED``), without faulting.
+    @property
+    def strides(self) -> tuple[int, ...]:  # row-major, as stored
+        out, step = [], 1
+        for d in reversed(self.shape):
+            out.append(step)
+            step *= d
+        return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class Run:
+    """Tensors lying close together in one file, mapped together: ``[start, end)`` of
+    ``path`` (start aligned for mmap)."""
+
+    path: Any
+    start: int
+    end: int
+    tensors: tuple[RunTensor, ...]
+
+
+def plain_runs(source, names: Iterable[str]) -> list[Run]:
+    """The plain floating-point safetensors tensors among ``names`` of a
+    :class:`~k3convert.checkpoint.Checkpoint` (none for other sources), grouped in runs
+    of tensors lying within :data:`RUN_GAP` of each other in one file. Metadata only.
 
     Only the exact ``Checkpoint`` type qualifies: a wrapper or subclass may change what
     ``get`` returns. Encoded, non-float, empty and ``.bin`` tensors are left to ``get``.
@@ -356,39 +409,59 @@ def map_plain(source, names: Iterable[str], advise: bool = False) -> dict[str, t
     from ..checkpoint.reader import Checkpoint
 
     if type(source) is not Checkpoint:
-        return {}
-    runs: dict = {}
-    for n in names:
+        return []
+    by_file: dict = {}
+    for n in dict.fromkeys(names):  # a tied lm_head names the embedding a second time
         m = source.meta(n)
         raw = m.main.raw if m.encoding == "plain" else None
         if raw is None or raw.nbytes == 0 or not raw.dtype.is_floating_point:
             continue
-        runs.setdefault(m.main.file, []).append((raw.start, n, raw))
-    out: dict[str, torch.Tensor] = {}
-    for path, items in runs.items():
-        items.sort(key=lambda x: x[0])
-        run = [items[0]]
+        by_file.setdefault(m.main.file, []).append((n, raw))
+    runs: list[Run] = []
+    for path, items in by_file.items():
+        items.sort(key=lambda x: x[1].start)
+        group = [items[0]]
         for it in items[1:]:
-            if it[0] - run[-1][2].end > RUN_GAP:
-                out.update(_map_run(path, run, advise))
-                run = []
-            run.append(it)
-        out.update(_map_run(path, run, advise))
+            if it[1].start - group[-1][1].end > RUN_GAP:
+                runs.append(_run(path, group))
+                group = []
+            group.append(it)
+        runs.append(_run(path, group))
+    return runs
+
+
+def _run(path, group: list) -> Run:
+    start = group[0][1].start - group[0][1].start % mmap.ALLOCATIONGRANULARITY
+    end = max(raw.end for _, raw in group)
+    ts = tuple(RunTensor(n, raw.dtype, tuple(raw.shape), raw.start - start) for n, raw in group)
+    return Run(path, start, end, ts)
+
+
+def map_runs(runs: list[Run], advise: bool = False) -> dict[str, torch.Tensor]:
+    """name -> zero-copy view: the views ``source.get(name)`` returns (copy-on-write
+    mappings of the file, released when the last view dies), with one ``mmap`` per run
+    instead of an open and an mmap per tensor. advise: ask the kernel to read the runs
+    ahead (``MADV_WILLNEED``) without faulting them in."""
+    out: dict[str, torch.Tensor] = {}
+    for r in runs:
+        with open(r.path, "rb") as fh:  # mmap keeps its own descriptor
+            mm = mmap.mmap(fh.fileno(), r.end - r.start, offset=r.start, access=mmap.ACCESS_COPY)
+        if advise and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        # one flat tensor per dtype (and byte phase, for odd offsets), each tensor a strided
+        # view of it: half the per-tensor cost of frombuffer + reshape
+        flats: dict[tuple, torch.Tensor] = {}
+        for t in r.tensors:
+            size = t.dtype.itemsize
+            phase = t.offset % size
+            flat = flats.get((t.dtype, phase))
+            if flat is None:
+                count = (r.end - r.start - phase) // size
+                flat = flats[t.dtype, phase] = torch.frombuffer(
+                    mm, dtype=t.dtype, count=count, offset=phase
+                )
+            out[t.name] = flat.as_strided(t.shape, t.strides, (t.offset - phase) // size)
     return out
-
-
-def _map_run(path, run: list, advise: bool) -> dict[str, torch.Tensor]:
-    start = run[0][0] - run[0][0] % mmap.ALLOCATIONGRANULARITY
-    end = max(raw.end for _, _, raw in run)
-    with open(path, "rb") as fh:  # mmap keeps its own descriptor
-        mm = mmap.mmap(fh.fileno(), end - start, offset=start, access=mmap.ACCESS_COPY)
-    if advise and hasattr(mm, "madvise"):
-        mm.madvise(mmap.MADV_WILLNEED)
-    return {
-        n: torch.frombuffer(mm, dtype=raw.dtype, count=math.prod(raw.shape),
-                            offset=raw.start - start).reshape(raw.shape)
-        for _, n, raw in run
-    }  # fmt: skip
 
 
 def _touch(t: torch.Tensor) -> torch.Tensor:
