@@ -231,3 +231,16 @@ def versions(py: str, *dists: str) -> str:
     code += "    try: print(d, m.version(d))\n    except m.PackageNotFoundError: pass"
     r = subprocess.run([py, "-c", code, *dists], capture_output=True, text=True, check=False)
     return ", ".join(r.stdout.split("\n")[:-1])
+
+
+def print_header(src: Path, total: int, largest: int, layers: int, workers: int, repeats: int):
+    """What was measured, above a table."""
+    files = len(list(src.glob("*.safetensors")))
+    print(
+        f"\ncheckpoint: {total / 1e9:.2f} GB bf16, {total / 2e6:.0f} M params, {layers} llama "
+        f"layers, {files} files; largest tensor {largest / 2**20:.0f} MiB"
+    )
+    print(f"workers {workers}, repeats {repeats}; {versions(PY, 'torch', 'safetensors')}")
+    print(
+        f"peak RSS: per process, floor {rss_floor():.0f} MiB (the launcher's, measured on `true`)"
+    )

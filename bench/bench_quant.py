@@ -52,8 +52,8 @@ from _harness import (
     build_llama,
     interleaved,
     llmc_python,
+    print_header,
     print_table,
-    rss_floor,
     safetensors_copy,
     versions,
     warm,
@@ -170,15 +170,7 @@ def main() -> None:
     warm(src.iterdir())
     results = interleaved(stages, a.repeats, reset)
 
-    print(
-        f"\ncheckpoint: {total / 1e9:.2f} GB bf16, {total / 2e6:.0f} M params, {a.layers} llama "
-        f"layers, {len(list(src.glob('*.safetensors')))} files; "
-        f"largest tensor {largest / 2**20:.0f} MiB"
-    )
-    print(f"workers {a.workers}, repeats {a.repeats}; {versions(PY, 'torch', 'safetensors')}")
-    print(
-        f"peak RSS: per process, floor {rss_floor():.0f} MiB (the launcher's, measured on `true`)"
-    )
+    print_header(src, total, largest, a.layers, a.workers, a.repeats)
     if llmc:
         print(f"llm-compressor: {versions(llmc, 'llmcompressor', 'compressed-tensors', 'torch')}")
     print()

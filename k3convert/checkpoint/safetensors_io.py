@@ -390,9 +390,19 @@ class SafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._put:
             raise ValueError(f"{self.path}: sequential writes after positional ones")
-        want, dtype, shape, n = self._order[self._next]
+        want, _, _, n = self._order[self._next]
         if name != want:
             raise ValueError(f"expected tensor '{want}' next, got '{name}'")
+        buf = self._bytes_of(self._next, name, tensor)
+        if len(buf) != n:
+            raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
+        self._fh.write(buf)  # straight from the tensor's memory: no bytes copy
+        self._next += 1
+
+    def _bytes_of(self, i: int, name: str, tensor: torch.Tensor):
+        """The bytes of ``tensor`` (a view of its memory, no copy), checked against header
+        entry ``i``."""
+        _, dtype, shape, _ = self._order[i]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(
                 f"tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, header says "
@@ -401,11 +411,7 @@ class SafetensorsWriter:
         data = tensor.detach().contiguous().cpu().reshape(-1)
         if data.dtype == torch.bool:
             data = data.view(torch.uint8)
-        buf = memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else b""
-        if len(buf) != n:
-            raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
-        self._fh.write(buf)  # straight from the tensor's memory: no bytes copy
-        self._next += 1
+        return memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else b""
 
     def _claim(self, name: str, nbytes: int | None = None) -> int:
         """The absolute offset of ``name`` for a positional write, checked and marked."""
@@ -426,16 +432,7 @@ class SafetensorsWriter:
         """Write ``name`` at its place in the file; thread-safe, any order."""
         if name not in self._at:
             raise ValueError(f"tensor '{name}' is not in the header of {self.path}")
-        _, dtype, shape, _ = self._order[self._at[name][0]]
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(
-                f"tensor '{name}' is {tensor.dtype}{tuple(tensor.shape)}, header says "
-                f"{dtype}{shape}"
-            )
-        data = tensor.detach().contiguous().cpu().reshape(-1)
-        if data.dtype == torch.bool:
-            data = data.view(torch.uint8)
-        buf = memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else b""
+        buf = self._bytes_of(self._at[name][0], name, tensor)
         off = self._claim(name, len(buf))
         fd = self._fh.fileno()
         done = 0
