@@ -357,14 +357,11 @@ def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, slots=None) 
     tok = slot // k
     counts = torch.bincount(eid, minlength=ts.num_experts).tolist()
     xs = flat.index_select(0, tok)  # (advanced indexing, flat[tok], is ~8x slower here)
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            ys[start : start + n] = gated_mlp(
-                ts, lin, w, f"routed_experts.{e}", xs[start : start + n]
-            )
-            start += n
+    hit = [(e, n) for e, n in enumerate(counts) if n]  # experts with no token never run
+    rows = xs.split([n for _, n in hit]) if hit else ()
+    pairs = zip(hit, rows, strict=True)
+    outs = [gated_mlp(ts, lin, w, f"routed_experts.{e}", r) for (e, _), r in pairs]
+    ys = torch.cat(outs) if outs else xs  # (no slot on this rank: xs has no rows)
     ys = ys * wts.index_select(0, order)[:, None].to(ys.dtype)
     out = torch.zeros_like(flat).index_add_(0, tok, ys)
     if "shared_experts.gate_proj" in w:
