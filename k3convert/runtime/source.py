@@ -227,7 +227,7 @@ class UnitLoader:
             nxt = self.plan.next_unit(unit)
             if self._pool is not None and nxt is not None and not self._ready(nxt):
                 if self._runs_of(nxt)[1]:
-                    # nothing to compute: mapping the unit here (~0.2 ms) beats waking the
+                    # nothing to compute: mapping the unit here (~0.3 ms) beats waking the
                     # prefetch thread, whose Python would hold the GIL that this thread
                     # needs between its ops; the kernel's readahead overlaps the I/O
                     fut: Future = Future()
