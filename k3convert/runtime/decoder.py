@@ -358,7 +358,7 @@ def moe(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, slots=None) 
     counts = torch.bincount(eid, minlength=ts.num_experts).tolist()
     xs = flat.index_select(0, tok)  # (advanced indexing, flat[tok], is ~8x slower here)
     hit = [(e, n) for e, n in enumerate(counts) if n]  # experts with no token never run
-    rows = xs.split([n for _, n in hit]) if hit else ()
+    rows = xs.split_with_sizes([n for _, n in hit]) if hit else ()
     pairs = zip(hit, rows, strict=True)
     outs = [gated_mlp(ts, lin, w, f"routed_experts.{e}", r) for (e, _), r in pairs]
     ys = torch.cat(outs) if outs else xs  # (no slot on this rank: xs has no rows)
