@@ -96,18 +96,16 @@ class _FdSink:
 
 
 def file_sha256(path: Path, stop: threading.Event | None = None, on_bytes=None) -> str:
-    """sha256 of a file: large reads into one reused buffer, hashed in place."""
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            h.update(mv[:n])
-            if on_bytes:
-                on_bytes(n)
-            if stop is not None and stop.is_set():
-                raise _Cancelled
-    return h.hexdigest()
+    """sha256 of a file (bare hex), :func:`unit_hashing.file_digest`'s loop; ``stop``
+    cancels it between pieces, ``on_bytes(n)`` reports progress."""
+
+    def each(n: int) -> None:
+        if on_bytes:
+            on_bytes(n)
+        if stop is not None and stop.is_set():
+            raise _Cancelled
+
+    return unit_hashing.file_digest(path, "sha256", _CHUNK, each).split(":", 1)[1]
 
 
 class _Cancelled(Exception):

@@ -58,12 +58,15 @@ def digest(value_algo: str, data) -> str:
     return tag(algo, h.hexdigest())
 
 
-def file_digest(path: Path, algo: str, chunk: int = 1 << 20) -> str:
-    """``ALGO:HEX`` of a file, read in pieces into one reused buffer."""
+def file_digest(path: Path, algo: str, chunk: int = 1 << 20, each=None) -> str:
+    """``ALGO:HEX`` of a file, read in pieces into one reused buffer and hashed in place;
+    ``each(n)`` is called after every piece (progress; it may raise to stop)."""
     h = new(algo)
     buf = bytearray(chunk)
     mv = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(mv):
             h.update(mv[:n])
+            if each is not None:
+                each(n)
     return tag(algo, h.hexdigest())
