@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import deepseek_v3, kimi_k25, llama, qwen3_moe  # noqa: F401  (registration)
+from . import deepseek_v3, kimi_k25, kimi_linear, llama, qwen3_moe  # noqa: F401  (registration)
 from .base import (
     COMPONENTS,
     SPLITS,

@@ -26,10 +26,13 @@ COMPONENTS = (
     "vision",
     "projector",
     "attention",
+    "linear_attention",
+    "attn_res",
     "norms",
     "dense_mlp",
     "router",
     "shared_experts",
+    "latent",
     "routed_experts",
     "head",
     "mtp",
@@ -43,10 +46,23 @@ SPLITS = {
     "kv_heads": 0,  # rows by KV heads, replicated when tp > kv heads
     "col": 0,  # rows (column-parallel linear: gate / up)
     "row": 1,  # columns (row-parallel linear: o_proj / down)
+    "kda_heads": 0,  # rows by linear-attention (KDA) heads: q/k/v/g, conv, b, f_b, dt_bias
+    "kda_row": 1,  # columns by KDA heads (KDA o_proj)
+    "kda_a_log": 0,  # KDA A_log: narrowed to its heads, then one per head (the dim holding them)
 }
 
 #: scopes: how many instances a row has
-SCOPES = ("global", "layer", "dense_layer", "moe_layer", "expert", "vision_block", "mtp")
+SCOPES = (
+    "global",
+    "layer",
+    "dense_layer",
+    "moe_layer",
+    "kda_layer",  # linear-attention (KDA) layers of a hybrid model (cfg.is_kda_layer)
+    "mla_layer",  # the full-attention layers of a hybrid model
+    "expert",
+    "vision_block",
+    "mtp",
+)
 
 
 @dataclass(frozen=True)
@@ -256,6 +272,10 @@ def _layer_kinds(cfg) -> list[str]:
 def _indices(scope: str, cfg, mtp: bool) -> Iterator[dict[str, int]]:
     if scope == "global":
         yield {}
+    elif scope in ("kda_layer", "mla_layer"):
+        for i in range(cfg.num_layers):
+            if cfg.is_kda_layer(i) == (scope == "kda_layer"):
+                yield {"L": i}
     elif scope in ("layer", "dense_layer", "moe_layer"):
         for i, k in enumerate(_layer_kinds(cfg)):
             if scope == "layer" or scope == f"{k}_layer":
@@ -288,6 +308,8 @@ def _in_range(scope: str, idx: dict[str, int], cfg) -> bool:
     if layer is not None:
         if layer >= n + n_mtp:
             return False
+        if scope in ("kda_layer", "mla_layer"):
+            return layer < n and cfg.is_kda_layer(layer) == (scope == "kda_layer")
         if layer >= n:  # MTP layer: any MoE-layer row applies
             if scope == "dense_layer":
                 return False
