@@ -47,6 +47,18 @@ def _describe(cfg: Any) -> dict[str, Any]:
             "v_head_dim": text.v_head_dim,
         }
         d["mtp_layers"] = text.num_mtp
+        if hasattr(text, "kda_layers"):  # a KDA + MLA hybrid (kimi_linear, Kimi K3)
+            d["kda"] = {
+                "layers": len(text.kda_layers),
+                "mla_layers": n - len(text.kda_layers),
+                "heads": text.kda_num_heads,
+                "head_dim": text.kda_head_dim,
+                "conv_kernel": text.conv_kernel,
+            }
+            if text.latent_size:
+                d["latent_moe"] = text.latent_size
+            if text.attn_res_block_size:
+                d["attn_res_block_size"] = text.attn_res_block_size
     else:
         d["kv_heads"] = text.num_kv_heads
     vision = getattr(cfg, "vision", None)
@@ -228,6 +240,18 @@ def format_report(r: dict) -> str:
             f"  MLA: q_lora {m['q_lora_rank']}, kv_lora {m['kv_lora_rank']}, qk nope/rope "
             f"{m['qk_nope_head_dim']}/{m['qk_rope_head_dim']}, v {m['v_head_dim']}; "
             f"MTP layers {r.get('mtp_layers', 0)}"
+        )
+    if "kda" in r:
+        k = r["kda"]
+        head.append(
+            f"  KDA: {k['layers']} linear-attention layers + {k['mla_layers']} MLA layers, "
+            f"{k['heads']} heads x {k['head_dim']}, conv {k['conv_kernel']}"
+            + (f"; latent MoE width {r['latent_moe']}" if "latent_moe" in r else "")
+            + (
+                f"; attention residuals every {r['attn_res_block_size']} layers"
+                if "attn_res_block_size" in r
+                else ""
+            )
         )
     if "vision" in r:
         v = r["vision"]

@@ -1,7 +1,7 @@
 """Architecture registry: ``model_type`` -> table of tensor roles (see base.py).
 
 Families: ``llama`` (qwen2, qwen3, mistral), ``qwen3_moe`` (mixtral),
-``deepseek_v3`` (kimi_k2), ``kimi_k25``.
+``deepseek_v3`` (kimi_k2), ``kimi_k25``, ``kimi_linear``, ``kimi_k3``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import deepseek_v3, kimi_k25, kimi_linear, llama, qwen3_moe  # noqa: F401  (registration)
+from . import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, llama, qwen3_moe  # noqa: F401  (registration)
 from .base import (
     COMPONENTS,
     SPLITS,

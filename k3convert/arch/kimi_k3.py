@@ -1,0 +1,80 @@
+"""Kimi K3: MoonViT3d vision tower + patch-merger projector + a Kimi-Linear decoder.
+
+Top level ``model_type: kimi_k3`` with ``text_config`` (``model_type: kimi_linear``: KDA +
+MLA layers, latent MoE, attention residuals, SiTU; see kimi_linear.py) and
+``vision_config`` (see kimi_k3_vision.py). Tensors: ``language_model.model.*``,
+``language_model.lm_head.weight``, ``vision_tower.*``, ``mm_projector.*``. The release's
+``quantization_config`` (routed experts in ``mxfp4-pack-quantized``) sits inside
+``text_config``; the reader decides each tensor's encoding from what is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from . import kimi_linear
+from .base import Arch, register
+from .base import TensorSpec as T
+from .kimi_k3_vision import parse_vision, vision_rows
+
+#: Moonshot's media placeholder token (images and video chunks)
+MEDIA_TOKEN_ID = 163605
+
+
+@dataclass(frozen=True)
+class KimiK3Config:
+    text: kimi_linear.KimiLinearConfig
+    vision: Any  # kimi_k3_vision.K3VisionConfig
+    tie_word_embeddings: bool
+    image_token_id: int
+
+    # the decoder's fields, so table rows can use one config object
+    def __getattr__(self, name):
+        if name in ("text", "vision") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.text, name)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.text.is_moe_layer(i)
+
+    def is_kda_layer(self, i: int) -> bool:
+        return self.text.is_kda_layer(i)
+
+
+def parse(raw: dict, where: str = "config.json") -> KimiK3Config:
+    tc = raw.get("text_config")
+    vc = raw.get("vision_config")
+    if not isinstance(tc, dict):
+        raise ConfigError(f"{where}: kimi_k3 needs a 'text_config' object.")
+    if not isinstance(vc, dict):
+        raise ConfigError(f"{where}: kimi_k3 needs a 'vision_config' object.")
+    tie = bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", False)))
+    text = kimi_linear.parse(
+        {**tc, "tie_word_embeddings": tie}, f"{where}: text_config", family="kimi_k3"
+    )
+    vision = parse_vision(vc, text.hidden_size, f"{where}: vision_config")
+    token = raw.get("media_placeholder_token_id", vc.get("media_placeholder_token_id"))
+    return KimiK3Config(
+        text=text,
+        vision=vision,
+        tie_word_embeddings=tie,
+        image_token_id=int(token if token is not None else MEDIA_TOKEN_ID),
+    )
+
+
+def specs(c: KimiK3Config) -> list[T]:
+    lm = kimi_linear.lm_specs("language_model.model.", "language_model.lm_head.weight")
+    return [*vision_rows(), *lm]
+
+
+KIMI_K3 = register(
+    Arch(
+        "kimi_k3",
+        (),
+        parse,
+        specs,
+        doc="MoonViT3d + projector + KDA/MLA hybrid decoder with latent MoE (Kimi K3)",
+    )
+)
