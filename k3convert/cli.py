@@ -72,7 +72,8 @@ def synth(
         str,
         typer.Argument(
             help="config.json, a model directory, or a built-in preset "
-            "(kimi-k2, kimi-k2-thinking, kimi-k25, deepseek-v3, llama3-8b, qwen3-30b-a3b)."
+            "(kimi-k3, kimi-linear-48b, kimi-k2, kimi-k2-thinking, kimi-k25, deepseek-v3, "
+            "llama3-8b, qwen3-30b-a3b)."
         ),
     ],
     out: Annotated[Path, typer.Argument(help="Output directory (must not exist).")],
@@ -96,7 +97,8 @@ def synth(
     encoding: Annotated[
         str,
         typer.Option(
-            help="auto (as the config's quantization_config says), plain, fp8-block or int4."
+            help="auto (as the config's quantization_config says), plain, fp8-block, int4 or "
+            "mxfp4 (routed experts, as Kimi K3 is released)."
         ),
     ] = "auto",
     shard_mb: Annotated[

@@ -29,11 +29,14 @@ from .checkpoint.output import group_by_size, shard_names, staged_output, write_
 from .checkpoint.safetensors_io import SafetensorsWriter
 from .errors import ConfigError
 from .quant.packing import pack_int32
+from .quant.schemes import get_scheme
 
 PRESETS = (
     "kimi-k2",
     "kimi-k2-thinking",
     "kimi-k25",
+    "kimi-k3",
+    "kimi-linear-48b",
     "deepseek-v3",
     "llama3-8b",
     "qwen3-30b-a3b",
@@ -42,6 +45,30 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CFG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 QUANTIZABLE = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 FP8_MAX = 448.0
+MXFP4_GROUP = 32
+#: Kimi K3's released quantization_config (routed experts only; it sits in text_config)
+MXFP4_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": MXFP4_GROUP,
+                "dynamic": False,
+                "scale_dtype": "torch.uint8",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    "ignore": ["re:.*lm_head", "re:vision_tower.*", "re:mm_projector.*", "re:.*self_attn.*"],
+}
 
 
 def preset_config(name: str) -> dict:
@@ -81,9 +108,10 @@ def _set_experts(t: dict, n: int) -> None:
     for k in ("n_routed_experts", "num_experts", "num_local_experts"):
         if k in t:
             t[k] = n
-    topk = t.get("num_experts_per_tok")
-    if topk and topk > n:
-        t["num_experts_per_tok"] = max(1, min(topk, n))
+    for k in ("num_experts_per_tok", "num_experts_per_token"):
+        topk = t.get(k)
+        if topk and topk > n:
+            t[k] = max(1, min(topk, n))
     ng = t.get("n_group")
     if ng and n % ng:
         t["n_group"] = math.gcd(ng, n)
@@ -104,9 +132,11 @@ def tiny_overrides(raw: dict) -> dict:
         "intermediate": 128,
         "vocab": 256,
     }
+    if _hybrid(t):  # KDA + MLA: enough layers for both kinds, a dense one and 2 residual blocks
+        o["layers"] = min(t.get("num_hidden_layers", 5), 5)
     if experts:
         o["experts"] = 8
-        o["topk"] = min(t.get("num_experts_per_tok") or 2, 2)
+        o["topk"] = min(t.get("num_experts_per_tok") or t.get("num_experts_per_token") or 2, 2)
         o["moe_intermediate"] = 32
     if t.get("num_nextn_predict_layers"):
         o["mtp"] = 1
@@ -141,7 +171,9 @@ def apply_overrides(raw: dict, o: dict, tiny: bool) -> dict:
     if o.get("experts"):
         _set_experts(t, o["experts"])
     if o.get("topk"):
-        t["num_experts_per_tok"] = o["topk"]
+        t["num_experts_per_token" if "num_experts_per_token" in t else "num_experts_per_tok"] = o[
+            "topk"
+        ]
     if o.get("moe_intermediate"):
         t["moe_intermediate_size"] = o["moe_intermediate"]
     if o.get("vocab"):
@@ -160,8 +192,19 @@ def apply_overrides(raw: dict, o: dict, tiny: bool) -> dict:
             t["n_group"], t["topk_group"] = 2, 1
         t["head_dim"] = 8
         t["qk_head_dim"] = 24
+    if _hybrid(t):
+        _scale_hybrid(t, o, tiny)
     v = cfg.get("vision_config")
-    if isinstance(v, dict):
+    if isinstance(v, dict) and "vt_hidden_size" in v:  # Kimi K3's MoonViT3d
+        if tiny:
+            v.update(vt_hidden_size=32, vt_num_attention_heads=2, qkv_hidden_size=32)
+            v.update(vt_intermediate_size=64, init_pos_emb_height=8, init_pos_emb_width=8)
+            v["mm_hidden_size"] = 32
+        if o.get("vision_layers"):
+            v["vt_num_hidden_layers"] = o["vision_layers"]
+        if "text_hidden_size" in v:
+            v["text_hidden_size"] = t["hidden_size"]
+    elif isinstance(v, dict):
         if tiny:
             v.update(hidden_size=32, num_attention_heads=2, intermediate_size=64)
             v.update(pos_emb_height=8, pos_emb_width=8)
@@ -169,13 +212,52 @@ def apply_overrides(raw: dict, o: dict, tiny: bool) -> dict:
         if o.get("vision_layers"):
             v["num_hidden_layers"] = o["vision_layers"]
     _fix_token_ids(cfg, t)
+    if isinstance(v, dict) and "media_placeholder_token_id" in cfg:
+        v["media_placeholder_token_id"] = cfg["media_placeholder_token_id"]
     return cfg
+
+
+def _hybrid(t: dict) -> bool:
+    """A KDA + MLA hybrid (kimi_linear, Kimi K3's text)."""
+    return isinstance(t.get("linear_attn_config"), dict)
+
+
+def _scale_hybrid(t: dict, o: dict, tiny: bool) -> None:
+    """Layer lists and KDA / latent-MoE widths of a hybrid after a change of depth."""
+    lac = t["linear_attn_config"]
+    n = t["num_hidden_layers"]
+    if o.get("layers"):
+        # the releases' pattern: every 4th layer and the last one are full attention
+        full = sorted({i for i in range(4, n + 1, 4)} | {n})
+        lac["full_attn_layers"] = full
+        lac["kda_layers"] = [i for i in range(1, n + 1) if i not in full]
+        for key in ("layer_types", "mlp_layer_types"):
+            t.pop(key, None)  # derived from the lists above and first_k_dense_replace
+        block = t.get("attn_res_block_size")
+        if block and tiny:
+            t["attn_res_block_size"] = 2
+        elif block and block >= n:
+            t["attn_res_block_size"] = max(1, n // 2)
+    if tiny:
+        lac.update(num_heads=4, head_dim=16)
+        if t.get("routed_expert_hidden_size"):
+            t["routed_expert_hidden_size"] = 32
+    if o.get("heads") and not tiny:
+        lac["num_heads"] = o["heads"]
+    for k in ("linear_num_heads", "linear_head_dim"):
+        t.pop(k, None)
 
 
 def _fix_token_ids(cfg: dict, t: dict) -> None:
     """Special token ids must stay inside a shrunken vocabulary."""
     vocab = t["vocab_size"]
-    special = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
+    special = [
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "media_placeholder_token_id",
+    ]
     for i, k in enumerate(special):
         if k in cfg and cfg[k] is not None and cfg[k] >= vocab:
             cfg[k] = vocab - len(special) + i
@@ -196,8 +278,13 @@ def _ignored(module: str, ignore: list[str]) -> bool:
     return False
 
 
+ENCODINGS = ("auto", "plain", "fp8-block", "int4", "mxfp4")
+
+
 def encoding_for(inst: Instance, raw: dict, choice: str) -> str:
-    """'plain', 'fp8-block' or 'int4' for one tensor under the --encoding choice."""
+    """'plain', 'fp8-block', 'int4' or 'mxfp4' for one tensor under the --encoding choice.
+
+    mxfp4 (Kimi K3's release) applies to routed experts only, as in the release."""
     role = inst.role
     linear = (
         len(inst.shape) == 2
@@ -207,9 +294,13 @@ def encoding_for(inst: Instance, raw: dict, choice: str) -> str:
     )
     if not linear or choice == "plain":
         return "plain"
+    if choice == "mxfp4":
+        return "mxfp4" if role.component == "routed_experts" else "plain"
     if choice in ("fp8-block", "int4"):
         return choice
     qc = raw.get("quantization_config") or _text(raw).get("quantization_config") or {}
+    if qc.get("format") == "mxfp4-pack-quantized":
+        return "mxfp4" if role.component == "routed_experts" else "plain"
     method = qc.get("quant_method")
     if method == "fp8":
         return "fp8-block"
@@ -285,16 +376,23 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def random_tensor(inst: Instance, seed: int) -> torch.Tensor:
     """Values a forward pass can run on: N(0, 0.02) weights, ~1 norms, small biases."""
     g = _generator(seed, inst.name)
-    x = torch.randn(inst.shape, generator=g, dtype=torch.float32)
+    x = torch.randn(inst.stored_shape, generator=g, dtype=torch.float32)
     kind = inst.role.kind
-    if inst.role.component == "norms" or kind in (
-        "norm0",
-        "norm1",
-        "final_layernorm",
-        "pre_norm",
-        "mtp_enorm",
-        "mtp_hnorm",
-        "mtp_head_norm",
+    if (
+        inst.role.component == "norms"
+        or kind
+        in (
+            "norm0",
+            "norm1",
+            "final_layernorm",
+            "pre_norm",
+            "mtp_enorm",
+            "mtp_hnorm",
+            "mtp_head_norm",
+            "post_norm",
+        )
+        or kind.endswith("_res_norm")
+        or kind == "routed_expert_norm"
     ):
         return 1.0 + 0.05 * x if inst.name.endswith("weight") else 0.02 * x
     if kind == "e_score_correction_bias":
@@ -311,7 +409,7 @@ class _Planned:
 
 
 def _plan(inst: Instance, enc: str, dtype: torch.dtype, raw: dict) -> _Planned:
-    out_in = inst.shape
+    out_in = inst.stored_shape
     base = inst.name.removesuffix(".weight")
     if enc == "fp8-block":
         r, c = math.ceil(out_in[0] / 128), math.ceil(out_in[1] / 128)
@@ -334,6 +432,16 @@ def _plan(inst: Instance, enc: str, dtype: torch.dtype, raw: dict) -> _Planned:
         ]
         if not sym:
             parts.append((f"{base}.weight_zero_point", torch.int32, (math.ceil(out_in[0] / 8), ng)))
+    elif enc == "mxfp4":
+        if out_in[1] % MXFP4_GROUP:
+            raise ConfigError(
+                f"tensor '{inst.name}' input dim {out_in[1]} is not a multiple of the MXFP4 "
+                f"group size {MXFP4_GROUP}; choose dimensions that are multiples of it."
+            )
+        parts = [
+            (f"{base}.weight_packed", torch.uint8, (out_in[0], out_in[1] // 2)),
+            (f"{base}.weight_scale", torch.uint8, (out_in[0], out_in[1] // MXFP4_GROUP)),
+        ]
     else:
         parts = [(inst.name, dtype, out_in)]
     nbytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in parts)
@@ -348,6 +456,8 @@ def _encode(p: _Planned, dtype: torch.dtype, raw: dict, seed: int) -> dict[str, 
     elif p.encoding == "int4":
         group, sym = int4_params(raw)
         e = int4_encode(w, group, sym, dtype)
+    elif p.encoding == "mxfp4":  # the same quantizer `quantize --scheme mxfp4` uses
+        e = get_scheme("mxfp4").quantize(w.to(dtype), name=p.inst.name)
     else:
         return {p.inst.name: w.to(dtype)}
     return {(p.inst.name if k == "weight" else f"{base}.{k}"): v for k, v in e.items()}
@@ -362,6 +472,13 @@ def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
     if encoding == "plain":
         cfg.pop("quantization_config", None)
         _text(cfg).pop("quantization_config", None)
+    elif encoding == "mxfp4":
+        t = _text(cfg)
+        qc = t.get("quantization_config") or cfg.get("quantization_config") or {}
+        if qc.get("format") != "mxfp4-pack-quantized":
+            qc = copy.deepcopy(MXFP4_CONFIG)
+        cfg.pop("quantization_config", None)  # the release keeps it inside text_config
+        t["quantization_config"] = qc
     elif encoding == "fp8-block":
         cfg["quantization_config"] = {
             "quant_method": "fp8",
@@ -411,8 +528,8 @@ def synthesize(
     progress: bool = False,
 ) -> str:
     """Write the checkpoint; returns a one-paragraph summary."""
-    if encoding not in ("auto", "plain", "fp8-block", "int4"):
-        raise ConfigError(f"--encoding must be auto, plain, fp8-block or int4, not '{encoding}'.")
+    if encoding not in ENCODINGS:
+        raise ConfigError(f"--encoding must be one of {', '.join(ENCODINGS)}, not '{encoding}'.")
     raw = source_config(config)
     o = dict(tiny_overrides(raw)) if tiny else {}
     o.update({k: v for k, v in (overrides or {}).items() if v is not None})

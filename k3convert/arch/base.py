@@ -110,7 +110,10 @@ class TensorSpec:
     """One row of an architecture table.
 
     pattern: canonical name template (what synth writes); aliases: other spellings seen
-    in released checkpoints; when: predicate on the config (row exists or not).
+    in released checkpoints; when: predicate on the config (row exists or not);
+    stored: the shape a release stores when it pads the tensor beyond its logical
+    ``shape`` (Kimi K3's A_log: [128] for 96 heads); both shapes are accepted, synth
+    writes the stored one, and only the logical prefix is used.
     """
 
     pattern: str
@@ -122,6 +125,7 @@ class TensorSpec:
     keep: bool = False
     when: Callable[[Any], bool] = lambda c: True
     aliases: tuple[str, ...] = ()
+    stored: ShapeFn | None = None
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -141,11 +145,17 @@ def _template_regex(t: str) -> re.Pattern:
 
 @dataclass(frozen=True)
 class Instance:
-    """One concrete tensor an architecture expects under a config."""
+    """One concrete tensor an architecture expects under a config (``stored``: the padded
+    shape a release writes, see :class:`TensorSpec`)."""
 
     name: str
     shape: tuple[int, ...]
     role: Role
+    stored: tuple[int, ...] | None = None
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.stored or self.shape
 
 
 @dataclass
@@ -169,7 +179,9 @@ class Arch:
         for spec in self.table(cfg):
             for idx in _indices(spec.scope, cfg, mtp):
                 name = spec.pattern.format(**idx)
-                yield Instance(name, tuple(spec.shape(cfg)), _role(spec, idx, cfg))
+                yield Instance(
+                    name, tuple(spec.shape(cfg)), _role(spec, idx, cfg), _stored(spec, cfg)
+                )
 
     def match(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Match]:
         """Role, canonical spelling and expected shape of every name, in one pass.
@@ -189,6 +201,7 @@ class Arch:
                             _role(spec, idx, cfg),
                             spec.pattern.format(**idx),
                             tuple(spec.shape(cfg)),
+                            _stored(spec, cfg),
                         )
                         break
             else:
@@ -217,7 +230,9 @@ class Arch:
         names = list(names)
         matched = self.match(cfg, names, where)
         if shape_of is not None:
-            bad = [n for n in names if tuple(shape_of(n)) != matched[n].shape]
+            bad = [
+                n for n in names if tuple(shape_of(n)) not in (matched[n].shape, matched[n].stored)
+            ]
             if bad:
                 n = bad[0]
                 loc = file_of(n) if file_of is not None else where
@@ -252,10 +267,16 @@ class Arch:
         return {n: m.shape for n, m in self.match(cfg, names, where).items()}
 
 
+def _stored(spec: TensorSpec, cfg: Any) -> tuple[int, ...] | None:
+    shape = spec.stored(cfg) if spec.stored is not None else None
+    return tuple(shape) if shape is not None else None
+
+
 class Match(NamedTuple):
     role: Role
     canonical: str
     shape: tuple[int, ...]
+    stored: tuple[int, ...] | None = None  # a release's padded shape (TensorSpec.stored)
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,7 +10,7 @@ MLA layers, latent MoE, attention residuals, SiTU; see kimi_linear.py) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
@@ -66,7 +66,10 @@ def parse(raw: dict, where: str = "config.json") -> KimiK3Config:
 
 def specs(c: KimiK3Config) -> list[T]:
     lm = kimi_linear.lm_specs("language_model.model.", "language_model.lm_head.weight")
-    return [*vision_rows(), *lm]
+    # default keeps: the vision tower and the projector stay in high precision (the
+    # release keeps them bf16; they are 0.02 % of the parameters)
+    vision = [replace(r, keep=True) for r in vision_rows()]
+    return [*vision, *lm]
 
 
 KIMI_K3 = register(

@@ -53,6 +53,7 @@ class KimiLinearConfig:
     gate_lower_bound: float | None
     full_rank_gate: bool
     a_log_shape: tuple[int, ...]
+    a_log_stored: tuple[int, ...] | None
     # MLA
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -220,10 +221,10 @@ def parse(raw: dict, where: str = "config.json", *, family: str = "kimi_linear")
     q_lora = raw.get("q_lora_rank")
     latent = raw.get("routed_expert_hidden_size")
     block = raw.get("attn_res_block_size")
-    if family == "kimi_k3":
-        a_log = (max(kda_heads, kda_dim),)
-    else:
-        a_log = (1, 1, kda_heads, 1)
+    if family == "kimi_k3":  # one rate per head; the release pads the vector to 128 entries
+        a_log, a_log_stored = (kda_heads,), (max(kda_heads, kda_dim),)
+    else:  # transformers' layout
+        a_log, a_log_stored = (1, 1, kda_heads, 1), None
     shared = raw.get("num_shared_experts", raw.get("n_shared_experts"))
     return KimiLinearConfig(
         model_type=raw.get("model_type", family),
@@ -238,6 +239,7 @@ def parse(raw: dict, where: str = "config.json", *, family: str = "kimi_linear")
         gate_lower_bound=lower,
         full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
         a_log_shape=a_log,
+        a_log_stored=a_log_stored if a_log_stored != a_log else None,
         q_lora_rank=positive(q_lora, "q_lora_rank", where) if q_lora else None,
         kv_lora_rank=p("kv_lora_rank"),
         qk_nope_head_dim=p("qk_nope_head_dim"),
@@ -283,7 +285,8 @@ def kda_attention(a: str) -> list[T]:
         *(T(f"{a}{x}_conv1d.weight", s, la, f"{x}_conv1d",
             lambda c: (P(c), 1, c.conv_kernel), "kda_heads", keep=True)
           for x in "qkv"),
-        T(f"{a}A_log", s, la, "A_log", lambda c: c.a_log_shape, "kda_a_log", keep=True),
+        T(f"{a}A_log", s, la, "A_log", lambda c: c.a_log_shape, "kda_a_log", keep=True,
+          stored=lambda c: c.a_log_stored),
         T(f"{a}dt_bias", s, la, "dt_bias", lambda c: (P(c),), "kda_heads", keep=True),
         T(f"{a}f_a_proj.weight", s, la, "f_a_proj", lambda c: (D(c), H(c)), keep=True),
         T(f"{a}f_b_proj.weight", s, la, "f_b_proj", lambda c: (P(c), D(c)), "kda_heads",

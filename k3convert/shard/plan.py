@@ -15,7 +15,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,12 @@ class _Splitter:
         rule = role.split
         if rule == "vocab":
             return split_tensor(m, 0, tp, mode="pad", what="vocab rows", degree_name=dname)
+        if rule in ("kda_heads", "kda_row"):
+            heads = self.cfg.kda_num_heads
+            g = self._granule(m, d, heads, "KDA heads")
+            return split_tensor(m, d, tp, granule=g, what="KDA heads", degree_name=dname)
+        if rule == "kda_a_log":
+            return self._a_log(m, tp, dname)
         if rule == "heads" or (rule == "row" and role.kind == "o_proj"):
             heads = self.cfg.num_heads
             g = self._granule(m, d, heads, "attention heads")
@@ -203,6 +209,26 @@ class _Splitter:
             rep = tp // kv
             return [base[r // rep] for r in range(tp)]
         return split_tensor(m, d, tp, what="rows" if d == 0 else "columns", degree_name=dname)
+
+    def _a_log(self, m: TensorMeta, tp: int, dname: str) -> list[Piece]:
+        """KDA's per-head decay rates, one per head: transformers' [1, 1, H, 1] splits its
+        head dim; a padded vector (Kimi K3 stores [128] for 96 heads) is narrowed to its
+        first H entries (the rest are never used), then split by head."""
+        heads = self.cfg.kda_num_heads
+        if m.encoding != "plain" or (heads not in m.shape and max(m.shape) < heads):
+            raise SplitError(
+                f"tensor '{m.name}' (shape {list(m.shape)}) does not hold one KDA decay rate "
+                f"per head for the {heads} heads in config.json."
+            )
+        d = m.shape.index(heads) if heads in m.shape else len(m.shape) - 1
+        if m.shape[d] != heads:  # padded: keep the used prefix
+            shape = tuple(heads if i == d else n for i, n in enumerate(m.shape))
+            parts = {
+                k: replace(pm, shape=shape, nbytes=pm.nbytes // pm.shape[d] * heads)
+                for k, pm in m.parts.items()
+            }
+            m = replace(m, shape=shape, parts=parts)
+        return split_tensor(m, d, tp, what="KDA heads", degree_name=dname)
 
     @staticmethod
     def _granule(m: TensorMeta, d: int, heads: int, what: str) -> int:
