@@ -1,0 +1,169 @@
+"""Kimi K3 / Kimi-Linear day 0: the tables read the vendors' checkpoints, inspect's totals
+match the published dimensions, synth rehearses the release, shard splits KDA by heads and
+reassembles bit for bit, and bad inputs fail clearly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from k3convert.arch import resolve, validate_source
+from k3convert.checkpoint import open_checkpoint
+from k3convert.errors import ConfigError
+from k3convert.inspect import inspect_path
+from k3convert.shard import shard as reshard
+from k3convert.stream.format import SplitError
+from k3convert.synth import preset_config, synthesize
+from tests.test_shard_support import _bytes_equal, reassemble
+
+K3 = dict(
+    hidden=7168, layers=93, kda=69, mla=24, heads=96, hd=128, vocab=163840, experts=896,
+    inter=3072, latent=3584, shared=2, dense_inter=33792, q_lora=1536, kv_lora=512,
+)  # fmt: skip
+
+
+def _write(tmp_path: Path, raw: dict) -> Path:
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(raw))
+    return p
+
+
+# -- inspect on the config alone ------------------------------------------------------
+def test_kimi_k3_published_dimensions(tmp_path):
+    """2.8 T total, ~104 B active; every component against hand-computed counts."""
+    r = inspect_path(path=_write(tmp_path, preset_config("kimi-k3")))
+    k = K3
+    H, P = k["hidden"], k["heads"] * k["hd"]
+    moe_layers = k["layers"] - 1
+    routed = moe_layers * k["experts"] * 3 * k["inter"] * k["latent"]
+    kda_layer = 3 * P * H + 3 * P * 4 + 96 + P + k["hd"] * H + P * k["hd"] + 96 * H + P * H
+    kda_layer += P * H  # o_proj
+    mla_layer = (
+        k["q_lora"] * H
+        + k["heads"] * 192 * k["q_lora"]
+        + (k["kv_lora"] + 64) * H
+        + k["heads"] * 256 * k["kv_lora"]
+        + H * k["heads"] * 128
+        + k["heads"] * 128 * H  # output gate
+    )
+    comp = {c: v["params"] for c, v in r["by_component"].items()}
+    assert comp["routed_experts"] == routed
+    assert comp["linear_attention"] == k["kda"] * kda_layer
+    assert comp["attention"] == k["mla"] * mla_layer
+    assert comp["latent"] == moe_layers * (2 * k["latent"] * H + k["latent"])  # + norm
+    assert comp["shared_experts"] == moe_layers * 3 * k["shared"] * k["inter"] * H
+    assert comp["dense_mlp"] == 3 * k["dense_inter"] * H
+    assert comp["router"] == moe_layers * (k["experts"] * H + k["experts"])
+    assert comp["attn_res"] == k["layers"] * 4 * H + 2 * H
+    assert comp["embeddings"] == comp["head"] == k["vocab"] * H
+    assert 0.35e9 < comp["vision"] < 0.45e9 and 40e6 < comp["projector"] < 50e6
+    assert 2.75e12 < r["total_params"] < 2.85e12
+    assert 100e9 < r["active_params"] < 108e9
+    assert r["kda"] == {"layers": 69, "mla_layers": 24, "heads": 96, "head_dim": 128,
+                        "conv_kernel": 4}  # fmt: skip
+    assert r["experts"] == {"routed": 896, "active": 16, "shared": 2}
+    assert r["latent_moe"] == 3584 and r["attn_res_block_size"] == 12
+
+
+def test_kimi_linear_48b_published_dimensions(tmp_path):
+    """Kimi-Linear-48B-A3B: ~48 B total, ~3 B active, 20 KDA + 7 MLA layers."""
+    r = inspect_path(path=_write(tmp_path, preset_config("kimi-linear-48b")))
+    assert 47e9 < r["total_params"] < 50e9
+    assert 2.8e9 < r["active_params"] < 3.8e9
+    assert r["kda"]["layers"] == 20 and r["kda"]["mla_layers"] == 7
+
+
+def test_kda_layer_lists_must_match_num_hidden_layers(tmp_path):
+    raw = preset_config("kimi-k3")
+    raw["text_config"]["linear_attn_config"]["kda_layers"].append(94)
+    with pytest.raises(ConfigError, match=r"layer\(s\) \[94\].*num_hidden_layers is 93"):
+        resolve(raw)
+    raw = preset_config("kimi-k3")
+    raw["text_config"]["linear_attn_config"]["full_attn_layers"].remove(93)
+    with pytest.raises(ConfigError, match=r"partition the 93 layers.*\[93\] are in neither"):
+        resolve(raw)
+    r = subprocess.run(
+        [sys.executable, "-m", "k3convert", "inspect", str(_write(tmp_path, raw))],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "neither list" in r.stderr
+
+
+# -- the vendors' own checkpoints read with our tables ---------------------------------
+def test_tables_read_the_vendors_checkpoints(tmp_path, model_factory):
+    """Names and shapes written by transformers' KimiLinearForCausalLM and by Moonshot's
+    KimiK3ForConditionalGeneration are exactly what the tables expect."""
+    from tests.moonshot_oracle import build_kimi_k3
+
+    for d in (model_factory("kimi_linear"), build_kimi_k3(tmp_path / "k3", vision=True)):
+        ck = open_checkpoint(d)
+        arch, cfg = resolve(ck.config)
+        matched = validate_source(arch, cfg, ck, str(d))
+        assert len(matched) == len(ck.names())
+        kinds = {m.role.component for m in matched.values()}
+        assert {"linear_attention", "attention", "routed_experts", "router"} <= kinds
+
+
+# -- synth, shard, reassemble -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def k3_synth(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("k3") / "synth"
+    synthesize(config="kimi-k3", out=out, tiny=True, encoding="plain", seed=3)
+    return out
+
+
+def test_synth_k3_is_the_release_scaled_down(k3_synth):
+    cfg = json.loads((k3_synth / "config.json").read_text())
+    t = cfg["text_config"]
+    lac = t["linear_attn_config"]
+    assert cfg["model_type"] == "kimi_k3" and t["model_type"] == "kimi_linear"
+    assert lac["full_attn_layers"] == [4, 5] and lac["kda_layers"] == [1, 2, 3]
+    assert t["attn_res_block_size"] == 2 and t["routed_expert_hidden_size"] == 32
+    with safe_open(k3_synth / "model.safetensors", "pt") as f:
+        a_log = f.get_slice("language_model.model.layers.0.self_attn.A_log").get_shape()
+        conv = f.get_slice("language_model.model.layers.0.self_attn.q_conv1d.weight")
+        assert a_log == [16]  # padded past its 4 heads, as the release pads 96 to 128
+        assert conv.get_shape() == [64, 1, 4]
+
+
+def _source_tensors(d: Path) -> dict[str, torch.Tensor]:
+    with safe_open(d / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (4, 2)])
+def test_k3_shards_reassemble_bit_exact(k3_synth, tmp_path, tp, ep):
+    out = tmp_path / f"tp{tp}ep{ep}"
+    reshard(src=k3_synth, out=out, tp=tp, ep=ep, progress=False)
+    glob, _ = reassemble(out)
+    src = _source_tensors(k3_synth)
+    assert sorted(glob) == sorted(src)
+    heads = 4
+    for name, t in src.items():
+        want = t[:heads] if name.endswith("A_log") else t  # the unused padding is dropped
+        assert _bytes_equal(glob[name], want), name
+    man = json.loads((out / "manifest.json").read_text())
+    entries = [e for r in man["ranks"] for u in r["units"] for e in u["tensors"]]
+    q = [e for e in entries if e["name"].endswith("layers.0.self_attn.q_proj.weight")]
+    assert len(q) == tp and {e["shape"][0] for e in q} == {64 // tp}
+    down = [e for e in entries if "routed_expert_down_proj" in e["name"]]
+    assert all(e["split_dim"] is None for e in down)  # latent projections replicated
+
+
+def test_tp_must_divide_kda_heads(k3_synth, tmp_path):
+    with pytest.raises(SplitError, match=r"4 KDA heads do not divide into 3.*\[1, 2, 4\]"):
+        reshard(src=k3_synth, out=tmp_path / "tp3", tp=3, progress=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "k3convert", "shard", str(k3_synth), str(tmp_path / "o"),
+         "--tp", "3"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "[1, 2, 4]" in r.stderr and not (tmp_path / "o" / "manifest.json").exists()
