@@ -47,6 +47,42 @@ def _dsv3_kwargs(**kw):
     return base
 
 
+def _kimi_linear_kwargs(**kw):
+    """transformers' KimiLinearConfig, tiny: 4 layers (KDA 1, 2, 4 and MLA 3, 1-based as
+    the release lists them), layer 0 dense, 8 routed experts top-2 in 2 groups."""
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        linear_attn_config=dict(
+            head_dim=16, num_heads=4, short_conv_kernel_size=4, kda_layers=[1, 2, 4],
+            full_attn_layers=[3],
+        ),
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        pad_token_id=0,  # (the defaults lie outside the tiny vocabulary)
+        bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    base.update(kw)
+    return base
+
+
 _GQA_BASE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -82,6 +118,8 @@ def config_for(family: str, **kw):
         return getattr(tf, cls)(**{**_GQA_BASE, **extra, **kw})
     if family == "deepseek_v3":
         return tf.DeepseekV3Config(**_dsv3_kwargs(**kw))
+    if family == "kimi_linear":
+        return tf.KimiLinearConfig(**_kimi_linear_kwargs(**kw))
     if family == "kimi_k25":
         text = kw.pop("text_config", {})
         vision = dict(
@@ -120,6 +158,7 @@ MODEL_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k25": "Kimi_K25ForConditionalGeneration",
+    "kimi_linear": "KimiLinearForCausalLM",
 }
 
 
@@ -148,6 +187,15 @@ def save_model(family: str, out: Path, seed: int = 0, dtype=torch.float32, **kw)
     with contextlib.redirect_stderr(io.StringIO()):
         model.save_pretrained(out)
     return out
+
+
+def kimi_linear(out: Path, seed: int = 0, dtype=torch.float32, **kw) -> Path:
+    """A tiny transformers ``KimiLinearForCausalLM`` (KDA + MLA layers, MoE) saved to
+    ``out``. ``save_pretrained`` writes the released names (``self_attn.q_conv1d``,
+    ``self_attn.f_a_proj``, ``block_sparse_moe.experts.E.w1`` ...), converting back from
+    transformers' fused internal ones. A_log ([1, 1, H, 1]) is FLA's init (log U(1, 16)),
+    dt_bias / norms are perturbed by build_model."""
+    return save_model("kimi_linear", out, seed, dtype, **kw)
 
 
 #: tiny models whose every Linear input width is a multiple of 128, so g128 groups and

@@ -26,6 +26,17 @@ torchrun each process runs its own rank and the same code exchanges real tensors
 
 Activation fake-quantization (quantized candidates) sees each rank's local input, as
 serving kernels do: a row-parallel Linear's per-token scale is taken over its slice.
+
+Hybrid models (kimi_linear, Kimi K3): KDA layers split by heads like attention (each
+rank runs its heads' projections, convolutions, gates and recurrent state; o_proj is
+row-parallel), so they need nothing but their own phase components. A *latent* MoE
+(K3) reduces twice: the routed experts' weighted latent sum (partial per EP rank and
+moe_tp slice) is all-reduced before ``routed_expert_norm`` (not linear), then
+``routed_expert_up_proj`` (replicated) runs on the complete sum, and the shared experts'
+partial outputs join a second all-reduce. Attention residuals (K3): the mixing vectors
+are replicated and the mix is computed once per process from the first local rank's
+copy; the state (:class:`~k3convert.runtime.decoder.AttnResState`) passes between
+pipeline stages packed into one tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +47,18 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CheckpointError, ConfigError
-from ..runtime.decoder import attention_block, mlp_block
+from ..runtime.decoder import (
+    AttnResState,
+    attention_block,
+    blocks_before,
+    gated_mlp,
+    latent_finish,
+    latent_routed,
+    layer_output,
+    mlp_block,
+    res_post_attention,
+    res_pre_attention,
+)
 from ..runtime.ops import rms_norm
 from ..runtime.runtime import Runtime, _finite, check_vocab
 from ..runtime.source import Lazy, Plan, Weights, activation_params, to_compute
@@ -45,8 +67,9 @@ from .collectives import Collectives, SimulatedCollectives
 from .ranks import RankSet
 
 #: components a phase loads (unit keys are ``component.kind``)
-ATTENTION_PHASE = ("attention", "norms")
-MLP_PHASE = ("norms", "dense_mlp", "shared_experts", "routed_experts", "router")
+ATTENTION_PHASE = ("attention", "linear_attention", "norms", "attn_res")
+MLP_PHASE = ("norms", "dense_mlp", "shared_experts", "routed_experts", "router", "latent",
+             "attn_res")  # fmt: skip
 
 
 class RankLoader:
@@ -210,8 +233,8 @@ class ParallelRuntime(Runtime):
         if any(self.coll.flags(bad)):
             _finite(torch.tensor(float("nan")), what, unit)
 
-    def _observed(self, i: int, h: torch.Tensor | None) -> torch.Tensor | None:
-        return self._to_rank0(h, self._stage_of[f"layer.{i}"])
+    def _observed(self, i: int, h) -> torch.Tensor | None:
+        return self._to_rank0(layer_output(h), self._stage_of[f"layer.{i}"])
 
     def _release_units(self) -> None:
         for ld in self.loaders.values():
@@ -221,11 +244,16 @@ class ParallelRuntime(Runtime):
         g = self.ranks.tp_group(self._stage_of[unit])
         return g, self.coll.local(g)
 
-    def _handoff(self, h: torch.Tensor | None, stage: int) -> torch.Tensor | None:
+    def _handoff(self, h, stage: int, layer: int | None = None):
         """Move the hidden state from the current stage to ``stage`` (rank (s, t) sends
-        to (s', t)); processes outside ``stage`` end with None."""
+        to (s', t)); processes outside ``stage`` end with None. With attention residuals
+        the state entering ``layer`` (None: the head) goes packed as one tensor."""
         if stage == self._stage:
             return h
+        shape, packed = self._shape, None
+        if self.text.attn_res_block is not None:
+            packed = blocks_before(self.text, self.num_layers if layer is None else layer) + 1
+            shape = (packed, *shape)
         src_g, dst_g = self.ranks.tp_group(self._stage), self.ranks.tp_group(stage)
         out = None
         for src, dst in zip(src_g, dst_g, strict=True):
@@ -233,9 +261,11 @@ class ParallelRuntime(Runtime):
             if a and b:
                 out = h
             elif a:
-                self.coll.send(h, src, dst)
+                self.coll.send(h.pack() if isinstance(h, AttnResState) else h, src, dst)
             elif b:
-                out = self.coll.recv(src, dst, self._shape, self.dtype)
+                out = self.coll.recv(src, dst, shape, self.dtype)
+                if packed is not None and out.shape[0] == packed and out.ndim == 4:
+                    out = AttnResState.unpack(out)
         self._stage = stage
         return out
 
@@ -304,35 +334,73 @@ class ParallelRuntime(Runtime):
         unit = f"layer.{i}"
         if hidden is not None:
             self._shape = tuple(hidden.shape)
-        hidden = self._handoff(hidden, self._stage_of[unit])
+        hidden = self._handoff(hidden, self._stage_of[unit], i)
         group, local = self._group(unit)
         if not local:
             return None
+        hidden = self._layer_input(hidden, i)
         past = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = self.default_positions(hidden, past)
         step = self._step_for(position_ids, attention_mask, hidden, past)
+        ts, res = self.text, self.text.attn_res_block is not None
         x = hidden.to(self.dtype)
+        h = x  # attention input: the residual stream, or the attention-residual mix
         # simulating several ranks: drop each rank's unit after its phase, so one rank's
         # unit is mapped at a time (a zstd unit is then decompressed once per phase)
         each = len(local) > 1
         parts = {}
         for r in local:
             w = self.loaders[r].get(unit, ATTENTION_PHASE)
+            if res and r == local[0]:  # replicated vectors: one mix per process
+                x, h = res_pre_attention(ts, w, x, i)
             lc = cache.for_rank(r).layer(i) if cache is not None else None
-            parts[r] = attention_block(self.text, self._linear, w, x, i, step, lc)
+            parts[r] = attention_block(ts, self._linear, w, h, i, step, lc)
             del w
             if each:
                 self.loaders[r].release()
-        x = x + self.coll.all_reduce(parts, group)
+        a = self.coll.all_reduce(parts, group)
+        if not res:
+            x = h = x + a
+        if "latent.routed_expert_down_proj" in self.plan.units[unit]:
+            return self._latent_moe(i, unit, group, local, x, a)
         parts = {}
         for r in local:
             w = self.loaders[r].get(unit, MLP_PHASE)
-            parts[r] = mlp_block(self.text, self._linear, w, x, self._slots(r, i))
+            if res and r == local[0]:
+                x, h = res_post_attention(ts, w, x, a, i)
+            parts[r] = mlp_block(ts, self._linear, w, h, self._slots(r, i))
             del w
             self.loaders[r].release()
-        x = x + self.coll.all_reduce(parts, group)
-        return x
+        m = self.coll.all_reduce(parts, group)
+        return AttnResState(x.blocks, x.partial + m) if res else x + m
+
+    def _latent_moe(self, i: int, unit: str, group, local, x, a):
+        """The MLP half of a latent-MoE layer (see the module docstring): the routed
+        latent sums reduced before the norm, the shared experts in a second reduction."""
+        ts, res = self.text, self.text.attn_res_block is not None
+        h = x
+        routed, shared = {}, {}
+        for r in local:
+            w = self.loaders[r].get(unit, MLP_PHASE)
+            if res and r == local[0]:
+                x, h = res_post_attention(ts, w, x, a, i)
+            hn = rms_norm(h, w.need("norms.post_attention_layernorm"), ts.rms_eps)
+            flat = hn.reshape(-1, hn.shape[-1])
+            routed[r] = latent_routed(ts, self._linear, w, flat, self._slots(r, i))
+            if "shared_experts.gate_proj" in w:
+                shared[r] = gated_mlp(ts, self._linear, w, "shared_experts", hn).reshape(flat.shape)
+            del w
+            self.loaders[r].release()
+        y = self.coll.all_reduce(routed, group)
+        w = self.loaders[local[0]].get(unit, ("latent",))
+        out = latent_finish(ts, self._linear, w, y, self.dtype)
+        del w
+        self.loaders[local[0]].release()
+        if shared:
+            out = out + self.coll.all_reduce(shared, group)
+        m = out.view(h.shape)
+        return AttnResState(x.blocks, x.partial + m) if res else x + m
 
     def _slots(self, rank: int, layer: int):
         """The (token, choice) slots ``rank`` computes in MoE layer ``layer`` (None: all)."""
@@ -371,10 +439,13 @@ class ParallelRuntime(Runtime):
         src = group[0]
         logits = None
         if local:
+            hidden = self._layer_input(hidden, self.num_layers).to(self.dtype)
             parts = {}
             for r in local:
                 w = self.loaders[r].get("head")
-                h = rms_norm(hidden.to(self.dtype), w.need("norms.final_norm"), self.text.rms_eps)
+                if r == local[0]:
+                    hidden = self._head_input(w, hidden)  # (replicated: one mix)
+                h = rms_norm(hidden, w.need("norms.final_norm"), self.text.rms_eps)
                 parts[r] = self._linear(w, "head.lm_head", h).float()
                 sp = w.splits.get("head.lm_head", {})
                 del w

@@ -9,14 +9,21 @@ Each attention kind owns its cache layout:
 - MLA ``latent``: only the normed latent ``[B, S, kv_lora_rank]`` and the roped shared
   key ``[B, S, qk_rope]`` (576 numbers per token for DeepSeek-V3 instead of 128 heads x
   (192 + 128)); attention runs in the latent space with ``kv_b_proj``'s halves absorbed
-  into the query and the output, as DeepSeek's reference inference does.
+  into the query and the output, as DeepSeek's reference inference does;
+- KDA (the linear-attention layers of kimi_linear / Kimi K3): no per-token cache at all,
+  a fixed-size state per layer (:class:`~k3convert.runtime.kda.KDAState` in
+  ``LayerCache.recurrent``: the last ``conv_kernel - 1`` inputs of the q / k / v short
+  convolutions and the recurrent state ``[B, heads, head_dim, head_dim]`` in float32),
+  updated in place by every chunk; it does not grow with the context. The hybrid models'
+  MLA layers cache as above.
 
 ``kv_dtype="fp8"`` stores every cached tensor as float8 e4m3 with one scale per tensor
 kind and layer (``k`` / ``v`` / ``latent`` / ``k_rot``): the scale the caller passes in
 ``scales`` (calibrated), else a dynamic scale fixed by the first (prefill) chunk,
 ``amax / 448``, as serving engines compute it on the first forward. (``verify`` uses
 dynamic scales: nothing calibrates KV scales yet.) Later tokens are quantized with that
-scale (saturating at +-448); attention reads the dequantized values.
+scale (saturating at +-448); attention reads the dequantized values. KDA states are
+always kept in float32 (the reference's state dtype), whatever ``kv_dtype`` says.
 
 One cache serves one rank: a tensor-parallel run keeps one per rank (local heads only).
 """
@@ -24,6 +31,7 @@ One cache serves one rank: a tensor-parallel run keeps one per rank (local heads
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,12 +70,14 @@ class _Stored:
 
 @dataclass
 class LayerCache:
-    """The cache of one attention layer (of one rank)."""
+    """The cache of one attention layer (of one rank): growing ``parts`` (K / V, MLA
+    latents) or, for a KDA layer, the fixed-size ``recurrent`` state."""
 
     fp8: bool
     mla: str = "expanded"
     scales: dict[str, float] = field(default_factory=dict)
     parts: dict[str, _Stored] = field(default_factory=dict)
+    recurrent: Any = None  # kda.KDAState of a KDA layer (made by its first chunk)
 
     def append(self, kind: str, x: torch.Tensor, dim: int) -> torch.Tensor:
         st = self.parts.get(kind)
@@ -76,11 +86,15 @@ class LayerCache:
         return st.append(x, self.fp8, self.scales.get(kind))
 
     def nbytes(self) -> int:
-        return sum(
+        kv = sum(
             p.data.numel() * p.data.element_size()
             for p in self.parts.values()
             if p.data is not None
         )
+        return kv + self.recurrent_nbytes()
+
+    def recurrent_nbytes(self) -> int:
+        return self.recurrent.nbytes() if self.recurrent is not None else 0
 
 
 class KVCache:
@@ -130,13 +144,27 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
-    def nbytes(self) -> int:
+    def _all(self) -> list[LayerCache]:
         kids = self.__dict__.get("_ranks", {})
-        return sum(c.nbytes() for c in self.layers.values()) + sum(
-            k.nbytes() for k in kids.values()
-        )
+        return [*self.layers.values(), *(c for k in kids.values() for c in k._all())]
+
+    def nbytes(self) -> int:
+        """Bytes held: every layer's K / V (or latents) and KDA states, of every rank."""
+        return sum(c.nbytes() for c in self._all())
+
+    def state_nbytes(self) -> int:
+        """The fixed-size part of :meth:`nbytes`: the KDA layers' states."""
+        return sum(c.recurrent_nbytes() for c in self._all())
 
     def describe(self, attention: str = "mla") -> str:
         dt = "fp8 e4m3, per-tensor scales" if self.kv_dtype == "fp8" else "compute dtype"
         kind = f"MLA {self.mla}" if attention == "mla" else "per-head K/V"
-        return f"{kind} / {dt}"
+        out = f"{kind} / {dt}"
+        states = [c for c in self._all() if c.recurrent is not None]
+        if states:
+            kda = len({id(c) for c in states})
+            out += (
+                f"; KDA state (conv + recurrent, float32, fixed size) in {kda} layer cache(s), "
+                f"{self.state_nbytes() / 2**20:.3f} MiB"
+            )
+        return out

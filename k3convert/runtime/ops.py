@@ -2,15 +2,19 @@
 
 Norm statistics are taken in float32 whatever the compute dtype. Attention goes through
 ``torch.nn.functional.scaled_dot_product_attention`` (any device) with a boolean mask.
+Gated MLPs combine gate and up with ``act(gate) * up``, or, for Kimi K3's ``situ``
+activation, with :class:`SiTU` (both branches squashed, in float32).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..arch.base import finite
 from ..errors import ConfigError
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -30,6 +34,37 @@ def activation(name: str | None, where: str) -> Callable[[torch.Tensor], torch.T
             f"{where}: hidden_act '{name}' is not supported by the runtime; supported: "
             f"{', '.join(ACTIVATIONS)}."
         ) from None
+
+
+@dataclass(frozen=True)
+class SiTU:
+    """Kimi K3's gated activation ``hidden_act: situ``, the product of both MLP branches:
+    ``beta * tanh(gate / beta) * sigmoid(gate) * up'`` with ``up' = linear_beta *
+    tanh(up / linear_beta)`` (``up' = up`` without a linear beta). Computed in float32,
+    returned in the inputs' dtype (Moonshot's ``SituAndMul``). beta: the config's
+    ``activation_situ_beta`` (1.0 when unset), linear_beta: ``activation_situ_linear_beta``.
+    """
+
+    beta: float = 1.0
+    linear_beta: float | None = None
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g, u = gate.float(), up.float()
+        a = torch.tanh(g / self.beta).mul_(self.beta).mul_(torch.sigmoid(g))
+        if self.linear_beta is not None:
+            u = torch.tanh(u / self.linear_beta).mul_(self.linear_beta)
+        return a.mul_(u).to(gate.dtype)
+
+
+def situ(raw: dict, where: str) -> SiTU:
+    """:class:`SiTU` with the betas of a raw text config (positive and finite; an unset or
+    zero beta is 1.0, as Moonshot's ``beta or 1.0``)."""
+    beta = raw.get("activation_situ_beta") or None
+    lin = raw.get("activation_situ_linear_beta")
+    return SiTU(
+        finite(beta, "activation_situ_beta", where, 1.0),
+        None if lin is None else finite(lin, "activation_situ_linear_beta", where, 1.0),
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -48,7 +48,17 @@ from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
 from .cache import KVCache
-from .decoder import Step, TextSettings, decoder_layer, make_step, text_settings
+from .decoder import (
+    AttnResState,
+    Step,
+    TextSettings,
+    as_attn_res,
+    decoder_layer,
+    layer_output,
+    make_step,
+    res_output,
+    text_settings,
+)
 from .ops import LinearHook, rms_norm
 from .source import Plan, UnitLoader, Weights, WeightSource, make_plan
 from .vision import VisionSettings, encode_images, vision_settings
@@ -147,7 +157,7 @@ class Runtime:
         if not isinstance(raw, dict) or not raw:
             raise ConfigError(f"{where}: the weight source has no config; the runtime needs one.")
         self.arch, self.cfg = resolve(raw, where)
-        text_raw = raw.get("text_config") if self.arch.name == "kimi_k25" else raw
+        text_raw = raw.get("text_config") if self.arch.name in ("kimi_k25", "kimi_k3") else raw
         self.text: TextSettings = text_settings(
             self.arch.name, _text_cfg(self.cfg), text_raw, where
         )
@@ -216,7 +226,7 @@ class Runtime:
             self._check_finite(h, "the embeddings", "embed")
             for i in range(self.num_layers):
                 h = self.run_layer(i, h, position_ids, attention_mask, cache)
-                self._check_finite(h, f"layer {i}'s output", f"layer.{i}")
+                self._check_finite(layer_output(h), f"layer {i}'s output", f"layer.{i}")
                 if on_layer is not None:
                     on_layer(i, self._observed(i, h))
             logits = _finite(self.head(h), "the logits", "head")
@@ -234,9 +244,10 @@ class Runtime:
     def _check_finite(self, h: torch.Tensor, what: str, unit: str) -> None:
         _finite(h, what, unit)
 
-    def _observed(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """The hidden state ``on_layer`` receives after layer ``i``."""
-        return h
+    def _observed(self, i: int, h) -> torch.Tensor:
+        """The hidden state ``on_layer`` receives after layer ``i`` (with attention
+        residuals: the layer's output, the state's running sum)."""
+        return layer_output(h)
 
     def _release_units(self) -> None:
         if not self.loader.resident:
@@ -312,9 +323,14 @@ class Runtime:
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Decoder layer ``i``: hidden [B, S, H] -> [B, S, H] (appending to ``cache``'s
-        layer i; ``cache.length`` is not advanced here, ``forward`` does that)."""
+        layer i; ``cache.length`` is not advanced here, ``forward`` does that).
+
+        Models with attention residuals (Kimi K3) take and return an
+        :class:`~.decoder.AttnResState` instead (layer 0 also takes the embeddings'
+        tensor); its ``partial`` is the layer's output."""
         if not 0 <= i < self.num_layers:
             raise ConfigError(f"layer {i} does not exist; the model has {self.num_layers}.")
+        hidden = self._layer_input(hidden, i)
         past = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = self.default_positions(hidden, past)
@@ -323,12 +339,31 @@ class Runtime:
         lc = cache.layer(i) if cache is not None else None
         return decoder_layer(self.text, self._linear, w, hidden.to(self.dtype), i, step, lc)
 
+    def _layer_input(self, hidden, i: int):
+        """``hidden`` checked as the input of layer ``i`` (``num_layers``: the head)."""
+        if self.text.attn_res_block is not None:
+            return as_attn_res(self.text, hidden, i)
+        if isinstance(hidden, AttnResState):
+            raise ConfigError(
+                f"'{self.arch.name}' has no attention residuals; pass the hidden state "
+                f"tensor, not an AttnResState."
+            )
+        return hidden
+
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head: [B, S, H] -> logits [B, S, V] float32."""
+        """Final norm + lm_head: [B, S, H] -> logits [B, S, V] float32 (attention
+        residuals: the last layer's :class:`~.decoder.AttnResState`, mixed first)."""
+        hidden = self._layer_input(hidden, self.num_layers)
         w = self.loader.get("head")
-        h = rms_norm(hidden.to(self.dtype), w.need("norms.final_norm"), self.text.rms_eps)
+        h = self._head_input(w, hidden.to(self.dtype))
+        h = rms_norm(h, w.need("norms.final_norm"), self.text.rms_eps)
         return self._linear(w, "head.lm_head", h).float()
+
+    def _head_input(self, w: Weights, hidden):
+        if isinstance(hidden, AttnResState):
+            return res_output(self.text, w, hidden)
+        return hidden
 
     def default_positions(self, like: torch.Tensor, past: int = 0) -> torch.Tensor:
         b, s = like.shape[:2]
@@ -525,7 +560,13 @@ def _group_error(where: str, bad: list[tuple[str, int, int]]) -> ConfigError:
 
 
 #: components whose (non-bias) tensors are Linear weights run through ``_linear``
-LINEAR_COMPONENTS = ("attention", "dense_mlp", "shared_experts", "routed_experts", "head")
+LINEAR_COMPONENTS = ("attention", "linear_attention", "dense_mlp", "shared_experts", "latent",
+                     "routed_experts", "head")  # fmt: skip
+#: keys of those components that are not Linear weights (KDA convolutions and gate
+#: parameters, the latent MoE's norm)
+NOT_LINEAR = ("linear_attention.q_conv1d", "linear_attention.k_conv1d",
+              "linear_attention.v_conv1d", "linear_attention.A_log", "linear_attention.dt_bias",
+              "latent.routed_expert_norm")  # fmt: skip
 #: vision / projector kinds that are Linear weights
 VISION_LINEARS = ("vision.wqkv", "vision.wo", "vision.fc0", "vision.fc1", "projector.proj_in",
                   "projector.proj_out")  # fmt: skip
@@ -534,7 +575,7 @@ VISION_LINEARS = ("vision.wqkv", "vision.wo", "vision.fc0", "vision.fc1", "proje
 def _is_linear_key(key: str) -> bool:
     """Unit keys (``attention.q_proj``, ``routed_experts.3.up_proj``,
     ``blocks.0.vision.wqkv``) of Linear weights; routers and norms are not."""
-    if key.endswith("_bias"):
+    if key.endswith("_bias") or key in NOT_LINEAR:
         return False
     if key.startswith("blocks."):
         key = key.split(".", 2)[2]
