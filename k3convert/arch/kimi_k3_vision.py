@@ -120,7 +120,8 @@ def parse_vision(raw_vision: dict, text_hidden: int, where: str) -> K3VisionConf
     text_hidden = positive(text_hidden, "text hidden_size", w)
     hidden = _int(vc, "vt_hidden_size", 1024, w)
     heads = _int(vc, "vt_num_attention_heads", 12, w, limit=16384)
-    qkv = _int(vc, "qkv_hidden_size", hidden, w)
+    # absent: KimiK3VisionConfig's 1536; null: Moonshot's encoder falls back to the hidden size
+    qkv = _int(vc, "qkv_hidden_size", hidden, w) if "qkv_hidden_size" in vc else 1536
     if qkv % heads:
         raise ConfigError(
             f"{w}: qkv_hidden_size {qkv} is not divisible by vt_num_attention_heads {heads}."
