@@ -167,3 +167,21 @@ def test_tp_must_divide_kda_heads(k3_synth, tmp_path):
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "[1, 2, 4]" in r.stderr and not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_ep_placement_of_896_experts():
+    """K3's 896 experts over ep=8: 112 contiguous experts per rank; with measured loads
+    and 8 redundant copies, 113 slots per rank, every expert placed, the hottest copied."""
+    from k3convert.shard.layout import place_experts
+
+    ranks = place_experts(896, 8)
+    assert [len(r) for r in ranks] == [112] * 8 and ranks[1][0] == 112
+    load = [1.0] * 896
+    for hot in (5, 300, 301, 777):
+        load[hot] = 50.0
+    ranks = place_experts(896, 8, load=load, redundant=8)
+    assert [len(r) for r in ranks] == [113] * 8
+    held = [e for r in ranks for e in r]
+    assert set(held) == set(range(896))
+    assert all(held.count(h) >= 2 for h in (5, 300, 301, 777))
+    assert all(len(set(r)) == len(r) for r in ranks)  # no rank holds a copy twice
