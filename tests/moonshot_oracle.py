@@ -469,7 +469,7 @@ def _a_log_len(lac: dict) -> int:
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, FusedRMSNormGatedRef)
 
 
-def _randomize(model: nn.Module, seed: int, std: float = 0.08) -> None:
+def randomize(model: nn.Module, seed: int, std: float = 0.08) -> None:
     """Every parameter and persistent buffer drawn from a seeded normal: norm weights
     around 1, everything else (biases, A_log, dt_bias, conv weights, router bias) around
     0, all with ``std``. The release's own init is not used."""
@@ -519,7 +519,7 @@ def build_kimi_k3(tmp_path, *, seed: int = 0, vision: bool = True, **text_overri
     out.mkdir(parents=True, exist_ok=True)
     cfg = _k3_config_dict(mod, text, vis)
     model = _instantiate(mod, cfg)
-    _randomize(model, seed)
+    randomize(model, seed)
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if not vision:
         sd = {"language_model." + k: v for k, v in sd.items()}
