@@ -189,7 +189,8 @@ class _Splitter:
             g = self._granule(m, d, heads, "KDA heads")
             return split_tensor(m, d, tp, granule=g, what="KDA heads", degree_name=dname)
         if rule == "kda_a_log":
-            return self._a_log(m, tp, dname)
+            heads = self.cfg.kda_num_heads
+            return split_tensor(m, m.shape.index(heads), tp, what="KDA heads", degree_name=dname)
         if rule == "heads" or (rule == "row" and role.kind == "o_proj"):
             heads = self.cfg.num_heads
             g = self._granule(m, d, heads, "attention heads")
@@ -210,10 +211,18 @@ class _Splitter:
             return [base[r // rep] for r in range(tp)]
         return split_tensor(m, d, tp, what="rows" if d == 0 else "columns", degree_name=dname)
 
-    def _a_log(self, m: TensorMeta, tp: int, dname: str) -> list[Piece]:
-        """KDA's per-head decay rates, one per head: transformers' [1, 1, H, 1] splits its
-        head dim; a padded vector (Kimi K3 stores [128] for 96 heads) is narrowed to its
-        first H entries (the rest are never used), then split by head."""
+    def view(self, m: TensorMeta, role: Role) -> TensorMeta:
+        """The tensor as the stream stores it: ``m`` itself, except KDA's per-head decay
+        rates under tp > 1 (see :meth:`_a_log`)."""
+        if role.split != "kda_a_log" or self.layout.tp == 1:
+            return m
+        return self._a_log(m)
+
+    def _a_log(self, m: TensorMeta) -> TensorMeta:
+        """KDA's decay rates, one per head: transformers' [1, 1, H, 1] is split along its
+        head dim as it is; a padded vector (Kimi K3 stores [128] for 96 heads) is narrowed
+        to its first H entries (the rest are never used), so the split pieces and the
+        manifest's logical shape are [H]."""
         heads = self.cfg.kda_num_heads
         if m.encoding != "plain" or (heads not in m.shape and max(m.shape) < heads):
             raise SplitError(
@@ -228,7 +237,7 @@ class _Splitter:
                 for k, pm in m.parts.items()
             }
             m = replace(m, shape=shape, parts=parts)
-        return split_tensor(m, d, tp, what="KDA heads", degree_name=dname)
+        return m
 
     @staticmethod
     def _granule(m: TensorMeta, d: int, heads: int, what: str) -> int:
@@ -307,6 +316,7 @@ def build_plan(
             for n in by_unit[u]:
                 m, role = meta_of(n), role_of(n)
                 tied_base = n.removesuffix(".weight") if tied and n == tied[0] else None
+                m = splitter.view(m, role)
                 pieces = splitter.pieces(m, role)
                 if role.expert is not None:
                     holders = experts["layers"][str(role.layer)]["ep_rank_experts"]
