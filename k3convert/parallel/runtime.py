@@ -62,7 +62,6 @@ from ..runtime.decoder import (
 from ..runtime.ops import rms_norm
 from ..runtime.runtime import Runtime, _finite, check_vocab
 from ..runtime.source import Lazy, Plan, Weights, activation_params, to_compute
-from ..runtime.vision import encode_images
 from .collectives import Collectives, SimulatedCollectives
 from .ranks import RankSet
 
@@ -285,12 +284,14 @@ class ParallelRuntime(Runtime):
     @torch.inference_mode()
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None):
         ids = self._ids(input_ids)
+        if pixel_values is not None and self.arch.name == "kimi_k3":
+            ids, _ = self.expand_media(ids, image_grid_thw)  # (the embeddings are wider)
         self._stage = 0  # the hidden state starts on the first stage
         self._shape = (*ids.shape, self.text.hidden_size)
         _, local = self._group("embed")
         if not local:
             return None
-        return super().embed(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+        return super().embed(ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         check_vocab(ids, self.vocab)
@@ -321,10 +322,7 @@ class ParallelRuntime(Runtime):
             raise ConfigError(f"'{self.arch.name}' has no vision tower.")
         _, local = self._group("vision")
         w = self.loaders[local[0]].get("vision")  # replicated: one copy computes
-        feats, _ = encode_images(
-            self.vision, self._linear, w, pixel_values, image_grid_thw.long().cpu(), self.dtype
-        )
-        return feats
+        return self._encode(w, pixel_values, image_grid_thw)
 
     # -- layers ---------------------------------------------------------------------------
     @torch.inference_mode()

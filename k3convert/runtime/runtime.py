@@ -62,6 +62,7 @@ from .decoder import (
 from .ops import LinearHook, rms_norm
 from .source import Plan, UnitLoader, Weights, WeightSource, make_plan
 from .vision import VisionSettings, encode_images, vision_settings
+from .vision_k3 import VisionSettingsK3, encode_images_k3, vision_settings_k3
 
 DTYPES = {
     "fp32": torch.float32,
@@ -161,9 +162,13 @@ class Runtime:
         self.text: TextSettings = text_settings(
             self.arch.name, _text_cfg(self.cfg), text_raw, where
         )
-        self.vision: VisionSettings | None = None
+        self.vision: VisionSettings | VisionSettingsK3 | None = None
         if self.arch.name == "kimi_k25":
             self.vision = vision_settings(raw, self.cfg, where)
+        elif self.arch.name == "kimi_k3":
+            self.vision = vision_settings_k3(raw, self.cfg, where)
+            #: Moonshot zeroes these tokens' embeddings when images are merged in
+            self._pad_id = raw.get("pad_token_id", 0)
         # shapes against config.json and completeness: the same checks as every verb
         matched = validate_source(self.arch, self.cfg, source, where)
         self.plan: Plan = make_plan(
@@ -219,6 +224,8 @@ class Runtime:
         past = cache.length if cache is not None else 0
         if attention_mask is not None:
             attention_mask = self._mask(attention_mask, input_ids, past)
+        if pixel_values is not None and self.arch.name == "kimi_k3":
+            input_ids, attention_mask = self.expand_media(input_ids, image_grid_thw, attention_mask)
         if position_ids is None:
             position_ids = self.default_positions(input_ids, past)
         try:
@@ -260,8 +267,12 @@ class Runtime:
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings [B, S, H] in the compute dtype, image features spliced in."""
+        """Token embeddings [B, S, H] in the compute dtype, image features spliced in
+        (kimi_k3: each image's placeholder first expanded to its tokens, see
+        :meth:`expand_media`; S is then the expanded length)."""
         input_ids = self._ids(input_ids)
+        if pixel_values is not None and self.arch.name == "kimi_k3":
+            input_ids, _ = self.expand_media(input_ids, image_grid_thw)
         special = None
         if self.vision is not None:
             special = input_ids == self.vision.image_token_id
@@ -281,7 +292,7 @@ class Runtime:
         if self.vision is None:
             raise ConfigError(
                 f"pixel_values given, but '{self.arch.name}' has no vision tower; only "
-                f"kimi_k25 takes images."
+                f"kimi_k25 and kimi_k3 take images."
             )
         if image_grid_thw is None:
             raise ConfigError("pixel_values need image_grid_thw [num_images, 3].")
@@ -294,7 +305,71 @@ class Runtime:
                 f"images do not match."
             )
         h[special.to(h.device)] = feats.to(h.dtype)
+        if self.arch.name == "kimi_k3":
+            # as Moonshot's merge does: padding (and any token spelled as the pad id) and
+            # the positions a shorter row is padded to are zero vectors
+            h[(input_ids == self._pad_id).to(h.device)] = 0
         return h
+
+    def expand_media(
+        self,
+        input_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        past: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """kimi_k3 prompts hold ONE placeholder token per image (``<|media_pad|>``,
+        ``media_placeholder_token_id``); the model widens it to the image's tokens
+        (``h * w / (kh * kw)`` per grid_thw row) as Moonshot's
+        ``_merge_input_ids_with_image_features`` does: rows get longer, shorter rows are
+        padded to the longest with the pad token (mask 0) on the left, unless some row
+        ends with a pad token (then on the right), and image positions are real tokens.
+        Returns ``(ids [B, S'], mask [B, past + S'])`` (the mask None when given None and
+        no row needs padding). Ids that already hold one placeholder per image token are
+        returned as they are. Other families: unchanged."""
+        ids = self._ids(input_ids)
+        if self.arch.name != "kimi_k3" or image_grid_thw is None:
+            return ids, attention_mask
+        grid = torch.as_tensor(image_grid_thw)
+        if grid.ndim != 2 or grid.shape[-1] != 3:
+            raise ConfigError(f"image_grid_thw must be [num_images, 3], got {tuple(grid.shape)}.")
+        kh, kw = self.vision.merge
+        lengths = [(int(h) // kh) * (int(w) // kw) for _, h, w in grid.tolist()]
+        tok = self.vision.image_token_id
+        place = ids == tok
+        n = int(place.sum())
+        if n == sum(lengths):
+            return ids, attention_mask
+        if n != len(lengths):
+            raise ConfigError(
+                f"input ids hold {n} image placeholder(s) (id {tok}) for {len(lengths)} "
+                f"image(s) giving {sum(lengths)} tokens; a kimi_k3 prompt holds one "
+                f"placeholder per image (or one per image token)."
+            )
+        b, s = ids.shape
+        occupy = torch.ones_like(ids)
+        occupy[place] = torch.tensor(lengths, dtype=ids.dtype, device=ids.device)
+        end = occupy.cumsum(-1) - 1  # each token's last position in the widened row
+        width = int(end[:, -1].max()) + 1
+        left = not bool((ids[:, -1] == self._pad_id).any())  # Moonshot's padding-side rule
+        if left:
+            end = end + (width - 1 - end[:, -1])[:, None]
+        out = torch.full((b, width), self._pad_id, dtype=ids.dtype, device=ids.device)
+        real = torch.zeros((b, width), dtype=torch.long, device=ids.device)
+        rows = torch.arange(b, device=ids.device)[:, None].expand(b, s)
+        text = ~place
+        out[rows[text], end[text]] = ids[text]
+        m = attention_mask[:, past:] if attention_mask is not None else torch.ones_like(ids)
+        real[rows[text], end[text]] = m.to(real.device, torch.long)[text]
+        for r, j in place.nonzero().tolist():
+            stop = int(end[r, j]) + 1
+            out[r, stop - int(occupy[r, j]) : stop] = tok
+            real[r, stop - int(occupy[r, j]) : stop] = 1
+        if attention_mask is None and bool(real.all()):
+            return out, None
+        if attention_mask is not None and past:
+            real = torch.cat((attention_mask[:, :past].to(real.device, torch.long), real), 1)
+        return out, real
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.loader.get("embed")
@@ -307,10 +382,13 @@ class Runtime:
         """Vision tower + projector: [num_image_tokens, H] in the compute dtype."""
         if self.vision is None:
             raise ConfigError(f"'{self.arch.name}' has no vision tower.")
-        w = self.loader.get("vision")
-        feats, _ = encode_images(
-            self.vision, self._linear, w, pixel_values, image_grid_thw.long().cpu(), self.dtype
-        )
+        return self._encode(self.loader.get("vision"), pixel_values, image_grid_thw)
+
+    def _encode(self, w: Weights, pixel_values, image_grid_thw) -> torch.Tensor:
+        grid = torch.as_tensor(image_grid_thw).long().cpu()
+        if self.arch.name == "kimi_k3":
+            return encode_images_k3(self.vision, self._linear, w, pixel_values, grid, self.dtype)
+        feats, _ = encode_images(self.vision, self._linear, w, pixel_values, grid, self.dtype)
         return feats
 
     @torch.inference_mode()
