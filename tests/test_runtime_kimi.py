@@ -39,7 +39,6 @@ from k3convert.runtime.ops import SiTU
 from k3convert.runtime.source import Weights
 from k3convert.shard.writer import shard
 from k3convert.stream import open_stream
-from k3convert.stream.format import StreamCorruptError
 from tests import moonshot_oracle as mo
 from tests.models import VOCAB, kimi_linear
 
@@ -244,6 +243,20 @@ def test_kimi_k3_fp32_padded(k3, side):
     parity(f"kimi_k3 fp32 ({side}-padded row)", ours, ref, mask)
 
 
+def test_kimi_k3_text_only_export(tmp_path):
+    """No vision_config: Moonshot's KimiLinearForCausalLM is the oracle; images refused."""
+    d = quiet(mo.build_kimi_k3, tmp_path, seed=1, vision=False, num_hidden_layers=4)
+    ids, mask = batch(seed=12)
+    with torch.no_grad():
+        ref = quiet(mo.build_oracle, d)(input_ids=ids, attention_mask=mask).logits
+    with Runtime(open_checkpoint(d)) as rt:
+        assert rt.vision is None and rt.text.layer_attention == ("kda", "kda", "mla", "kda")
+        parity("kimi_k3 text-only export", rt.forward(ids, attention_mask=mask), ref, mask)
+        with pytest.raises(ConfigError, match="no vision tower"):
+            rt.forward(ids, pixel_values=torch.zeros(4, 3, 14, 14),
+                       image_grid_thw=torch.tensor([[1, 2, 2]]))  # fmt: skip
+
+
 def test_kimi_k3_bf16(k3):
     d, oracle = k3
     ids, mask = batch(seed=2)
@@ -419,14 +432,7 @@ def test_kimi_k3_images(k3, grids, rows):
     assert (plain - ours)[wide_mask.bool()].abs().max() > 1e-2 * ref.abs().max()
 
 
-STREAM_GAP = pytest.mark.xfail(
-    raises=StreamCorruptError, strict=True,
-    reason="shard writes K3's narrowed A_log with global_shape [heads] but logical_shape "
-    "[padded], which open_stream's consistency check refuses (shard/stream, not the runtime)",
-)  # fmt: skip
-
-
-@pytest.mark.parametrize("source", ["planned", pytest.param("stream", marks=STREAM_GAP)])
+@pytest.mark.parametrize("source", ["planned", "stream"])
 def test_kimi_k3_parallel_images(k3, tmp_path, source):
     """tp2 x pp2, experts over ep2 (KDA heads split), from the shard planner over the
     checkpoint or from a stream written by ``shard``: the unsharded logits, two images."""

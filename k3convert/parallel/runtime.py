@@ -284,7 +284,7 @@ class ParallelRuntime(Runtime):
     @torch.inference_mode()
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None):
         ids = self._ids(input_ids)
-        if pixel_values is not None and self.arch.name == "kimi_k3":
+        if pixel_values is not None and self._widens:
             ids, _ = self.expand_media(ids, image_grid_thw)  # (the embeddings are wider)
         self._stage = 0  # the hidden state starts on the first stage
         self._shape = (*ids.shape, self.text.hidden_size)

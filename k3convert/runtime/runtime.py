@@ -165,10 +165,12 @@ class Runtime:
         self.vision: VisionSettings | VisionSettingsK3 | None = None
         if self.arch.name == "kimi_k25":
             self.vision = vision_settings(raw, self.cfg, where)
-        elif self.arch.name == "kimi_k3":
+        elif self.arch.name == "kimi_k3" and self.cfg.vision is not None:  # (None: text only)
             self.vision = vision_settings_k3(raw, self.cfg, where)
-            #: Moonshot zeroes these tokens' embeddings when images are merged in
-            self._pad_id = raw.get("pad_token_id", 0)
+        #: kimi_k3 widens each image's placeholder (expand_media); Moonshot zeroes the
+        #: embeddings of this token id when it merges images in
+        self._widens = self.arch.name == "kimi_k3" and self.vision is not None
+        self._pad_id = raw.get("pad_token_id", 0)
         # shapes against config.json and completeness: the same checks as every verb
         matched = validate_source(self.arch, self.cfg, source, where)
         self.plan: Plan = make_plan(
@@ -224,7 +226,7 @@ class Runtime:
         past = cache.length if cache is not None else 0
         if attention_mask is not None:
             attention_mask = self._mask(attention_mask, input_ids, past)
-        if pixel_values is not None and self.arch.name == "kimi_k3":
+        if pixel_values is not None and self._widens:
             input_ids, attention_mask = self.expand_media(input_ids, image_grid_thw, attention_mask)
         if position_ids is None:
             position_ids = self.default_positions(input_ids, past)
@@ -271,7 +273,7 @@ class Runtime:
         (kimi_k3: each image's placeholder first expanded to its tokens, see
         :meth:`expand_media`; S is then the expanded length)."""
         input_ids = self._ids(input_ids)
-        if pixel_values is not None and self.arch.name == "kimi_k3":
+        if pixel_values is not None and self._widens:
             input_ids, _ = self.expand_media(input_ids, image_grid_thw)
         special = None
         if self.vision is not None:
@@ -291,8 +293,8 @@ class Runtime:
             return h
         if self.vision is None:
             raise ConfigError(
-                f"pixel_values given, but '{self.arch.name}' has no vision tower; only "
-                f"kimi_k25 and kimi_k3 take images."
+                f"pixel_values given, but this '{self.arch.name}' model has no vision tower; "
+                f"only kimi_k25 and kimi_k3 (with a vision_config) take images."
             )
         if image_grid_thw is None:
             raise ConfigError("pixel_values need image_grid_thw [num_images, 3].")
@@ -305,7 +307,7 @@ class Runtime:
                 f"images do not match."
             )
         h[special.to(h.device)] = feats.to(h.dtype)
-        if self.arch.name == "kimi_k3":
+        if self._widens:
             # as Moonshot's merge does: padding (and any token spelled as the pad id) and
             # the positions a shorter row is padded to are zero vectors
             h[(input_ids == self._pad_id).to(h.device)] = 0
@@ -328,7 +330,7 @@ class Runtime:
         no row needs padding). Ids that already hold one placeholder per image token are
         returned as they are. Other families: unchanged."""
         ids = self._ids(input_ids)
-        if self.arch.name != "kimi_k3" or image_grid_thw is None:
+        if not self._widens or image_grid_thw is None:
             return ids, attention_mask
         grid = torch.as_tensor(image_grid_thw)
         if grid.ndim != 2 or grid.shape[-1] != 3:
