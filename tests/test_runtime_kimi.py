@@ -313,6 +313,25 @@ def test_kimi_k3_state_object(k3):
             rt.run_layer(3, states[0])
 
 
+def test_kimi_k3_hooks_see_every_linear(k3):
+    """Hooks (calibration observers) see KDA's and the latent MoE's Linears with their
+    source names; convolutions, gate parameters and attention-residual vectors are not
+    Linears (Moonshot uses them as tensors, so nothing would quantize their inputs)."""
+    d, _ = k3
+    seen = set()
+    with Runtime(open_checkpoint(d)) as rt:
+        rt.add_hook(lambda name, x, y: seen.add(name))
+        rt.forward(batch()[0])
+    p = "language_model.model.layers."
+    kda = ("q_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj")
+    moe_keys = ("routed_expert_down_proj", "routed_expert_up_proj", "gate", "experts.0.w1")
+    want = [f"0.self_attn.{k}" for k in kda] + ["2.self_attn.g_proj", "2.self_attn.kv_b_proj"]
+    want += [f"1.block_sparse_moe.{k}" for k in moe_keys]
+    for w in want:
+        assert f"{p}{w}.weight" in seen, w
+    assert not [n for n in seen if "conv1d" in n or "attn_res" in n or "A_log" in n]
+
+
 # -- decoding with a cache ----------------------------------------------------------------
 def _decode(rt, ids, mask, steps: int, **cache_kw):
     """Prefill ``ids`` then ``steps`` tokens one at a time; returns the logits of every

@@ -160,11 +160,10 @@ class KVCache:
         dt = "fp8 e4m3, per-tensor scales" if self.kv_dtype == "fp8" else "compute dtype"
         kind = f"MLA {self.mla}" if attention == "mla" else "per-head K/V"
         out = f"{kind} / {dt}"
-        states = [c for c in self._all() if c.recurrent is not None]
-        if states:
-            kda = len({id(c) for c in states})
+        n = sum(c.recurrent is not None for c in self._all())
+        if n:
             out += (
-                f"; KDA state (conv + recurrent, float32, fixed size) in {kda} layer cache(s), "
-                f"{self.state_nbytes() / 2**20:.3f} MiB"
+                f"; KDA state (conv + recurrent, float32, fixed size): {n} layer x rank "
+                f"cache(s), {self.state_nbytes() / 2**20:.3f} MiB"
             )
         return out
