@@ -401,6 +401,17 @@ def test_kimi_k3_parallel(k3, layout, pp_layers):
         assert mo.rel_err(a[mask.bool()], b[mask.bool()]) <= 1e-5
 
 
+def test_kimi_linear_parallel(kl_model):
+    """transformers' Kimi-Linear: softplus-gated KDA heads split over tp2, experts ep2."""
+    d, _ = kl_model
+    ids, mask = batch(seed=13)
+    with Runtime(open_checkpoint(d)) as rt:
+        ref = rt.forward(ids, attention_mask=mask)
+    with ParallelRuntime(planned_ranks(open_checkpoint(d), Layout(tp=2, moe_ep=2))) as prt:
+        ours = prt.forward(ids, attention_mask=mask)
+    parity("kimi_linear tp2-ep2", ours, ref, mask, 1e-5)
+
+
 def test_kimi_k3_parallel_decode(k3):
     d, _ = k3
     ids, mask = batch(seed=8, seq=9)
