@@ -5,6 +5,12 @@ tensors). Data is mapped one tensor at a time when asked for, so memory follows 
 the caller holds, never the checkpoint size. Physical tensors that belong together
 (a weight and its scales / zero points / activation scales) are grouped under one
 logical name, so every consumer sees ``...weight`` with an encoding.
+
+A tensor's encoding is decided from what is stored (the registry in
+:mod:`k3convert.formats`), never from config.json: a quantization_config that claims a
+Linear quantized while the file stores it plain (the Kimi K3 release's ``ignore`` list
+misses some bf16 Linears) reads as plain, and the claim is kept as data in
+:attr:`Checkpoint.claimed_plain` for ``inspect`` to report.
 """
 
 from __future__ import annotations
@@ -14,21 +20,20 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError, ConfigError, UnsafePickleError
+from ..formats import FORMATS
 from .encodings import (
     ALL_PARTS,
     ENCODINGS,
     FP8_DTYPES,
     QuantParams,
     detect_encoding,
-    infer_num_bits,
-    scale_block,
 )
 from .output import refuse_partial
 from .safetensors_io import RawTensorInfo, map_tensor, read_header, strict_json_loads
@@ -101,10 +106,12 @@ class TensorMeta:
 
     @property
     def storage(self) -> str:
-        """Human label of how the values are stored: 'bfloat16', 'float8_e4m3fn', 'int4'."""
+        """Human label of how the values are stored: 'bfloat16', 'float8_e4m3fn', 'int4',
+        'mxfp4', 'nvfp4'."""
         if self.encoding == "pack-quantized":
             return f"int{self.quant.num_bits}" if self.quant.num_bits else "int?"
-        return str(self.dtype).removeprefix("torch.")
+        label = FORMATS[self.encoding].storage_label if self.encoding in FORMATS else None
+        return label or str(self.dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ class QuantConfig:
         self.qc = qc or {}
         self.method = self.qc.get("quant_method")
         self.groups: list[tuple[list[str], dict]] = []
+        self.formats: list[str | None] = []
         if self.method == "compressed-tensors":
             for gname, g in (self.qc.get("config_groups") or {}).items():
                 if not isinstance(g, dict):
@@ -153,6 +161,28 @@ class QuantConfig:
                         f"config.json: quantization_config.config_groups.{gname} must be an object."
                     )
                 self.groups.append((list(g.get("targets") or []), g.get("weights") or {}))
+                self.formats.append(g.get("format") or self.qc.get("format"))
+
+    def claimed_format(self, module: str) -> str | None:
+        """The format config.json claims for Linear ``module`` (None: not quantized, or
+        in ``ignore``). The class target ``Linear`` is taken to match every module but
+        embeddings (the reader sees names, not module classes)."""
+        if self.method == "fp8":
+            return "fp8-block"
+        if self.method != "compressed-tensors":
+            return None
+        ignore = self.qc.get("ignore") or []
+        if any(_target_matches(t, module) for t in ignore if isinstance(t, str)):
+            return None
+        for (targets, weights), f in zip(self.groups, self.formats, strict=True):
+            if not weights:
+                continue
+            for t in targets:
+                if t == "Linear" and "embed" in module.rpartition(".")[2]:
+                    continue
+                if _target_matches(t, module):
+                    return f or "compressed-tensors"
+        return None
 
     def params(self, module: str, shape: tuple[int, ...]) -> QuantParams:
         if self.method == "fp8":
@@ -163,7 +193,7 @@ class QuantConfig:
             return QuantParams()
         strategy = w.get("strategy")
         block = None
-        if strategy == "group" and w.get("group_size"):
+        if strategy in ("group", "tensor_group") and w.get("group_size"):
             block = (1, int(w["group_size"]))
         elif strategy == "block" and w.get("block_structure"):
             bs = w["block_structure"]
@@ -186,16 +216,32 @@ class QuantConfig:
         return {}
 
 
+def _target_matches(t: str, module: str) -> bool:
+    if t.startswith("re:"):
+        return re.match(t[3:], module) is not None
+    return t in ("Linear", module)
+
+
 class Checkpoint:
     """Read-only view of one checkpoint directory. Build it with :func:`open_checkpoint`."""
 
-    def __init__(self, root: Path, config: dict, metas: dict[str, TensorMeta], files):
+    def __init__(
+        self,
+        root: Path,
+        config: dict,
+        metas: dict[str, TensorMeta],
+        files,
+        claimed_plain: list[tuple[str, str]] | None = None,
+    ):
         self.root = root
         self.config = config
         self._metas = metas
         self._files: list[Path] = files
         self._sha: dict[Path, str] = {}
         self._bin_cache: dict[Path, dict] = {}
+        #: (tensor, format config.json claims) for 2-D weights config.json says are
+        #: quantized but the files store plain; they are read as stored (plain)
+        self.claimed_plain: list[tuple[str, str]] = list(claimed_plain or [])
 
     # -- metadata ---------------------------------------------------------------
     def names(self) -> list[str]:
@@ -430,8 +476,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if wm is not None:
         _check_index(root, wm, raw)
     qcfg = QuantConfig(_quant_config(config))
-    metas = _group(raw, qcfg)
-    ck = Checkpoint(root, config, metas, files)
+    claims: list[tuple[str, str]] = []
+    metas = _group(raw, qcfg, claims)
+    ck = Checkpoint(root, config, metas, files, claims)
     ck.aux_files  # noqa: B018  (refuses an aux file that links outside, up front)
     return ck
 
@@ -472,7 +519,9 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
         )
 
 
-def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]:
+def _group(
+    raw: dict[str, PartMeta], qcfg: QuantConfig, claims: list[tuple[str, str]] | None = None
+) -> dict[str, TensorMeta]:
     groups: dict[str, dict[str, PartMeta]] = {}
     for name, pm in raw.items():
         base, part = _split_part(name)
@@ -482,11 +531,13 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
         groups.setdefault(f"{base}.weight", {})[part] = pm
     metas: dict[str, TensorMeta] = {}
     for logical, parts in groups.items():
+        module = logical.removesuffix(".weight")
         if "" in parts:
             if len(parts) > 1:
                 raise CheckpointError(f"tensor '{logical}' appears both plain and as parts.")
             pm = parts[""]
             metas[logical] = TensorMeta(logical, pm.shape, "plain", {"weight": pm})
+            _note_claim(claims, qcfg, logical, module, pm)
             continue
         sig = {k: (v.shape, v.dtype) for k, v in parts.items()}
         if "weight" not in parts and "weight_packed" not in parts:
@@ -495,7 +546,6 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
                 metas[pm.name] = TensorMeta(pm.name, pm.shape, "plain", {"weight": pm})
             continue
         enc = detect_encoding(logical, sig)
-        module = logical.removesuffix(".weight")
         if enc is None:
             w = parts["weight"]
             fp8 = w.dtype in FP8_DTYPES and len(w.shape) == 2
@@ -506,27 +556,32 @@ def _group(raw: dict[str, PartMeta], qcfg: QuantConfig) -> dict[str, TensorMeta]
                 )
             shape = w.shape
             metas[logical] = TensorMeta(logical, shape, "plain", parts)
+            _note_claim(claims, qcfg, logical, module, w)
             continue
-        if enc.shape_part == "weight":
-            shape = parts["weight"].shape
-        else:  # the logical shape is stored as data: [out, in]
+        shape = enc.stored_shape(sig)
+        if shape is None:  # the logical shape is stored as data: [out, in]
             shape = _stored_shape(logical, parts[enc.shape_part], parts.get("weight_packed"))
         q = qcfg.params(module, shape)
-        if q.block is None and enc.default_block is not None:
-            q = replace(q, block=enc.default_block)
-        if "weight_packed" in parts:
-            bits = infer_num_bits(shape[-1], parts["weight_packed"].shape[-1])
-            if q.num_bits is None:
-                q = replace(q, num_bits=bits)
-            elif bits is not None and bits != q.num_bits:
-                raise CheckpointError(
-                    f"{parts['weight_packed'].file}: '{logical}' packed shape "
-                    f"{parts['weight_packed'].shape} holds {bits}-bit values but config.json "
-                    f"says num_bits={q.num_bits}."
-                )
+        try:
+            q = enc.resolve_quant(logical, sig, shape, q)
+        except CheckpointError as e:
+            raise CheckpointError(f"{enc_file(enc, parts)}: {e}") from None
         metas[logical] = TensorMeta(logical, shape, enc.name, parts, q)
         _check_scales(metas[logical])
     return metas
+
+
+def enc_file(enc, parts: dict[str, PartMeta]) -> Path:
+    """The file of an encoded tensor's values part (for messages)."""
+    return parts[enc.values_part].file
+
+
+def _note_claim(claims, qcfg: QuantConfig, logical: str, module: str, pm: PartMeta) -> None:
+    if claims is None or len(pm.shape) != 2 or not logical.endswith(".weight"):
+        return
+    claimed = qcfg.claimed_format(module)
+    if claimed is not None:
+        claims.append((logical, claimed))
 
 
 def _stored_shape(logical: str, sp: PartMeta, packed: PartMeta | None) -> tuple[int, int]:
@@ -563,10 +618,11 @@ def _stored_shape(logical: str, sp: PartMeta, packed: PartMeta | None) -> tuple[
 
 def _check_scales(m: TensorMeta) -> None:
     """Catch scale / weight shape disagreements at open time, not mid-conversion."""
-    s = m.parts[ENCODINGS[m.encoding].scale_part]
+    enc = ENCODINGS[m.encoding]
     if len(m.shape) != 2:
         raise CheckpointError(f"{m.file}: encoded tensor '{m.name}' must be 2-D, got {m.shape}.")
-    try:
-        scale_block(s.shape, m.shape, m.quant.block)
-    except ValueError as e:
-        raise CheckpointError(f"{s.file}: '{m.name}' {m.encoding}: {e}.") from e
+    sig = {k: (v.shape, v.dtype) for k, v in m.parts.items()}
+    why = enc.problem(m.name, m.shape, sig, m.quant)
+    if why:
+        s = m.parts[enc.scale_part]
+        raise CheckpointError(f"{s.file}: '{m.name}' {m.encoding}: {why}.")

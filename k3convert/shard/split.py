@@ -1,12 +1,15 @@
 """Split rules: how one logical tensor (with all its quantization parts) is cut.
 
 A logical tensor is cut along one logical dim into ``n`` pieces. Every physical part
-follows: plain data and FP8 / int8 weights slice the same dim; scales and zero points
-slice in units of their block / group; packed int-N words slice in units of
-``32 / num_bits`` values; per-tensor scales (and scales constant along the split dim)
-are copied whole. A boundary that would fall inside an attention head, a quantization
-group / block or a packed int32 word is refused up front with a :class:`SplitError`
-naming the tensor, the dimension and the degrees that would work.
+follows as the format registry (:mod:`k3convert.formats`) says: plain data and FP8 /
+int8 weights slice the same dim; scales and zero points slice in units of their block /
+group; packed int-N words slice in units of ``32 / num_bits`` values; MXFP4 / NVFP4
+bytes (two values each) slice by rows freely and by columns only on group boundaries
+(32 / 16 values = 16 / 8 bytes, with their scales); per-tensor and global scales (and
+scales constant along the split dim) are copied whole. A boundary that would fall
+inside an attention head, a quantization group / block, a packed int32 word or an FP4
+byte is refused up front with a :class:`SplitError` naming the tensor, the dimension and
+the degrees that would work.
 
 Modes: ``even`` (equal pieces, e.g. heads / MLP columns) and ``pad`` (vocab-parallel:
 pieces of ``ceil(V/n)`` rounded up to the alignment, the last piece zero-padded).
@@ -18,36 +21,10 @@ import math
 from dataclasses import dataclass
 
 from ..checkpoint import PartMeta, TensorMeta
-from ..checkpoint.encodings import ACTIVATION_PARTS, ENCODINGS, scale_block
+from ..formats import COPY, FORMATS, AxisMap, UnsplittableError
+from ..formats import LOCAL_SHAPE as SHAPE
 from ..stream.format import SplitError
 from .layout import divisors
-
-
-@dataclass(frozen=True)
-class AxisMap:
-    """How logical index x along the split dim maps onto one part's ``dim``.
-
-    part index = ceil(ceil(x / div) * bits / 32) when ``bits`` (packed), else ceil(x / div).
-    """
-
-    dim: int
-    div: int = 1
-    bits: int | None = None
-    what: str = ""
-
-    @property
-    def align(self) -> int:
-        if self.bits is None:
-            return self.div
-        return self.div * (32 // math.gcd(32, self.bits))
-
-    def index(self, x: int) -> int:
-        q = -(-x // self.div)
-        return -(-q * self.bits // 32) if self.bits else q
-
-
-COPY = "copy"  # the part does not vary along the split dim: every piece holds all of it
-SHAPE = "shape"  # the part stores the logical shape: every piece holds its local shape
 
 
 @dataclass(frozen=True)
@@ -78,54 +55,13 @@ class Piece:
     parts: tuple[PartSlice, ...]
 
 
-def _scale_map(m: TensorMeta, part: str, d: int, packed_bits: int | None = None):
-    """AxisMap (or COPY) of a scale / zero-point part for logical dim d."""
-    pm = m.parts[part]
-    sshape = tuple(m.parts[ENCODINGS[m.encoding].scale_part].shape)
-    if len(sshape) == 0 or math.prod(sshape) == 1:
-        return COPY
-    b = scale_block(sshape, tuple(m.shape), m.quant.block)
-    s2 = (sshape[0], 1) if len(sshape) == 1 else sshape
-    is_block = m.encoding == "fp8-block" or (m.quant.extra or {}).get("strategy") == "block"
-    if s2[d] == 1 and not is_block:
-        return COPY
-    if d >= len(pm.shape):
-        return COPY
-    kind = "FP8 block" if m.encoding == "fp8-block" else "quantization group/block"
-    what = f"{kind} of {b[0]}x{b[1]}"
-    if packed_bits and d == 0:
-        return AxisMap(0, b[0], packed_bits, f"{what} (zero points packed {packed_bits}-bit)")
-    return AxisMap(d, b[d], None, what)
-
-
 def axis_maps(m: TensorMeta, d: int) -> dict[str, AxisMap | str]:
-    """Per part: how it follows a split of logical dim ``d``."""
-    out: dict[str, AxisMap | str] = {}
-    bits = m.quant.num_bits
-    for part, pm in m.parts.items():
-        if part in ACTIVATION_PARTS or part == "weight_global_scale":
-            out[part] = COPY
-        elif m.encoding == "plain" or part == "weight":
-            out[part] = AxisMap(d) if d < len(pm.shape) else COPY
-        elif part == "weight_packed":
-            out[part] = (
-                AxisMap(0)
-                if d == 0
-                else AxisMap(1, 1, bits, f"packed int32 word ({32 // math.gcd(32, bits)} values)")
-            )
-        elif part in ("weight_scale", "weight_scale_inv"):
-            out[part] = _scale_map(m, part, d)
-        elif part == "weight_zero_point":
-            packed = bits if m.encoding == "pack-quantized" else None
-            out[part] = _scale_map(m, part, d, packed)
-        elif part == "weight_shape":
-            out[part] = SHAPE
-        else:  # weight_g_idx (act-order): group ids are global; no sound way to cut them
-            raise SplitError(
-                f"tensor '{m.name}': part '{part}' cannot be split (act-order g_idx); "
-                f"replicate it or re-quantize without activation ordering."
-            )
-    return out
+    """Per part: how it follows a split of logical dim ``d`` (the format registry's
+    :meth:`k3convert.formats.Encoding.axis_maps`)."""
+    try:
+        return FORMATS[m.encoding].axis_maps(m, d)
+    except UnsplittableError as e:
+        raise SplitError(str(e)) from None
 
 
 def _bounds(length: int, n: int, mode: str, granule: int, align: int) -> list[tuple[int, int]]:
