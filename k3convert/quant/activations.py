@@ -17,6 +17,15 @@ its quirks:
   (values are then clamped to [-128, 127]);
 - a zero scale is replaced by the eps of the scale dtype.
 
+NVFP4 inputs (``tensor_group``, ``dynamic: "local"``): one FP4 E2M1 scale per 16
+channels computed on the fly, as ``global_scale * amax / 6`` rounded to e4m3 (zero ->
+0.125, the e4m3 eps), with the Linear's static ``input_global_scale``; values are
+divided by ``scale / global_scale`` in float32, clamped to [-6, 6] and rounded to E2M1
+(ties to even), then multiplied back. The global scale comes from calibration
+(llm-compressor's static min/max observer); an uncalibrated checkpoint written by
+k3convert stores 1.0, which is also what a spec without one uses (``generate_gparam``'s
+own fallback: no global scaling).
+
 compressed-tensors is a test dependency only: this module re-implements, and the tests
 compare against the library bit for bit.
 """
@@ -30,31 +39,38 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import ConfigError
+from ..formats import FP4_MAX, INPUT_GLOBAL_SCALE, INPUT_SCALE, NV_GROUP
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
-STRATEGIES = ("token", "tensor", "group")
+STRATEGIES = ("token", "tensor", "group", "tensor_group")
+_SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
 class ActivationSpec:
     """How a Linear's input activations are quantized.
 
-    num_bits: 8; type: 'float' (FP8 e4m3) or 'int'; strategy: 'token' | 'tensor' |
-    'group'; dynamic: scales computed on the fly from each input (True) or a static
-    calibrated ``scale`` (False); group_size: channels per scale for 'group'.
-    scale / zero_point: static parameters, shape [1] (``input_scale`` /
-    ``input_zero_point`` of the checkpoint); None for dynamic specs.
+    num_bits: 8 (4 for NVFP4); type: 'float' (FP8 e4m3 / FP4 e2m1) or 'int'; strategy:
+    'token' | 'tensor' | 'group' | 'tensor_group' (NVFP4); dynamic: scales computed on
+    the fly from each input (True; "local" for NVFP4: local scales on the fly, a static
+    global scale) or a static calibrated ``scale`` (False); group_size: channels per
+    scale for 'group' / 'tensor_group'; scale_dtype: the dtype local scales are rounded
+    to ("float8_e4m3fn" for NVFP4, None otherwise). scale / zero_point: static
+    parameters, shape [1] (``input_scale`` / ``input_zero_point`` of the checkpoint);
+    global_scale: NVFP4's ``input_global_scale`` [1]; None where unused or unknown.
     """
 
     num_bits: int = 8
     type: str = "float"
     strategy: str = "token"
-    dynamic: bool = True
+    dynamic: bool | str = True
     symmetric: bool = True
     group_size: int | None = None
+    scale_dtype: str | None = None
     scale: torch.Tensor | None = field(default=None, compare=False, repr=False)
     zero_point: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    global_scale: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.type not in ("float", "int"):
@@ -64,9 +80,31 @@ class ActivationSpec:
                 f"activation strategy '{self.strategy}' is not supported; use one of "
                 f"{', '.join(STRATEGIES)}."
             )
-        if self.type == "float" and self.num_bits != 8:
-            raise ConfigError("float activations must be 8-bit (FP8 e4m3).")
-        if self.strategy == "group" and not self.group_size:
+        fp4 = self.type == "float" and self.num_bits == 4
+        if self.type == "float" and self.num_bits != 8 and not fp4:
+            raise ConfigError("float activations must be 8-bit (FP8 e4m3) or NVFP4.")
+        if fp4 != (self.strategy == "tensor_group"):
+            raise ConfigError(
+                "FP4 activations are supported as NVFP4 only (num_bits 4, type float, "
+                "strategy tensor_group, dynamic 'local', group_size 16), and tensor_group "
+                "only for them."
+            )
+        if fp4 and (self.dynamic != "local" or self.group_size != NV_GROUP):
+            raise ConfigError(
+                f"NVFP4 activations need dynamic 'local' and group_size {NV_GROUP}, got "
+                f"dynamic {self.dynamic!r}, group_size {self.group_size!r}."
+            )
+        if self.dynamic == "local" and not fp4:
+            raise ConfigError(
+                "dynamic 'local' activation quantization is NVFP4 (tensor_group) only."
+            )
+        if self.dynamic not in (True, False, "local"):
+            raise ConfigError(
+                f"activation dynamic must be true, false or 'local', not {self.dynamic!r}."
+            )
+        if self.scale_dtype not in (None, *_SCALE_DTYPES):
+            raise ConfigError(f"activation scale_dtype '{self.scale_dtype}' is not supported.")
+        if self.strategy in ("group", "tensor_group") and not self.group_size:
             raise ConfigError("group activation quantization needs a group_size.")
         if not self.dynamic and self.strategy != "tensor":
             raise ConfigError("static activation quantization is per tensor only.")
@@ -76,9 +114,36 @@ class ActivationSpec:
     ) -> ActivationSpec:
         return replace(self, scale=scale, zero_point=zero_point)
 
+    def with_global_scale(self, global_scale: torch.Tensor | float) -> ActivationSpec:
+        """The spec with NVFP4's ``input_global_scale`` (the checkpoint's, shape [1])."""
+        return replace(self, global_scale=torch.as_tensor(global_scale).reshape(1))
+
+    # -- stored parameters -------------------------------------------------------------
+    def param_parts(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(part suffix, dtype, shape) stored with the weight for this input: a static
+        spec's ``input_scale``, NVFP4's ``input_global_scale``; none for dynamic specs."""
+        if self.strategy == "tensor_group":
+            return [(INPUT_GLOBAL_SCALE, torch.float32, (1,))]
+        if not self.dynamic:
+            return [(INPUT_SCALE, torch.float32, (1,))]
+        return []
+
+    def param_values(self, value=None) -> dict[str, torch.Tensor]:
+        """The parts of :meth:`param_parts` holding ``value`` (calibration's scale, or
+        NVFP4's global scale; None: NVFP4 stores 1.0, no global scaling)."""
+        parts = self.param_parts()
+        if not parts:
+            return {}
+        ((name, dtype, shape),) = parts
+        if value is None:
+            if name != INPUT_GLOBAL_SCALE:
+                raise ConfigError(f"the activation spec needs a calibrated {name}.")
+            value = 1.0
+        return {name: torch.as_tensor(value, dtype=dtype).reshape(shape).clone()}
+
     def ct_args(self) -> dict:
         """The compressed-tensors ``QuantizationArgs`` dict for config.json."""
-        return {
+        a = {
             "num_bits": self.num_bits,
             "type": self.type,
             "symmetric": self.symmetric,
@@ -86,9 +151,13 @@ class ActivationSpec:
             "strategy": self.strategy,
             "dynamic": self.dynamic,
             "actorder": None,
-            "observer": None if self.dynamic else "minmax",
+            "observer": None if self.dynamic is True else "minmax",
             "observer_kwargs": {},
         }
+        if self.strategy == "tensor_group":
+            a["observer"] = "static_minmax"  # how llm-compressor calibrates the global scale
+            a["scale_dtype"] = f"torch.{self.scale_dtype}"
+        return a
 
     @classmethod
     def from_ct_args(cls, args: dict) -> ActivationSpec:
@@ -99,20 +168,26 @@ class ActivationSpec:
             strategy = "tensor" if group is None else ("group" if group > 0 else "channel")
         dyn = args.get("dynamic", False)
         if isinstance(dyn, str):
-            raise ConfigError(f"input_activations.dynamic='{dyn}' (local) is not supported.")
+            if dyn.lower() != "local":
+                raise ConfigError(f"input_activations.dynamic='{dyn}' is not supported.")
+            dyn = "local"
+        sdt = args.get("scale_dtype")
+        if isinstance(sdt, str):
+            sdt = sdt.removeprefix("torch.")
         return cls(
             num_bits=int(args.get("num_bits", 8)),
             type=str(args.get("type", "int")).lower(),
             strategy=str(strategy).lower(),
-            dynamic=bool(dyn),
+            dynamic=dyn if dyn == "local" else bool(dyn),
             symmetric=bool(args.get("symmetric", True)),
             group_size=group,
+            scale_dtype=sdt,
         )
 
     # -- range -------------------------------------------------------------------------
     def qrange(self) -> tuple[float, float]:
         if self.type == "float":
-            return -FP8_MAX, FP8_MAX
+            return (-FP4_MAX, FP4_MAX) if self.num_bits == 4 else (-FP8_MAX, FP8_MAX)
         half = 2.0**self.num_bits / 2
         return -half, half - 1
 
@@ -175,12 +250,14 @@ def fake_quant_activation(x: torch.Tensor, spec: ActivationSpec | None) -> torch
     """
     if spec is None or x.numel() == 0:
         return x
-    if spec.strategy == "group" and x.shape[-1] % spec.group_size:
+    if spec.strategy in ("group", "tensor_group") and x.shape[-1] % spec.group_size:
         # compressed-tensors fails here too (unflatten): there is no reference behaviour
         raise ValueError(
             f"input of {x.shape[-1]} channels is not divisible by the activation group "
             f"size {spec.group_size}"
         )
+    if spec.strategy == "tensor_group":
+        return _fake_quant_nvfp4(x, spec)
     if spec.dynamic:
         value = x
         if spec.strategy == "token":
@@ -216,6 +293,44 @@ def fake_quant_activation(x: torch.Tensor, spec: ActivationSpec | None) -> torch
         out = _qdq(xg, scale.unsqueeze(-1), zp.unsqueeze(-1) if zp is not None else None, spec)
         return out.flatten(start_dim=-2).to(x.dtype)
     return _qdq(x, scale, zp, spec)
+
+
+def _fake_quant_nvfp4(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """compressed-tensors ``forward_quantize`` of an NVFP4 input (see the module doc),
+    op for op: group min / max in x's dtype, ``amax / 6`` in x's dtype, times the global
+    scale (float32), rounded to e4m3, zero -> 0.125; zero points are fp8 zeros, added and
+    subtracted as compressed-tensors does (which turns -0.0 into +0.0)."""
+    from .packing import _E2M1, fp4_codes
+
+    g = spec.group_size
+    gs = spec.global_scale
+    gs = torch.ones(1) if gs is None else gs.to(torch.float32).reshape(1)
+    xg = x.unflatten(-1, (x.shape[-1] // g, g))
+    mn = torch.amin(xg, dim=-1)
+    mx = torch.amax(xg, dim=-1)
+    mn = torch.min(mn, torch.zeros_like(mn))
+    mx = torch.max(mx, torch.zeros_like(mx))
+    max_pos = torch.max(torch.abs(mn), torch.abs(mx))
+    bit_range = torch.tensor(2 * FP4_MAX, dtype=torch.float32)
+    scales = max_pos / (bit_range.to(max_pos.dtype) / 2)
+    scales = gs * scales
+    sdt = _SCALE_DTYPES.get(spec.scale_dtype or "")
+    if sdt is not None:
+        fi = torch.finfo(sdt)
+        scales = torch.clamp(scales, fi.min, fi.max).to(sdt).to(scales.dtype)
+    eps = 0.125 if sdt == torch.float8_e4m3fn else _eps(scales.dtype)
+    scales = torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype), scales)
+    zp = torch.zeros(scales.shape, dtype=mn.dtype).to(torch.float8_e4m3fn)
+    scale = (scales / gs).unsqueeze(-1)
+    zp = zp.unsqueeze(-1)
+    scaled = xg / scale
+    scaled += zp.to(x.dtype)
+    scaled = torch.clamp(scaled, torch.tensor(-FP4_MAX), torch.tensor(FP4_MAX))
+    if scaled.dtype != torch.float32:
+        raise ValueError(f"NVFP4 activations are computed in float32, not {scaled.dtype}")
+    q = _E2M1[fp4_codes(scaled).to(torch.int64)]
+    out = (q.to(scale.dtype) - zp.to(scale.dtype)) * scale
+    return out.flatten(start_dim=-2).to(x.dtype)
 
 
 # -- reading a quantization_config ------------------------------------------------------

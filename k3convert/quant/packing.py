@@ -1,4 +1,6 @@
-"""Dense bit-packing of low-bit integers into int32 words (compressed-tensors layout).
+"""Dense bit-packing of low-bit values: int-N in int32 words, FP4 E2M1 in bytes.
+
+Int-N (compressed-tensors ``pack-quantized``):
 
 The layout is the one compressed-tensors' ``pack-quantized`` format uses, so its own
 loader reads what we write and we read what it writes: signed ``num_bits`` values are
@@ -7,6 +9,14 @@ offset by ``2**(num_bits-1)`` to unsigned, element ``i`` of a row occupies bits
 straddle a 32-bit word for 3/5/6/7 bits), and a row of ``n`` values takes
 ``ceil(n*num_bits/32)`` words. ``packed_dim=0`` packs along columns instead (used for
 zero points). Vectorised: one gather / scatter per call, no Python loop over elements.
+
+FP4 E2M1 (compressed-tensors ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized``): a
+code is ``sign << 3 | index`` with index 0..7 the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6;
+two codes per byte, the even column in the LOW nibble. :func:`fp4_codes` rounds to the
+nearest E2M1 value with ties to the even index (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, which is compressed-tensors' ``cast_to_fp4``),
+and a value below zero keeps its sign even when it rounds to zero (-0.1 -> code 8),
+while -0.0 itself is code 0 (``cast_to_fp4`` multiplies by ``sign(x)``, which is 0 there).
 """
 
 from __future__ import annotations
@@ -112,3 +122,54 @@ def unpack_int32(
     vals = ((lo | hi) & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))
     vals = vals.to(torch.int8)
     return (vals.t() if packed_dim == 0 else vals).contiguous()
+
+
+# -- FP4 E2M1 -------------------------------------------------------------------------
+#: E2M1 magnitudes by index; codes 8..15 are their negatives (8 is -0.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+#: byte -> (value of the low nibble, value of the high nibble)
+_BYTE_LUT = torch.stack(
+    [_E2M1[torch.arange(256) & 15], _E2M1[torch.arange(256) >> 4]], dim=1
+).contiguous()
+_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)  # midpoints whose tie goes to the lower (even) index
+_TIE_UP = (0.75, 1.75, 3.5)  # ... to the upper (even) index
+#: |x| > b counts one index per bound; a tie-up bound b is written as the float32 just
+#: below it, so that |x| >= b counts (one bucketize over the 7 bounds)
+_FP4_BOUNDS = torch.tensor(sorted(_TIE_DOWN + _TIE_UP), dtype=torch.float32)
+_FP4_BOUNDS = torch.where(
+    torch.isin(_FP4_BOUNDS, torch.tensor(_TIE_UP)),
+    torch.nextafter(_FP4_BOUNDS, torch.zeros(())),
+    _FP4_BOUNDS,
+)
+
+
+def fp4_codes(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """E2M1 codes (uint8, ``sign << 3 | index``) of float32 ``x``, already clamped to
+    [-6, 6]: round to nearest, ties to the even index (see the module docstring).
+
+    out: an optional uint8 tensor of x's shape to write into. ``x`` is left unchanged.
+    """
+    if x.dtype != torch.float32:
+        raise ValueError(f"fp4_codes expects float32 values, got {x.dtype}")
+    idx = torch.bucketize(x.abs(), _FP4_BOUNDS, out_int32=True)
+    codes = idx.to(torch.uint8) if out is None else out.copy_(idx)
+    return codes.bitwise_or_((x < 0).to(torch.uint8) << 3)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [rows, n] (n even) -> bytes [rows, n/2], even column in the low nibble."""
+    if codes.ndim != 2 or codes.shape[1] % 2:
+        raise ValueError(f"pack_fp4 expects [rows, even n] codes, got {tuple(codes.shape)}")
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes [rows, cols] -> float32 E2M1 values [rows, 2 * cols] (exact)."""
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        raise ValueError(
+            f"FP4 data must be uint8 [rows, cols], got {packed.dtype}{list(packed.shape)}"
+        )
+    rows, cols = packed.shape
+    idx = packed.reshape(-1).to(torch.int32)
+    return _BYTE_LUT.index_select(0, idx).view(rows, 2 * cols)

@@ -17,6 +17,14 @@ ignore) and a ``k3convert`` provenance block; ``model-0000i-of-0000n.safetensors
 shards of at most ``shard_size`` bytes with ``model.safetensors.index.json``; the
 source's tokenizer / processor files copied. Kept tensors are copied bit for bit;
 kept tensors of an encoded source are written dequantized in the config dtype.
+
+Part names come from the schemes (and through them the format registry,
+:mod:`k3convert.formats`): the weight's parts, then the activation parameters stored
+with it (a static spec's ``input_scale``, NVFP4's ``input_global_scale``). NVFP4
+Linears that run fused at inference (q/k/v, gate/up, w1/w3, q_a/kv_a of a module)
+share one global scale from the largest |value| of the set, as llm-compressor fuses
+them and vLLM requires: a first pass maps each of those tensors once more to take its
+maximum (one tensor at a time), before anything is written.
 """
 
 from __future__ import annotations
@@ -174,9 +182,61 @@ def _entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return [(r.name, r.out_dtype, r.shape)]
     base = r.module
     e = [(f"{base}.{k}", d, s) for k, d, s in r.scheme.parts(r.shape)]
-    if r.scheme.needs_input_scale:
-        e.append((f"{base}.input_scale", torch.float32, (1,)))
+    e += [(f"{base}.{k}", d, s) for k, d, s in r.scheme.act_parts()]
     return e
+
+
+#: sibling Linears that serving engines run as one fused matmul (llm-compressor's
+#: FUSED_LAYER_NAMES): under NVFP4 they must share a global scale
+FUSED_SETS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("w1", "w3"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+)
+
+
+def fused_groups(plan: Plan) -> list[list[Decision]]:
+    """Sets of rows (>= 2) that share one NVFP4 global scale: siblings of one parent
+    module in a :data:`FUSED_SETS` entry, every one of them stored under a scheme with a
+    shared global scale (as llm-compressor fuses only sets that are all tensor_group)."""
+    by_parent: dict[tuple[str, int], list[Decision]] = {}
+    rows = {r.module: r for r in plan.rows if r.name.endswith(".weight")}
+    for module, r in rows.items():
+        parent, _, leaf = module.rpartition(".")
+        for i, names in enumerate(FUSED_SETS):
+            if leaf in names:
+                by_parent.setdefault((parent, i), []).append(r)
+    out = []
+    for members in by_parent.values():
+        shared = all(not r.kept and getattr(r.scheme, "shares_global_scale", False)
+                     for r in members)  # fmt: skip
+        if len(members) >= 2 and shared:
+            out.append(members)
+    return out
+
+
+def _shared_amax(ckpt, plan: Plan, workers: int) -> dict[str, torch.Tensor]:
+    """Tensor name -> the largest |value| of its fused set (see :func:`fused_groups`),
+    one source tensor mapped (or dequantized) at a time per worker."""
+    groups = fused_groups(plan)
+    if not groups:
+        return {}
+
+    def one(r: Decision) -> tuple[str, torch.Tensor]:
+        w = ckpt.get(r.name)
+        try:
+            return r.name, r.scheme.abs_max(w, name=r.name)
+        except NonFiniteWeightError as e:
+            raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
+
+    rows = [r for g in groups for r in g]
+    amax = dict(_unordered(one, rows, workers))
+    out: dict[str, torch.Tensor] = {}
+    for g in groups:
+        top = torch.stack([amax[r.name] for r in g]).amax()
+        out.update({r.name: top for r in g})
+    return out
 
 
 def _checked(dtype: torch.dtype) -> bool:
@@ -217,8 +277,11 @@ def _check_finite_chunks(name: str, path: Path, info, where: Path) -> None:
     raise _non_finite(name, bad, where)
 
 
-def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor]:
-    """The output tensors of one row, by output name."""
+def _produce(
+    ckpt, r: Decision, input_scales: Mapping, shared: Mapping | None = None
+) -> dict[str, torch.Tensor]:
+    """The output tensors of one row, by output name. shared: tensor name -> the largest
+    |value| of its fused set, for schemes whose fused Linears share a global scale."""
     if r.kept:
         if r.encoded:
             w = ckpt.get(r.name)
@@ -228,15 +291,15 @@ def _produce(ckpt, r: Decision, input_scales: Mapping) -> dict[str, torch.Tensor
         _check_finite(r.name, t, ckpt.root)
         return {r.name: t}
     w = ckpt.get(r.name)
+    kw = {"global_amax": shared[r.name]} if shared and r.name in shared else {}
     try:
-        parts = r.scheme.quantize(w, name=r.name)
+        parts = r.scheme.quantize(w, name=r.name, **kw)
     except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
         raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
     del w
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
-    if r.scheme.needs_input_scale:
-        s = input_scales[r.module]
-        out[f"{r.module}.input_scale"] = torch.as_tensor(s, dtype=torch.float32).reshape(1)
+    for k, v in r.scheme.act_values(input_scales.get(r.module)).items():
+        out[f"{r.module}.{k}"] = v
     return out
 
 
@@ -244,6 +307,8 @@ def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
     """Last line of defence: no scale (weight_scale, input_scale) is written non-finite."""
     if not (name.endswith("_scale") and t.dtype.is_floating_point):
         return
+    if t.dtype.itemsize == 1:  # e4m3 scales: isfinite has no fp8 kernel
+        t = t.float()
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise NonFiniteWeightError(
@@ -294,7 +359,8 @@ def quantize(
     ordered rules. keep: extra patterns to keep (glob or ``re:``); default_keep=False
     drops the architecture's default exceptions. dry_run: resolve and return the plan,
     write nothing. input_scales: module name -> static input scale, required by schemes
-    with static activations (``fp8``), normally supplied by calibration.
+    with static activations (``fp8``), normally supplied by calibration; for NVFP4
+    activations (``nvfp4``) the module's input global scale (1.0 when not given).
     """
     t0 = time.perf_counter()
     if workers is None:
@@ -320,8 +386,10 @@ def quantize(
     out = Path(out)
     aux = ckpt.aux_files
     need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
+    with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
+        shared = _shared_amax(ckpt, plan, workers)
     with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
-        nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, input_scales)
+        nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, input_scales, shared)
         for p in aux:
             shutil.copy2(p, tmp / p.name)
         cfg = _output_config(ckpt.config, plan, Path(ckpt.root))
@@ -329,7 +397,9 @@ def quantize(
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles)
 
 
-def _job(ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping) -> Decision:
+def _job(
+    ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping, shared: Mapping
+) -> Decision:
     """Produce row ``r``'s output tensors and write each at its place in the file. A
     tensor kept bit for bit from a safetensors source is checked for NaN / Inf one chunk
     at a time and copied by the kernel: it never passes through this process whole."""
@@ -338,7 +408,7 @@ def _job(ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping) -> Deci
         _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
         w.copy_from(r.name, main.file, main.raw)
         return r
-    tensors = _produce(ckpt, r, input_scales)
+    tensors = _produce(ckpt, r, input_scales, shared)
     for name, dt, shape in _entries(r):
         t = tensors.pop(name)
         if t.dtype != dt or tuple(t.shape) != tuple(shape):
@@ -400,7 +470,9 @@ def default_workers() -> int:
     return max(1, min(n, MAX_DEFAULT_WORKERS))
 
 
-def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales) -> int:
+def _write(
+    ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales, shared=None
+) -> int:
     shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
     names = shard_names(len(shards))
     weight_map: dict[str, str] = {}
@@ -419,7 +491,8 @@ def _write(ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_sca
                 fname = names[i]
                 entries = [e for r in rows for e in _entries(r)]
                 with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-                    for r in _unordered(lambda r: _job(ckpt, r, w, input_scales), rows, workers):
+                    job = lambda r: _job(ckpt, r, w, input_scales, shared or {})  # noqa: E731
+                    for r in _unordered(job, rows, workers):
                         bar.update(r.src_bytes)
                 for name, dt, shape in entries:
                     weight_map[name] = fname
