@@ -27,7 +27,13 @@ from pathlib import Path, PurePosixPath
 
 import zstandard
 
-from ..checkpoint.encodings import ACTIVATION_PARTS, ALL_PARTS, ENCODINGS, scale_block
+from ..checkpoint.encodings import (
+    ACTIVATION_PARTS,
+    ALL_PARTS,
+    ENCODINGS,
+    QuantParams,
+    scale_block,
+)
 from ..checkpoint.safetensors_io import MAX_HEADER_BYTES, ST_DTYPES
 from .format import (
     ALIGN,
@@ -278,6 +284,9 @@ def _group_problem(es: list[dict]) -> str | None:
             scale_block(tuple(scale["shape"]), tuple(w["shape"]), block)
     except (ValueError, ArithmeticError) as err:
         return f"{spec.scale_part} does not fit the weight ({err})"
+    if spec.packing == "fp4":  # the registry's geometry: bytes, scale per group, dtypes
+        sig = {k: (tuple(v["global_shape"]), ST_DTYPES[v["dtype"]][0]) for k, v in by.items()}
+        return spec.problem(e0["logical"], tuple(lshape), sig, QuantParams())
     if "weight_packed" in by:
         pk = by["weight_packed"]["global_shape"]
         if "weight_shape" in by and by["weight_shape"]["global_shape"] != [2]:

@@ -28,7 +28,7 @@ import torch
 import zstandard
 
 from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
-from ..checkpoint.encodings import ENCODINGS
+from ..checkpoint.encodings import ENCODINGS, FORMATS
 from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError, K3Error
 from . import hashing as unit_hashing
@@ -497,7 +497,10 @@ class RankReader:
         by = {e["part"]: e for e in es}
         if "weight_shape" in by:
             return tuple(int(x) for x in self.get_parts(name)["weight_shape"].tolist())
-        return tuple(by["weight"]["shape"])
+        enc = FORMATS.get(es[0]["encoding"])
+        sig = {p: (tuple(e["shape"]), None) for p, e in by.items()}
+        shape = enc.stored_shape(sig) if enc is not None else None
+        return shape if shape is not None else tuple(by["weight"]["shape"])
 
     def get_parts(self, name: str) -> dict[str, torch.Tensor]:
         i, es = self._entries(name)
