@@ -312,6 +312,7 @@ _ORDER = list(FAMILIES)
 _ALIASES: list[tuple[str, str]] = [
     (r"exact|none|plain", "exact"),
     (r"fp8(-.*)?", "fp8"),
+    (r"(mx|nv)fp4(a16)?", "int4"),  # 4-bit float weights (and NVFP4 inputs): as for config
     (r"int8(-.*)?", "int8"),
 ]
 
@@ -325,6 +326,7 @@ def default_thresholds(kind: str) -> Thresholds:
     M-bit activations (int, or fp8 for a "-fp8" suffix; 16 = not quantized): w8a8 /
     w8a8-g128 -> int8, w4a16 / w4a16-asym / w4a8-fp8 -> int4, w3a16 -> int3;
     intN-gG[-asym] -> intN. N = 5..7 bits -> int4 (the nearest looser family), 1 -> int2.
+    mxfp4 / nvfp4a16 / nvfp4 -> int4 (as :func:`thresholds_for_quant_config` maps FP4).
     """
     if not isinstance(kind, str):
         raise ConfigError(f"thresholds: kind must be a string, got {type(kind).__name__}.")
