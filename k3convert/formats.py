@@ -248,6 +248,18 @@ class Encoding:
     detect_dtypes: tuple[str, ...] = ("weight",)
     storage_label: str | None = None
     weight_args: dict | None = None
+    #: dtypes the dequantizer computes in directly (``dtype=`` keyword), exactly
+    direct_dtypes: tuple[torch.dtype, ...] = ()
+
+    def dequantize_to(
+        self, parts: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The dequantized tensor in ``dtype`` (float32 when None): computed in it where
+        that is exact (MXFP4 in bfloat16), else in float32 and converted."""
+        dtype = dtype or torch.float32
+        if dtype in self.direct_dtypes:
+            return self.dequantize(parts, q, dtype=dtype)
+        return self.dequantize(parts, q).to(dtype)
 
     # -- what older code reads off an encoding --------------------------------------------
     @property
@@ -484,8 +496,10 @@ def _deq_packed(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
     return vals * expand_scale(scale, (out, inp), q.block)
 
 
-def _fp4_groups(p: Mapping[str, torch.Tensor], group: int) -> tuple[torch.Tensor, int, int]:
-    """E2M1 values of ``weight_packed`` as float32 [out, in / group, group]."""
+def _fp4_groups(
+    p: Mapping[str, torch.Tensor], group: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, int, int]:
+    """E2M1 values of ``weight_packed`` as ``dtype`` [out, in / group, group]."""
     from .quant.packing import unpack_fp4
 
     packed, scale = p["weight_packed"], p["weight_scale"]
@@ -496,7 +510,7 @@ def _fp4_groups(p: Mapping[str, torch.Tensor], group: int) -> tuple[torch.Tensor
             f"weight_scale {list(scale.shape)} does not hold one scale per {group} values "
             f"of the {out} x {inp} weight (expected {[out, inp // group]})"
         )
-    return unpack_fp4(packed).view(out, inp // group, group), out, inp
+    return unpack_fp4(packed, dtype).view(out, inp // group, group), out, inp
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -509,9 +523,15 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _deq_mxfp4(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
-    vals, out, inp = _fp4_groups(p, MX_GROUP)
-    return vals.mul_(e8m0_to_float(p["weight_scale"]).unsqueeze(-1)).view(out, inp)
+def _deq_mxfp4(
+    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """E2M1 x 2**(e - 127): a value of at most 2 significant bits times a power of two,
+    exact in float32 and in bfloat16 (same exponent range), so either is computed
+    directly."""
+    vals, out, inp = _fp4_groups(p, MX_GROUP, dtype)
+    scale = e8m0_to_float(p["weight_scale"]).to(dtype)
+    return vals.mul_(scale.unsqueeze(-1)).view(out, inp)
 
 
 def _deq_nvfp4(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
@@ -623,6 +643,7 @@ FORMATS: dict[str, Encoding] = {
             detect_dtypes=("weight_packed", "weight_scale"),
             storage_label="mxfp4",
             weight_args=_MX_ARGS,
+            direct_dtypes=(torch.float32, torch.bfloat16),
         ),
         Encoding(
             NVFP4,

@@ -227,6 +227,9 @@ def test_dequantize_equals_decompress(scheme):
     theirs = ct_decompress(parts, PRESET[scheme])
     assert theirs.dtype == torch.bfloat16 and ours.dtype == torch.float32
     assert torch.equal(_bytes(ours.to(torch.bfloat16)), _bytes(theirs))
+    enc = formats.ENCODINGS[formats.MXFP4 if scheme == "mxfp4" else formats.NVFP4]
+    direct = enc.dequantize_to(parts, formats.QuantParams(), torch.bfloat16)  # MX: in bf16
+    assert torch.equal(_bytes(direct), _bytes(theirs))
     if scheme == "mxfp4":  # exact products: the float32 values are compressed-tensors'
         assert torch.equal(ours, theirs.float())
     else:  # float32: compressed-tensors' dequantize on float32 E2M1 values
@@ -565,8 +568,8 @@ def test_requantize_mxfp4_source_one_tensor_at_a_time(scheme, workers, fp4_out, 
     peak = [0]
     calls = [0]
 
-    def spy(parts, q):
-        t = enc.dequantize(parts, q)
+    def spy(parts, q, **kw):
+        t = enc.dequantize(parts, q, **kw)
         calls[0] += 1
         key = calls[0]
         alive.add(key)

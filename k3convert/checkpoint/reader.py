@@ -304,12 +304,11 @@ class Checkpoint:
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         parts = self.get_parts(name)
         try:
-            w = ENCODINGS[m.encoding].dequantize(parts, m.quant)
+            return ENCODINGS[m.encoding].dequantize_to(parts, m.quant, dtype)
         except ValueError as e:
             raise CheckpointError(
                 f"{m.file}: cannot dequantize '{name}' ({m.encoding}): {e}."
             ) from e
-        return w.to(dtype or torch.float32)
 
     def iter_tensors(self, dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
         for n in self.names():

@@ -164,12 +164,25 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 bytes [rows, cols] -> float32 E2M1 values [rows, 2 * cols] (exact)."""
+#: byte -> its two values as one word (float32 pairs in an int64, bfloat16 pairs in an
+#: int32): one gather per byte, viewed back as the float dtype (low nibble first)
+_PAIR_LUT = {
+    torch.float32: _BYTE_LUT.contiguous().view(torch.int64).reshape(256),
+    torch.bfloat16: _BYTE_LUT.to(torch.bfloat16).contiguous().view(torch.int32).reshape(256),
+}
+
+
+def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 bytes [rows, cols] -> E2M1 values [rows, 2 * cols] in ``dtype`` (float32 or
+    bfloat16; both exact)."""
     if packed.dtype != torch.uint8 or packed.ndim != 2:
         raise ValueError(
             f"FP4 data must be uint8 [rows, cols], got {packed.dtype}{list(packed.shape)}"
         )
+    if dtype not in _PAIR_LUT:
+        raise ValueError(f"unpack_fp4 gives float32 or bfloat16, not {dtype}")
     rows, cols = packed.shape
     idx = packed.reshape(-1).to(torch.int32)
-    return _BYTE_LUT.index_select(0, idx).view(rows, 2 * cols)
+    if torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0] != 1:  # big-endian host
+        return _BYTE_LUT.index_select(0, idx).view(rows, 2 * cols).to(dtype)
+    return _PAIR_LUT[dtype].index_select(0, idx).view(dtype).view(rows, 2 * cols)

@@ -516,7 +516,7 @@ class RankReader:
             t = parts["weight"]
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         try:
-            w = ENCODINGS[enc].dequantize(parts, _quant(es[0]["quant"], enc))
+            w = ENCODINGS[enc].dequantize_to(parts, _quant(es[0]["quant"], enc), dtype)
         except (ValueError, ArithmeticError, RuntimeError, LookupError, TypeError) as e:
             u = self.unit_entries[i]
             raise StreamCorruptError(
