@@ -132,15 +132,20 @@ _E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.f
 _BYTE_LUT = torch.stack(
     [_E2M1[torch.arange(256) & 15], _E2M1[torch.arange(256) >> 4]], dim=1
 ).contiguous()
-_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)  # midpoints whose tie goes to the lower (even) index
-_TIE_UP = (0.75, 1.75, 3.5)  # ... to the upper (even) index
-#: |x| > b counts one index per bound; a tie-up bound b is written as the float32 just
-#: below it, so that |x| >= b counts (one bucketize over the 7 bounds)
-_FP4_BOUNDS = torch.tensor(sorted(_TIE_DOWN + _TIE_UP), dtype=torch.float32)
-_FP4_BOUNDS = torch.where(
-    torch.isin(_FP4_BOUNDS, torch.tensor(_TIE_UP)),
-    torch.nextafter(_FP4_BOUNDS, torch.zeros(())),
-    _FP4_BOUNDS,
+
+
+def _e2m1_index(v: float) -> int:
+    """Index of the E2M1 magnitude nearest to ``v`` >= 0, a tie to the even index."""
+    d = [abs(v - m) for m in E2M1_VALUES]
+    best = min(d)
+    return min(i for i, x in enumerate(d) if x == best and (d.count(best) == 1 or i % 2 == 0))
+
+
+#: every rounding boundary (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 1/4, so
+#: the index is constant on each open quarter (k/4, (k+1)/4): entry 2k holds it, entry
+#: 2k + 1 the index of k/4 itself (0 <= k <= 24, |x| <= 6)
+_QUARTER_LUT = torch.tensor(
+    [_e2m1_index(k / 4 + (j == 0) / 8) for k in range(26) for j in (0, 1)], dtype=torch.uint8
 )
 
 
@@ -148,12 +153,16 @@ def fp4_codes(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """E2M1 codes (uint8, ``sign << 3 | index``) of float32 ``x``, already clamped to
     [-6, 6]: round to nearest, ties to the even index (see the module docstring).
 
+    One gather: key = 2 * floor(4|x|) + (4|x| is an integer) into a 52-entry table.
     out: an optional uint8 tensor of x's shape to write into. ``x`` is left unchanged.
     """
     if x.dtype != torch.float32:
         raise ValueError(f"fp4_codes expects float32 values, got {x.dtype}")
-    idx = torch.bucketize(x.abs(), _FP4_BOUNDS, out_int32=True)
-    codes = idx.to(torch.uint8) if out is None else out.copy_(idx)
+    a = x.abs().mul_(4)  # exact: a power of two
+    f = torch.floor(a)
+    key = f.to(torch.int32).mul_(2).add_(torch.eq(a, f))
+    idx = _QUARTER_LUT.index_select(0, key.view(-1)).view(x.shape)
+    codes = idx if out is None else out.copy_(idx)
     return codes.bitwise_or_((x < 0).to(torch.uint8) << 3)
 
 
