@@ -223,3 +223,56 @@ def test_k3_synth_quantize_shard_forward(tmp_path, encoding):
     par = _logits(ParallelRuntime(stream_ranks(open_stream(two))), ids)
     assert (par - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert torch.equal(par.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "preset,encoding",
+    [("kimi-k3", "mxfp4-pack-quantized"), ("kimi-k2-thinking", "pack-quantized")],
+)
+def test_kept_experts_stay_as_released(tmp_path, preset, encoding):
+    """--keep on experts a release stores in a compressed-tensors format copies their parts
+    byte for byte and describes them by that format's config group; the rest is requantized
+    and the model still runs."""
+    from k3convert.quant import quantize
+    from k3convert.runtime import Runtime
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    synthesize(config=preset, out=src, tiny=True, seed=2)
+    experts = r"re:.*\.experts\.\d+\..*"
+    res = quantize(src=src, out=out, scheme="fp8-channel", keep=[experts], progress=False)
+    stored = [r for r in res.plan.rows if r.as_stored]
+    assert stored and all(r.role.expert is not None for r in stored)
+    s_ck, o_ck = open_checkpoint(src), open_checkpoint(out)
+    for r in stored:
+        assert o_ck.meta(r.name).encoding == encoding
+        a, b = s_ck.get_parts(r.name), o_ck.get_parts(r.name)
+        assert sorted(a) == sorted(b)
+        assert all(_bytes_equal(a[k], b[k]) for k in a), r.name
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    fmts = {g["format"] for g in qc["config_groups"].values()}
+    assert qc["format"] == "mixed-precision" and fmts == {"naive-quantized", encoding}
+    attn = [r for r in res.plan.rows if r.role.component == "attention" and not r.kept]
+    assert attn and all(r.scheme.name == "fp8-channel" and not r.as_stored for r in attn)
+    ids = torch.arange(1, 9)[None]
+    with Runtime(o_ck) as rt:
+        assert torch.isfinite(rt.forward(ids)).all()
+
+
+def test_kept_expert_with_a_nan_exponent_is_refused(tmp_path):
+    from k3convert.errors import CheckpointError
+    from k3convert.quant import quantize
+
+    src = tmp_path / "src"
+    synthesize(config="kimi-k3", out=src, tiny=True, seed=2)
+    f = src / "model.safetensors"
+    with safe_open(f, "pt") as h:
+        sd = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    bad = "language_model.model.layers.2.block_sparse_moe.experts.3.w2.weight_scale"
+    sd[bad][0, 0] = 255
+    from safetensors.torch import save_file
+
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.3\.w2\.weight_scale.*255"):
+        quantize(src=src, out=tmp_path / "o", scheme="fp8-channel",
+                 keep=[r"re:.*\.experts\..*"], progress=False)  # fmt: skip
+    assert not (tmp_path / "o").exists()

@@ -132,7 +132,9 @@ class Decision:
     """What happens to one logical tensor.
 
     scheme: None when kept; reason: why (rule, keep pattern, default exception);
-    src_bytes: bytes stored in the source; out_bytes: bytes written.
+    src_bytes: bytes stored in the source; out_bytes: bytes written. as_stored: a kept
+    tensor whose source encoding is exactly ``scheme``'s parts (Kimi K3's MXFP4 experts):
+    its parts are copied as they are and described by ``scheme``'s config group.
     """
 
     name: str
@@ -145,6 +147,7 @@ class Decision:
     src_bytes: int
     out_dtype: torch.dtype
     out_bytes: int
+    as_stored: bool = False
 
     @property
     def kept(self) -> bool:
@@ -156,6 +159,8 @@ class Decision:
 
     @property
     def label(self) -> str:
+        if self.as_stored:
+            return f"{self.scheme.name} (as stored)"
         return self.scheme.name if self.scheme else "kept"
 
 

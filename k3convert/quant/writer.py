@@ -15,8 +15,12 @@ Output layout (Hugging Face + compressed-tensors): ``config.json`` with
 ``quantization_config`` (quant_method compressed-tensors, format, config_groups,
 ignore) and a ``k3convert`` provenance block; ``model-0000i-of-0000n.safetensors``
 shards of at most ``shard_size`` bytes with ``model.safetensors.index.json``; the
-source's tokenizer / processor files copied. Kept tensors are copied bit for bit;
-kept tensors of an encoded source are written dequantized in the config dtype.
+source's tokenizer / processor files copied. Kept tensors are copied bit for bit. A kept
+tensor of an encoded source stays as stored when a registered weight-only scheme stores
+exactly those parts (Kimi K3's MXFP4 experts, a W4A16 release's int4 groups): its parts
+are copied unchanged and that scheme's config group describes them; otherwise (DeepSeek's
+FP8 blocks, which compressed-tensors names differently) it is written dequantized in the
+config dtype.
 
 Part names come from the schemes (and through them the format registry,
 :mod:`k3convert.formats`): the weight's parts, then the activation parameters stored
@@ -53,8 +57,9 @@ from ..checkpoint import open_checkpoint
 from ..checkpoint.output import group_by_size, shard_names, staged_output, write_index
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
 from ..errors import ConfigError
+from ..formats import ACTIVATION_PARTS
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
-from .schemes import NonFiniteWeightError, get_scheme
+from .schemes import NonFiniteWeightError, get_scheme, known_schemes
 
 DEFAULT_SHARD_SIZE = 4 << 30
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -156,7 +161,31 @@ def plan_quantization(
         default_keep=default_keep,
         unstored=_tied_linears(arch, cfg),
     )
+    plan.rows = [_keep_as_stored(ckpt, r) for r in plan.rows]
     return ckpt, plan
+
+
+def _keep_as_stored(ckpt, r: Decision) -> Decision:
+    """``r`` as a copy of its stored parts when it is kept, encoded, and some registered
+    weight-only scheme has exactly those parts (names, dtypes, shapes) and bit width."""
+    if not (r.kept and r.encoded):
+        return r
+    m = ckpt.meta(r.name)
+    stored = {k: (pm.dtype, tuple(pm.shape)) for k, pm in m.parts.items()}
+    if any(k in ACTIVATION_PARTS for k in stored) or len(r.shape) != 2:
+        return r
+    for name in known_schemes():
+        s = get_scheme(name)
+        if s.act is not None or s.format != m.encoding:
+            continue
+        want = {k: (d, tuple(sh)) for k, d, sh in s.parts(r.shape)}
+        bits = s.weight_args().get("num_bits")
+        if want == stored and m.quant.num_bits in (None, bits):
+            return dataclasses.replace(
+                r, scheme=s, as_stored=True, out_bytes=r.src_bytes,
+                reason=f"{r.reason}; kept as stored ({m.encoding})",
+            )  # fmt: skip
+    return r
 
 
 def _tied_linears(arch, cfg) -> list[str]:
@@ -209,7 +238,8 @@ def fused_groups(plan: Plan) -> list[list[Decision]]:
                 by_parent.setdefault((parent, i), []).append(r)
     out = []
     for members in by_parent.values():
-        shared = all(not r.kept and getattr(r.scheme, "shares_global_scale", False)
+        shared = all(not r.kept and not r.as_stored  # as stored: its global scale is kept
+                     and getattr(r.scheme, "shares_global_scale", False)
                      for r in members)  # fmt: skip
         if len(members) >= 2 and shared:
             out.append(members)
@@ -403,6 +433,9 @@ def _job(
     """Produce row ``r``'s output tensors and write each at its place in the file. A
     tensor kept bit for bit from a safetensors source is checked for NaN / Inf one chunk
     at a time and copied by the kernel: it never passes through this process whole."""
+    if r.as_stored:
+        _copy_parts(ckpt, r, w)
+        return r
     main = ckpt.meta(r.name).parts.get("weight")
     if r.kept and not r.encoded and main is not None and main.raw is not None:
         _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
@@ -417,6 +450,28 @@ def _job(
         w.put(name, t)
         del t
     return r
+
+
+def _copy_parts(ckpt, r: Decision, w: SafetensorsWriter) -> None:
+    """An as-stored row: every part copied unchanged (by the kernel from a safetensors
+    source), its scales checked first (non-finite floats; an E8M0 exponent of 255 is NaN)."""
+    parts = ckpt.meta(r.name).parts
+    for name, _, _ in _entries(r):
+        part = name[len(r.module) + 1 :]
+        pm = parts[part]
+        if part.endswith("scale"):
+            t = ckpt.get_parts(r.name)[part]
+            if t.dtype == torch.uint8 and bool((t == 255).any()):
+                raise NonFiniteWeightError(
+                    f"{ckpt.root}: '{name}' holds {int((t == 255).sum())} E8M0 exponent(s) "
+                    f"of 255 (NaN); the source is corrupt - fix or re-download it."
+                )
+            _check_scale(name, t, ckpt.root)
+            del t
+        if pm.raw is not None:
+            w.copy_from(name, pm.file, pm.raw)
+        else:
+            w.put(name, ckpt.get_parts(r.name)[part])
 
 
 def _unordered(fn, items, workers: int):
