@@ -161,6 +161,11 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
         report["by_encoding"] = {k: dict(v) for k, v in sorted(by_enc.items())}
         report["files"] = len(ckpt.files())
         report["aux_files"] = [f.name for f in ckpt.aux_files]
+        # quantization_config claims a format for these, the files store them plain (the
+        # K3 release's ignore list misses some bf16 Linears): read as stored
+        report["claimed_but_plain"] = [
+            {"tensor": n, "claimed": fmt} for n, fmt in getattr(ckpt, "claimed_plain", [])
+        ]
         if keep_mtp:
             present = {matched[r[0]].canonical for r in rows}
             missing = [i.name for i in arch.instances(cfg, mtp=False) if i.name not in present]
@@ -284,6 +289,14 @@ def format_report(r: dict) -> str:
             head.append(
                 f"  warning: {len(r['missing'])} tensor(s) the config implies are absent, "
                 f"e.g. {r['missing'][0]}"
+            )
+        claimed = r.get("claimed_but_plain") or []
+        if claimed:
+            fmts = sorted({c["claimed"] for c in claimed})
+            head.append(
+                f"  note: quantization_config claims {', '.join(fmts)} for {len(claimed)} "
+                f"tensor(s) the files store plain (e.g. {claimed[0]['tensor']}); they are "
+                f"read as stored"
             )
     out = ["\n".join(head), ""]
     rows = [
