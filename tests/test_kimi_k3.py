@@ -282,3 +282,27 @@ def test_kept_expert_with_a_nan_exponent_is_refused(tmp_path):
         quantize(src=src, out=tmp_path / "o", scheme="fp8-channel",
                  keep=[r"re:.*\.experts\..*"], progress=False)  # fmt: skip
     assert not (tmp_path / "o").exists()
+
+
+def test_kimi_linear_stream_from_transformers_checkpoint(model_factory, tmp_path):
+    """transformers' own kimi_linear checkpoint: tp2 x ep2 shards reassemble bit for bit
+    (A_log [1, 1, H, 1] split along its head dim) and the stream runs like the source."""
+    from k3convert.parallel import ParallelRuntime, stream_ranks
+    from k3convert.runtime import Runtime
+    from k3convert.stream import open_stream
+
+    src = model_factory("kimi_linear")
+    out = tmp_path / "s"
+    reshard(src=src, out=out, tp=2, ep=2, progress=False)
+    glob, _ = reassemble(out)
+    source = _source_tensors(src)
+    assert sorted(glob) == sorted(source)
+    assert all(_bytes_equal(glob[n], t) for n, t in source.items())
+    man = json.loads((out / "manifest.json").read_text())
+    a_log = [e for r in man["ranks"] for u in r["units"] for e in u["tensors"]
+             if e["name"].endswith("layers.0.self_attn.A_log")]  # fmt: skip
+    assert [e["split_dim"] for e in a_log] == [2, 2] and a_log[1]["offset"] > 0
+    ids = torch.arange(3, 14)[None]
+    ref = _logits(Runtime(open_checkpoint(src)), ids)
+    got = _logits(ParallelRuntime(stream_ranks(open_stream(out))), ids)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
