@@ -71,6 +71,18 @@ def _describe(cfg: Any) -> dict[str, Any]:
     return d
 
 
+def _linear_module(name: str, role) -> bool:
+    """A Linear a quantization_config's targets could mean (not a router, embedding, head,
+    norm or MTP tensor, which releases keep in high precision by design)."""
+    from .quant.rules import is_linear_weight
+
+    return (
+        not role.mtp
+        and role.component not in ("router", "head", "embeddings", "norms")
+        and is_linear_weight(name, (1, 1), role)
+    )
+
+
 def _active_fraction(cfg: Any) -> float:
     text = getattr(cfg, "text", cfg)
     return text.num_experts_per_tok / text.num_experts if text.num_experts else 1.0
@@ -164,7 +176,9 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
         # quantization_config claims a format for these, the files store them plain (the
         # K3 release's ignore list misses some bf16 Linears): read as stored
         report["claimed_but_plain"] = [
-            {"tensor": n, "claimed": fmt} for n, fmt in getattr(ckpt, "claimed_plain", [])
+            {"tensor": n, "claimed": fmt}
+            for n, fmt in getattr(ckpt, "claimed_plain", [])
+            if n in matched and _linear_module(n, matched[n].role)
         ]
         if keep_mtp:
             present = {matched[r[0]].canonical for r in rows}

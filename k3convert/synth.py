@@ -480,6 +480,7 @@ def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
         cfg.pop("quantization_config", None)  # the release keeps it inside text_config
         t["quantization_config"] = qc
     elif encoding == "fp8-block":
+        _text(cfg).pop("quantization_config", None)  # K3 keeps its (MXFP4) one there
         cfg["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -490,6 +491,7 @@ def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
         encoding == "int4"
         and (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors"
     ):
+        _text(cfg).pop("quantization_config", None)
         cfg["quantization_config"] = {
             "quant_method": "compressed-tensors",
             "format": "pack-quantized",

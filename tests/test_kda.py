@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers.models.kimi_linear.modeling_kimi_linear as tkl
+from transformers.models.kimi_linear.configuration_kimi_linear import (
+    KimiLinearConfig as TfKimiLinearConfig,
+)
 
 from k3convert.errors import CheckpointError, ConfigError
 from k3convert.runtime import kda
-
-mo = pytest.importorskip("tests.moonshot_oracle")
-tkl = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-from transformers.models.kimi_linear.configuration_kimi_linear import (  # noqa: E402
-    KimiLinearConfig as TfKimiLinearConfig,
-)
+from tests import moonshot_oracle as mo
 
 rel = mo.rel_err
 OP_TOL = 1e-5

@@ -306,3 +306,25 @@ def test_kimi_linear_stream_from_transformers_checkpoint(model_factory, tmp_path
     ref = _logits(Runtime(open_checkpoint(src)), ids)
     got = _logits(ParallelRuntime(stream_ranks(open_stream(out))), ids)
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_attention_rules_cover_kda_layers(k3_synth, tmp_path):
+    """A recipe's ``attention`` rule (as the Kimi-K2 recipes write it) quantizes the KDA
+    layers' projections too, not just the MLA layers'; their small gates stay kept."""
+    from k3convert.quant.writer import plan_quantization
+
+    r = tmp_path / "r.yaml"
+    r.write_text(
+        "quantize:\n  rules:\n    - roles: [experts]\n      scheme: mxfp4\n"
+        "    - roles: [attention]\n      scheme: fp8-channel\n"
+    )
+    _, plan = plan_quantization(src=k3_synth, recipe=r)
+    by = {d.name: d for d in plan.rows}
+    p = "language_model.model.layers."
+    for layer, kind in ((0, "q_proj"), (0, "o_proj"), (0, "g_proj"), (3, "q_b_proj")):
+        d = by[f"{p}{layer}.self_attn.{kind}.weight"]
+        assert d.scheme is not None and d.scheme.name == "fp8-channel", (layer, kind)
+    for kind in ("b_proj", "f_a_proj", "f_b_proj", "q_conv1d", "A_log", "dt_bias"):
+        name = f"{p}0.self_attn.{kind}" + ("" if kind in ("A_log", "dt_bias") else ".weight")
+        assert by[name].kept, kind
+    assert by[f"{p}1.block_sparse_moe.experts.0.w1.weight"].scheme.name == "mxfp4"

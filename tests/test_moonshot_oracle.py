@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-mo = pytest.importorskip("tests.moonshot_oracle")
+from tests import moonshot_oracle as mo
 
 
 @pytest.fixture(scope="module")

@@ -236,10 +236,12 @@ class Arch:
             if bad:
                 n = bad[0]
                 loc = file_of(n) if file_of is not None else where
+                padded = matched[n].stored
+                also = f" (or {list(padded)} as released, padded)" if padded else ""
                 raise ArchError(
                     f"{loc}: tensor '{n}' has shape {list(shape_of(n))} but config.json "
-                    f"implies {list(matched[n].shape)} ({len(bad)} tensor(s) disagree); the "
-                    f"weights do not match the config."
+                    f"implies {list(matched[n].shape)}{also} ({len(bad)} tensor(s) disagree); "
+                    f"the weights do not match the config."
                 )
         if complete:
             present = {m.canonical for m in matched.values()}

@@ -262,8 +262,12 @@ def parse(raw: dict, where: str = "config.json", *, family: str = "kimi_linear")
         latent_norm=bool(raw.get("latent_moe_use_norm", False)) and bool(latent),
         n_group=n_group,
         topk_group=topk_group,
+        # absent: transformers' KimiLinearConfig default (2.446), Moonshot's K3 one (1.0)
         routed_scaling_factor=finite(
-            raw.get("routed_scaling_factor"), "routed_scaling_factor", where, 1.0
+            raw.get("routed_scaling_factor"),
+            "routed_scaling_factor",
+            where,
+            1.0 if family == "kimi_k3" else 2.446,
         ),
         norm_topk_prob=bool(raw.get("moe_renormalize", raw.get("norm_topk_prob", True))),
         attn_res_block_size=positive(block, "attn_res_block_size", where) if block else None,

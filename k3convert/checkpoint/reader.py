@@ -162,17 +162,21 @@ class QuantConfig:
                     )
                 self.groups.append((list(g.get("targets") or []), g.get("weights") or {}))
                 self.formats.append(g.get("format") or self.qc.get("format"))
+        # ``ignore`` compiled once: exact module names and regexes (a writer may list
+        # every kept module of a mixed template by name - 10^5 entries for K3)
+        ignore = [t for t in (self.qc.get("ignore") or []) if isinstance(t, str)]
+        self._ignore_names = {t for t in ignore if not t.startswith("re:")}
+        self._ignore_rx = [re.compile(t[3:]) for t in ignore if t.startswith("re:")]
 
     def claimed_format(self, module: str) -> str | None:
-        """The format config.json claims for Linear ``module`` (None: not quantized, or
-        in ``ignore``). The class target ``Linear`` is taken to match every module but
-        embeddings (the reader sees names, not module classes)."""
-        if self.method == "fp8":
-            return "fp8-block"
+        """The format a compressed-tensors config.json claims for Linear ``module`` (None:
+        not quantized, or in ``ignore``). The class target ``Linear`` is taken to match
+        every module but embeddings (the reader sees names, not module classes; inspect
+        drops routers, norms and heads by role). DeepSeek's ``fp8`` configs name no
+        modules, so they claim nothing."""
         if self.method != "compressed-tensors":
             return None
-        ignore = self.qc.get("ignore") or []
-        if any(_target_matches(t, module) for t in ignore if isinstance(t, str)):
+        if module in self._ignore_names or any(rx.match(module) for rx in self._ignore_rx):
             return None
         for (targets, weights), f in zip(self.groups, self.formats, strict=True):
             if not weights:

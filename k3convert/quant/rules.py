@@ -75,9 +75,15 @@ def check_pattern(pattern: str, where: str) -> None:
             raise ConfigError(f"{where}: invalid regex {shown} ({e}).") from e
 
 
+#: components that a broader role also names: a rule for ``attention`` (or ``attn``)
+#: covers a hybrid model's KDA layers as well as its MLA / GQA ones
+ROLE_PARENTS = {"linear_attention": ("attention", "attn", "kda")}
+
+
 def role_names(role: Role) -> set[str]:
     names = {role.component, role.kind}
     names |= {a for a, c in ROLE_ALIASES.items() if c == role.component}
+    names |= set(ROLE_PARENTS.get(role.component, ()))
     if role.component in ("vision", "projector"):
         names.add("vision")
     return names
@@ -323,7 +329,7 @@ def is_linear_weight(name: str, shape: tuple[int, ...], role: Role) -> bool:
 
 
 def known_role_names(roles: Iterable[Role]) -> set[str]:
-    out = set(COMPONENTS) | set(ROLE_ALIASES) | {"vision"}
+    out = set(COMPONENTS) | set(ROLE_ALIASES) | {"vision", "kda"}
     for r in roles:
         out.add(r.kind)
     return out
