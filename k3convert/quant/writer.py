@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -165,6 +166,17 @@ def plan_quantization(
     return ckpt, plan
 
 
+@functools.lru_cache(maxsize=1)
+def _weight_only_schemes() -> dict[str, tuple]:
+    """Registered weight-only schemes by the format they write (built once)."""
+    out: dict[str, list] = {}
+    for name in known_schemes():
+        s = get_scheme(name)
+        if s.act is None:
+            out.setdefault(s.format, []).append(s)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def _keep_as_stored(ckpt, r: Decision) -> Decision:
     """``r`` as a copy of its stored parts when it is kept, encoded, and some registered
     weight-only scheme has exactly those parts (names, dtypes, shapes) and bit width."""
@@ -174,10 +186,7 @@ def _keep_as_stored(ckpt, r: Decision) -> Decision:
     stored = {k: (pm.dtype, tuple(pm.shape)) for k, pm in m.parts.items()}
     if any(k in ACTIVATION_PARTS for k in stored) or len(r.shape) != 2:
         return r
-    for name in known_schemes():
-        s = get_scheme(name)
-        if s.act is not None or s.format != m.encoding:
-            continue
+    for s in _weight_only_schemes().get(m.encoding, ()):
         want = {k: (d, tuple(sh)) for k, d, sh in s.parts(r.shape)}
         bits = s.weight_args().get("num_bits")
         if want == stored and m.quant.num_bits in (None, bits):
