@@ -201,8 +201,20 @@ def quantize(
     ] = None,
     keep: Annotated[
         list[str] | None,
-        typer.Option(help="Also keep tensors matching this glob or re: pattern (repeatable)."),
+        typer.Option(
+            help="Also keep tensors matching this glob or re: pattern (repeatable). A kept "
+            "tensor of a quantized source stays as released when its format is a "
+            "compressed-tensors one (MXFP4, NVFP4, packed int-N); see --dequantize-kept."
+        ),
     ] = None,
+    dequantize_kept: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize-kept",
+            help="Write kept tensors of a quantized source dequantized (config dtype) "
+            "instead of as released.",
+        ),
+    ] = False,
     no_default_keep: Annotated[
         bool,
         typer.Option(
@@ -234,6 +246,7 @@ def quantize(
         recipe=recipe,
         keep=tuple(keep or ()),
         default_keep=not no_default_keep,
+        kept_as_stored=not dequantize_kept,
         dry_run=dry_run,
         force=force,
         workers=workers,

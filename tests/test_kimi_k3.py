@@ -262,6 +262,14 @@ def test_kept_experts_stay_as_released(tmp_path, preset, encoding):
     ids = torch.arange(1, 9)[None]
     with Runtime(o_ck) as rt:
         assert torch.isfinite(rt.forward(ids)).all()
+    # opt-out: the same kept experts written dequantized, equal to the source's values
+    deq = tmp_path / "deq"
+    quantize(src=src, out=deq, scheme="fp8-channel", keep=[experts], kept_as_stored=False,
+             progress=False)  # fmt: skip
+    d_ck = open_checkpoint(deq)
+    n = stored[0].name
+    assert d_ck.meta(n).encoding == "plain"
+    assert torch.equal(d_ck.get(n), s_ck.get(n, dtype=d_ck.meta(n).dtype).float())
 
 
 def test_kept_expert_with_a_nan_exponent_is_refused(tmp_path):

@@ -134,8 +134,11 @@ def plan_quantization(
     recipe=None,
     keep: Sequence[str] = (),
     default_keep: bool = True,
+    kept_as_stored: bool = True,
 ):
-    """(checkpoint, plan): open the source and resolve every tensor; reads no data."""
+    """(checkpoint, plan): open the source and resolve every tensor; reads no data.
+    kept_as_stored: kept encoded tensors stay in their release format when a scheme
+    describes it (False: written dequantized in the config dtype)."""
     if (scheme is None) == (recipe is None):
         raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
     rules: list[Rule] = []
@@ -162,7 +165,8 @@ def plan_quantization(
         default_keep=default_keep,
         unstored=_tied_linears(arch, cfg),
     )
-    plan.rows = [_keep_as_stored(ckpt, r) for r in plan.rows]
+    if kept_as_stored:
+        plan.rows = [_keep_as_stored(ckpt, r) for r in plan.rows]
     return ckpt, plan
 
 
@@ -384,6 +388,7 @@ def quantize(
     recipe=None,
     keep: Sequence[str] = (),
     default_keep: bool = True,
+    kept_as_stored: bool = True,
     dry_run: bool = False,
     force: bool = False,
     workers: int | None = None,
@@ -396,7 +401,9 @@ def quantize(
     scheme: a registered scheme name for every quantizable Linear (``fp8-block``,
     ``w4a16``, ...), or recipe: a recipe path / :class:`k3convert.recipe.Recipe` with
     ordered rules. keep: extra patterns to keep (glob or ``re:``); default_keep=False
-    drops the architecture's default exceptions. dry_run: resolve and return the plan,
+    drops the architecture's default exceptions. kept_as_stored: a kept tensor of an
+    encoded source stays as released where a scheme describes its format (False:
+    dequantized in the config dtype). dry_run: resolve and return the plan,
     write nothing. input_scales: module name -> static input scale, required by schemes
     with static activations (``fp8``), normally supplied by calibration; for NVFP4
     activations (``nvfp4``) the module's input global scale (1.0 when not given).
@@ -407,8 +414,9 @@ def quantize(
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
     ckpt, plan = plan_quantization(
-        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep
-    )
+        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
+        kept_as_stored=kept_as_stored,
+    )  # fmt: skip
     input_scales = dict(input_scales or {})
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
     missing = [m for m in missing if m not in input_scales]
