@@ -1,0 +1,340 @@
+"""GPTQ (Frantar et al., https://arxiv.org/abs/2210.17323) as a library function.
+
+"A scheme says how numbers are stored, an algorithm chooses them": :func:`gptq_quantize`
+returns exactly the parts ``scheme.quantize(w)`` returns (same names, dtypes, shapes and
+scales), only the stored values (``weight_packed`` / ``weight``) are chosen by GPTQ
+instead of round-to-nearest. The arithmetic is llm-compressor 0.14's
+(``modifiers/gptq/gptq_quantize.py::quantize_weight`` with its eager block update, and
+``helpers.py``), so for the same weight and Hessian the dequantized result is bit for bit
+the one llm-compressor computes (tests/test_gptq.py checks it):
+
+- scales and zero points are the scheme's round-to-nearest ones, taken once on the
+  original weight: llm-compressor 0.14's weight observer (min-max) runs on the module
+  weight before ``quantize_weight``, which only rounds against those fixed parameters
+  (older GPTQ code re-observed each group when the sweep reached it; 0.14 does not);
+- dampening: dead columns (``H[j, j] == 0``) get ``H[j, j] = 1`` and a zero weight
+  column, then ``dampening * mean(diag H)`` is added to the diagonal; ``H^-1`` comes from
+  a Cholesky factorisation and is used as its upper Cholesky factor. A Hessian that is
+  still not positive definite falls back to round-to-nearest (a warning names the
+  tensor), as llm-compressor does;
+- each column is rounded as compressed-tensors' ``fake_quantize`` does
+  (``round(clamp(w / scale + zp))``, dequantized ``(q - zp) * scale`` in the scale's
+  dtype), its error divided by ``Hinv[i, i]`` is pushed onto the rest of its block, and
+  each block's errors onto the remaining columns with one matrix product;
+- ``act_order=True`` is compressed-tensors' ``actorder: weight`` ("static"): columns are
+  swept in descending ``diag(H)`` order while every column keeps its own group's scale,
+  so the stored format is unchanged. The older ``actorder: group`` layout
+  (``weight_g_idx``, groups formed in activation order) is not produced: compressed-
+  tensors 0.20 refuses ``actorder: group`` in a config and its decompressor has no
+  g_idx, so such a checkpoint would not load.
+
+Supported schemes: :class:`IntScheme` (2..8 bits, channel or group, symmetric or not,
+packed or int8) and :class:`FP8Scheme` with strategy ``tensor``, ``channel`` or
+``block`` (any block shape, float32 or ue8m0 scales). FP4 schemes are refused.
+
+:class:`HessianAccumulator` builds ``H = 2 / n * sum(x x^T)`` of one Linear's inputs in
+float32 over streamed batches, n counting tokens (padding excluded by a mask).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError, NonFiniteError, short_repr
+from ..quant.packing import pack_int32, unpack_int32
+from ..quant.schemes import FP8_MAX, FP8Scheme, IntScheme, NonFiniteWeightError, Scheme
+
+__all__ = [
+    "GPTQFallbackWarning",
+    "HessianAccumulator",
+    "NonFiniteHessianError",
+    "gptq_quantize",
+]
+
+
+class NonFiniteHessianError(NonFiniteError):
+    """A Hessian (or the calibration inputs it is built from) holds NaN / Inf."""
+
+
+class GPTQFallbackWarning(UserWarning):
+    """A Hessian stayed non positive definite after dampening: that tensor was rounded to
+    nearest instead (the scheme's ordinary quantization)."""
+
+
+def _not_finite_hessian(name: str, what: str, t: torch.Tensor) -> NonFiniteHessianError:
+    bad = int((~torch.isfinite(t)).sum())
+    return NonFiniteHessianError(
+        f"GPTQ for '{name}': the {what} holds {bad} NaN/Inf value(s); the calibration "
+        f"inputs of this Linear overflowed or are corrupt - check the calibration data and "
+        f"the layers before it (run them in float32)."
+    )
+
+
+# -- Hessian -------------------------------------------------------------------------
+@dataclass
+class HessianAccumulator:
+    """``H = 2 / n * sum_t x_t x_t^T`` over the n tokens fed to one Linear, float32 [in, in].
+
+    ``add(x, mask)`` takes a batch ``x [..., in]`` (any float dtype) and optionally a mask
+    of shape ``x.shape[:-1]`` (bool or 0/1 ints, e.g. an attention mask): tokens where it
+    is 0 / False are padding and excluded. Every real token weighs the same whatever
+    batch it came in. Memory: one [in, in] float32 sum.
+    """
+
+    in_features: int
+    name: str = "linear"
+    tokens: int = field(default=0, init=False)
+    _sum: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        n = self.in_features
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ConfigError(
+                f"HessianAccumulator for '{self.name}': in_features must be a positive "
+                f"integer, got {short_repr(n)}."
+            )
+        self._sum = torch.zeros(n, n, dtype=torch.float32)
+
+    def add(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> int:
+        """Accumulate one batch; returns the number of tokens it added."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
+            raise ConfigError(
+                f"HessianAccumulator for '{self.name}': inputs must be a float tensor "
+                f"[..., {self.in_features}], got {short_repr(x)}."
+            )
+        if x.shape[-1] != self.in_features:
+            raise ConfigError(
+                f"HessianAccumulator for '{self.name}': inputs have {x.shape[-1]} features "
+                f"(shape {tuple(x.shape)}), the Linear takes {self.in_features}."
+            )
+        rows = x.reshape(-1, self.in_features)
+        if mask is not None:
+            if tuple(mask.shape) != tuple(x.shape[:-1]):
+                raise ConfigError(
+                    f"HessianAccumulator for '{self.name}': mask shape {tuple(mask.shape)} "
+                    f"does not match the inputs' token dims {tuple(x.shape[:-1])}."
+                )
+            rows = rows[mask.reshape(-1).to(torch.bool)]
+        if not rows.shape[0]:
+            return 0
+        rows = rows.to(torch.float32)
+        if not bool(torch.isfinite(rows).all()):
+            raise _not_finite_hessian(self.name, "calibration input", rows)
+        rows = rows * math.sqrt(2.0)
+        self._sum.addmm_(rows.t(), rows)
+        self.tokens += rows.shape[0]
+        return rows.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        """``2 / n * sum(x x^T)`` (a new tensor); an error before any token was added."""
+        if not self.tokens:
+            raise ConfigError(
+                f"HessianAccumulator for '{self.name}': no calibration tokens reached this "
+                f"Linear (all padding, or no batch added); GPTQ needs at least one."
+            )
+        h = self._sum / self.tokens
+        if not bool(torch.isfinite(h).all()):
+            raise _not_finite_hessian(self.name, "Hessian", h)
+        return h
+
+
+# -- the per-column quantizers ---------------------------------------------------------
+class _IntColumns:
+    """Rounds one column of an IntScheme weight against the scheme's fixed parameters."""
+
+    def __init__(self, scheme: IntScheme, parts: dict, shape: tuple[int, int]):
+        out, inp = shape
+        self.scheme, self.shape = scheme, shape
+        scale = parts["weight_scale"]  # [out, ng] in the scale dtype
+        ng = scale.shape[1]
+        self.gs = inp // ng
+        if scheme.packed:
+            zp = parts.get("weight_zero_point")
+            zp = None if zp is None else unpack_int32(zp, scheme.num_bits, (out, ng), 0)
+        else:
+            zp = parts.get("weight_zero_point")
+        sd = scale.dtype
+        if not bool(torch.isfinite(torch.tensor(float(-scheme.qmin)).to(sd) * scale).all()):
+            # only |w| near the float max reaches the scheme's overflow fallback, whose
+            # narrower clamp range the column rounding below does not reproduce
+            raise ConfigError(
+                f"GPTQ for scheme '{scheme.name}': a group scale of this tensor overflows "
+                f"q_min * scale in {sd}; quantize it with the scheme directly (round to "
+                f"nearest) or use scale_dtype float32."
+            )
+        self.scale_t = scale.t().contiguous()  # [ng, out], scale dtype
+        self.scale32_t = self.scale_t.float()
+        self.zp_t = None if zp is None else zp.t().float().contiguous()  # [ng, out]
+        self.zp_sd_t = None if zp is None else zp.t().to(sd).contiguous()
+        self.codes = torch.empty(inp, out, dtype=torch.int8)  # column-major while sweeping
+        self.qmin, self.qmax = float(scheme.qmin), float(scheme.qmax)
+
+    def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        g = col // self.gs
+        x = w / self.scale32_t[g]
+        if self.zp_t is not None:
+            x += self.zp_t[g]
+        q = torch.round(x.clamp_(self.qmin, self.qmax))
+        self.codes[col] = q.to(torch.int8)
+        dq = q.to(self.scale_t.dtype)
+        if self.zp_sd_t is not None:
+            dq = dq - self.zp_sd_t[g]
+        return (dq * self.scale_t[g]).float()
+
+    def values(self) -> dict[str, torch.Tensor]:
+        q = self.codes.t().contiguous()
+        if self.scheme.packed:
+            return {"weight_packed": pack_int32(q, self.scheme.num_bits)}
+        return {"weight": q}
+
+
+class _FP8Columns:
+    """Rounds one column of an FP8Scheme weight (tensor / channel / block scales)."""
+
+    def __init__(self, scheme: FP8Scheme, parts: dict, shape: tuple[int, int]):
+        out, inp = shape
+        scale = parts["weight_scale"].float()
+        if not bool(torch.isfinite(scale * FP8_MAX).all()):
+            raise ConfigError(
+                f"GPTQ for scheme '{scheme.name}': a scale of this tensor overflows "
+                f"448 * scale in float32; quantize it with the scheme directly."
+            )
+        if scheme.strategy == "tensor":
+            self.per_col, self.div = scale.reshape(1, 1).expand(1, out), inp
+        elif scheme.strategy == "channel":
+            self.per_col, self.div = scale.reshape(1, out), inp
+        else:
+            b0, b1 = scheme.block
+            rows = scale.repeat_interleave(b0, 0)[:out]  # [out, ceil(in / b1)]
+            self.per_col, self.div = rows.t().contiguous(), b1
+        self.codes = torch.empty(inp, out, dtype=torch.float8_e4m3fn)
+
+    def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        s = self.per_col[col // self.div]
+        q = (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        self.codes[col] = q
+        return q.float() * s
+
+    def values(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.codes.t().contiguous()}
+
+
+# -- GPTQ ------------------------------------------------------------------------------
+def _check_args(w, H, scheme, block_size, dampening, act_order, name):
+    if not isinstance(scheme, (IntScheme, FP8Scheme)):
+        kind = type(scheme).__name__ if isinstance(scheme, Scheme) else short_repr(scheme)
+        raise ConfigError(
+            f"GPTQ for '{name}': scheme {getattr(scheme, 'name', kind)!r} ({kind}) is not "
+            f"supported; GPTQ handles int schemes (int2..int8, channel or group) and FP8 "
+            f"schemes (tensor, channel, block). Quantize it without calibration."
+        )
+    if not isinstance(w, torch.Tensor) or w.ndim != 2 or not w.is_floating_point():
+        raise ConfigError(
+            f"GPTQ for '{name}': the weight must be a 2-D float tensor [out, in], got "
+            f"{short_repr(w)}."
+        )
+    inp = w.shape[1]
+    if not isinstance(H, torch.Tensor) or tuple(H.shape) != (inp, inp):
+        got = tuple(H.shape) if isinstance(H, torch.Tensor) else short_repr(H)
+        raise ConfigError(
+            f"GPTQ for '{name}': the Hessian must be [{inp}, {inp}] (the weight is "
+            f"{tuple(w.shape)}), got {got}."
+        )
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ConfigError(
+            f"GPTQ for '{name}': block_size must be a positive integer, got "
+            f"{short_repr(block_size)}."
+        )
+    ok = isinstance(dampening, (int, float)) and not isinstance(dampening, bool)
+    if not ok or not math.isfinite(dampening) or dampening < 0:
+        raise ConfigError(
+            f"GPTQ for '{name}': dampening must be a finite number >= 0 (a fraction of the "
+            f"mean Hessian diagonal, e.g. 0.01), got {short_repr(dampening)}."
+        )
+    if not isinstance(act_order, bool):
+        raise ConfigError(f"GPTQ for '{name}': act_order must be true or false.")
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise NonFiniteWeightError(
+            f"GPTQ for '{name}': the weight holds {bad} NaN/Inf value(s); the source is "
+            f"corrupt - fix or re-download it."
+        )
+    if not bool(torch.isfinite(H).all()):
+        raise _not_finite_hessian(name, "Hessian", H)
+
+
+def _inverse_factor(W: torch.Tensor, H: torch.Tensor, dampening: float, name: str):
+    """Upper Cholesky factor of the dampened ``H^-1`` (H is overwritten); dead columns of
+    W are zeroed. Identity (round to nearest) when H is not positive definite."""
+    diag = torch.diagonal(H)
+    dead = diag == 0
+    if bool(dead.any()):
+        diag.masked_fill_(dead, 1.0)
+        W.masked_fill_(dead.unsqueeze(0), 0)
+    damp = dampening * torch.mean(torch.diag(H))
+    diag.add_(damp)
+    L, info = torch.linalg.cholesky_ex(H, check_errors=False)
+    if int(info) != 0:
+        warnings.warn(
+            f"GPTQ for '{name}': the dampened Hessian is not positive definite; this tensor "
+            f"is rounded to nearest instead. Raise dampening or use more calibration data.",
+            GPTQFallbackWarning,
+            stacklevel=3,
+        )
+        return torch.eye(H.shape[0], dtype=H.dtype)
+    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+
+
+def gptq_quantize(
+    w: torch.Tensor,
+    H: torch.Tensor,
+    scheme: Scheme,
+    *,
+    block_size: int = 128,
+    dampening: float = 0.01,
+    act_order: bool = False,
+    name: str = "weight",
+) -> dict[str, torch.Tensor]:
+    """The parts ``scheme.quantize(w)`` stores, with values chosen by GPTQ.
+
+    w: [out, in] float weight; H: [in, in] Hessian of its inputs (e.g.
+    :meth:`HessianAccumulator.hessian`; any positive multiple gives the same result);
+    block_size: columns per lazy-update block; dampening: fraction of the mean diagonal
+    added to it; act_order: sweep columns by descending ``diag(H)`` (compressed-tensors'
+    ``actorder: weight``; the stored format is unchanged); name: the tensor, for errors.
+    """
+    _check_args(w, H, scheme, block_size, dampening, act_order, name)
+    out, inp = w.shape
+    scheme.check(name, (out, inp))
+    parts = scheme.quantize(w, name=name)  # round to nearest: its scales are GPTQ's
+    cols = (_IntColumns if isinstance(scheme, IntScheme) else _FP8Columns)(
+        scheme, parts, (out, inp)
+    )
+    W = w.to(torch.float32, copy=True)
+    H = H.to(torch.float32, copy=True)
+    order = None
+    if act_order:
+        order = torch.argsort(torch.diagonal(H), descending=True)
+        W = W[:, order]
+        H = H[order][:, order]
+    ids = order.tolist() if order is not None else range(inp)
+    Hinv = _inverse_factor(W, H, dampening, name).unsqueeze(0)
+    W = W.unsqueeze(0)
+    for i1 in range(0, inp, block_size):
+        i2 = min(i1 + block_size, inp)
+        W1 = W[:, :, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = W1[0, :, i]
+            q = cols(col, ids[i1 + i])
+            err = (col - q) / Hinv1[0, i, i]
+            Err1[0, :, i] = err
+            W1[:, :, i:] -= err.unsqueeze(-1) * Hinv1[:, i, i:].unsqueeze(1)
+        if i2 < inp:
+            W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
+    return {**parts, **cols.values()}
