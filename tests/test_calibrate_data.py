@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import datasets
@@ -212,7 +213,7 @@ def test_definitions_from_env_dir(model, tok, tmp_path, monkeypatch):
         build_calibration_set(model, "mine")
 
 
-def test_cached_hub_dataset_offline(model, tok, tmp_path):
+def test_cached_hub_dataset_offline(model, tok, tmp_path, monkeypatch):
     # lay out a datasets cache entry as a hub load leaves it: <ns>___<name>/<config>/<v>/<h>
     rows = _jsonl(tmp_path / "h.jsonl", [{"text": s} for s in SENTENCES])
     datasets.load_dataset(
@@ -223,12 +224,31 @@ def test_cached_hub_dataset_offline(model, tok, tmp_path):
     shutil.copytree(src, dst)
     for f in dst.glob("json-*.arrow"):
         f.rename(f.with_name(f.name.replace("json-", "tiny_text-")))
+    # online flags as a user without HF_HUB_OFFLINE has them; any connection attempt fails
+    import datasets.config as dconfig
+    import huggingface_hub.constants as hconst
+
+    monkeypatch.setattr(dconfig, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hconst, "HF_HUB_OFFLINE", False)
+
+    attempts = []  # datasets swallows connection errors, so record every attempt
+
+    def no_network(*a, **k):
+        attempts.append(a[:2])
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
     cs = build_calibration_set(model, "someorg/tiny_text", num_samples=50, seq_len=8,
                                shuffle=False, cache_dir=tmp_path / "hf")  # fmt: skip
     assert cs.source == "hub:someorg/tiny_text"
     assert torch.equal(cs.input_ids, _packed([tok(s)["input_ids"] for s in SENTENCES], 8, 50))
+    assert attempts == []  # (a plain datasets.load_dataset of the same name tries the hub)
+    assert dconfig.HF_HUB_OFFLINE is False and hconst.HF_HUB_OFFLINE is False  # restored
     with pytest.raises(CalibrationDataError, match="not in the local Hugging Face datasets cache"):
         build_calibration_set(model, "someorg/other", seq_len=8, cache_dir=tmp_path / "hf")
+    assert attempts == []
 
 
 # -- seeds and fingerprints -------------------------------------------------------------------

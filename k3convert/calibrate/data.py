@@ -381,10 +381,10 @@ def load_rows(resolved: ResolvedDataset, *, cache_dir: str | os.PathLike | None 
         cache = _hub_cache_dir(cache_dir)
         if not _hub_is_cached(resolved.source, cache):
             raise CalibrationDataError(
-                f"dataset '{resolved.source}' is not in the local Hugging Face datasets cache "
-                f"({cache}); k3convert never downloads. Load it once with datasets on a "
-                f"machine with network (same cache dir), or export it to a .jsonl/.parquet "
-                f"file and pass that path."
+                f"dataset '{resolved.source}' is not a file or directory here and not in the "
+                f"local Hugging Face datasets cache ({cache}); k3convert never downloads. "
+                f"Load it once with datasets on a machine with network (same cache dir), or "
+                f"export it to a .jsonl/.parquet file and pass that path."
             )
         try:
             with _offline():
