@@ -328,7 +328,15 @@ def test_user_errors(model, tmp_path):
         ((f, {"num_samples": 0}), "num_samples must be a positive integer"),
         ((f, {"min_len": 9, "seq_len": 8}), "min_len must be between 1 and seq_len"),
         ((_jsonl(tmp_path / "n.jsonl", [{"x": 1}]), {}), "no 'input_ids', 'messages' or 'text'"),
+        ((tmp_path / "broken.jsonl", {}), "broken.jsonl: could not be read as json"),
+        ((tmp_path / "mixed", {}), r"mixes file kinds \(json, text\)"),
+        (("defualt", {"cache_dir": tmp_path}), r"calibration/\*\.yaml defines: chat, default"),
+        ((_jsonl(tmp_path / "i.jsonl", [{"text": 5}]), {}), "row 0, column 'text': expected"),
     ]
+    (tmp_path / "broken.jsonl").write_text('{"text": "unterminated\n')
+    (tmp_path / "mixed").mkdir()
+    _jsonl(tmp_path / "mixed" / "a.jsonl", [{"text": "a"}])
+    (tmp_path / "mixed" / "b.txt").write_text("b")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "empty_list.json").write_text("[]")
     for (ds, kw), msg in cases:

@@ -303,7 +303,7 @@ def resolve_dataset(name: str | os.PathLike) -> ResolvedDataset:
             f"calibration dataset path {text} does not exist; check the path (relative paths "
             f"are taken from {Path.cwd()})."
         )
-    defs = load_definitions()
+    defs = load_definitions() if calibration_dirs() else {}
     if text in defs:
         d = defs[text]
         if d.source == BUILTIN:
@@ -351,6 +351,11 @@ def _offline() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _known_names() -> str:
+    names = sorted(load_definitions()) if calibration_dirs() else []
+    return f" (calibration/*.yaml defines: {', '.join(names)})" if names else ""
+
+
 def _hub_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     import datasets.config as dconfig
 
@@ -384,7 +389,7 @@ def load_rows(resolved: ResolvedDataset, *, cache_dir: str | os.PathLike | None 
                 f"dataset '{resolved.source}' is not a file or directory here and not in the "
                 f"local Hugging Face datasets cache ({cache}); k3convert never downloads. "
                 f"Load it once with datasets on a machine with network (same cache dir), or "
-                f"export it to a .jsonl/.parquet file and pass that path."
+                f"export it to a .jsonl/.parquet file and pass that path{_known_names()}."
             )
         try:
             with _offline():
