@@ -160,9 +160,13 @@ def test_pretokenized_ids_without_tokenizer(tmp_path):
     with pytest.raises(CalibrationDataError, match=r"no tokenizer files.*input_ids"):
         build_calibration_set(d, t, seq_len=8)
     # ids beyond the vocabulary were made for another tokenizer
-    bad = _jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 2, 100]}])
-    with pytest.raises(CalibrationDataError, match="token id 100 is outside"):
-        build_calibration_set(d, bad, seq_len=2)
+    # (named by its row in the file, not in the shuffled order)
+    bad = _jsonl(
+        tmp_path / "bad.jsonl", [{"input_ids": [1, 2, 100 if i == 3 else 3]} for i in range(6)]
+    )
+    for seed in range(3):
+        with pytest.raises(CalibrationDataError, match="row 3, column 'input_ids': token id 100"):
+            build_calibration_set(d, bad, seq_len=2, seed=seed)
 
 
 def test_one_sample_per_row_truncates_skips_and_pads(model, tok, tmp_path):

@@ -58,6 +58,7 @@ HUB_PREFIX = "hub:"
 ENV_DIR = "K3CONVERT_CALIBRATION_DIR"
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _FINGERPRINT_VERSION = "k3convert-calibration-v1"
+_ROW = "__k3convert_row__"
 
 
 class CalibrationDataError(ConfigError):
@@ -673,7 +674,8 @@ def build_calibration_set(
             f"calibrate a model with a vision tower."
         )
     if opts.shuffle:
-        ds = ds.shuffle(seed=opts.seed)
+        # error messages name a row by its place in the file, not in the shuffled order
+        ds = ds.add_column(_ROW, list(range(len(ds)))).shuffle(seed=opts.seed)
     base = resolved.files[0].parent if resolved.files else None
     tokenize = _Tokenize(info, source, col)
     S, N = opts.seq_len, opts.num_samples
@@ -684,9 +686,9 @@ def build_calibration_set(
     read = skipped = 0
     if opts.packing and image_col is None:
         stream: list[int] = []
-        for i, row in enumerate(ds.select_columns([col])):
+        for k, row in enumerate(ds.select_columns([col, _ROW] if opts.shuffle else [col])):
             read += 1
-            ids = tokenize(row[col], i)
+            ids = tokenize(row[col], row.get(_ROW, k))
             if not ids:
                 skipped += 1
                 continue
@@ -706,7 +708,8 @@ def build_calibration_set(
     else:
         min_len = opts.effective_min_len
         cols = [col] if image_col is None else [col, image_col]
-        for i, row in enumerate(ds.select_columns(cols)):
+        for k, row in enumerate(ds.select_columns([*cols, _ROW] if opts.shuffle else cols)):
+            i = row.get(_ROW, k)
             if len(rows) >= N:
                 break
             read += 1
