@@ -488,7 +488,8 @@ def model_info(model_dir: str | os.PathLike) -> ModelInfo:
         from transformers import AutoTokenizer
 
         try:
-            tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+            with _offline():  # a local directory; never a hub lookup either
+                tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
         except Exception as e:  # remote-code tokenizers, broken files
             raise CalibrationDataError(
                 f"{d}: the tokenizer could not be loaded without running code from the model "
