@@ -233,12 +233,57 @@ def quantize(
         typer.Option(help="Tensors quantized in parallel (default: the CPU cores, at most 8)."),
     ] = None,
     shard_size_gb: Annotated[float, typer.Option(help="Output file size in GiB.")] = 4.0,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="Calibrate layer by layer on the runtime first (static input scales; GPTQ "
+            "weights with --algorithm gptq); resumable from OUT.calib/ or --offload-dir.",
+        ),
+    ] = False,
+    algorithm: Annotated[
+        str | None,
+        typer.Option(help="With --calibrate: gptq, static or rtn (default gptq)."),
+    ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            help="With --calibrate: a local file / dir, a calibration/*.yaml name, or a "
+            "cached hub dataset (default: the built-in corpus)."
+        ),
+    ] = None,
+    num_samples: Annotated[
+        int | None, typer.Option(help="With --calibrate: calibration samples (default 128).")
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option(help="With --calibrate: tokens per sample (default 512).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="With --calibrate: shuffle seed (default 0).")
+    ] = None,
+    offload_dir: Annotated[
+        Path | None,
+        typer.Option(help="With --calibrate: keep hidden states and the journal here."),
+    ] = None,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
 
     if (scheme is None) == (recipe is None):
         raise typer.BadParameter("give exactly one of --scheme NAME or --recipe R.yaml.")
+    given = [n for n, v in (("--algorithm", algorithm), ("--dataset", dataset),
+             ("--num-samples", num_samples), ("--seq-len", seq_len), ("--seed", seed),
+             ("--offload-dir", offload_dir)) if v is not None]  # fmt: skip
+    opts = None
+    if calibrate:
+        from .calibrate.sequential import SequentialOptions
+
+        opts = SequentialOptions(
+            dataset=dataset if dataset is not None else "default", num_samples=num_samples,
+            seq_len=seq_len, seed=seed if seed is not None else 0, offload_dir=offload_dir,
+        )  # fmt: skip
+    elif given:
+        raise typer.BadParameter(f"{', '.join(given)} only apply with --calibrate.")
     res = do_quantize(
         src=src,
         out=out,
@@ -252,9 +297,25 @@ def quantize(
         workers=workers,
         progress=True,
         shard_size=max(1, int(shard_size_gb * 2**30)),
+        calibrate=opts,
+        algorithm=(algorithm or "gptq") if calibrate else "rtn",
+        log=lambda line: typer.echo(line, err=True),
     )
     if dry_run:
         typer.echo(res.table(collapse=not full_table))
+    cal = res.calibration
+    if cal is not None:
+        total = sum(cal.layer_seconds)
+        per = ", ".join(f"{i}: {t:.2f} s" for i, t in enumerate(cal.layer_seconds))
+        typer.echo(
+            f"calibration ({cal.algorithm}): {len(cal.layer_seconds)} layer(s), {total:.1f} s; "
+            f"per layer: {per}"
+        )
+        if cal.fallbacks:
+            typer.echo(
+                f"{len(cal.fallbacks)} routed expert Linear(s) saw no calibration token and "
+                f"were rounded to nearest: {', '.join(cal.fallbacks)}"
+            )
     typer.echo(res.summary())
 
 

@@ -75,6 +75,9 @@ class QuantizeResult:
     dry_run: bool
     seconds: float = 0.0
     files: int = 0
+    #: layer-sequential calibration's result (:class:`k3convert.calibrate.sequential.
+    #: SequentialResult`) when ``calibrate`` was given, else None
+    calibration: object | None = None
 
     def table(self, collapse: bool = True) -> str:
         return self.plan.table(collapse)
@@ -321,10 +324,12 @@ def _check_finite_chunks(name: str, path: Path, info, where: Path) -> None:
 
 
 def _produce(
-    ckpt, r: Decision, input_scales: Mapping, shared: Mapping | None = None
+    ckpt, r: Decision, input_scales: Mapping, shared: Mapping | None = None, calibrated=None
 ) -> dict[str, torch.Tensor]:
     """The output tensors of one row, by output name. shared: tensor name -> the largest
-    |value| of its fused set, for schemes whose fused Linears share a global scale."""
+    |value| of its fused set, for schemes whose fused Linears share a global scale.
+    calibrated: a calibration result whose ``weight_parts(name)`` gives GPTQ's parts for
+    the rows it calibrated (None: round to nearest)."""
     if r.kept:
         if r.encoded:
             w = ckpt.get(r.name)
@@ -333,13 +338,15 @@ def _produce(
         t = ckpt.get_parts(r.name)["weight"]
         _check_finite(r.name, t, ckpt.root)
         return {r.name: t}
-    w = ckpt.get(r.name)
-    kw = {"global_amax": shared[r.name]} if shared and r.name in shared else {}
-    try:
-        parts = r.scheme.quantize(w, name=r.name, **kw)
-    except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
-        raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
-    del w
+    parts = calibrated.weight_parts(r.name) if calibrated is not None else None
+    if parts is None:
+        w = ckpt.get(r.name)
+        kw = {"global_amax": shared[r.name]} if shared and r.name in shared else {}
+        try:
+            parts = r.scheme.quantize(w, name=r.name, **kw)
+        except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
+            raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
+        del w
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     for k, v in r.scheme.act_values(input_scales.get(r.module)).items():
         out[f"{r.module}.{k}"] = v
@@ -361,7 +368,7 @@ def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
         )
 
 
-def _output_config(config: dict, plan: Plan, src: Path) -> dict:
+def _output_config(config: dict, plan: Plan, src: Path, calibration: dict | None = None) -> dict:
     cfg = copy.deepcopy(config)
     cfg.pop("compression_config", None)
     if isinstance(cfg.get("text_config"), dict):
@@ -377,6 +384,8 @@ def _output_config(config: dict, plan: Plan, src: Path) -> dict:
             name: {"options": s.options(), "format": s.format} for name, s in plan.schemes().items()
         },
     }
+    if calibration is not None:
+        cfg["k3convert"]["calibration"] = calibration
     return cfg
 
 
@@ -395,6 +404,9 @@ def quantize(
     progress: bool = True,
     shard_size: int = DEFAULT_SHARD_SIZE,
     input_scales: Mapping[str, float | torch.Tensor] | None = None,
+    calibrate=None,
+    algorithm: str = "rtn",
+    log=None,
 ) -> QuantizeResult:
     """Quantize ``src`` into a compressed-tensors Hugging Face directory ``out``.
 
@@ -407,6 +419,14 @@ def quantize(
     write nothing. input_scales: module name -> static input scale, required by schemes
     with static activations (``fp8``), normally supplied by calibration; for NVFP4
     activations (``nvfp4``) the module's input global scale (1.0 when not given).
+
+    calibrate: a :class:`k3convert.calibrate.sequential.SequentialOptions` runs
+    layer-sequential calibration on the runtime first (dataset, samples, GPTQ options,
+    offload_dir); algorithm: ``gptq`` (GPTQ weights for int / FP8 schemes), ``static``
+    or ``rtn`` (round to nearest); with any of them the static input scales of the
+    decoder layers' Linears come from calibration (explicit ``input_scales`` win). The
+    resume journal lives in ``offload_dir`` or ``OUT.calib/`` and is removed once OUT is
+    written. log: called with one line per calibrated layer.
     """
     t0 = time.perf_counter()
     if workers is None:
@@ -418,8 +438,18 @@ def quantize(
         kept_as_stored=kept_as_stored,
     )  # fmt: skip
     input_scales = dict(input_scales or {})
+    if calibrate is None and algorithm != "rtn":
+        raise ConfigError(f"algorithm '{algorithm}' needs calibration (pass calibrate=...).")
+    if calibrate is not None:
+        from ..calibrate.sequential import check_algorithm
+
+        calibrate.check()
+        check_algorithm(plan, algorithm)
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
     missing = [m for m in missing if m not in input_scales]
+    if calibrate is not None:  # decoder layers' scales come from calibration
+        reached = _calibrated_modules(plan)
+        missing = [m for m in missing if m not in reached]
     if missing:
         raise ConfigError(
             f"scheme '{next(r.scheme.name for r in plan.quantized if r.module == missing[0])}' "
@@ -433,20 +463,61 @@ def quantize(
     out = Path(out)
     aux = ckpt.aux_files
     need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
+    calibrated = provenance = None
+    if calibrate is not None:
+        calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log)
+        input_scales = {**calibrated.input_scales, **input_scales}
+        provenance = {
+            "algorithm": algorithm,
+            "dataset": calibrated.calibration,
+            "options": calibrate.algorithm_options(),
+            "rtn_fallbacks": list(calibrated.fallbacks),
+        }
     with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
         shared = _shared_amax(ckpt, plan, workers)
     with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
-        nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, input_scales, shared)
+        nfiles = _write(
+            ckpt, plan, tmp, shard_size, workers, progress, input_scales, shared, calibrated
+        )
         for p in aux:
             shutil.copy2(p, tmp / p.name)
-        cfg = _output_config(ckpt.config, plan, Path(ckpt.root))
+        cfg = _output_config(ckpt.config, plan, Path(ckpt.root), provenance)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles)
+    if calibrated is not None:
+        calibrated.cleanup()
+    return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated)
+
+
+def _calibrated_modules(plan: Plan) -> set[str]:
+    """The modules layer-sequential calibration reaches: decoder layers' Linears (not the
+    head, the vision tower or MTP layers, which the runtime does not run)."""
+    return {r.module for r in plan.rows
+            if r.role.layer is not None and r.role.unit.startswith("layer.")}  # fmt: skip
+
+
+def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log):
+    """Build the calibration set and run layer-sequential calibration (before anything
+    is written: a bad dataset or an existing OUT fails first)."""
+    from ..calibrate.data import build_calibration_set
+    from ..calibrate.sequential import calibrate_sequential
+    from ..errors import OutputError
+
+    if out.exists() and not force:
+        raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
+    calib = build_calibration_set(
+        ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
+        seed=opts.seed, packing=opts.packing,
+    )  # fmt: skip
+    journal = Path(opts.offload_dir) if opts.offload_dir else out.parent / f"{out.name}.calib"
+    return calibrate_sequential(
+        ckpt, plan, calib, algorithm=algorithm, options=opts, journal=journal, log=log
+    )
 
 
 def _job(
-    ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping, shared: Mapping
-) -> Decision:
+    ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping, shared: Mapping,
+    calibrated=None,
+) -> Decision:  # fmt: skip
     """Produce row ``r``'s output tensors and write each at its place in the file. A
     tensor kept bit for bit from a safetensors source is checked for NaN / Inf one chunk
     at a time and copied by the kernel: it never passes through this process whole."""
@@ -458,7 +529,7 @@ def _job(
         _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
         w.copy_from(r.name, main.file, main.raw)
         return r
-    tensors = _produce(ckpt, r, input_scales, shared)
+    tensors = _produce(ckpt, r, input_scales, shared, calibrated)
     for name, dt, shape in _entries(r):
         t = tensors.pop(name)
         if t.dtype != dt or tuple(t.shape) != tuple(shape):
@@ -543,8 +614,9 @@ def default_workers() -> int:
 
 
 def _write(
-    ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales, shared=None
-) -> int:
+    ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales, shared=None,
+    calibrated=None,
+) -> int:  # fmt: skip
     shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
     names = shard_names(len(shards))
     weight_map: dict[str, str] = {}
@@ -563,7 +635,7 @@ def _write(
                 fname = names[i]
                 entries = [e for r in rows for e in _entries(r)]
                 with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-                    job = lambda r: _job(ckpt, r, w, input_scales, shared or {})  # noqa: E731
+                    job = lambda r: _job(ckpt, r, w, input_scales, shared or {}, calibrated)  # noqa: E731
                     for r in _unordered(job, rows, workers):
                         bar.update(r.src_bytes)
                 for name, dt, shape in entries:

@@ -1,0 +1,554 @@
+"""Layer-sequential calibration on the runtime: GPTQ weights and static input scales.
+
+The calibration batch is embedded once (in micro-batches); then, one decoder layer at a
+time:
+
+1. layer ``i`` runs on the current hidden states with hooks on its Linears, collecting
+   what the algorithm needs: a :class:`~.gptq.HessianAccumulator` per GPTQ Linear
+   (padding excluded), the largest |input| of each Linear with a static input scale;
+2. its Linears are quantized: GPTQ parts (``gptq_quantize``) or, for ``rtn`` /
+   ``static``, the scheme's round-to-nearest ones (the writer recomputes those itself);
+   static schemes get ``input_scale = absmax / qmax``;
+3. layer ``i`` runs again with the quantized weights (served dequantized by
+   :class:`OverlaySource`), and its outputs are layer ``i + 1``'s inputs: each layer is
+   calibrated on what the quantized layers before it really produce.
+
+Memory: one layer's weights plus the activations of the calibration set (in memory, or
+spilled to ``offload_dir`` as one safetensors file per micro-batch). Routed experts get
+the tokens the router sends them (their padding rows excluded); an expert that saw no
+real token falls back to round to nearest (static scales: the largest scale of its
+sibling experts' same projection) with a warning, and is listed in the result.
+
+Resumable: after every finished layer its results and the hidden states entering the
+next layer are written to the journal directory (``<out>.calib/`` or ``offload_dir``)
+with a fingerprint of the source (config, file sizes and mtimes), the plan (schemes),
+the algorithm options and the calibration set. A rerun with the same fingerprint
+continues after the last finished layer (byte-identical results: the saved hidden states
+are the exact bits); a different fingerprint starts over.
+
+Activation quantization is not applied during calibration (the runtime runs with
+``act_quant=False``): the propagated error is the weights'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import __version__ as _k3_version
+from ..errors import ConfigError
+from ..quant.schemes import FP8Scheme, IntScheme, Scheme
+from ..runtime.decoder import ROUTERS, AttnResState
+from .data import CalibrationSet
+from .gptq import HessianAccumulator, gptq_quantize
+
+ALGORITHMS = ("rtn", "gptq", "static")
+_JOURNAL = "journal.json"
+_JOURNAL_VERSION = "k3convert-sequential-v1"
+
+#: observer(layer, weight name, input, mask or None): every Linear input the engine feeds
+#: to an accumulator (tests recompute Hessians from it; raising aborts the run)
+Observer = Callable[[int, str, torch.Tensor, torch.Tensor | None], None]
+
+
+class ExpertFallbackWarning(UserWarning):
+    """A routed expert saw no calibration token: it is rounded to nearest instead."""
+
+
+@dataclass(frozen=True)
+class SequentialOptions:
+    """Calibration options for :func:`calibrate_sequential` / ``quantize(calibrate=)``.
+
+    dataset / num_samples / seq_len / seed / packing: the calibration set
+    (:func:`~.data.build_calibration_set`; None: the dataset definition's or 128 / 512);
+    batch_size: samples per forward micro-batch; block_size / dampening / act_order: GPTQ;
+    offload_dir: keep the hidden states and the journal there instead of in memory and
+    ``<out>.calib/``; dtype: compute dtype of the runtime.
+    """
+
+    dataset: str | os.PathLike = "default"
+    num_samples: int | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    packing: bool = True
+    batch_size: int = 8
+    block_size: int = 128
+    dampening: float = 0.01
+    act_order: bool = False
+    offload_dir: str | os.PathLike | None = None
+    dtype: str = "fp32"
+
+    def check(self) -> None:
+        for key in ("batch_size", "block_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(
+                    f"calibration option {key} must be a positive integer, got {v!r}."
+                )
+        d = self.dampening
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
+            raise ConfigError(f"calibration option dampening must be a number >= 0, got {d!r}.")
+
+    def algorithm_options(self) -> dict:
+        """The options that change results (the journal's fingerprint, the provenance)."""
+        return {"block_size": self.block_size, "dampening": float(self.dampening),
+                "act_order": bool(self.act_order), "dtype": self.dtype,
+                "batch_size": self.batch_size}  # fmt: skip
+
+
+@dataclass
+class SequentialResult:
+    """What calibration produced. ``weight_parts(name)``: the GPTQ parts of a weight (read
+    from its layer's file in the journal), None for rows left to round to nearest."""
+
+    algorithm: str
+    journal: Path
+    input_scales: dict[str, float] = field(default_factory=dict)
+    layer_seconds: list[float] = field(default_factory=list)
+    expert_tokens: dict[str, int] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)
+    gptq_rows: dict[str, int] = field(default_factory=dict)  # weight name -> layer
+    resumed_from: int = 0  # layers taken from the journal
+    calibration: dict = field(default_factory=dict)
+
+    def weight_parts(self, name: str) -> dict[str, torch.Tensor] | None:
+        layer = self.gptq_rows.get(name)
+        if layer is None:
+            return None
+        prefix = name.removesuffix(".weight") + "."
+        out = {}
+        with safe_open(str(self.journal / f"layer-{layer}.safetensors"), "pt") as f:
+            for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if k.startswith(prefix) and "." not in k[len(prefix) :]:
+                    out[k[len(prefix) :]] = f.get_tensor(k)
+        return out
+
+    def cleanup(self) -> None:
+        """Remove the journal's files (after the output was written)."""
+        for p in self.journal.glob("*.safetensors"):
+            p.unlink()
+        (self.journal / _JOURNAL).unlink(missing_ok=True)
+        with _suppress():
+            self.journal.rmdir()
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+class OverlaySource:
+    """A weight source serving ``overrides`` (name -> tensor) instead of the wrapped
+    source's tensors; everything else is the wrapped source's."""
+
+    def __init__(self, source, overrides: dict[str, torch.Tensor] | None = None):
+        self._src = source
+        self.overrides: dict[str, torch.Tensor] = dict(overrides or {})
+
+    @property
+    def config(self):
+        return self._src.config
+
+    def names(self):
+        return self._src.names()
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.overrides.get(name)
+        if t is None:
+            return self._src.get(name, dtype)
+        return t if dtype is None else t.to(dtype)
+
+    def __getattr__(self, item):
+        return getattr(self._src, item)
+
+
+def _qmax(scheme: Scheme) -> float:
+    act = scheme.act
+    if act.type == "float":
+        return 448.0 if act.num_bits == 8 else 6.0
+    return float(2 ** (act.num_bits - 1) - 1)
+
+
+def gptq_supported(scheme: Scheme) -> bool:
+    return isinstance(scheme, (IntScheme, FP8Scheme))
+
+
+def _static(scheme: Scheme) -> bool:
+    return scheme.needs_input_scale and scheme.act.strategy == "tensor"
+
+
+def _fingerprint(ckpt, plan, algorithm: str, opts: SequentialOptions, calib_fp: str) -> str:
+    h = hashlib.sha256()
+    root = Path(ckpt.root)
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in root.iterdir() if p.suffix == ".safetensors")  # fmt: skip
+    rows = [(r.name, None if r.kept else r.scheme.name,
+             None if r.kept else r.scheme.options(), r.as_stored) for r in plan.rows]  # fmt: skip
+    meta = {"v": _JOURNAL_VERSION, "k3": _k3_version, "config": ckpt.config, "files": files,
+            "rows": rows, "algorithm": algorithm, "options": opts.algorithm_options(),
+            "calibration": calib_fp}  # fmt: skip
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+class _Hidden:
+    """The hidden states of every micro-batch entering layer ``self.layer`` (tensors, or
+    AttnResState), in memory or spilled as ``hidden-L<layer>-<batch>.safetensors`` in the
+    journal directory. The next layer's states are written beside them (never over them),
+    so a run killed mid-layer resumes from intact files."""
+
+    def __init__(self, n: int, journal: Path, spill: bool):
+        self.n, self.journal, self.spill = n, journal, spill
+        self.layer = 0
+        self._mem: list = [None] * n
+        self._next: list = [None] * n
+
+    def path(self, layer: int, b: int) -> Path:
+        return self.journal / f"hidden-L{layer}-{b}.safetensors"
+
+    def _save(self, layer: int, b: int, h) -> None:
+        tmp = self.journal / f"hidden-L{layer}-{b}.tmp"
+        save_file(_pack(h), str(tmp))
+        os.replace(tmp, self.path(layer, b))
+
+    def _load(self, layer: int, b: int):
+        with safe_open(str(self.path(layer, b)), "pt") as f:
+            return _unpack({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+
+    def get(self, b: int):
+        return self._load(self.layer, b) if self.spill else self._mem[b]
+
+    def put_first(self, b: int, h) -> None:
+        """Layer 0's input (the embeddings)."""
+        if self.spill:
+            self._save(0, b, h)
+        else:
+            self._mem[b] = h
+
+    def put_next(self, b: int, h) -> None:
+        if self.spill:
+            self._save(self.layer + 1, b, h)
+        else:
+            self._next[b] = h
+
+    def advance(self, checkpoint: bool) -> None:
+        """The next layer's states become current; checkpoint: write them to the journal
+        (in-memory mode; spilled ones are there already)."""
+        if not self.spill:
+            self._mem, self._next = self._next, [None] * self.n
+            if checkpoint:
+                for b in range(self.n):
+                    self._save(self.layer + 1, b, self._mem[b])
+        self.layer += 1
+
+    def resume(self, layer: int) -> None:
+        self.layer = layer
+        if not self.spill:
+            self._mem = [self._load(layer, b) for b in range(self.n)]
+
+    def drop(self, layer: int) -> None:
+        for b in range(self.n):
+            self.path(layer, b).unlink(missing_ok=True)
+
+
+def _pack(h) -> dict[str, torch.Tensor]:
+    if isinstance(h, AttnResState):
+        return {"state": h.pack().contiguous()}
+    return {"hidden": h.contiguous()}
+
+
+def _unpack(d: dict[str, torch.Tensor]):
+    if "state" in d:
+        return AttnResState.unpack(d["state"])
+    return d["hidden"]
+
+
+def check_algorithm(plan, algorithm: str) -> None:
+    """Errors before any work: unknown algorithm, schemes GPTQ cannot handle, nothing for
+    ``static`` to calibrate."""
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(
+            f"calibration algorithm '{algorithm}' is not known; use one of {', '.join(ALGORITHMS)}."
+        )
+    rows = [r for r in plan.quantized if not r.as_stored]
+    if algorithm == "gptq":
+        bad = sorted({r.scheme.name for r in rows if not gptq_supported(r.scheme)})
+        if bad:
+            raise ConfigError(
+                f"GPTQ handles int and FP8 schemes; scheme(s) {', '.join(bad)} are not "
+                f"supported. Use --algorithm rtn (or static) for them, or another scheme."
+            )
+    if algorithm == "static" and not any(_static(r.scheme) for r in rows):
+        names = ", ".join(sorted({r.scheme.name for r in rows})) or "none"
+        raise ConfigError(
+            f"--algorithm static calibrates static input scales, but no quantized Linear's "
+            f"scheme has one (schemes: {names}); use a static scheme such as fp8, or "
+            f"--algorithm gptq."
+        )
+
+
+def calibrate_sequential(
+    ckpt,
+    plan,
+    calib: CalibrationSet,
+    *,
+    algorithm: str,
+    options: SequentialOptions,
+    journal: str | os.PathLike,
+    observer: Observer | None = None,
+    log: Callable[[str], None] | None = None,
+) -> SequentialResult:
+    """Calibrate every decoder layer of ``ckpt`` in order (see the module doc).
+
+    plan: :func:`~k3convert.quant.writer.plan_quantization`'s plan (which rows are
+    quantized with which scheme); calib: the calibration set; journal: the directory of
+    the resume journal and the per-layer GPTQ parts (also the spill directory of the
+    hidden states when ``options.offload_dir`` is set: then pass it as ``journal``).
+    """
+    from ..runtime.runtime import Runtime
+
+    options.check()
+    check_algorithm(plan, algorithm)
+    log = log or (lambda s: None)
+    journal = Path(journal)
+    fp = _fingerprint(ckpt, plan, algorithm, options, calib.fingerprint)
+    state = _read_journal(journal)
+    if state is not None and state.get("fingerprint") != fp:
+        log(f"calibration journal {journal} is for other inputs; starting over.")
+        state = None
+        _wipe(journal)
+    journal.mkdir(parents=True, exist_ok=True)
+    if state is None:
+        state = {"fingerprint": fp, "done": 0, "layers": []}
+        _write_journal(journal, state)
+
+    src = OverlaySource(ckpt)
+    rt = Runtime(src, dtype=options.dtype, prefetch=False, act_quant=False)
+    try:
+        return _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log)
+    finally:
+        rt.close()
+
+
+def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log):
+    ids, mask = calib.input_ids, calib.attention_mask
+    bs = options.batch_size
+    batches = [(ids[k : k + bs], mask[k : k + bs]) for k in range(0, ids.shape[0], bs)]
+    hidden = _Hidden(len(batches), journal, spill=options.offload_dir is not None)
+    pos = [rt.default_positions(b_ids) for b_ids, _ in batches]
+    masks = [m.to(torch.bool) for _, m in batches]
+    # attention masks as the runtime takes them (None when a batch has no padding)
+    amasks = [None if bool(m.all()) else m for m in masks]
+    done = int(state["done"])
+    rows = {r.name: r for r in plan.rows if not r.kept and not r.as_stored}
+    if done == 0:
+        for b, (b_ids, _) in enumerate(batches):
+            hidden.put_first(b, rt.embed(b_ids))
+    else:
+        hidden.resume(done)
+        log(f"calibration: resuming after layer {done - 1} (journal {journal})")
+    res = SequentialResult(algorithm, journal, resumed_from=done, calibration=calib.describe())
+    for rec in state["layers"]:
+        _absorb(res, rec)
+    for i in range(done, rt.num_layers):
+        t0 = time.perf_counter()
+        rec = _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amasks,
+                     journal, observer)  # fmt: skip
+        rec["seconds"] = time.perf_counter() - t0
+        last = i + 1 == rt.num_layers
+        if not last:
+            hidden.advance(checkpoint=True)
+        state["layers"].append(rec)
+        state["done"] = i + 1
+        _write_journal(journal, state)
+        hidden.drop(i)
+        _absorb(res, rec)
+        fb = f", {len(rec['fallbacks'])} expert(s) fell back to RTN" if rec["fallbacks"] else ""
+        log(f"calibrated layer {i} in {rec['seconds']:.2f} s{fb}")
+    return res
+
+
+def _absorb(res: SequentialResult, rec: dict) -> None:
+    res.input_scales.update(rec["scales"])
+    res.layer_seconds.append(rec["seconds"])
+    res.expert_tokens.update(rec["expert_tokens"])
+    res.fallbacks.extend(rec["fallbacks"])
+    res.gptq_rows.update({n: rec["layer"] for n in rec["gptq"]})
+
+
+def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amasks, journal,
+           observer) -> dict:  # fmt: skip
+    unit = f"layer.{i}"
+    entries = rt.plan.units[unit]
+    by_name = {e.name: e for e in entries.values()}
+    mine = {n: rows[n] for n in by_name if n in rows}
+    gptq = {n for n, r in mine.items() if algorithm == "gptq" and gptq_supported(r.scheme)}
+    static = {n for n, r in mine.items() if _static(r.scheme)}
+    acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq}
+    amax: dict[str, float] = {}
+    seen: dict[str, int] = dict.fromkeys(mine, 0)
+    cur: dict = {}  # the micro-batch's valid mask and per-expert token rows
+    router = next((e.name for e in entries.values() if e.key == "router.router"), None)
+
+    def on_router(name, x, y):
+        w = rt.loader.get(unit)
+        _, idx = ROUTERS[rt.text.router](rt.text, y, w)
+        k = idx.shape[1]
+        eid = idx.reshape(-1)
+        order = eid.argsort(stable=True)
+        tok = order // k
+        counts = torch.bincount(eid, minlength=rt.text.num_experts).tolist()
+        cur["experts"] = dict(enumerate(tok.split(counts)))
+
+    def on_linear(name, x, y):
+        e = by_name.get(name)
+        if e is None or name not in mine:
+            return
+        valid = cur["mask"]
+        if e.role.expert is not None:
+            tok = cur["experts"][e.role.expert]
+            m = valid.reshape(-1)[tok.to(valid.device)]
+        elif valid.numel() == math.prod(x.shape[:-1]):
+            m = valid.reshape(x.shape[:-1])
+        else:
+            raise ConfigError(
+                f"calibration: the input of '{name}' has shape {tuple(x.shape)}, which does "
+                f"not map onto the batch's {tuple(valid.shape)} tokens."
+            )
+        if observer is not None:
+            observer(i, name, x, m)
+        if name in acc:
+            acc[name].add(x, m)
+        n = int(m.sum())
+        seen[name] += n
+        if name in static and n:
+            a = float(x[m.to(torch.bool)].abs().amax().float())
+            amax[name] = max(amax.get(name, 0.0), a)
+
+    handles = [rt.add_hook(on_linear, set(mine))]
+    if router is not None:
+        handles.append(rt.add_hook(on_router, {router}))
+    try:
+        for b in range(hidden.n):
+            cur.clear()
+            cur["mask"] = masks[b]
+            rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
+    finally:
+        for h in handles:
+            h.remove()
+        rt.loader.release()
+
+    rec: dict = {"layer": i, "scales": {}, "expert_tokens": {}, "fallbacks": [], "gptq": []}
+    for n in mine:
+        if by_name[n].role.expert is not None:
+            rec["expert_tokens"][n] = seen[n]
+    parts_out: dict[str, torch.Tensor] = {}
+    overrides: dict[str, torch.Tensor] = {}
+    for n in sorted(mine):
+        r = mine[n]
+        w = ckpt.get(n)
+        if n in gptq and acc[n].tokens:
+            parts = gptq_quantize(w, acc[n].hessian(), r.scheme, block_size=options.block_size,
+                                  dampening=float(options.dampening),
+                                  act_order=bool(options.act_order), name=n)  # fmt: skip
+            rec["gptq"].append(n)
+            parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
+        else:
+            if n in gptq or (n in static and not seen[n]):
+                why = "saw no calibration token"
+                warnings.warn(
+                    f"calibration: '{n}' {why}; rounded to nearest"
+                    + (" (static input scale from its sibling experts)" if n in static else ""),
+                    ExpertFallbackWarning, stacklevel=2,
+                )  # fmt: skip
+                rec["fallbacks"].append(n)
+            parts = r.scheme.quantize(w, name=n)
+        overrides[n] = r.scheme.dequantize(parts).to(torch.float32)
+        del w
+    for n in sorted(static):
+        if n in amax:
+            rec["scales"][mine[n].module] = max(amax[n], torch.finfo(torch.float32).tiny) / _qmax(
+                mine[n].scheme
+            )
+    for n in sorted(static):  # experts without tokens: their siblings' largest scale
+        mod = mine[n].module
+        if mod in rec["scales"]:
+            continue
+        leaf = by_name[n].key.rsplit(".", 1)[-1]
+        sib = [
+            rec["scales"][mine[m].module]
+            for m in static
+            if mine[m].module in rec["scales"] and by_name[m].key.rsplit(".", 1)[-1] == leaf
+        ]
+        if not sib:
+            sib = list(rec["scales"].values())
+        if not sib:
+            raise ConfigError(
+                f"calibration: no calibration token reached any Linear of layer {i} with a "
+                f"static input scale; use more (or unpadded) calibration samples."
+            )
+        rec["scales"][mod] = max(sib)
+    if parts_out:
+        tmp = journal / f"layer-{i}.tmp"
+        save_file(parts_out, str(tmp))
+        os.replace(tmp, journal / f"layer-{i}.safetensors")
+    if i + 1 == rt.num_layers:
+        return rec
+    # re-run the layer with its quantized weights: the next layer's inputs
+    src.overrides = overrides
+    try:
+        for b in range(hidden.n):
+            hidden.put_next(b, rt.run_layer(i, hidden.get(b), pos[b], amasks[b]))
+    finally:
+        rt.loader.release()
+        src.overrides = {}
+    return rec
+
+
+def _read_journal(journal: Path) -> dict | None:
+    p = journal / _JOURNAL
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_journal(journal: Path, state: dict) -> None:
+    tmp = journal / (_JOURNAL + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, journal / _JOURNAL)
+
+
+def _wipe(journal: Path) -> None:
+    """Remove the journal's own files (not anything else in an offload directory)."""
+    for pat in ("layer-*.safetensors", "hidden-*.safetensors", "*.tmp", _JOURNAL):
+        for p in journal.glob(pat):
+            if p.is_file():
+                p.unlink()
+
+
+__all__ = [
+    "ALGORITHMS",
+    "ExpertFallbackWarning",
+    "OverlaySource",
+    "SequentialOptions",
+    "SequentialResult",
+    "calibrate_sequential",
+    "check_algorithm",
+]

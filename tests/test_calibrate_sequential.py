@@ -1,0 +1,313 @@
+"""Layer-sequential calibration (k3convert.calibrate.sequential) and quantize --calibrate.
+
+Oracles: transformers' own Llama (the Linear inputs it feeds layer 0, through forward
+pre-hooks), the plain runtime on the unquantized checkpoint, and direct arithmetic
+(Hessians as 2/n X^T X in float64, absmax / 448). Tiny models from tests/models.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3convert.calibrate.data import build_calibration_set
+from k3convert.calibrate.gptq import HessianAccumulator, gptq_quantize
+from k3convert.calibrate.sequential import (
+    OverlaySource,
+    SequentialOptions,
+    calibrate_sequential,
+)
+from k3convert.checkpoint import open_checkpoint
+from k3convert.cli import main
+from k3convert.quant import quantize
+from k3convert.quant.writer import plan_quantization
+from k3convert.runtime.runtime import Runtime
+from tests.models import QUANT_FAMILIES, build_model, save_model
+
+SAMPLES, SEQ, BATCH = 8, 24, 4
+
+
+def _ids_file(path: Path, seed: int = 0) -> Path:
+    """Pre-tokenized rows of varied length (the tiny models have no tokenizer)."""
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for _ in range(24):
+            n = int(torch.randint(10, 40, (1,), generator=g))
+            f.write(json.dumps({"input_ids": torch.randint(3, 150, (n,), generator=g).tolist()}))
+            f.write("\n")
+    return path
+
+
+def _calib(model: Path, data: Path, seed: int = 0, packed: bool = False):
+    if packed:  # as quantize(calibrate=SequentialOptions(...)) builds it by default
+        return build_calibration_set(model, data, num_samples=SAMPLES, seq_len=SEQ, seed=seed)
+    # one row per sample, right-padded: the padding mask is exercised
+    return build_calibration_set(
+        model, data, num_samples=SAMPLES, seq_len=SEQ, seed=seed, packing=False, min_len=8
+    )
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calseq")
+    llama = save_model("llama", root / "llama", **QUANT_FAMILIES["llama"])
+    dsv3 = save_model("deepseek_v3", root / "dsv3")
+    data = _ids_file(root / "ids.jsonl")
+    return root, llama, dsv3, data
+
+
+def _opts(**kw) -> SequentialOptions:
+    return SequentialOptions(batch_size=BATCH, **kw)
+
+
+def _run(model, data, scheme, algorithm, journal, observer=None, seed=0, packed=False, **kw):
+    ckpt, plan = plan_quantization(src=model, scheme=scheme)
+    calib = _calib(model, data, seed, packed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = calibrate_sequential(ckpt, plan, calib, algorithm=algorithm,
+                                   options=_opts(**kw), journal=journal,
+                                   observer=observer)  # fmt: skip
+    return ckpt, plan, calib, res
+
+
+def _recorder(store: dict):
+    def obs(layer, name, x, m):
+        store.setdefault((layer, name), []).append((x.detach().clone(), m.clone()))
+
+    return obs
+
+
+def _hessian64(pairs) -> torch.Tensor:
+    rows = torch.cat([x.reshape(-1, x.shape[-1])[m.reshape(-1)].double() for x, m in pairs])
+    return 2.0 / rows.shape[0] * rows.t() @ rows
+
+
+@pytest.fixture(scope="module")
+def llama_gptq(work):
+    root, llama, _, data = work
+    seen: dict = {}
+    ckpt, plan, calib, res = _run(llama, data, "w4a16", "gptq", root / "j-gptq", _recorder(seen))
+    return ckpt, plan, calib, res, seen
+
+
+def test_gptq_layer0_equals_direct(llama_gptq):
+    ckpt, plan, calib, res, seen = llama_gptq
+    layer0 = [r for r in plan.quantized if r.role.layer == 0]
+    assert len(layer0) == 7 and all(r.name in res.gptq_rows for r in layer0)
+    # transformers' Llama feeds layer 0's Linears the same inputs (padding excluded)
+    model = build_model("llama", **QUANT_FAMILIES["llama"])
+    tf_in: dict = {}
+    hooks = []
+    for r in layer0:
+
+        def pre(mod, args, n=r.name):
+            tf_in.setdefault(n, []).append(args[0].detach().clone())
+
+        hooks.append(model.get_submodule(r.module).register_forward_pre_hook(pre))
+    with torch.no_grad():
+        for k in range(0, SAMPLES, BATCH):
+            model(input_ids=calib.input_ids[k : k + BATCH],
+                  attention_mask=calib.attention_mask[k : k + BATCH])  # fmt: skip
+    for h in hooks:
+        h.remove()
+    for r in layer0:
+        ours = seen[(0, r.name)]
+        assert len(ours) == SAMPLES // BATCH
+        h_engine = _hessian64(ours)
+        h_tf = _hessian64([(x, m) for x, (_, m) in zip(tf_in[r.name], ours, strict=True)])
+        torch.testing.assert_close(h_engine, h_tf, rtol=2e-4, atol=1e-5)
+        # GPTQ with the Hessian of exactly those inputs: bit for bit the engine's parts
+        acc = HessianAccumulator(r.shape[1], r.name)
+        for x, m in ours:
+            acc.add(x, m)
+        torch.testing.assert_close(acc.hessian().double(), h_engine, rtol=1e-4, atol=1e-6)
+        want = gptq_quantize(ckpt.get(r.name), acc.hessian(), r.scheme, name=r.name)
+        got = res.weight_parts(r.name)
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), (r.name, k)
+    tokens = int(calib.attention_mask.sum())
+    assert tokens < SAMPLES * SEQ  # padding was present and excluded
+    assert acc.tokens == tokens
+
+
+def _layer_inputs(source, calib, layer: int, names) -> dict:
+    """Inputs of ``names`` in ``layer`` when ``source`` runs layers 0..layer."""
+    out: dict = {}
+    with Runtime(source, prefetch=False, act_quant=False) as rt:
+        rt.add_hook(lambda n, x, y: out.setdefault(n, []).append(x.clone()), set(names))
+        for k in range(0, SAMPLES, BATCH):
+            ids, m = calib.input_ids[k : k + BATCH], calib.attention_mask[k : k + BATCH]
+            m = None if bool(m.all()) else m
+            h = rt.embed(ids)
+            for i in range(layer + 1):
+                h = rt.run_layer(i, h, None, m)
+    return out
+
+
+def test_quantized_outputs_feed_the_next_layer(llama_gptq):
+    ckpt, plan, calib, res, seen = llama_gptq
+    layer0 = [r for r in plan.quantized if r.role.layer == 0]
+    layer1 = [r.name for r in plan.quantized if r.role.layer == 1]
+    # layer 0 with its GPTQ weights (dequantized) gives exactly the inputs layer 1 saw
+    deq = {r.name: r.scheme.dequantize(res.weight_parts(r.name)) for r in layer0}
+    quant_in = _layer_inputs(OverlaySource(ckpt, deq), calib, 1, layer1)
+    plain_in = _layer_inputs(ckpt, calib, 1, layer1)
+    for n in layer1:
+        for (x, _), q in zip(seen[(1, n)], quant_in[n], strict=True):
+            assert torch.equal(x, q), n
+        masks = [m for _, m in seen[(1, n)]]
+        h_q = _hessian64(seen[(1, n)])
+        h_p = _hessian64(list(zip(plain_in[n], masks, strict=True)))
+        rel = float((h_q - h_p).norm() / h_p.norm())
+        assert 1e-4 < rel < 0.5, (n, rel)
+
+
+def test_w4a16_gptq_layer_error_below_rtn(llama_gptq):
+    ckpt, plan, calib, res, _ = llama_gptq
+    layer0 = [r for r in plan.quantized if r.role.layer == 0]
+    gptq = {r.name: r.scheme.dequantize(res.weight_parts(r.name)) for r in layer0}
+    rtn = {r.name: r.scheme.dequantize(r.scheme.quantize(ckpt.get(r.name))) for r in layer0}
+
+    def outputs(source):
+        with Runtime(source, prefetch=False, act_quant=False) as rt:
+            h = rt.embed(calib.input_ids)
+            return rt.run_layer(0, h, None, calib.attention_mask)
+
+    ref = outputs(ckpt)
+    m = calib.attention_mask.bool()
+    err = {k: float((outputs(OverlaySource(ckpt, w)) - ref)[m].pow(2).mean())
+           for k, w in (("gptq", gptq), ("rtn", rtn))}  # fmt: skip
+    print(f"layer-0 output MSE: gptq {err['gptq']:.3e}, rtn {err['rtn']:.3e}")
+    assert err["gptq"] < 0.9 * err["rtn"], err
+
+
+@pytest.mark.filterwarnings("ignore::k3convert.calibrate.sequential.ExpertFallbackWarning")
+def test_static_fp8_scales_and_experts(work):
+    root, _, dsv3, data = work
+    seen: dict = {}
+
+    def obs(layer, name, x, m):
+        a = float(x[m.bool()].abs().amax()) if bool(m.any()) else 0.0
+        seen[name] = max(seen.get(name, 0.0), a)
+
+    ckpt, plan, calib, res = _run(dsv3, data, "fp8", "static", root / "j-static", obs)
+    rows = [r for r in plan.quantized if r.role.layer is not None]
+    assert rows and all(r.module in res.input_scales for r in rows)
+    for r in rows:
+        s = res.input_scales[r.module]
+        assert torch.isfinite(torch.tensor(s)) and s > 0, r.name
+        if seen.get(r.name, 0.0) > 0:
+            assert s == pytest.approx(seen[r.name] / 448.0, rel=1e-6), r.name
+        else:  # no token: listed, and its siblings' largest scale
+            assert r.name in res.fallbacks
+    # experts: token counts add up to top-k slots of the real tokens, per MoE layer
+    k = ckpt.config["num_experts_per_tok"]
+    tokens = int(calib.attention_mask.sum())
+    for layer in (1, 2):
+        gates = {n: c for n, c in res.expert_tokens.items()
+                 if f"layers.{layer}." in n and n.endswith("gate_proj.weight")}  # fmt: skip
+        assert len(gates) == 8 and sum(gates.values()) == k * tokens
+        idle = {n for n, c in res.expert_tokens.items() if c == 0}
+        assert idle == {n for n in res.fallbacks}
+    # through the writer: every stored input_scale finite and non-zero
+    out = root / "dsv3-fp8"
+    qr = quantize(src=dsv3, out=out, scheme="fp8", calibrate=_opts(dataset=str(data),
+                  num_samples=SAMPLES, seq_len=SEQ, packing=False), algorithm="static",
+                  progress=False)  # fmt: skip
+    assert not (root / "dsv3-fp8.calib").exists()
+    q = open_checkpoint(out)
+    scales = [q.get_parts(r.name)["input_scale"] for r in rows]
+    assert all(bool(torch.isfinite(t).all()) and float(t) > 0 for t in scales)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "static"
+    assert cfg["k3convert"]["calibration"]["dataset"]["source"] == str(data)
+    assert set(qr.calibration.fallbacks) <= {r.name for r in rows if r.role.expert is not None}
+    with Runtime(q, prefetch=False) as rt:  # static activation quantization runs
+        logits = rt(calib.input_ids[:2], calib.attention_mask[:2])
+    assert bool(torch.isfinite(logits).all())
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def _kill_at(layer: int):
+    def obs(i, name, x, m):
+        if i == layer:
+            raise _Killed(f"killed at layer {i}")
+
+    return obs
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_kill_and_rerun_is_byte_identical(work, llama_gptq):
+    root, llama, _, data = work
+    fresh = llama_gptq[3]
+    j = root / "j-kill"
+    with pytest.raises(_Killed):
+        _run(llama, data, "w4a16", "gptq", j, _kill_at(1))
+    assert json.loads((j / "journal.json").read_text())["done"] == 1
+    *_, res = _run(llama, data, "w4a16", "gptq", j)
+    assert res.resumed_from == 1
+    assert _files(j)["layer-0.safetensors"] == _files(fresh.journal)["layer-0.safetensors"]
+    assert _files(j)["layer-1.safetensors"] == _files(fresh.journal)["layer-1.safetensors"]
+    # the spilled hidden states (offload_dir) give the same bits
+    *_, off = _run(llama, data, "w4a16", "gptq", root / "offload", offload_dir=root / "offload")
+    assert _files(off.journal)["layer-1.safetensors"] == _files(j)["layer-1.safetensors"]
+    # through quantize: an interrupted journal in OUT.calib is resumed; same output bytes
+    opts = _opts(dataset=str(data), num_samples=SAMPLES, seq_len=SEQ)
+    a, b = root / "q-fresh", root / "q-resumed"
+    quantize(src=llama, out=a, scheme="w4a16", calibrate=opts, algorithm="gptq", progress=False)
+    with pytest.raises(_Killed):
+        _run(llama, data, "w4a16", "gptq", root / "q-resumed.calib", _kill_at(1), packed=True)
+    rb = quantize(src=llama, out=b, scheme="w4a16", calibrate=opts, algorithm="gptq",
+                  progress=False)  # fmt: skip
+    assert rb.calibration.resumed_from == 1
+    assert _files(a) == _files(b)
+    assert not (root / "q-resumed.calib").exists()
+
+
+def test_changed_seed_starts_over(work):
+    root, llama, _, data = work
+    j = root / "j-seed"
+    with pytest.raises(_Killed):
+        _run(llama, data, "w4a16", "gptq", j, _kill_at(1))
+    *_, res = _run(llama, data, "w4a16", "gptq", j, seed=1)
+    assert res.resumed_from == 0 and len(res.layer_seconds) == 2
+    shutil.rmtree(j)
+
+
+def test_cli_missing_dataset_exit_2_nothing_written(work, capsys):
+    root, llama, _, _ = work
+    out = root / "cli-out"
+    rc = main(["quantize", str(llama), str(out), "--scheme", "w4a16", "--calibrate",
+               "--dataset", str(root / "missing.jsonl")])  # fmt: skip
+    assert rc == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert not out.exists() and not (root / "cli-out.calib").exists()
+    assert not list(root.glob(".cli-out*"))
+    # calibration options without --calibrate are a usage error
+    assert main(["quantize", str(llama), str(out), "--scheme", "w4a16", "--seed", "3"]) == 2
+    assert not out.exists()
+
+
+def test_cli_calibrate_gptq_prints_layers(work, capsys):
+    root, llama, _, data = work
+    out = root / "cli-gptq"
+    rc = main(["quantize", str(llama), str(out), "--scheme", "w4a16", "--calibrate",
+               "--dataset", str(data), "--num-samples", "4", "--seq-len", "16"])  # fmt: skip
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "calibration (gptq): 2 layer(s)" in cap.out and "calibrated layer 1" in cap.err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["k3convert"]["calibration"]["dataset"]["num_samples"] == 4
