@@ -311,3 +311,37 @@ def test_cli_calibrate_gptq_prints_layers(work, capsys):
     assert "calibration (gptq): 2 layer(s)" in cap.out and "calibrated layer 1" in cap.err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["k3convert"]["calibration"]["dataset"]["num_samples"] == 4
+
+
+@pytest.mark.filterwarnings("ignore::k3convert.calibrate.sequential.ExpertFallbackWarning")
+def test_kimi_k3_attention_residual_state_resumes_from_spill(tmp_path):
+    """K3 (KDA + MLA layers, attention residuals, latent MoE): the AttnResState passes
+    between layers, is spilled to offload_dir and resumed; same scales as in memory."""
+    from k3convert.calibrate.data import CalibrationSet, fingerprint
+    from k3convert.synth import synthesize
+
+    src = tmp_path / "k3"
+    synthesize(config="kimi-k3", out=src, tiny=True, encoding="plain", seed=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    calib = CalibrationSet(ids, mask, "random ids", fingerprint(ids, mask, {}, None))
+    ckpt, plan = plan_quantization(src=src, scheme="fp8")
+
+    def run(journal, observer=None, **kw):
+        opts = SequentialOptions(batch_size=1, **kw)
+        return calibrate_sequential(ckpt, plan, calib, algorithm="static", options=opts,
+                                    journal=journal, observer=observer)  # fmt: skip
+
+    mem = run(tmp_path / "mem")
+    off = tmp_path / "off"
+    with pytest.raises(_Killed):
+        run(off, _kill_at(3), offload_dir=off)
+    assert sorted(p.name for p in off.glob("hidden-*")) == ["hidden-L3-0.safetensors",
+                                                            "hidden-L3-1.safetensors"]  # fmt: skip
+    res = run(off, offload_dir=off)
+    assert res.resumed_from == 3 and len(res.layer_seconds) == 5
+    assert res.input_scales == mem.input_scales
+    layers = {r.role.layer for r in plan.quantized if r.role.layer is not None}
+    assert all(r.module in res.input_scales for r in plan.quantized if r.role.layer in layers)
