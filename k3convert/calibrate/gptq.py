@@ -143,6 +143,17 @@ class HessianAccumulator:
 
 
 # -- the per-column quantizers ---------------------------------------------------------
+_MAGIC = 1.5 * 2**23  # adding it leaves no fraction bits in a float32 of magnitude < 2**22
+
+
+def _round_half_even(x: torch.Tensor) -> torch.Tensor:
+    """``torch.round`` (half to even) of float32 values with |x| < 2**22, in place: the
+    add rounds to an integer in the current (nearest-even) mode, the subtract is exact.
+    Same values as torch.round (a zero may lose its sign), several times faster on CPU,
+    where torch.round of a column is not vectorized."""
+    return x.add_(_MAGIC).sub_(_MAGIC)
+
+
 class _IntColumns:
     """Rounds one column of an IntScheme weight against the scheme's fixed parameters."""
 
@@ -178,7 +189,7 @@ class _IntColumns:
         x = w / self.scale32_t[g]
         if self.zp_t is not None:
             x += self.zp_t[g]
-        q = torch.round(x.clamp_(self.qmin, self.qmax))
+        q = _round_half_even(x.clamp_(self.qmin, self.qmax))
         self.codes[col] = q.to(torch.int8)
         dq = q.to(self.scale_t.dtype)
         if self.zp_sd_t is not None:
@@ -326,15 +337,18 @@ def gptq_quantize(
     W = W.unsqueeze(0)
     for i1 in range(0, inp, block_size):
         i2 = min(i1 + block_size, inp)
-        W1 = W[:, :, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[:, i1:i2, i1:i2]
+        # the block transposed ([columns, out], contiguous): every column and every
+        # row-update below is a contiguous run; the values are those of llm-compressor's
+        # [out, columns] block (the same element-wise products and differences)
+        W1 = W[0, :, i1:i2].t().contiguous()
+        Err1 = torch.empty_like(W1)
+        Hinv1 = Hinv[0, i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = W1[0, :, i]
+            col = W1[i]
             q = cols(col, ids[i1 + i])
-            err = (col - q) / Hinv1[0, i, i]
-            Err1[0, :, i] = err
-            W1[:, :, i:] -= err.unsqueeze(-1) * Hinv1[:, i, i:].unsqueeze(1)
-        if i2 < inp:
-            W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
+            err = (col - q) / Hinv1[i, i]
+            Err1[i] = err
+            W1[i:] -= Hinv1[i, i:].unsqueeze(1) * err.unsqueeze(0)
+        if i2 < inp:  # the product on llm-compressor's layout, so its sums are the same
+            W[:, :, i2:] -= torch.bmm(Err1.t().contiguous().unsqueeze(0), Hinv[:, i1:i2, i2:])
     return {**parts, **cols.values()}
