@@ -262,8 +262,12 @@ def test_kill_and_rerun_is_byte_identical(work, llama_gptq):
     assert _files(j)["layer-0.safetensors"] == _files(fresh.journal)["layer-0.safetensors"]
     assert _files(j)["layer-1.safetensors"] == _files(fresh.journal)["layer-1.safetensors"]
     # the spilled hidden states (offload_dir) give the same bits
+    (root / "offload").mkdir()
+    (root / "offload" / "theirs.safetensors").write_bytes(b"not ours")
     *_, off = _run(llama, data, "w4a16", "gptq", root / "offload", offload_dir=root / "offload")
     assert _files(off.journal)["layer-1.safetensors"] == _files(j)["layer-1.safetensors"]
+    off.cleanup()  # removes only the journal's own files
+    assert sorted(_files(root / "offload")) == ["theirs.safetensors"]
     # through quantize: an interrupted journal in OUT.calib is resumed; same output bytes
     opts = _opts(dataset=str(data), num_samples=SAMPLES, seq_len=SEQ)
     a, b = root / "q-fresh", root / "q-resumed"

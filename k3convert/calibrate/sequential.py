@@ -51,7 +51,7 @@ from ..errors import ConfigError
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
 from ..runtime.decoder import ROUTERS, AttnResState
 from .data import CalibrationSet
-from .gptq import HessianAccumulator, gptq_quantize
+from .gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize
 
 ALGORITHMS = ("rtn", "gptq", "static")
 _JOURNAL = "journal.json"
@@ -135,10 +135,9 @@ class SequentialResult:
         return out
 
     def cleanup(self) -> None:
-        """Remove the journal's files (after the output was written)."""
-        for p in self.journal.glob("*.safetensors"):
-            p.unlink()
-        (self.journal / _JOURNAL).unlink(missing_ok=True)
+        """Remove the journal's own files (after the output was written); the directory
+        too when that leaves it empty."""
+        _wipe(self.journal)
         with _suppress():
             self.journal.rmdir()
 
@@ -323,6 +322,11 @@ def calibrate_sequential(
 
     options.check()
     check_algorithm(plan, algorithm)
+    if calib.images:
+        raise ConfigError(
+            f"{calib.source}: the calibration set holds images; layer-sequential calibration "
+            f"runs text only for now. Use a text dataset."
+        )
     log = log or (lambda s: None)
     journal = Path(journal)
     fp = _fingerprint(ckpt, plan, algorithm, options, calib.fingerprint)
@@ -462,9 +466,15 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         r = mine[n]
         w = ckpt.get(n)
         if n in gptq and acc[n].tokens:
-            parts = gptq_quantize(w, acc[n].hessian(), r.scheme, block_size=options.block_size,
-                                  dampening=float(options.dampening),
-                                  act_order=bool(options.act_order), name=n)  # fmt: skip
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", GPTQFallbackWarning)
+                parts = gptq_quantize(w, acc[n].hessian(), r.scheme, block_size=options.block_size,
+                                      dampening=float(options.dampening),
+                                      act_order=bool(options.act_order), name=n)  # fmt: skip
+            for c in caught:  # not positive definite: rounded to nearest (listed too)
+                warnings.warn(c.message, c.category, stacklevel=2)
+                if issubclass(c.category, GPTQFallbackWarning) and n not in rec["fallbacks"]:
+                    rec["fallbacks"].append(n)
             rec["gptq"].append(n)
             parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
         else:
@@ -537,7 +547,9 @@ def _write_journal(journal: Path, state: dict) -> None:
 
 def _wipe(journal: Path) -> None:
     """Remove the journal's own files (not anything else in an offload directory)."""
-    for pat in ("layer-*.safetensors", "hidden-*.safetensors", "*.tmp", _JOURNAL):
+    pats = ("layer-*.safetensors", "hidden-L*.safetensors", "layer-*.tmp", "hidden-L*.tmp",
+            _JOURNAL, _JOURNAL + ".tmp")  # fmt: skip
+    for pat in pats:
         for p in journal.glob(pat):
             if p.is_file():
                 p.unlink()
