@@ -228,6 +228,37 @@ def test_matches_llm_compressor(scheme_name, act_order):
     assert n_off == 0, f"{n_off} values differ, max {float(diff.max()):.3g} steps"
 
 
+def test_fp8_ue8m0_blocks_match_on_the_schemes_scales():
+    """Power-of-two block scales (compressed-tensors has no observer for them): the
+    oracle rounds against our scheme's scales; the GPTQ sweep must agree bit for bit."""
+    gq, _ = llmc()
+    scheme = get_scheme("fp8-block-ue8m0", block=(64, 128))
+    w, H = problem()
+    ours = gptq_quantize(w, H, scheme, act_order=True)
+    scale = scheme.quantize(w)["weight_scale"]
+    assert torch.equal(ours["weight_scale"], scale)
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two
+    args = ct_args(scheme, True)
+    zp = torch.zeros_like(scale)
+    ref, _, _ = gq.quantize_weight(
+        w.clone()[None], H.clone()[None], scale[None], zp[None], None, args, 128, 0.01
+    )
+    assert torch.equal(scheme.dequantize(ours), ref[0])
+
+
+def test_partial_edge_blocks_and_groups():
+    """Shapes that no block tiles: the parts are the scheme's, and GPTQ still wins."""
+    w, H = problem()
+    w, H = w[:100, :320], H[:320, :320]
+    x = correlated_inputs(1024, IN, seed=0, noise_seed=7)[:, :320]
+    for scheme in (get_scheme("fp8-block-w", block=(64, 128)), get_scheme("int4-g64")):
+        parts = gptq_quantize(w, H, scheme, block_size=100, name="edge")
+        want = {n: (d, tuple(sh)) for n, d, sh in scheme.parts(tuple(w.shape))}
+        assert {n: (t.dtype, tuple(t.shape)) for n, t in parts.items()} == want
+        rtn = _out_err(scheme.dequantize(scheme.quantize(w)), w, x)
+        assert _out_err(scheme.dequantize(parts), w, x) / rtn < 0.9
+
+
 def test_block_size_and_dead_columns_match():
     scheme = get_scheme("int4-g64-asym")
     w, H = problem()
