@@ -349,3 +349,43 @@ def test_kimi_k3_attention_residual_state_resumes_from_spill(tmp_path):
     assert res.input_scales == mem.input_scales
     layers = {r.role.layer for r in plan.quantized if r.role.layer is not None}
     assert all(r.module in res.input_scales for r in plan.quantized if r.role.layer in layers)
+
+
+@pytest.mark.filterwarnings("ignore::k3convert.calibrate.sequential.ExpertFallbackWarning")
+def test_experts_see_the_tokens_transformers_routes_to_them(work):
+    """Layer 0 kept (float), so layer 1's inputs are transformers' own: every routed
+    expert's real-token count and Hessian match the rows DeepseekV3's router sends it."""
+    _, _, dsv3, data = work
+    ckpt, plan = plan_quantization(src=dsv3, scheme="fp8", keep=[r"re:model\.layers\.0\..*"])
+    calib = _calib(dsv3, data)
+    seen: dict = {}
+    res = calibrate_sequential(ckpt, plan, calib, algorithm="static", options=_opts(),
+                               journal=work[0] / "j-route", observer=_recorder(seen))  # fmt: skip
+    model = build_model("deepseek_v3")
+    got: list = []
+    hook = model.model.layers[1].mlp.experts.register_forward_pre_hook(
+        lambda mod, args: got.append((args[0].detach().clone(), args[1].clone()))
+    )
+    with torch.no_grad():
+        for k in range(0, SAMPLES, BATCH):
+            model(input_ids=calib.input_ids[k : k + BATCH],
+                  attention_mask=calib.attention_mask[k : k + BATCH])  # fmt: skip
+    hook.remove()
+    valid = [
+        calib.attention_mask[k : k + BATCH].reshape(-1).bool() for k in range(0, SAMPLES, BATCH)
+    ]
+    n_exp = ckpt.config["n_routed_experts"]
+    idle = 0
+    for e in range(n_exp):
+        name = f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
+        rows = [x[(idx == e).any(-1) & v] for (x, idx), v in zip(got, valid, strict=True)]
+        n = sum(r.shape[0] for r in rows)
+        assert res.expert_tokens[name] == n, e
+        if not n:
+            idle += 1
+            assert name in res.fallbacks
+            continue
+        ours = _hessian64(seen[(1, name)])
+        ref = _hessian64([(r, torch.ones(r.shape[0], dtype=torch.bool)) for r in rows])
+        torch.testing.assert_close(ours, ref, rtol=2e-4, atol=1e-5)
+    assert idle < n_exp
