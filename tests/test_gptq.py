@@ -30,9 +30,9 @@ from k3convert.calibrate.gptq import (
     NonFiniteHessianError,
     gptq_quantize,
 )
-from k3convert.errors import ConfigError
+from k3convert.errors import ConfigError, NonFiniteError
 from k3convert.quant.packing import unpack_int32
-from k3convert.quant.schemes import NonFiniteWeightError, get_scheme
+from k3convert.quant.schemes import NonFiniteWeightError, WeightRangeError, get_scheme
 
 OUT, IN = 128, 384
 
@@ -379,6 +379,15 @@ def test_bad_inputs_are_named():
         gptq_quantize(w, H, scheme, block_size=0)
     with pytest.raises(ConfigError, match="dampening"):
         gptq_quantize(w, H, scheme, dampening=float("nan"))
+    wb = w.clone()
+    # int: the scheme's overflow-fallback range is refused, not rounded in a wrong range
+    wb[0, :2] = torch.tensor([3.3e38, 1.7e38])
+    with pytest.raises(WeightRangeError, match=r"'big'"):
+        gptq_quantize(wb, H, scheme, name="big")
+    fp8 = get_scheme("fp8-channel")
+    assert torch.isfinite(fp8.dequantize(gptq_quantize(wb, H, fp8))).all()
+    with pytest.raises(NonFiniteError, match=r"'big' overflowed"):  # errors / Hinv[i, i]
+        gptq_quantize(wb, H * 1e30, fp8, name="big")
     with pytest.raises(ConfigError, match="group size"):
         gptq_quantize(w[:, :380], H[:380, :380], scheme)
 

@@ -46,7 +46,14 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError, short_repr
 from ..quant.packing import pack_int32, unpack_int32
-from ..quant.schemes import FP8_MAX, FP8Scheme, IntScheme, NonFiniteWeightError, Scheme
+from ..quant.schemes import (
+    FP8_MAX,
+    FP8Scheme,
+    IntScheme,
+    NonFiniteWeightError,
+    Scheme,
+    WeightRangeError,
+)
 
 __all__ = [
     "GPTQFallbackWarning",
@@ -157,7 +164,7 @@ def _round_half_even(x: torch.Tensor) -> torch.Tensor:
 class _IntColumns:
     """Rounds one column of an IntScheme weight against the scheme's fixed parameters."""
 
-    def __init__(self, scheme: IntScheme, parts: dict, shape: tuple[int, int]):
+    def __init__(self, scheme: IntScheme, parts: dict, shape: tuple[int, int], name: str):
         out, inp = shape
         self.scheme, self.shape = scheme, shape
         scale = parts["weight_scale"]  # [out, ng] in the scale dtype
@@ -169,13 +176,16 @@ class _IntColumns:
         else:
             zp = parts.get("weight_zero_point")
         sd = scale.dtype
-        if not bool(torch.isfinite(torch.tensor(float(-scheme.qmin)).to(sd) * scale).all()):
-            # only |w| near the float max reaches the scheme's overflow fallback, whose
-            # narrower clamp range the column rounding below does not reproduce
-            raise ConfigError(
-                f"GPTQ for scheme '{scheme.name}': a group scale of this tensor overflows "
-                f"q_min * scale in {sd}; quantize it with the scheme directly (round to "
-                f"nearest) or use scale_dtype float32."
+        # the extreme codes (q_min - zp, q_max - zp) times the scale must stay finite in
+        # the scale dtype: only |w| near the float max breaks this, where the scheme
+        # takes an overflow fallback whose narrower range this sweep does not reproduce
+        z = torch.zeros_like(scale, dtype=torch.float32) if zp is None else zp.float()
+        ends = torch.stack([float(scheme.qmin) - z, float(scheme.qmax) - z])
+        if not bool(torch.isfinite(ends.to(sd) * scale).all()):
+            raise WeightRangeError(
+                f"GPTQ for '{name}' (scheme '{scheme.name}'): a group of this weight is "
+                f"so large that its extreme codes times its scale overflow {sd}; quantize "
+                f"it without calibration (round to nearest), or use scale_dtype float32."
             )
         self.scale_t = scale.t().contiguous()  # [ng, out], scale dtype
         self.scale32_t = self.scale_t.float()
@@ -206,13 +216,14 @@ class _IntColumns:
 class _FP8Columns:
     """Rounds one column of an FP8Scheme weight (tensor / channel / block scales)."""
 
-    def __init__(self, scheme: FP8Scheme, parts: dict, shape: tuple[int, int]):
+    def __init__(self, scheme: FP8Scheme, parts: dict, shape: tuple[int, int], name: str):
         out, inp = shape
         scale = parts["weight_scale"].float()
         if not bool(torch.isfinite(scale * FP8_MAX).all()):
-            raise ConfigError(
-                f"GPTQ for scheme '{scheme.name}': a scale of this tensor overflows "
-                f"448 * scale in float32; quantize it with the scheme directly."
+            raise WeightRangeError(
+                f"GPTQ for '{name}' (scheme '{scheme.name}'): a scale of this weight "
+                f"overflows 448 * scale in float32 (|w| near the float32 max); quantize it "
+                f"without calibration (round to nearest)."
             )
         if scheme.strategy == "tensor":
             self.per_col, self.div = scale.reshape(1, 1).expand(1, out), inp
@@ -323,7 +334,7 @@ def gptq_quantize(
     scheme.check(name, (out, inp))
     parts = scheme.quantize(w, name=name)  # round to nearest: its scales are GPTQ's
     cols = (_IntColumns if isinstance(scheme, IntScheme) else _FP8Columns)(
-        scheme, parts, (out, inp)
+        scheme, parts, (out, inp), name
     )
     W = w.to(torch.float32, copy=True)
     H = H.to(torch.float32, copy=True)
@@ -349,6 +360,12 @@ def gptq_quantize(
             err = (col - q) / Hinv1[i, i]
             Err1[i] = err
             W1[i:] -= Hinv1[i, i:].unsqueeze(1) * err.unsqueeze(0)
+        if not bool(torch.isfinite(Err1).all()):
+            raise NonFiniteError(
+                f"GPTQ for '{name}' overflowed float32 in columns {i1}..{i2 - 1} (weights "
+                f"near the float32 max, or an ill-conditioned Hessian); quantize this tensor "
+                f"without calibration, or raise dampening."
+            )
         if i2 < inp:  # the product on llm-compressor's layout, so its sums are the same
             W[:, :, i2:] -= torch.bmm(Err1.t().contiguous().unsqueeze(0), Hinv[:, i1:i2, i2:])
     return {**parts, **cols.values()}
