@@ -324,7 +324,8 @@ def gptq_quantize(
     """The parts ``scheme.quantize(w)`` stores, with values chosen by GPTQ.
 
     w: [out, in] float weight; H: [in, in] Hessian of its inputs (e.g.
-    :meth:`HessianAccumulator.hessian`; any positive multiple gives the same result);
+    :meth:`HessianAccumulator.hessian`; a positive multiple of it gives the same result
+    up to float rounding);
     block_size: columns per lazy-update block; dampening: fraction of the mean diagonal
     added to it; act_order: sweep columns by descending ``diag(H)`` (compressed-tensors'
     ``actorder: weight``; the stored format is unchanged); name: the tensor, for errors.
@@ -362,7 +363,7 @@ def gptq_quantize(
             W1[i:] -= Hinv1[i, i:].unsqueeze(1) * err.unsqueeze(0)
         if not bool(torch.isfinite(Err1).all()):
             raise NonFiniteError(
-                f"GPTQ for '{name}' overflowed float32 in columns {i1}..{i2 - 1} (weights "
+                f"GPTQ for '{name}' overflowed float32 in sweep columns {i1}..{i2 - 1} (weights "
                 f"near the float32 max, or an ill-conditioned Hessian); quantize this tensor "
                 f"without calibration, or raise dampening."
             )
