@@ -1,0 +1,140 @@
+"""The trained fixtures (tests/trained.py): they load like a release, learned the corpus
+(held-out perplexity far below the unigram baseline), grew outlier channels, and a
+second call is a cache hit. The first run on a machine trains both models (minutes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from k3convert.arch import resolve, validate_source
+from k3convert.checkpoint.reader import open_checkpoint
+from tests.trained import (  # noqa: F401  (fixtures)
+    MARKER,
+    RECIPES,
+    VOCAB,
+    corpus_documents,
+    heldout_blocks,
+    outlier_ratios,
+    perplexity,
+    split_corpus,
+    token_stream,
+    trained_dsv3,
+    trained_llama,
+    trained_model,
+    unigram_perplexity,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["llama", "deepseek_v3"])
+def trained(request) -> tuple[str, Path]:
+    fixture = {"llama": "trained_llama", "deepseek_v3": "trained_dsv3"}[request.param]
+    return request.param, request.getfixturevalue(fixture)
+
+
+def test_loads_like_a_release(trained):
+    name, d = trained
+    ck = open_checkpoint(d)
+    arch, cfg = resolve(ck.config)
+    matched = validate_source(arch, cfg, ck, str(d))
+    assert len(matched) == len(ck.names()) > 0
+    assert ck.config["model_type"] == name
+    dtypes = {p.dtype for n in ck.names() for p in ck.meta(n).parts.values()}
+    assert dtypes == {torch.bfloat16}, dtypes
+
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    assert len(tok) == VOCAB
+    text = "def f(x):\n    return x ** 2  # a comment"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is a list?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert chat == "<|user|>\nWhat is a list?<|eos|>\n<|assistant|>\n"
+
+
+def test_heldout_perplexity_beats_unigram(trained):
+    name, d = trained
+    train_docs, held_docs = split_corpus(corpus_documents())
+    rows = [json.loads(line) for line in (d / "heldout.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in rows] == held_docs
+    assert not set(held_docs) & set(train_docs)
+
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    blocks = heldout_blocks(tok, held_docs)
+    assert blocks.shape[0] >= 50
+    ppl = perplexity(model, blocks)
+    uni = unigram_perplexity(token_stream(tok, train_docs), blocks)
+    metrics = json.loads((d / MARKER).read_text())
+    assert ppl == pytest.approx(metrics["heldout_ppl"], rel=1e-3)
+    assert uni == pytest.approx(metrics["unigram_ppl"], rel=1e-9)
+    assert 100 < uni < 1000  # a byte-level BPE-1024 unigram model of English + code
+    assert ppl < 0.35 * uni, (name, ppl, uni)
+
+
+def test_trained_down_proj_has_outlier_channels(trained):
+    """max/median of the per-channel input absmax at down_proj (dense MLPs, shared
+    experts) on held-out text: about 2-3.5 at random init; training must raise the
+    largest one by at least a third (measured: llama 3.5 -> 7.0, dsv3 2.5 -> 3.4)."""
+    name, d = trained
+    _, held_docs = split_corpus(corpus_documents())
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    blocks = heldout_blocks(tok, held_docs)[:32]
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    trained_r = outlier_ratios(model, blocks)
+    torch.manual_seed(RECIPES[name].seed)
+    init = transformers.AutoModelForCausalLM.from_config(model.config).float().eval()
+    init_r = outlier_ratios(init, blocks)
+    assert trained_r.keys() == init_r.keys() and trained_r
+    assert max(init_r.values()) < 5
+    assert max(trained_r.values()) > 1.33 * max(init_r.values()), (trained_r, init_r)
+
+
+def test_second_call_is_a_cache_hit(request):
+    for name, fixture in (("llama", "trained_llama"), ("deepseek_v3", "trained_dsv3")):
+        d = request.getfixturevalue(fixture)
+        t0 = time.perf_counter()
+        again = trained_model(name)
+        dt = time.perf_counter() - t0
+        assert again == d and dt < 2.0, (name, dt)
+        assert d.name.startswith(f"{name}-")
+
+
+def test_concurrent_builds_train_once(tmp_path):
+    """Two processes asking for the same (3-step) recipe at once: one trains, the other
+    waits on the lock and reuses it; no temporary directory is left behind."""
+    code = (
+        "import dataclasses, sys; from tests.trained import RECIPES, trained_model; "
+        "r = dataclasses.replace(RECIPES['llama'], name='smoke', steps=3, warmup=1, batch=2); "
+        "print(trained_model(r))"
+    )
+    env = dict(os.environ, K3_FIXTURE_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1]
+    d = Path(outs[0])
+    assert d.parent == tmp_path and (d / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [d.name, d.name + ".lock"]
+    built = json.loads((d / MARKER).read_text())
+    assert built["recipe"] == dataclasses.asdict(
+        dataclasses.replace(RECIPES["llama"], name="smoke", steps=3, warmup=1, batch=2)
+    )
