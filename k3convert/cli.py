@@ -265,6 +265,14 @@ def quantize(
         Path | None,
         typer.Option(help="With --calibrate: keep hidden states and the journal here."),
     ] = None,
+    moe_all_experts: Annotated[
+        bool,
+        typer.Option(
+            "--moe-all-experts",
+            help="With --calibrate: every routed expert's statistics over all calibration "
+            "tokens (none starved; outputs and routing counts stay the routed ones).",
+        ),
+    ] = False,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
@@ -273,7 +281,8 @@ def quantize(
         raise typer.BadParameter("give exactly one of --scheme NAME or --recipe R.yaml.")
     given = [n for n, v in (("--algorithm", algorithm), ("--dataset", dataset),
              ("--num-samples", num_samples), ("--seq-len", seq_len), ("--seed", seed),
-             ("--offload-dir", offload_dir)) if v is not None]  # fmt: skip
+             ("--offload-dir", offload_dir),
+             ("--moe-all-experts", moe_all_experts or None)) if v is not None]  # fmt: skip
     opts = None
     if calibrate:
         from .calibrate.sequential import SequentialOptions
@@ -281,6 +290,7 @@ def quantize(
         opts = SequentialOptions(
             dataset=dataset if dataset is not None else "default", num_samples=num_samples,
             seq_len=seq_len, seed=seed if seed is not None else 0, offload_dir=offload_dir,
+            moe_all_experts=moe_all_experts,
         )  # fmt: skip
     elif given:
         raise typer.BadParameter(f"{', '.join(given)} only apply with --calibrate.")
@@ -316,6 +326,11 @@ def quantize(
                 f"{len(cal.fallbacks)} routed expert Linear(s) saw no calibration token and "
                 f"were rounded to nearest: {', '.join(cal.fallbacks)}"
             )
+    if res.routing_counts is not None:
+        typer.echo(
+            f"routing counts of {len(cal.routing_counts)} MoE layer(s): {res.routing_counts} "
+            f"(shard --expert-load; picked up by shard --redundant-experts)"
+        )
     typer.echo(res.summary())
 
 
@@ -345,10 +360,17 @@ def shard(
     ] = None,
     expert_load: Annotated[
         Path | None,
-        typer.Option(help="JSON: layer -> tokens per expert (from calibration), to balance EP."),
+        typer.Option(
+            help="JSON: layer -> tokens per expert (a calibrated quantize's "
+            "routing_counts.json), to balance EP."
+        ),
     ] = None,
     redundant_experts: Annotated[
-        int, typer.Option(help="Extra replicas of the hottest experts per layer (EPLB).")
+        int,
+        typer.Option(
+            help="Extra replicas of the hottest experts per layer (EPLB); without "
+            "--expert-load, SRC/routing_counts.json is used when present."
+        ),
     ] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a complete OUT.")] = False,
     check: Annotated[
@@ -385,6 +407,8 @@ def shard(
         redundant_experts=redundant_experts,
         progress=True,
     )
+    if res.expert_load_from is not None:
+        typer.echo(f"expert load: {res.expert_load_from} (routing counts from calibration)")
     typer.echo(
         f"wrote {res.out}: {res.units_written} units ({res.units_skipped} already intact, "
         f"skipped), {res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; manifest "

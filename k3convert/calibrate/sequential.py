@@ -19,6 +19,15 @@ the tokens the router sends them (their padding rows excluded); an expert that s
 real token falls back to round to nearest (static scales: the largest scale of its
 sibling experts' same projection) with a warning, and is listed in the result.
 
+Routing counts: per MoE layer, the real (not padding) tokens the router sends each expert
+(``SequentialResult.routing_counts``; ``quantize`` writes them to
+``OUT/routing_counts.json`` for ``shard --expert-load``). With
+``SequentialOptions(moe_all_experts=True)`` every routed expert's statistics (Hessian,
+absmax) are also taken over *all* real tokens of the layer (each expert is run on every
+token beside the routed pass, its output discarded), so no expert is starved; the layer's
+output, and so the next layer's input, stays the routed one, and the routing counts and
+``expert_tokens`` stay the routed counts.
+
 Resumable: after every finished layer its results and the hidden states entering the
 next layer are written to the journal directory (``<out>.calib/`` or ``offload_dir``)
 with a fingerprint of the source (config, file sizes and mtimes), the plan (schemes),
@@ -49,7 +58,7 @@ from safetensors.torch import save_file
 from .. import __version__ as _k3_version
 from ..errors import ConfigError
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
-from ..runtime.decoder import ROUTERS, AttnResState
+from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp
 from .data import CalibrationSet
 from .gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize
 
@@ -74,7 +83,8 @@ class SequentialOptions:
     (:func:`~.data.build_calibration_set`; None: the dataset definition's or 128 / 512);
     batch_size: samples per forward micro-batch; block_size / dampening / act_order: GPTQ;
     offload_dir: keep the hidden states and the journal there instead of in memory and
-    ``<out>.calib/``; dtype: compute dtype of the runtime.
+    ``<out>.calib/``; dtype: compute dtype of the runtime; moe_all_experts: routed experts'
+    statistics over all calibration tokens (see the module doc).
     """
 
     dataset: str | os.PathLike = "default"
@@ -88,6 +98,7 @@ class SequentialOptions:
     act_order: bool = False
     offload_dir: str | os.PathLike | None = None
     dtype: str = "fp32"
+    moe_all_experts: bool = False
 
     def check(self) -> None:
         for key in ("batch_size", "block_size"):
@@ -99,12 +110,18 @@ class SequentialOptions:
         d = self.dampening
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
             raise ConfigError(f"calibration option dampening must be a number >= 0, got {d!r}.")
+        if not isinstance(self.moe_all_experts, bool):
+            raise ConfigError(
+                f"calibration option moe_all_experts must be True or False, "
+                f"got {self.moe_all_experts!r}."
+            )
 
     def algorithm_options(self) -> dict:
         """The options that change results (the journal's fingerprint, the provenance)."""
         return {"block_size": self.block_size, "dampening": float(self.dampening),
                 "act_order": bool(self.act_order), "dtype": self.dtype,
-                "batch_size": self.batch_size}  # fmt: skip
+                "batch_size": self.batch_size,
+                "moe_all_experts": self.moe_all_experts}  # fmt: skip
 
 
 @dataclass
@@ -117,6 +134,8 @@ class SequentialResult:
     input_scales: dict[str, float] = field(default_factory=dict)
     layer_seconds: list[float] = field(default_factory=list)
     expert_tokens: dict[str, int] = field(default_factory=dict)
+    #: MoE layer -> real tokens routed to each expert (the router's top-k choices)
+    routing_counts: dict[int, list[int]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     gptq_rows: dict[str, int] = field(default_factory=dict)  # weight name -> layer
     resumed_from: int = 0  # layers taken from the journal
@@ -390,6 +409,8 @@ def _absorb(res: SequentialResult, rec: dict) -> None:
     res.input_scales.update(rec["scales"])
     res.layer_seconds.append(rec["seconds"])
     res.expert_tokens.update(rec["expert_tokens"])
+    if rec.get("routing") is not None:
+        res.routing_counts[int(rec["layer"])] = list(rec["routing"])
     res.fallbacks.extend(rec["fallbacks"])
     res.gptq_rows.update({n: rec["layer"] for n in rec["gptq"]})
 
@@ -404,9 +425,18 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
     static = {n for n, r in mine.items() if _static(r.scheme)}
     acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq}
     amax: dict[str, float] = {}
-    seen: dict[str, int] = dict.fromkeys(mine, 0)
+    seen: dict[str, int] = dict.fromkeys(mine, 0)  # tokens in the statistics
+    routed: dict[str, int] = dict.fromkeys(mine, 0)  # tokens routed (experts)
     cur: dict = {}  # the micro-batch's valid mask and per-expert token rows
     router = next((e.name for e in entries.values() if e.key == "router.router"), None)
+    latent_in = next((e.name for e in entries.values()
+                      if e.key == "latent.routed_expert_down_proj"), None)  # fmt: skip
+    n_exp = rt.text.num_experts
+    routing = [0] * n_exp if router is not None else None
+    all_experts = bool(options.moe_all_experts) and router is not None
+    # experts with a calibrated Linear: the ones the all-experts pass runs
+    calibrated_experts = sorted({by_name[n].role.expert for n in mine
+                                 if by_name[n].role.expert is not None})  # fmt: skip
 
     def on_router(name, x, y):
         w = rt.loader.get(unit)
@@ -415,15 +445,29 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         eid = idx.reshape(-1)
         order = eid.argsort(stable=True)
         tok = order // k
-        counts = torch.bincount(eid, minlength=rt.text.num_experts).tolist()
+        counts = torch.bincount(eid, minlength=n_exp).tolist()
         cur["experts"] = dict(enumerate(tok.split(counts)))
+        valid = cur["mask"].reshape(-1).to(idx.device)
+        real = torch.bincount(idx[valid].reshape(-1), minlength=n_exp).tolist()
+        for j, c in enumerate(real):
+            routing[j] += int(c)
+        if all_experts and latent_in is None:
+            cur["expert_input"] = x  # [T, D] float32: every token, the experts' input
+
+    def on_latent_input(name, x, y):
+        cur["expert_input"] = y
 
     def on_linear(name, x, y):
         e = by_name.get(name)
         if e is None or name not in mine:
             return
         valid = cur["mask"]
-        if e.role.expert is not None:
+        if e.role.expert is not None and all_experts and not cur.get("all"):
+            # routed pass: counted, statistics come from the all-tokens pass
+            tok = cur["experts"][e.role.expert]
+            routed[name] += int(valid.reshape(-1)[tok.to(valid.device)].sum())
+            return
+        if e.role.expert is not None and not cur.get("all"):
             tok = cur["experts"][e.role.expert]
             m = valid.reshape(-1)[tok.to(valid.device)]
         elif valid.numel() == math.prod(x.shape[:-1]):
@@ -439,6 +483,8 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
             acc[name].add(x, m)
         n = int(m.sum())
         seen[name] += n
+        if e.role.expert is not None and not all_experts:
+            routed[name] += n
         if name in static and n:
             a = float(x[m.to(torch.bool)].abs().amax().float())
             amax[name] = max(amax.get(name, 0.0), a)
@@ -446,20 +492,25 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
     handles = [rt.add_hook(on_linear, set(mine))]
     if router is not None:
         handles.append(rt.add_hook(on_router, {router}))
+    if all_experts and latent_in is not None:
+        handles.append(rt.add_hook(on_latent_input, {latent_in}))
     try:
         for b in range(hidden.n):
             cur.clear()
             cur["mask"] = masks[b]
             rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
+            if all_experts and calibrated_experts:
+                _all_experts_pass(rt, unit, cur, calibrated_experts)
     finally:
         for h in handles:
             h.remove()
         rt.loader.release()
 
-    rec: dict = {"layer": i, "scales": {}, "expert_tokens": {}, "fallbacks": [], "gptq": []}
+    rec: dict = {"layer": i, "scales": {}, "expert_tokens": {}, "fallbacks": [], "gptq": [],
+                 "routing": routing}  # fmt: skip
     for n in mine:
         if by_name[n].role.expert is not None:
-            rec["expert_tokens"][n] = seen[n]
+            rec["expert_tokens"][n] = routed[n]
     parts_out: dict[str, torch.Tensor] = {}
     overrides: dict[str, torch.Tensor] = {}
     for n in sorted(mine):
@@ -527,6 +578,26 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         rt.loader.release()
         src.overrides = {}
     return rec
+
+
+@torch.inference_mode()
+def _all_experts_pass(rt, unit: str, cur: dict, experts: list[int]) -> None:
+    """Run every calibrated routed expert on all of the micro-batch's tokens (the hooks
+    take their statistics; the outputs are discarded)."""
+    x = cur.get("expert_input")
+    if x is None:
+        raise ConfigError(
+            f"calibration: moe_all_experts could not capture the routed experts' input in "
+            f"{unit}; run without it."
+        )
+    w = rt.loader.get(unit)
+    cur["all"] = True
+    try:
+        x = x.to(rt.dtype)
+        for e in experts:
+            gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", x)
+    finally:
+        cur["all"] = False
 
 
 def _read_journal(journal: Path) -> dict | None:

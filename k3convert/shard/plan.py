@@ -88,6 +88,12 @@ class Plan:
         return sorted((u for u in self.units if u.rank == rank), key=lambda u: u.index)
 
 
+#: the routing counts a calibrated ``quantize`` writes into its output (``{"layers": ...}``);
+#: ``shard`` reads ``SRC/routing_counts.json`` when redundant experts are asked for without
+#: an explicit expert load
+ROUTING_COUNTS = "routing_counts.json"
+
+
 def load_expert_load(expert_load) -> dict[int, list[float]] | None:
     """Routing counts per MoE layer: a mapping ``{layer: [count per expert]}`` or a JSON
     file holding one (optionally under a ``"layers"`` key)."""

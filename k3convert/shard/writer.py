@@ -55,7 +55,7 @@ from ..stream.format import (
     VERSION,
 )
 from .layout import Layout
-from .plan import Plan, UnitPlan, build_plan
+from .plan import ROUTING_COUNTS, Plan, UnitPlan, build_plan
 from .unit_io import (
     SourceHasher,
     Syncer,
@@ -79,6 +79,8 @@ class ShardResult:
     units_skipped: int
     bytes_written: int
     seconds: float
+    #: the routing counts file picked up from SRC (``routing_counts.json``), if one was
+    expert_load_from: Path | None = None
 
 
 def _prepare_out(out: Path, force: bool) -> None:
@@ -129,6 +131,8 @@ def shard(
     Refuses a complete ``out`` unless ``force``. ``pp_layers``: layer counts per stage;
     ``expert_load``: {layer: [tokens per expert]} or a JSON file of it (balances experts
     over EP ranks); ``redundant_experts``: extra replicas of the hottest experts per layer.
+    With ``redundant_experts`` and no ``expert_load``, ``SRC/routing_counts.json`` (written
+    by a calibrated ``quantize``) is used when present (``ShardResult.expert_load_from``).
     ``workers``: units written in parallel (default: the number of CPUs); source files are
     hashed on up to as many threads besides, and finished units are fsynced in the
     background. ``unit_hash``: ``xxh3-128`` (default) or ``sha256`` for the units'
@@ -149,6 +153,11 @@ def shard(
     layout = Layout(tp=tp, pp=pp, moe_ep=ep)
     ck = open_checkpoint(src)
     guard_out(out, [ck.root])
+    picked = None
+    if expert_load is None and redundant_experts:
+        cand = Path(ck.root) / ROUTING_COUNTS
+        if cand.is_file():
+            expert_load = picked = cand
     src_files = ck.files()
     lock = threading.Lock()
     bar = tqdm(
@@ -251,6 +260,7 @@ def shard(
         skipped,
         sum(r["bytes"] for r in results.values()),
         time.perf_counter() - t0,
+        picked,
     )
 
 

@@ -1,0 +1,226 @@
+"""MoE calibration: routing counts (``OUT/routing_counts.json`` -> ``shard --expert-load``)
+checked against transformers' own routers, and the all-experts coverage mode."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3convert.calibrate.data import build_calibration_set
+from k3convert.calibrate.sequential import (
+    ExpertFallbackWarning,
+    SequentialOptions,
+    calibrate_sequential,
+)
+from k3convert.cli import main
+from k3convert.errors import ConfigError
+from k3convert.quant.writer import plan_quantization
+from tests.models import build_model, save_model
+
+SAMPLES, SEQ, BATCH = 8, 24, 4
+
+
+def _ids_file(path: Path, seed: int = 0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for _ in range(24):
+            n = int(torch.randint(10, 40, (1,), generator=g))
+            f.write(json.dumps({"input_ids": torch.randint(3, 150, (n,), generator=g).tolist()}))
+            f.write("\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calmoe")
+    return root, _ids_file(root / "ids.jsonl")
+
+
+def _transformers_counts(model, calib, moe_layers, n_exp: int) -> dict[int, list[int]]:
+    """Real tokens each expert gets from transformers' router, per MoE layer."""
+    got: dict[int, list] = {L: [] for L in moe_layers}
+    hooks = [
+        model.model.layers[L].mlp.experts.register_forward_pre_hook(
+            lambda mod, args, L=L: got[L].append(args[1].clone())
+        )
+        for L in moe_layers
+    ]
+    valid = []
+    with torch.no_grad():
+        for k in range(0, calib.input_ids.shape[0], BATCH):
+            m = calib.attention_mask[k : k + BATCH]
+            model(input_ids=calib.input_ids[k : k + BATCH], attention_mask=m)
+            valid.append(m.reshape(-1).bool())
+    for h in hooks:
+        h.remove()
+    out = {}
+    for L in moe_layers:
+        idx = torch.cat([i[v] for i, v in zip(got[L], valid, strict=True)])
+        out[L] = torch.bincount(idx.reshape(-1), minlength=n_exp).tolist()
+    return out
+
+
+def _cli(argv) -> tuple[int, str]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main([str(a) for a in argv])
+    return rc, buf.getvalue()
+
+
+def test_routing_counts_match_transformers_and_feed_shard(work):
+    """Layer 0 kept in float: both MoE layers see transformers' own hidden states, so the
+    written counts must equal Qwen3-MoE's router choices; shard then replicates the
+    hottest experts (picked up from SRC/routing_counts.json)."""
+    root, data = work
+    src = save_model("qwen3_moe", root / "qwen3moe")
+    out = root / "q-fp8"
+    rc, text = _cli(["quantize", src, out, "--scheme", "fp8", "--calibrate", "--algorithm",
+                     "static", "--dataset", data, "--num-samples", SAMPLES, "--seq-len", SEQ,
+                     "--keep", r"re:model\.layers\.0\..*"])  # fmt: skip
+    assert rc == 0, text
+    path = out / "routing_counts.json"
+    assert f"routing counts of 2 MoE layer(s): {path}" in text
+    doc = json.loads(path.read_text())
+    calib = build_calibration_set(src, data, num_samples=SAMPLES, seq_len=SEQ, seed=0)
+    assert doc["dataset_fingerprint"] == calib.fingerprint
+    tokens = int(calib.attention_mask.sum())
+    assert doc["tokens"] == tokens and doc["top_k"] == 2
+    want = _transformers_counts(build_model("qwen3_moe"), calib, (0, 1), 8)
+    assert doc["layers"] == {str(L): c for L, c in want.items()}
+    assert all(sum(c) == 2 * tokens for c in want.values())
+    # shard: --redundant-experts alone picks the file up; the hottest experts get copies
+    rc, text = _cli(["shard", out, root / "st", "--tp", 2, "--ep", 2, "--redundant-experts", 2])
+    assert rc == 0, text
+    assert f"expert load: {path}" in text
+    man = json.loads((root / "st" / "manifest.json").read_text())
+    ex = man["layout"]["experts"]
+    assert ex["policy"] == "load" and ex["redundant"] == 2
+    for L, counts in want.items():
+        lay = ex["layers"][str(L)]
+        assert lay["load"] == [float(c) for c in counts]
+        copies = [len(r) for r in lay["expert_ep_ranks"]]
+        assert sum(copies) == 10 and all(len(b) == 5 for b in lay["ep_rank_experts"])
+        # the documented rule: each extra copy to the highest load per copy
+        n = [1] * 8
+        for _ in range(2):
+            e = max(range(8), key=lambda j: (counts[j] / n[j], -j))
+            n[e] += 1
+        assert [c > 1 for c in copies] == [c > 1 for c in n], (L, counts, copies)
+        hottest = max(range(8), key=lambda j: counts[j])
+        assert copies[hottest] == 2 or counts.count(counts[hottest]) > 1
+    # the explicit flag gives the same placement; no file and no flag: contiguous refused
+    rc, _ = _cli(["shard", out, root / "st2", "--tp", 2, "--ep", 2, "--redundant-experts", 2,
+                  "--expert-load", path])  # fmt: skip
+    man2 = json.loads((root / "st2" / "manifest.json").read_text())
+    assert rc == 0 and man2["layout"]["experts"] == ex
+    with pytest.raises(ConfigError, match="redundant"):
+        from k3convert.shard import shard
+
+        shard(src=src, out=root / "st3", tp=2, ep=2, redundant_experts=2, progress=False)
+
+
+def _biased_dsv3(path: Path) -> Path:
+    """DeepSeek-V3 whose correction bias sends every token to experts 0 and 1."""
+    model = build_model("deepseek_v3")
+    with torch.no_grad():
+        for L in (1, 2):
+            b = model.model.layers[L].mlp.gate.e_score_correction_bias
+            b.zero_()
+            b[:2] = 10.0
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def starved(work):
+    root, data = work
+    src = _biased_dsv3(root / "dsv3-biased")
+    calib = build_calibration_set(
+        src, data, num_samples=SAMPLES, seq_len=SEQ, seed=0, packing=False, min_len=8
+    )
+    return root, src, calib
+
+
+def _calibrate(root, src, calib, scheme, algorithm, tag, all_experts, observer=None):
+    ckpt, plan = plan_quantization(src=src, scheme=scheme)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = calibrate_sequential(
+            ckpt, plan, calib, algorithm=algorithm,
+            options=SequentialOptions(batch_size=BATCH, moe_all_experts=all_experts),
+            journal=root / f"j-{tag}", observer=observer,
+        )  # fmt: skip
+    warned = {str(w.message).split("'")[1] for w in caught
+              if issubclass(w.category, ExpertFallbackWarning)}  # fmt: skip
+    return ckpt, plan, res, warned
+
+
+def _recorder(store: dict, layer: int):
+    def obs(i, name, x, m):
+        if i == layer and ".experts." not in name:
+            store.setdefault(name, []).append(x.detach().clone())
+
+    return obs
+
+
+@pytest.mark.parametrize("algorithm,scheme", [("static", "fp8"), ("gptq", "w8a8")])
+def test_all_experts_mode_no_starved_expert(starved, algorithm, scheme):
+    root, src, calib = starved
+    tokens = int(calib.attention_mask.sum())
+    nxt_off: dict = {}
+    nxt_on: dict = {}
+    _, plan, off, warned = _calibrate(root, src, calib, scheme, algorithm, f"{algorithm}-off",
+                                      False, _recorder(nxt_off, 2))  # fmt: skip
+    _, _, on, warned_on = _calibrate(root, src, calib, scheme, algorithm, f"{algorithm}-on",
+                                     True, _recorder(nxt_on, 2))  # fmt: skip
+    experts = [r for r in plan.quantized if r.role.expert is not None]
+    starved_rows = {r.name for r in experts if r.role.expert >= 2}
+    assert len(starved_rows) == 2 * 6 * 3
+    # without: experts 2..7 saw nothing, fell back with a warning and are listed
+    assert set(off.fallbacks) == starved_rows == warned
+    assert not on.fallbacks and not warned_on
+    # routed counts in both modes: all tokens to experts 0 and 1
+    for res in (off, on):
+        assert res.routing_counts == {1: [tokens, tokens] + [0] * 6, 2: [tokens, tokens] + [0] * 6}
+        for r in experts:
+            assert res.expert_tokens[r.name] == (tokens if r.role.expert < 2 else 0), r.name
+    if algorithm == "static":
+        for res in (off, on):
+            for r in experts:
+                s = res.input_scales[r.module]
+                assert torch.isfinite(torch.tensor(s)) and s > 0, r.name
+        # all experts' gate / up inputs are the MoE input: the shared expert's own scale
+        for L in (1, 2):
+            shared = on.input_scales[f"model.layers.{L}.mlp.shared_experts.gate_proj"]
+            for e in range(8):
+                for p in ("gate_proj", "up_proj"):
+                    mod = f"model.layers.{L}.mlp.experts.{e}.{p}"
+                    assert on.input_scales[mod] == pytest.approx(shared, rel=1e-6), mod
+        # the next layer's inputs are the routed ones (same with and without the mode)
+        assert nxt_off and nxt_off.keys() == nxt_on.keys()
+        for n in nxt_off:
+            for a, b in zip(nxt_off[n], nxt_on[n], strict=True):
+                assert torch.equal(a, b), n
+    else:  # GPTQ parts for every expert with the mode
+        for r in experts:
+            assert on.weight_parts(r.name) is not None, r.name
+            sc = on.weight_parts(r.name)["weight_scale"]
+            assert bool(torch.isfinite(sc).all()) and bool((sc > 0).all()), r.name
+
+
+def test_all_experts_option_checked_and_cli_needs_calibrate(work, capsys):
+    with pytest.raises(ConfigError, match="moe_all_experts"):
+        SequentialOptions(moe_all_experts="yes").check()
+    root, _ = work
+    rc = main(["quantize", str(root / "nope"), str(root / "o"), "--scheme", "fp8",
+               "--moe-all-experts"])  # fmt: skip
+    assert rc == 2
+    assert "--moe-all-experts" in capsys.readouterr().err
