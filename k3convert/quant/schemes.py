@@ -615,7 +615,10 @@ class IntScheme(Scheme):
         if not bool(torch.isfinite(scale).all()):
             big = float(g.abs().amax())
             raise _out_of_range(self, name, big, f"scale of {float(s.max()):.4g}", sd)
-        q, zp = self._round(g, scale, lo)
+        # the zero point from the scale before its rounding to the scale dtype, as
+        # compressed-tensors' calculate_qparams does (then round(w / scale + zp) with the
+        # stored scale)
+        q, zp = self._round(g, scale, lo, _finite_scale(s, sd) if lo is not None else None)
         # (q - zp) * scale is what every loader computes, in the scale's dtype: a bound
         # per group first (cheap), then the values themselves where the bound overflows
         qmin = torch.tensor(float(-self.qmin))
@@ -643,13 +646,21 @@ class IntScheme(Scheme):
                 zp = torch.where(over, torch.zeros_like(zp), zp)
         return q, scale, zp
 
-    def _round(self, g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None):
-        """(q int8, zp fp32 | None) of groups g under ``scale`` (compressed-tensors)."""
+    def _round(
+        self,
+        g: torch.Tensor,
+        scale: torch.Tensor,
+        lo: torch.Tensor | None,
+        raw: torch.Tensor | None = None,
+    ):
+        """(q int8, zp fp32 | None) of groups g under ``scale`` (compressed-tensors);
+        ``raw``: the float32 scale before rounding to the scale dtype (the zero point's)."""
         s32 = scale.float()
         if lo is None:
             q = torch.round((g / s32[..., None]).clamp_(self.qmin, self.qmax))
             return q.to(torch.int8), None
-        zp = torch.round(torch.clamp(self.qmin - lo / s32, self.qmin, self.qmax))
+        zs = s32 if raw is None else raw.float()
+        zp = torch.round(torch.clamp(self.qmin - lo / zs, self.qmin, self.qmax))
         q = torch.round((g / s32[..., None] + zp[..., None]).clamp_(self.qmin, self.qmax))
         return q.to(torch.int8), zp
 
