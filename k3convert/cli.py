@@ -273,6 +273,17 @@ def quantize(
             "tokens (none starved; outputs and routing counts stay the routed ones).",
         ),
     ] = False,
+    observer: Annotated[
+        str | None,
+        typer.Option(
+            help="With --calibrate: static input scales from minmax (default), percentile "
+            "of |x| (--percentile) or mse (MSE-optimal clip)."
+        ),
+    ] = None,
+    percentile: Annotated[
+        float | None,
+        typer.Option(help="With --observer percentile: the percentile of |x| (default 99.99)."),
+    ] = None,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
@@ -282,7 +293,8 @@ def quantize(
     given = [n for n, v in (("--algorithm", algorithm), ("--dataset", dataset),
              ("--num-samples", num_samples), ("--seq-len", seq_len), ("--seed", seed),
              ("--offload-dir", offload_dir),
-             ("--moe-all-experts", moe_all_experts or None)) if v is not None]  # fmt: skip
+             ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
+             ("--percentile", percentile)) if v is not None]  # fmt: skip
     opts = None
     if calibrate:
         from .calibrate.sequential import SequentialOptions
@@ -290,8 +302,11 @@ def quantize(
         opts = SequentialOptions(
             dataset=dataset if dataset is not None else "default", num_samples=num_samples,
             seq_len=seq_len, seed=seed if seed is not None else 0, offload_dir=offload_dir,
-            moe_all_experts=moe_all_experts,
+            moe_all_experts=moe_all_experts, observer=observer or "minmax",
+            percentile=percentile if percentile is not None else 99.99,
         )  # fmt: skip
+        if percentile is not None and opts.observer != "percentile":
+            raise typer.BadParameter("--percentile only applies with --observer percentile.")
     elif given:
         raise typer.BadParameter(f"{', '.join(given)} only apply with --calibrate.")
     res = do_quantize(

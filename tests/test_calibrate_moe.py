@@ -224,3 +224,149 @@ def test_all_experts_option_checked_and_cli_needs_calibrate(work, capsys):
                "--moe-all-experts"])  # fmt: skip
     assert rc == 2
     assert "--moe-all-experts" in capsys.readouterr().err
+
+
+# -- observers ---------------------------------------------------------------------------
+def _heavy(seed: int, rows: int = 4096, cols: int = 64) -> torch.Tensor:
+    """Student-t (2 degrees of freedom) activations with a few outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.distributions.StudentT(2.0)
+    torch.manual_seed(seed)
+    x = t.sample((rows, cols)).float()
+    x[:, :2] *= 1 + 20 * torch.rand(2, generator=g)
+    return x
+
+
+def _brute_mse(x: torch.Tensor, amax: float, kind: str, bits: int) -> float:
+    """Direct: every ratio's squared error on the whole tensor (float64), argmin."""
+    qmax = 448.0 if kind == "float" else float(2 ** (bits - 1) - 1)
+    best, arg = None, None
+    for i in range(80):
+        r = 1.0 - i / 100
+        s = r * amax / qmax
+        if kind == "float":
+            q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+        else:
+            q = torch.round(x / s).clamp(-qmax - 1, qmax) * s
+        e = float((q.double() - x.double()).square().sum())
+        if best is None or e < best:
+            best, arg = e, r * amax
+    return arg
+
+
+def test_observers_against_direct_computation():
+    import numpy as np
+
+    from k3convert.calibrate.observers import (
+        MinMaxObserver,
+        MSEObserver,
+        PercentileObserver,
+    )
+
+    batches = [_heavy(s, rows=1000 + 37 * s) for s in range(5)]
+    allx = torch.cat(batches)
+    amax = float(allx.abs().max())
+    for p in (99.99, 99.9, 97.5, 50.0, 100.0):
+        ob = PercentileObserver(p, capacity=allx.numel() + 12345)  # a bound, not the count
+        for b in batches:
+            ob.update(b)
+        want = float(np.percentile(np.abs(allx.numpy()).astype(np.float64), p))
+        assert ob.clip() == pytest.approx(want, rel=1e-12, abs=0), p
+        assert ob.keep < allx.numel() // 10 or p == 50.0
+    mm = MinMaxObserver()
+    for b in batches:
+        mm.update(b)
+    assert mm.clip() == amax
+    pct = PercentileObserver(99.99, capacity=allx.numel())
+    for b in batches:
+        pct.update(b)
+    assert pct.clip() < 0.5 * amax  # heavy tails: far below the absmax
+    for kind, bits in (("int", 8), ("float", 8), ("int", 4)):
+        ob = MSEObserver(kind, bits)
+        for b in batches:
+            ob.update(b)
+        for b in batches:
+            ob.refine(b)
+        assert ob.clip() == pytest.approx(_brute_mse(allx, amax, kind, bits), rel=1e-12)
+        if kind == "int":  # clipping the tail pays on a uniform grid
+            assert ob.clip() < 0.9 * amax, (kind, bits)
+        else:
+            assert ob.clip() <= amax
+    with pytest.raises(ConfigError, match="capacity"):
+        small = PercentileObserver(99.0, capacity=10)
+        small.update(allx[:1])
+    with pytest.raises(ConfigError, match="percentile"):
+        SequentialOptions(observer="percentile", percentile=0).check()
+    with pytest.raises(ConfigError, match="observer 'p99' is not known"):
+        SequentialOptions(observer="p99").check()
+
+
+def test_engine_observers_percentile_and_mse(work):
+    """Through calibrate_sequential: every dense Linear's static scale is the observer's
+    value over exactly the (real) rows it was fed, / 448; smaller than min-max."""
+    import numpy as np
+
+    from k3convert.calibrate.observers import fake_quant
+
+    root, data = work
+    src = save_model("deepseek_v3", root / "dsv3-obs")
+    calib = build_calibration_set(
+        src, data, num_samples=SAMPLES, seq_len=SEQ, seed=0, packing=False, min_len=8
+    )
+    ckpt, plan = plan_quantization(src=src, scheme="fp8")
+    got = {}
+    for kind in ("minmax", "percentile", "mse"):
+        seen: dict = {}
+
+        def obs(i, name, x, m, seen=seen):
+            seen.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[m.reshape(-1).bool()])
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = calibrate_sequential(
+                ckpt, plan, calib, algorithm="static",
+                options=SequentialOptions(batch_size=BATCH, observer=kind, percentile=99.0),
+                journal=root / f"j-obs-{kind}", observer=obs,
+            )  # fmt: skip
+        got[kind] = (res, seen)
+    res_mm, seen = got["minmax"]
+    dense = [r for r in plan.quantized if r.role.layer is not None and r.role.expert is None]
+    assert dense
+    for r in dense:
+        x = torch.cat(seen[r.name]).float()
+        amax = float(x.abs().max())
+        assert res_mm.input_scales[r.module] == pytest.approx(amax / 448, rel=1e-6)
+        p99 = float(np.percentile(np.abs(x.numpy()).astype(np.float64), 99.0))
+        s_pct = got["percentile"][0].input_scales[r.module]
+        assert s_pct == pytest.approx(p99 / 448, rel=1e-6), r.name
+        assert s_pct < res_mm.input_scales[r.module]
+        s_mse = got["mse"][0].input_scales[r.module]
+        assert s_mse == pytest.approx(_brute_mse(x, amax, "float", 8) / 448, rel=1e-6), r.name
+        e_mse = float((fake_quant(x, s_mse * 448) - x).square().sum())
+        e_mm = float((fake_quant(x, amax) - x).square().sum())
+        assert e_mse <= e_mm and s_mse <= res_mm.input_scales[r.module]
+    # the observers only change the input scales: the propagated inputs are the same
+    for kind in ("percentile", "mse"):
+        for n, xs in got[kind][1].items():
+            for a, b in zip(xs, seen[n], strict=True):
+                assert torch.equal(a, b), (kind, n)
+
+
+def test_cli_observer_options(work, capsys):
+    root, data = work
+    src = root / "dsv3-obs"
+    if not src.exists():
+        save_model("deepseek_v3", src)
+    out = root / "dsv3-mse"
+    rc, text = _cli(["quantize", src, out, "--scheme", "fp8", "--calibrate", "--algorithm",
+                     "static", "--dataset", data, "--num-samples", 4, "--seq-len", 16,
+                     "--observer", "mse"])  # fmt: skip
+    assert rc == 0, text
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["k3convert"]["calibration"]["options"]["observer"] == "mse"
+    assert (out / "routing_counts.json").is_file()
+    capsys.readouterr()
+    rc = main([str(a) for a in ["quantize", src, root / "x", "--scheme", "fp8", "--calibrate",
+               "--dataset", data, "--percentile", 99]])  # fmt: skip
+    assert rc == 2 and "--percentile only applies" in capsys.readouterr().err
+    assert not (root / "x").exists()

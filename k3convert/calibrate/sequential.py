@@ -8,7 +8,8 @@ time:
    (padding excluded), the largest |input| of each Linear with a static input scale;
 2. its Linears are quantized: GPTQ parts (``gptq_quantize``) or, for ``rtn`` /
    ``static``, the scheme's round-to-nearest ones (the writer recomputes those itself);
-   static schemes get ``input_scale = absmax / qmax``;
+   static schemes get ``input_scale = clip / qmax``, clip the observer's (the absmax by
+   default; a percentile of |x| or the MSE-optimal clip: :mod:`.observers`);
 3. layer ``i`` runs again with the quantized weights (served dequantized by
    :class:`OverlaySource`), and its outputs are layer ``i + 1``'s inputs: each layer is
    calibrated on what the quantized layers before it really produce.
@@ -61,6 +62,7 @@ from ..quant.schemes import FP8Scheme, IntScheme, Scheme
 from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp
 from .data import CalibrationSet
 from .gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize
+from .observers import OBSERVERS, check_percentile, make_observer
 
 ALGORITHMS = ("rtn", "gptq", "static")
 _JOURNAL = "journal.json"
@@ -84,7 +86,9 @@ class SequentialOptions:
     batch_size: samples per forward micro-batch; block_size / dampening / act_order: GPTQ;
     offload_dir: keep the hidden states and the journal there instead of in memory and
     ``<out>.calib/``; dtype: compute dtype of the runtime; moe_all_experts: routed experts'
-    statistics over all calibration tokens (see the module doc).
+    statistics over all calibration tokens (see the module doc); observer / percentile:
+    how static input scales are chosen (:mod:`.observers`: ``minmax``, ``percentile`` of
+    |x|, ``mse``-optimal clipping).
     """
 
     dataset: str | os.PathLike = "default"
@@ -99,6 +103,8 @@ class SequentialOptions:
     offload_dir: str | os.PathLike | None = None
     dtype: str = "fp32"
     moe_all_experts: bool = False
+    observer: str = "minmax"
+    percentile: float = 99.99
 
     def check(self) -> None:
         for key in ("batch_size", "block_size"):
@@ -115,13 +121,21 @@ class SequentialOptions:
                 f"calibration option moe_all_experts must be True or False, "
                 f"got {self.moe_all_experts!r}."
             )
+        if self.observer not in OBSERVERS:
+            raise ConfigError(
+                f"calibration observer '{self.observer}' is not known; use one of "
+                f"{', '.join(OBSERVERS)}."
+            )
+        check_percentile(self.percentile)
 
     def algorithm_options(self) -> dict:
         """The options that change results (the journal's fingerprint, the provenance)."""
         return {"block_size": self.block_size, "dampening": float(self.dampening),
                 "act_order": bool(self.act_order), "dtype": self.dtype,
                 "batch_size": self.batch_size,
-                "moe_all_experts": self.moe_all_experts}  # fmt: skip
+                "moe_all_experts": self.moe_all_experts, "observer": self.observer,
+                "percentile": float(self.percentile)
+                if self.observer == "percentile" else None}  # fmt: skip
 
 
 @dataclass
@@ -424,7 +438,14 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
     gptq = {n for n, r in mine.items() if algorithm == "gptq" and gptq_supported(r.scheme)}
     static = {n for n, r in mine.items() if _static(r.scheme)}
     acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq}
-    amax: dict[str, float] = {}
+    # static input scales' observers; capacity: real tokens x input width bounds what
+    # any Linear of the layer sees (a token reaches an expert at most once)
+    real = sum(int(m.sum()) for m in masks)
+    obs = {n: make_observer(options.observer, percentile=float(options.percentile),
+                            capacity=max(1, real * int(mine[n].shape[1])),
+                            act_type=mine[n].scheme.act.type,
+                            act_bits=int(mine[n].scheme.act.num_bits))
+           for n in static}  # fmt: skip
     seen: dict[str, int] = dict.fromkeys(mine, 0)  # tokens in the statistics
     routed: dict[str, int] = dict.fromkeys(mine, 0)  # tokens routed (experts)
     cur: dict = {}  # the micro-batch's valid mask and per-expert token rows
@@ -439,6 +460,15 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
                                  if by_name[n].role.expert is not None})  # fmt: skip
 
     def on_router(name, x, y):
+        if cur.get("refine"):
+            w = rt.loader.get(unit)
+            _, idx = ROUTERS[rt.text.router](rt.text, y, w)
+            order = idx.reshape(-1).argsort(stable=True)
+            counts = torch.bincount(idx.reshape(-1), minlength=n_exp).tolist()
+            cur["experts"] = dict(enumerate((order // idx.shape[1]).split(counts)))
+            if all_experts and latent_in is None:
+                cur["expert_input"] = x
+            return
         w = rt.loader.get(unit)
         _, idx = ROUTERS[rt.text.router](rt.text, y, w)
         k = idx.shape[1]
@@ -464,6 +494,8 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         valid = cur["mask"]
         if e.role.expert is not None and all_experts and not cur.get("all"):
             # routed pass: counted, statistics come from the all-tokens pass
+            if cur.get("refine"):
+                return
             tok = cur["experts"][e.role.expert]
             routed[name] += int(valid.reshape(-1)[tok.to(valid.device)].sum())
             return
@@ -477,6 +509,10 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
                 f"calibration: the input of '{name}' has shape {tuple(x.shape)}, which does "
                 f"not map onto the batch's {tuple(valid.shape)} tokens."
             )
+        if cur.get("refine"):  # second pass: observers that need one (mse)
+            if name in static and obs[name].needs_refine:
+                obs[name].refine(x[m.to(torch.bool)])
+            return
         if observer is not None:
             observer(i, name, x, m)
         if name in acc:
@@ -486,8 +522,7 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         if e.role.expert is not None and not all_experts:
             routed[name] += n
         if name in static and n:
-            a = float(x[m.to(torch.bool)].abs().amax().float())
-            amax[name] = max(amax.get(name, 0.0), a)
+            obs[name].update(x[m.to(torch.bool)])
 
     handles = [rt.add_hook(on_linear, set(mine))]
     if router is not None:
@@ -501,6 +536,13 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
             rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
             if all_experts and calibrated_experts:
                 _all_experts_pass(rt, unit, cur, calibrated_experts)
+        if any(o.needs_refine for o in obs.values()):  # the same inputs again
+            for b in range(hidden.n):
+                cur.clear()
+                cur["mask"], cur["refine"] = masks[b], True
+                rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
+                if all_experts and calibrated_experts:
+                    _all_experts_pass(rt, unit, cur, calibrated_experts)
     finally:
         for h in handles:
             h.remove()
@@ -541,10 +583,10 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         overrides[n] = r.scheme.dequantize(parts).to(torch.float32)
         del w
     for n in sorted(static):
-        if n in amax:
-            rec["scales"][mine[n].module] = max(amax[n], torch.finfo(torch.float32).tiny) / _qmax(
-                mine[n].scheme
-            )
+        if seen[n]:
+            rec["scales"][mine[n].module] = max(
+                obs[n].clip(), torch.finfo(torch.float32).tiny
+            ) / _qmax(mine[n].scheme)
     for n in sorted(static):  # experts without tokens: their siblings' largest scale
         mod = mine[n].module
         if mod in rec["scales"]:
