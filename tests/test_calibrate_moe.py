@@ -370,3 +370,52 @@ def test_cli_observer_options(work, capsys):
                "--dataset", data, "--percentile", 99]])  # fmt: skip
     assert rc == 2 and "--percentile only applies" in capsys.readouterr().err
     assert not (root / "x").exists()
+
+
+def test_kimi_k3_latent_moe_all_experts(tmp_path):
+    """K3's latent MoE: the experts' input is routed_expert_down_proj's output; with the
+    mode every expert's gate / up see all of it (equal scales), none falls back, and the
+    propagated inputs and routing counts are the routed run's."""
+    from k3convert.calibrate.data import CalibrationSet, fingerprint
+    from k3convert.synth import synthesize
+
+    src = tmp_path / "k3"
+    synthesize(config="kimi-k3", out=src, tiny=True, encoding="plain", seed=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    calib = CalibrationSet(ids, mask, "random ids", fingerprint(ids, mask, {}, None))
+    ckpt, plan = plan_quantization(src=src, scheme="fp8")
+    runs = {}
+    for mode in (False, True):
+        seen: dict = {}
+
+        def obs(i, name, x, m, seen=seen):
+            if ".experts." not in name:
+                seen.setdefault(name, []).append(x.clone())
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = calibrate_sequential(
+                ckpt, plan, calib, algorithm="static",
+                options=SequentialOptions(batch_size=1, moe_all_experts=mode),
+                journal=tmp_path / f"j{mode}", observer=obs,
+            )  # fmt: skip
+        runs[mode] = (res, seen)
+    off, on = runs[False][0], runs[True][0]
+    assert off.routing_counts and on.routing_counts == off.routing_counts
+    assert on.top_k == 2
+    assert all(sum(c) == 2 * int(mask.sum()) for c in on.routing_counts.values())
+    assert not on.fallbacks and on.expert_tokens == off.expert_tokens
+    for L in on.routing_counts:
+        gates = {
+            n: s
+            for n, s in on.input_scales.items()
+            if f"layers.{L}." in n and ".experts." in n and n.endswith(".w1")
+        }  # fmt: skip  (w1: gate)
+        assert len(gates) > 1 and len(set(gates.values())) == 1, L
+        assert len({off.input_scales[n] for n in gates}) > 1, L  # routed: each its own
+    for n, xs in runs[False][1].items():
+        for a, b in zip(xs, runs[True][1][n], strict=True):
+            assert torch.equal(a, b), n

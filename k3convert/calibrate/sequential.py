@@ -150,6 +150,7 @@ class SequentialResult:
     expert_tokens: dict[str, int] = field(default_factory=dict)
     #: MoE layer -> real tokens routed to each expert (the router's top-k choices)
     routing_counts: dict[int, list[int]] = field(default_factory=dict)
+    top_k: int | None = None  # experts per token (MoE models)
     fallbacks: list[str] = field(default_factory=list)
     gptq_rows: dict[str, int] = field(default_factory=dict)  # weight name -> layer
     resumed_from: int = 0  # layers taken from the journal
@@ -399,6 +400,8 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         hidden.resume(done)
         log(f"calibration: resuming after layer {done - 1} (journal {journal})")
     res = SequentialResult(algorithm, journal, resumed_from=done, calibration=calib.describe())
+    if rt.text.num_experts:
+        res.top_k = int(rt.text.top_k)
     for rec in state["layers"]:
         _absorb(res, rec)
     for i in range(done, rt.num_layers):

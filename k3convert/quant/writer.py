@@ -485,27 +485,26 @@ def quantize(
             shutil.copy2(p, tmp / p.name)
         cfg = _output_config(ckpt.config, plan, Path(ckpt.root), provenance)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        routing = _write_routing_counts(tmp, calibrated, ckpt.config)
+        routing = _write_routing_counts(tmp, calibrated)
     if calibrated is not None:
         calibrated.cleanup()
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
                           out / routing if routing else None)  # fmt: skip
 
 
-def _write_routing_counts(tmp: Path, calibrated, config: dict) -> str | None:
+def _write_routing_counts(tmp: Path, calibrated) -> str | None:
     """``routing_counts.json``: per MoE layer the real calibration tokens the router sent
     each expert, under ``"layers"`` as ``shard --expert-load`` reads it, with the
     calibration set's fingerprint and token count. None when nothing was routed."""
     if calibrated is None or not calibrated.routing_counts:
         return None
     cal = calibrated.calibration or {}
-    text = config.get("text_config", config)
     doc = {
         "format": "k3convert-routing-counts-v1",
         "dataset": cal.get("source"),
         "dataset_fingerprint": cal.get("fingerprint"),
         "tokens": cal.get("tokens"),
-        "top_k": text.get("num_experts_per_tok"),
+        "top_k": calibrated.top_k,
         "layers": {str(k): list(v) for k, v in sorted(calibrated.routing_counts.items())},
     }
     from ..shard.plan import ROUTING_COUNTS
