@@ -144,11 +144,11 @@ def table(stages, runs, info, floor: float) -> None:
             f"{bf16_bytes / m / 1e9:.2f}", f"{ref / m:.2f}", f"{rss:.0f}",
         ])  # fmt: skip
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    line = (
-        lambda cells: "  ".join(  # noqa: E731
-            [f"{cells[0]:<{w[0]}}", *(f"{c:>{n}}" for c, n in zip(cells[1:], w[1:], strict=True))]
-        )
-    )
+
+    def line(cells):
+        rest = (f"{c:>{n}}" for c, n in zip(cells[1:], w[1:], strict=True))
+        return "  ".join([f"{cells[0]:<{w[0]}}", *rest])
+
     print()
     print(line(cols))
     for r in rows:
