@@ -389,3 +389,42 @@ def test_experts_see_the_tokens_transformers_routes_to_them(work):
         ref = _hessian64([(r, torch.ones(r.shape[0], dtype=torch.bool)) for r in rows])
         torch.testing.assert_close(ours, ref, rtol=2e-4, atol=1e-5)
     assert idle < n_exp
+
+
+def test_finished_journal_resumes_without_rerunning(work):
+    """Every layer done (the write after calibration failed): a rerun takes the results
+    from the journal instead of failing on hidden states it no longer needs."""
+    root, llama, _, data = work
+    j = root / "j-done"
+    *_, first = _run(llama, data, "w4a16", "gptq", j)
+    *_, again = _run(llama, data, "w4a16", "gptq", j)
+    assert again.resumed_from == 2 and again.gptq_rows == first.gptq_rows
+    for n in first.gptq_rows:
+        a, b = first.weight_parts(n), again.weight_parts(n)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    shutil.rmtree(j)
+
+
+def test_out_and_offload_dir_checked_before_calibrating(work, tmp_path, capsys):
+    """An OUT quantize would refuse, or an --offload-dir that is a file or the source, is
+    refused before any layer runs (exit 2, one line, nothing written)."""
+    _, llama, _, data = work
+    not_a_model = tmp_path / "notes"
+    not_a_model.mkdir()
+    (not_a_model / "mine.txt").write_text("keep me")
+    base = ["quantize", str(llama), "--scheme", "w4a16", "--calibrate", "--dataset", str(data),
+            "--num-samples", "4", "--seq-len", "16"]  # fmt: skip
+    rc = main([base[0], base[1], str(not_a_model), *base[2:], "--force"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "calibrated layer" not in err and "Traceback" not in err
+    assert (not_a_model / "mine.txt").read_text() == "keep me"
+    assert not (tmp_path / "notes.calib").exists()
+    a_file = tmp_path / "spill"
+    a_file.write_text("x")
+    out = tmp_path / "o"
+    rc = main([base[0], base[1], str(out), *base[2:], "--offload-dir", str(a_file)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a directory" in err and "calibrated layer" not in err
+    rc = main([base[0], base[1], str(out), *base[2:], "--offload-dir", str(llama)])
+    assert rc == 2 and "calibrated layer" not in capsys.readouterr().err
+    assert not out.exists()

@@ -42,6 +42,7 @@ Activation quantization is not applied during calibration (the runtime runs with
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -185,12 +186,14 @@ class _suppress:
 
 
 class OverlaySource:
-    """A weight source serving ``overrides`` (name -> tensor) instead of the wrapped
-    source's tensors; everything else is the wrapped source's."""
+    """A weight source serving ``overrides`` instead of the wrapped source's tensors;
+    everything else is the wrapped source's. An override is a tensor, or a callable that
+    makes it (a quantized weight dequantized when the runtime asks for it, so a layer's
+    896 experts are held as their compact parts, not dequantized all at once)."""
 
-    def __init__(self, source, overrides: dict[str, torch.Tensor] | None = None):
+    def __init__(self, source, overrides: dict | None = None):
         self._src = source
-        self.overrides: dict[str, torch.Tensor] = dict(overrides or {})
+        self.overrides: dict = dict(overrides or {})
 
     @property
     def config(self):
@@ -203,10 +206,16 @@ class OverlaySource:
         t = self.overrides.get(name)
         if t is None:
             return self._src.get(name, dtype)
+        if callable(t):
+            t = t()
         return t if dtype is None else t.to(dtype)
 
     def __getattr__(self, item):
         return getattr(self._src, item)
+
+
+def _dequantized(scheme: Scheme, parts: dict) -> torch.Tensor:
+    return scheme.dequantize(parts).to(torch.float32)
 
 
 def _qmax(scheme: Scheme) -> float:
@@ -396,9 +405,11 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     if done == 0:
         for b, (b_ids, _) in enumerate(batches):
             hidden.put_first(b, rt.embed(b_ids))
-    else:
+    elif done < rt.num_layers:
         hidden.resume(done)
         log(f"calibration: resuming after layer {done - 1} (journal {journal})")
+    else:  # every layer finished (the write after it failed): nothing left to run
+        log(f"calibration: every layer already calibrated (journal {journal})")
     res = SequentialResult(algorithm, journal, resumed_from=done, calibration=calib.describe())
     if rt.text.num_experts:
         res.top_k = int(rt.text.top_k)
@@ -573,6 +584,7 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
                     rec["fallbacks"].append(n)
             rec["gptq"].append(n)
             parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
+            del acc[n]  # [in, in] float32 each: freed as soon as it is used
         else:
             if n in gptq or (n in static and not seen[n]):
                 why = "saw no calibration token"
@@ -583,7 +595,7 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
                 )  # fmt: skip
                 rec["fallbacks"].append(n)
             parts = r.scheme.quantize(w, name=n)
-        overrides[n] = r.scheme.dequantize(parts).to(torch.float32)
+        overrides[n] = functools.partial(_dequantized, r.scheme, parts)
         del w
     for n in sorted(static):
         if seen[n]:

@@ -270,21 +270,15 @@ def refuse_partial(path: str | os.PathLike) -> None:
         )
 
 
-@contextmanager
-def staged_output(
+def check_output(
     out: str | os.PathLike,
     *,
     force: bool,
     need_bytes: int,
     source: str | os.PathLike | None = None,
-) -> Iterator[Path]:
-    """Yield a fresh temp directory next to ``out``; rename it to ``out`` on success.
-
-    Refuses up front: an OUT that :func:`guard_out` refuses, an existing ``out`` without
-    ``force``, and less free disk than ``need_bytes`` (plus a small margin). On any error
-    the temp directory is removed and ``out`` is left as it was; OSErrors become one
-    OutputError line.
-    """
+) -> Path:
+    """The checks :func:`staged_output` runs before it creates anything (a stage with
+    long work before its first write, such as calibration, runs them first too)."""
     out = guard_out(out, [source])
     if out.exists() and not force:
         raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
@@ -300,6 +294,25 @@ def staged_output(
             f"free on {existing_parent(out.parent)}; free disk, choose another OUT, or write "
             f"less (e.g. synth --tiny / fewer --layers)."
         )
+    return out
+
+
+@contextmanager
+def staged_output(
+    out: str | os.PathLike,
+    *,
+    force: bool,
+    need_bytes: int,
+    source: str | os.PathLike | None = None,
+) -> Iterator[Path]:
+    """Yield a fresh temp directory next to ``out``; rename it to ``out`` on success.
+
+    Refuses up front: an OUT that :func:`guard_out` refuses, an existing ``out`` without
+    ``force``, and less free disk than ``need_bytes`` (plus a small margin). On any error
+    the temp directory is removed and ``out`` is left as it was; OSErrors become one
+    OutputError line.
+    """
+    out = check_output(out, force=force, need_bytes=need_bytes, source=source)
     _remove_stale(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:

@@ -55,7 +55,15 @@ from .. import __version__ as _k3_version
 from ..arch import resolve as resolve_arch
 from ..arch import validate_source
 from ..checkpoint import open_checkpoint
-from ..checkpoint.output import group_by_size, shard_names, staged_output, write_index
+from ..checkpoint.output import (
+    check_output,
+    group_by_size,
+    guard_out,
+    shard_names,
+    staged_output,
+    write_error,
+    write_index,
+)
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
 from ..errors import ConfigError
 from ..formats import ACTIVATION_PARTS
@@ -467,6 +475,8 @@ def quantize(
     need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
     calibrated = provenance = None
     if calibrate is not None:
+        # OUT is checked before hours of calibration, not after
+        check_output(out, force=force, need_bytes=need, source=ckpt.root)
         calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log)
         input_scales = {**calibrated.input_scales, **input_scales}
         provenance = {
@@ -534,9 +544,19 @@ def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, l
         seed=opts.seed, packing=opts.packing,
     )  # fmt: skip
     journal = Path(opts.offload_dir) if opts.offload_dir else out.parent / f"{out.name}.calib"
-    return calibrate_sequential(
-        ckpt, plan, calib, algorithm=algorithm, options=opts, journal=journal, log=log
-    )
+    # the journal is emptied and removed by its owner: never the source, OUT or inside them
+    guard_out(journal, [ckpt.root, out])
+    if journal.exists() and not journal.is_dir():
+        raise OutputError(
+            f"{journal}: the calibration journal / --offload-dir exists and is not a "
+            f"directory; remove it or choose another --offload-dir."
+        )
+    try:
+        return calibrate_sequential(
+            ckpt, plan, calib, algorithm=algorithm, options=opts, journal=journal, log=log
+        )
+    except OSError as e:  # disk full or read-only while writing the journal / spill
+        raise write_error(e, journal, "writing the calibration journal") from e
 
 
 def _job(
