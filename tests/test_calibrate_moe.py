@@ -22,18 +22,9 @@ from k3convert.cli import main
 from k3convert.errors import ConfigError
 from k3convert.quant.writer import plan_quantization
 from tests.models import build_model, save_model
+from tests.test_calibrate_sequential import _ids_file
 
 SAMPLES, SEQ, BATCH = 8, 24, 4
-
-
-def _ids_file(path: Path, seed: int = 0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    with path.open("w") as f:
-        for _ in range(24):
-            n = int(torch.randint(10, 40, (1,), generator=g))
-            f.write(json.dumps({"input_ids": torch.randint(3, 150, (n,), generator=g).tolist()}))
-            f.write("\n")
-    return path
 
 
 @pytest.fixture(scope="module")
