@@ -22,7 +22,7 @@ from k3convert.cli import main
 from k3convert.errors import ConfigError
 from k3convert.quant.writer import plan_quantization
 from tests.models import build_model, save_model
-from tests.test_calibrate_sequential import _ids_file
+from tests.test_calibrate_sequential import _ids_file, k3_calibration
 
 SAMPLES, SEQ, BATCH = 8, 24, 4
 
@@ -367,16 +367,7 @@ def test_kimi_k3_latent_moe_all_experts(tmp_path):
     """K3's latent MoE: the experts' input is routed_expert_down_proj's output; with the
     mode every expert's gate / up see all of it (equal scales), none falls back, and the
     propagated inputs and routing counts are the routed run's."""
-    from k3convert.calibrate.data import CalibrationSet, fingerprint
-    from k3convert.synth import synthesize
-
-    src = tmp_path / "k3"
-    synthesize(config="kimi-k3", out=src, tiny=True, encoding="plain", seed=3)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 100, (2, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    calib = CalibrationSet(ids, mask, "random ids", fingerprint(ids, mask, {}, None))
+    src, calib = k3_calibration(tmp_path)
     ckpt, plan = plan_quantization(src=src, scheme="fp8")
     runs = {}
     for mode in (False, True):
@@ -397,7 +388,7 @@ def test_kimi_k3_latent_moe_all_experts(tmp_path):
     off, on = runs[False][0], runs[True][0]
     assert off.routing_counts and on.routing_counts == off.routing_counts
     assert on.top_k == 2
-    assert all(sum(c) == 2 * int(mask.sum()) for c in on.routing_counts.values())
+    assert all(sum(c) == 2 * int(calib.attention_mask.sum()) for c in on.routing_counts.values())
     assert not on.fallbacks and on.expert_tokens == off.expert_tokens
     for L in on.routing_counts:
         gates = {

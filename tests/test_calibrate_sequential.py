@@ -43,6 +43,20 @@ def _ids_file(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def k3_calibration(tmp_path: Path):
+    """(a tiny synthesized Kimi K3, two calibration rows of random ids, one right-padded)."""
+    from k3convert.calibrate.data import CalibrationSet, fingerprint
+    from k3convert.synth import synthesize
+
+    src = tmp_path / "k3"
+    synthesize(config="kimi-k3", out=src, tiny=True, encoding="plain", seed=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    return src, CalibrationSet(ids, mask, "random ids", fingerprint(ids, mask, {}, None))
+
+
 def _calib(model: Path, data: Path, seed: int = 0, packed: bool = False):
     if packed:  # as quantize(calibrate=SequentialOptions(...)) builds it by default
         return build_calibration_set(model, data, num_samples=SAMPLES, seq_len=SEQ, seed=seed)
@@ -321,16 +335,7 @@ def test_cli_calibrate_gptq_prints_layers(work, capsys):
 def test_kimi_k3_attention_residual_state_resumes_from_spill(tmp_path):
     """K3 (KDA + MLA layers, attention residuals, latent MoE): the AttnResState passes
     between layers, is spilled to offload_dir and resumed; same scales as in memory."""
-    from k3convert.calibrate.data import CalibrationSet, fingerprint
-    from k3convert.synth import synthesize
-
-    src = tmp_path / "k3"
-    synthesize(config="kimi-k3", out=src, tiny=True, encoding="plain", seed=3)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 100, (2, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    calib = CalibrationSet(ids, mask, "random ids", fingerprint(ids, mask, {}, None))
+    src, calib = k3_calibration(tmp_path)
     ckpt, plan = plan_quantization(src=src, scheme="fp8")
 
     def run(journal, observer=None, **kw):

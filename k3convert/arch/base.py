@@ -395,6 +395,37 @@ def arch_for_config(raw: dict, where: str = "config.json") -> Arch:
 
 
 # -- config helpers -----------------------------------------------------------------
+class TextFields:
+    """Mixin of a multimodal config (``text`` + ``vision``): the decoder's fields and
+    methods read through, so table rows and verbs use one config object."""
+
+    def __getattr__(self, name):
+        if name in ("text", "vision") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.text, name)
+
+
+def check_routing(
+    experts: int,
+    topk: int,
+    n_group: int,
+    topk_group: int,
+    where: str,
+    keys: tuple[str, str, str] = ("n_routed_experts", "num_experts_per_tok", "n_group"),
+) -> None:
+    """Top-k routing a config can run: k <= experts, groups that divide the experts and
+    top groups <= groups (``keys``: the config's names for the three counts)."""
+    ke, kk, kg = keys
+    if not experts:
+        return
+    if topk > experts:
+        raise ConfigError(f"{where}: {kk}={topk} exceeds {ke}={experts}.")
+    if experts % n_group:
+        raise ConfigError(f"{where}: {ke}={experts} is not divisible by {kg}={n_group}.")
+    if topk_group > n_group:
+        raise ConfigError(f"{where}: topk_group={topk_group} exceeds {kg}={n_group}.")
+
+
 def req(raw: dict, key: str, where: str, *alts: str) -> Any:
     for k in (key, *alts):
         if raw.get(k) is not None:

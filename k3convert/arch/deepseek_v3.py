@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from .base import Arch, count, finite, positive, register, req
+from .base import Arch, check_routing, count, finite, positive, register, req
 from .base import TensorSpec as T
 from .common import embed_and_head, gated_mlp, layer_norms, router
 
@@ -66,17 +65,7 @@ def parse(raw: dict, where: str = "config.json") -> DeepseekV3Config:
     topk = count(raw.get("num_experts_per_tok"), "num_experts_per_tok", where)
     n_group = positive(raw.get("n_group") or 1, "n_group", where)
     topk_group = positive(raw.get("topk_group") or 1, "topk_group", where)
-    if experts:
-        if topk > experts:
-            raise ConfigError(
-                f"{where}: num_experts_per_tok={topk} exceeds n_routed_experts={experts}."
-            )
-        if experts % n_group:
-            raise ConfigError(
-                f"{where}: n_routed_experts={experts} is not divisible by n_group={n_group}."
-            )
-        if topk_group > n_group:
-            raise ConfigError(f"{where}: topk_group={topk_group} exceeds n_group={n_group}.")
+    check_routing(experts, topk, n_group, topk_group, where)
     q_lora = raw.get("q_lora_rank")
     return DeepseekV3Config(
         model_type=raw["model_type"],

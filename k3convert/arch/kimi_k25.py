@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from . import deepseek_v3
-from .base import Arch, positive, register, req
+from .base import Arch, TextFields, positive, register, req
 from .base import TensorSpec as T
 
 
@@ -35,21 +35,12 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class KimiK25Config:
+class KimiK25Config(TextFields):
     text: deepseek_v3.DeepseekV3Config
     vision: VisionConfig
     projection_hidden_size: int
     tie_word_embeddings: bool
     image_token_id: int
-
-    # the decoder's fields, so table rows can use one config object
-    def __getattr__(self, name):
-        if name in ("text", "vision") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.text, name)
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.text.is_moe_layer(i)
 
 
 def parse(raw: dict, where: str = "config.json") -> KimiK25Config:

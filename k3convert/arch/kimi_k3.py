@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import kimi_linear
-from .base import Arch, register
+from .base import Arch, TextFields, register
 from .base import TensorSpec as T
 from .kimi_k3_vision import parse_vision, vision_rows
 
@@ -25,23 +25,11 @@ MEDIA_TOKEN_ID = 163605
 
 
 @dataclass(frozen=True)
-class KimiK3Config:
+class KimiK3Config(TextFields):
     text: kimi_linear.KimiLinearConfig
     vision: Any  # kimi_k3_vision.K3VisionConfig, None for a text-only export
     tie_word_embeddings: bool
     image_token_id: int
-
-    # the decoder's fields, so table rows can use one config object
-    def __getattr__(self, name):
-        if name in ("text", "vision") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.text, name)
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.text.is_moe_layer(i)
-
-    def is_kda_layer(self, i: int) -> bool:
-        return self.text.is_kda_layer(i)
 
 
 def parse(raw: dict, where: str = "config.json") -> KimiK3Config:

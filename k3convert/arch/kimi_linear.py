@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, short_repr
 from . import deepseek_v3
-from .base import Arch, count, finite, positive, register, req
+from .base import Arch, check_routing, count, finite, positive, register, req
 from .base import TensorSpec as T
 from .common import embed_and_head, layer_norms, router
 
@@ -140,31 +140,35 @@ def _kda_layers(raw: dict, lac: dict, n: int, where: str) -> frozenset[int]:
                 f"partition the {n} layers (1-based); {what}."
             )
         return frozenset(kda)
-    types = raw.get("layer_types")
-    if isinstance(types, list):
-        if len(types) != n or not set(types) <= {"linear_attention", "full_attention"}:
-            raise ConfigError(
-                f"{where}: 'layer_types' must list 'linear_attention' or 'full_attention' for "
-                f"each of the {n} layers, got {short_repr(types)}."
-            )
-        return frozenset(i for i, t in enumerate(types) if t == "linear_attention")
+    kda = _typed_layers(raw, "layer_types", ("linear_attention", "full_attention"), n, where)
+    if kda is not None:
+        return kda
     raise ConfigError(
         f"{where}: a kimi_linear config needs linear_attn_config.kda_layers / "
         f"full_attn_layers (or layer_types) to say which layers are KDA."
     )
 
 
+def _typed_layers(raw: dict, key: str, kinds: tuple[str, str], n: int, where: str):
+    """transformers' per-layer type list ``key`` (one of ``kinds`` per layer) -> the
+    layers of ``kinds[0]``; None when the config has no such list."""
+    types = raw.get(key)
+    if not isinstance(types, list):
+        return None
+    if len(types) != n or not set(types) <= set(kinds):
+        raise ConfigError(
+            f"{where}: '{key}' must list '{kinds[0]}' or '{kinds[1]}' for each of the {n} "
+            f"layers, got {short_repr(types)}."
+        )
+    return frozenset(i for i, t in enumerate(types) if t == kinds[0])
+
+
 def _moe_layers(raw: dict, n: int, experts: int, where: str) -> frozenset[int]:
     if not experts:
         return frozenset()
-    types = raw.get("mlp_layer_types")
-    if isinstance(types, list):
-        if len(types) != n or not set(types) <= {"dense", "sparse"}:
-            raise ConfigError(
-                f"{where}: 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
-                f"{n} layers, got {short_repr(types)}."
-            )
-        return frozenset(i for i, t in enumerate(types) if t == "sparse")
+    moe = _typed_layers(raw, "mlp_layer_types", ("sparse", "dense"), n, where)
+    if moe is not None:
+        return moe
     first = count(raw.get("first_k_dense_replace"), "first_k_dense_replace", where)
     freq = positive(raw.get("moe_layer_freq") or 1, "moe_layer_freq", where)
     return frozenset(i for i in range(n) if i >= first and i % freq == 0)
@@ -204,15 +208,8 @@ def parse(raw: dict, where: str = "config.json", *, family: str = "kimi_linear")
         raw.get("num_expert_group") or raw.get("n_group") or 1, "num_expert_group", where
     )
     topk_group = positive(raw.get("topk_group") or 1, "topk_group", where)
-    if experts:
-        if topk > experts:
-            raise ConfigError(
-                f"{where}: num_experts_per_token={topk} exceeds num_experts={experts}."
-            )
-        if experts % n_group:
-            raise ConfigError(
-                f"{where}: num_experts={experts} is not divisible by num_expert_group={n_group}."
-            )
+    keys = ("num_experts", "num_experts_per_token", "num_expert_group")
+    check_routing(experts, topk, n_group, topk_group, where, keys)
     if int(raw.get("num_nextn_predict_layers") or 0):
         raise ConfigError(
             f"{where}: num_nextn_predict_layers > 0 (multi-token prediction layers) is not "
