@@ -589,11 +589,12 @@ def _copy_parts(ckpt, r: Decision, w: SafetensorsWriter) -> None:
     """An as-stored row: every part copied unchanged (by the kernel from a safetensors
     source), its scales checked first (non-finite floats; an E8M0 exponent of 255 is NaN)."""
     parts = ckpt.meta(r.name).parts
+    stored = ckpt.get_parts(r.name)  # mapped views, no copies
     for name, _, _ in _entries(r):
         part = name[len(r.module) + 1 :]
         pm = parts[part]
         if part.endswith("scale"):
-            t = ckpt.get_parts(r.name)[part]
+            t = stored[part]
             if t.dtype == torch.uint8 and bool((t == 255).any()):
                 raise NonFiniteWeightError(
                     f"{ckpt.root}: '{name}' holds {int((t == 255).sum())} E8M0 exponent(s) "
@@ -604,7 +605,7 @@ def _copy_parts(ckpt, r: Decision, w: SafetensorsWriter) -> None:
         if pm.raw is not None:
             w.copy_from(name, pm.file, pm.raw)
         else:
-            w.put(name, ckpt.get_parts(r.name)[part])
+            w.put(name, stored[part])
 
 
 def _unordered(fn, items, workers: int):
