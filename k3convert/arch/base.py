@@ -113,7 +113,10 @@ class TensorSpec:
     in released checkpoints; when: predicate on the config (row exists or not);
     stored: the shape a release stores when it pads the tensor beyond its logical
     ``shape`` (Kimi K3's A_log: [128] for 96 heads); both shapes are accepted, synth
-    writes the stored one, and only the logical prefix is used.
+    writes the stored one, and only the logical prefix is used. optional: a tensor the
+    table accepts but a config does not imply (the calibrated KV-cache scales, present
+    only with a ``kv_cache_scheme``): :meth:`Arch.instances` leaves it out unless asked,
+    so synth never writes it and completeness never asks for it.
     """
 
     pattern: str
@@ -126,6 +129,7 @@ class TensorSpec:
     when: Callable[[Any], bool] = lambda c: True
     aliases: tuple[str, ...] = ()
     stored: ShapeFn | None = None
+    optional: bool = False
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -174,9 +178,14 @@ class Arch:
     def table(self, cfg: Any) -> list[TensorSpec]:
         return [s for s in self.specs(cfg) if s.when(cfg)]
 
-    def instances(self, cfg: Any, *, mtp: bool = True) -> Iterator[Instance]:
-        """Every tensor this config implies, in execution order."""
+    def instances(
+        self, cfg: Any, *, mtp: bool = True, optional: bool = False
+    ) -> Iterator[Instance]:
+        """Every tensor this config implies, in execution order (optional rows only when
+        ``optional``)."""
         for spec in self.table(cfg):
+            if spec.optional and not optional:
+                continue
             for idx in _indices(spec.scope, cfg, mtp):
                 name = spec.pattern.format(**idx)
                 yield Instance(

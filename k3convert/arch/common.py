@@ -84,3 +84,15 @@ def router(p: str, scope: str = "moe_layer") -> list[T]:
         T(f"{p}weight", scope, "router", "router",
           lambda c: (c.num_experts, c.hidden_size), keep=True),
     ]  # fmt: skip
+
+
+def kv_scales(a: str, scope: str = "layer") -> list[T]:
+    """The calibrated FP8 KV-cache scales of an attention layer (compressed-tensors'
+    ``kv_cache_scheme``: per-tensor ``k_scale`` / ``v_scale`` of shape [1] on the
+    attention module). Optional rows: only a checkpoint whose quantization_config has a
+    kv_cache_scheme holds them (``arch.check_kv_scales``). Kept, replicated under TP."""
+    return [
+        T(f"{a}{x}_scale", scope, "attention", f"{x}_scale", lambda c: (1,), keep=True,
+          optional=True)
+        for x in "kv"
+    ]  # fmt: skip

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .base import Arch, check_routing, count, finite, positive, register, req
 from .base import TensorSpec as T
-from .common import embed_and_head, gated_mlp, layer_norms, router
+from .common import embed_and_head, gated_mlp, kv_scales, layer_norms, router
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ def lm_specs(p: str, head: str) -> list[T]:
         *embed_and_head(p, head),
         *layer_norms(L),
         *mla_attention(L + "self_attn."),
+        *kv_scales(L + "self_attn."),
         *gated_mlp(L + "mlp.", "dense_layer", "dense_mlp", lambda c: c.intermediate_size),
         *router(L + "mlp.gate."),
         T(L + "mlp.gate.e_score_correction_bias", "moe_layer", "router",

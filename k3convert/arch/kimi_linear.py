@@ -35,7 +35,7 @@ from ..errors import ConfigError, short_repr
 from . import deepseek_v3
 from .base import Arch, check_routing, count, finite, positive, register, req
 from .base import TensorSpec as T
-from .common import embed_and_head, layer_norms, router
+from .common import embed_and_head, kv_scales, layer_norms, router
 
 
 @dataclass(frozen=True)
@@ -400,6 +400,8 @@ def lm_specs(p: str, head: str) -> list[T]:
         *layer_norms(L),
         *kda_attention(L + "self_attn."),
         *mla_attention(L + "self_attn."),
+        # every layer matches, so a KDA layer's scale is refused by name (check_kv_scales)
+        *kv_scales(L + "self_attn."),
         *attn_res(L, p),
         *dense_mlp(L),
         *moe(L + "block_sparse_moe."),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Arch, positive, register, req
-from .common import embed_and_head, gated_mlp, gqa_attention, layer_norms, mlp_biases
+from .common import embed_and_head, gated_mlp, gqa_attention, kv_scales, layer_norms, mlp_biases
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ def specs(c: DenseConfig):
         *embed_and_head("model.", "lm_head.weight"),
         *layer_norms(L),
         *gqa_attention(L + "self_attn."),
+        *kv_scales(L + "self_attn."),
         *gated_mlp(L + "mlp.", "layer", "dense_mlp", width),
     ]
     if c.mlp_bias:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from .base import Arch, positive, register, req
-from .common import embed_and_head, gated_mlp, gqa_attention, layer_norms, router
+from .common import embed_and_head, gated_mlp, gqa_attention, kv_scales, layer_norms, router
 from .llama import GQAConfig, gqa_fields
 
 
@@ -65,6 +65,7 @@ def specs(c: MoeConfig):
         *embed_and_head("model.", "lm_head.weight"),
         *layer_norms(L),
         *gqa_attention(L + "self_attn."),
+        *kv_scales(L + "self_attn."),
         *gated_mlp(L + "mlp.", "dense_layer", "dense_mlp", lambda c: c.intermediate_size),
         *router(moe + "gate."),
         *gated_mlp(

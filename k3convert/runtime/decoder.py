@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.base import finite
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
+from ..quant.activations import ActivationSpec, fake_quant_activation
 from .ops import activation, attend, rms_norm, situ
 from .rope import Rotary, apply_rope, apply_rope_interleaved, rope_config, yarn_mscale
 from .source import Weights
@@ -284,14 +285,54 @@ class Step:
     fused_mla: bool = True
     #: the S new tokens' padding mask [B, S] (1 = token) for KDA layers; None: no padding
     tokens: torch.Tensor | None = None
+    #: KV-cache observers ``fn(layer, kind, t)`` (the Runtime's live list, see
+    #: :func:`kv_enter`); empty: nothing observed
+    kv_hooks: list | tuple = ()
+    #: fake-quantize what enters the KV cache with the layer's calibrated FP8 scales
+    kv_quant: bool = False
+
+
+# -- the KV cache's input ------------------------------------------------------------
+#: unit keys of a layer's calibrated KV-cache scales (arch.common.kv_scales)
+K_SCALE, V_SCALE = "attention.k_scale", "attention.v_scale"
+#: the one kv_cache_scheme applied: FP8 e4m3, one static scale per tensor
+_KV_SPEC = ActivationSpec(num_bits=8, type="float", strategy="tensor", dynamic=False)
+
+
+def kv_enter(
+    w: Weights, step: Step, layer: int, kind: str, t: torch.Tensor, scale_key: str
+) -> torch.Tensor:
+    """A tensor entering the KV cache (GQA ``k`` / ``v``; MLA ``latent`` / ``k_rot``):
+    shown to the KV hooks as it is, then, with ``step.kv_quant``, fake-quantized to FP8
+    e4m3 with the layer's static scale, ``clamp(t / s, -448, 448) -> e4m3 -> * s``, in
+    t's dtype (compressed-tensors' ``forward_quantize`` of a static per-tensor scale).
+    Called in the cache and the no-cache paths alike; callers skip it when both
+    ``step.kv_hooks`` and ``step.kv_quant`` are off."""
+    for fn in step.kv_hooks:
+        fn(layer, kind, t)
+    if not step.kv_quant:
+        return t
+    return fake_quant_kv(t, w.need(scale_key), w.names.get(scale_key, scale_key))
+
+
+def fake_quant_kv(t: torch.Tensor, scale: torch.Tensor, name: str = "k_scale") -> torch.Tensor:
+    """FP8 quantize-dequantize of ``t`` with a static per-tensor ``scale`` ([1])."""
+    s = scale.reshape(-1)
+    if s.numel() != 1 or not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise NonFiniteError(
+            f"KV-cache scale '{name}' is {s.tolist()}; a scale must be one finite positive "
+            f"number. The checkpoint's calibration is broken: re-run quantize --kv-cache."
+        )
+    return fake_quant_activation(t, _KV_SPEC.with_scale(s.to(t.dtype)))
 
 
 # -- attention -----------------------------------------------------------------------
 def gqa_attention(
-    ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step, cache=None
-):
+    ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step, cache=None,
+    layer: int = -1,
+):  # fmt: skip
     """Head counts come from the weights' shapes, so a tensor-parallel rank's slice (its
-    local heads, its KV head) runs the same code."""
+    local heads, its KV head) runs the same code. layer: the decoder layer (KV hooks)."""
     b, s, _ = h.shape
     d = ts.head_dim
     q = lin(w, "attention.q_proj", h).view(b, s, -1, d)
@@ -304,6 +345,9 @@ def gqa_attention(
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = apply_rope(q, step.cos, step.sin)
     k = apply_rope(k, step.cos, step.sin)
+    if step.kv_hooks or step.kv_quant:
+        k = kv_enter(w, step, layer, "k", k, K_SCALE)
+        v = kv_enter(w, step, layer, "v", v, V_SCALE)
     if cache is not None:
         k, v = cache.append("k", k, 2), cache.append("v", v, 2)
     o = attend(q, k, v, mask, ts.scale, causal=True)
@@ -311,8 +355,14 @@ def gqa_attention(
 
 
 def mla_attention(
-    ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step, cache=None
-):
+    ts: TextSettings, lin: Linear, w: Weights, h: torch.Tensor, mask, step: Step, cache=None,
+    layer: int = -1,
+):  # fmt: skip
+    """MLA; what enters the KV cache (:func:`kv_enter`) is the normed latent and the roped
+    shared key, in either cache layout: with an expanded cache (or none) kv_b_proj then
+    expands the quantized latent, as a serving engine's latent cache would hand it out.
+    Both are quantized with the layer's k_scale (vLLM's MLA stores them as one cache
+    entry with one scale)."""
     b, s, _ = h.shape
     if "attention.q_a_proj" in w:
         qa = lin(w, "attention.q_a_proj", h)
@@ -331,6 +381,9 @@ def mla_attention(
         rot = apply_rope_interleaved if ts.rope_interleave else apply_rope
         q_rot = rot(q_rot, step.cos, step.sin)
         k_rot = rot(k_rot, step.cos, step.sin)
+    if step.kv_hooks or step.kv_quant:
+        latent = kv_enter(w, step, layer, "latent", latent, K_SCALE)
+        k_rot = kv_enter(w, step, layer, "k_rot", k_rot, K_SCALE)
     if cache is not None and cache.mla == "latent":
         o = _mla_latent(ts, w, q_nope, q_rot, latent, k_rot, mask, cache)
         return lin(w, "attention.o_proj", _output_gate(lin, w, h, o))
@@ -676,7 +729,7 @@ def attention_block(
             state = cache.recurrent
         return kda_attention(ts.kda, lin, w, h, step.tokens, state)
     mask = step.masks[ts.windows[layer]]
-    return ATTENTION[kind](ts, lin, w, h, mask, step, cache)
+    return ATTENTION[kind](ts, lin, w, h, mask, step, cache, layer)
 
 
 def mlp_block(ts: TextSettings, lin: Linear, w: Weights, x: torch.Tensor, slots=None):

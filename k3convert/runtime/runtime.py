@@ -32,6 +32,15 @@ the tensor shape transformers hands that Linear. That shape matters, because the
 
 ``rt.act_quant = False`` (``k3convert forward --no-act-quant``) switches the activation
 part off to isolate the weight error.
+
+KV cache: a checkpoint whose quantization_config has a ``kv_cache_scheme`` (FP8 e4m3,
+static, per tensor: what ``quantize --kv-cache fp8`` writes) carries per-layer
+``self_attn.k_scale`` / ``v_scale``; with ``act_quant`` on, what enters the KV cache is
+fake-quantized with them (GQA: K after k_norm and rope with k_scale, V with v_scale;
+MLA: the normed latent and the roped shared key, both with k_scale, as vLLM's MLA
+cache stores them), in the cache and no-cache paths alike (compressed-tensors quantizes
+K / V at the cache update, which runs without a cache too). ``add_kv_hook`` observes
+those tensors before quantization (what calibration needs).
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..arch import resolve, validate_source
+from ..arch import kv_cache_scheme_of, resolve, validate_source
 from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
+from ..quant.kvcache import check_scheme
 from .cache import KVCache
 from .decoder import (
     AttnResState,
@@ -89,14 +99,21 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 @dataclass
 class HookHandle:
-    """Returned by :meth:`Runtime.add_hook`; ``remove()`` unregisters the hook."""
+    """Returned by :meth:`Runtime.add_hook` / :meth:`Runtime.add_kv_hook`; ``remove()``
+    unregisters the hook."""
 
     runtime: Runtime
-    entry: tuple
+    entry: tuple | Callable
+    kind: str = "_hooks"
 
     def remove(self) -> None:
-        if self.entry in self.runtime._hooks:
-            self.runtime._hooks.remove(self.entry)
+        hooks = getattr(self.runtime, self.kind)
+        if any(h is self.entry for h in hooks):
+            hooks[:] = [h for h in hooks if h is not self.entry]
+
+
+#: KV-cache observer: fn(layer, kind, tensor); kind "k" / "v" (GQA), "latent" / "k_rot" (MLA)
+KVHook = Callable[[int, str, torch.Tensor], None]
 
 
 def _matcher(match) -> Callable[[str], bool]:
@@ -147,6 +164,7 @@ class Runtime:
     def _setup(self, source, device, dtype, act_quant, act_quant_experts) -> None:
         """Everything but the weight loader: the config, the plan of units, the checks."""
         self._hooks: list[tuple[Callable[[str], bool], LinearHook]] = []
+        self._kv_hooks: list[KVHook] = []
         self._step_key: tuple | None = None
         self._step: Step | None = None
         self._step_refs: tuple = ()
@@ -180,7 +198,13 @@ class Runtime:
         entries = [e for u in self.plan.units.values() for e in u.values()]
         self._routed = frozenset(e.name for e in entries if e.role.expert is not None)
         self.act_specs: dict[str, ActivationSpec] = self._activation_specs(raw)
-        self.act_quant: bool = bool(self.act_specs) if act_quant is None else bool(act_quant)
+        #: the checkpoint's kv_cache_scheme (its scales checked by validate_source), or None
+        self.kv_scheme: dict | None = kv_cache_scheme_of(raw)
+        if self.kv_scheme is not None:
+            check_scheme(self.kv_scheme, where)
+            self._check_kv_values(matched, where)
+        on = bool(self.act_specs) or self.kv_scheme is not None
+        self.act_quant: bool = on if act_quant is None else bool(act_quant)
         self.act_quant_experts: bool = bool(act_quant_experts)
         static = frozenset(n for n, s in self.act_specs.items() if not s.dynamic)
         if self.act_quant:
@@ -192,6 +216,23 @@ class Runtime:
     @property
     def num_layers(self) -> int:
         return self.cfg.num_layers
+
+    @property
+    def kv_quant(self) -> bool:
+        """Whether what enters the KV cache is fake-quantized (a kv_cache_scheme and
+        ``act_quant`` on)."""
+        return self.act_quant and self.kv_scheme is not None
+
+    def add_kv_hook(self, fn: KVHook) -> HookHandle:
+        """Call ``fn(layer, kind, t)`` with every tensor as it enters the KV cache, before
+        any fake quantization, in the cache and no-cache paths: GQA layers ``"k"`` (after
+        k_norm and rope, [B, kv_heads, S, head_dim]) and ``"v"``; MLA layers ``"latent"``
+        (kv_a_proj_with_mqa's latent after kv_a_layernorm, [B, S, kv_lora_rank]) and
+        ``"k_rot"`` (the roped shared key, [B, 1, S, qk_rope_head_dim]). KDA layers keep
+        no KV cache: no call. On a tensor-parallel runtime each rank's local heads come
+        separately. The return value is ignored."""
+        self._kv_hooks.append(fn)
+        return HookHandle(self, fn, "_kv_hooks")
 
     def add_hook(self, fn: LinearHook, match: str | Iterable[str] | Callable | None = None):
         """Call ``fn(name, input, output)`` after every linear whose weight's source name
@@ -472,6 +513,24 @@ class Runtime:
                     specs[e.name] = spec
         return specs
 
+    def _check_kv_values(self, matched: dict, where: str) -> None:
+        """A checkpoint's KV-cache scales are read at open (two [1] tensors a layer):
+        each must be one finite positive number. Other sources are checked on use."""
+        from ..checkpoint.reader import Checkpoint
+
+        if not isinstance(self.source, Checkpoint):
+            return
+        for name, m in matched.items():
+            if m.role.kind not in ("k_scale", "v_scale"):
+                continue
+            t = self.source.get(name, torch.float32).reshape(-1)
+            if t.numel() != 1 or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise CheckpointError(
+                    f"{where}: KV-cache scale '{name}' is {t.tolist()}; each scale must be "
+                    f"one finite positive number (a non-finite or zero scale breaks the FP8 "
+                    f"cache of every serving engine). Re-run quantize --kv-cache fp8."
+                )
+
     def _check_groups(self, where: str) -> None:
         """Group-wise activation specs need in_features divisible by the group size:
         compressed-tensors cannot quantize such an input (and serving kernels reject it)."""
@@ -559,7 +618,7 @@ class Runtime:
         fused = not (self.act_quant and self.act_specs)  # see decoder.Step.fused_mla
         key = (id(position_ids), id(attention_mask), tuple(hidden.shape[:2]), past, fused)
         if self._step is not None and self._step_key == key:
-            return self._step
+            return self._kv_step(self._step)
         refs = (position_ids, attention_mask)
         mask = self._mask(attention_mask, hidden, past) if attention_mask is not None else None
         pos = torch.as_tensor(position_ids)
@@ -573,7 +632,13 @@ class Runtime:
         pos = pos.expand(hidden.shape[0], -1)
         self._step = make_step(self.text, pos, mask, self.device, past, fused)
         self._step_key, self._step_refs = key, refs
-        return self._step
+        return self._kv_step(self._step)
+
+    def _kv_step(self, step: Step) -> Step:
+        """The KV-cache settings of now (hooks and act_quant may change between calls)."""
+        step.kv_hooks = self._kv_hooks
+        step.kv_quant = self.kv_quant
+        return step
 
     def _ids(self, input_ids) -> torch.Tensor:
         t = torch.as_tensor(input_ids)
@@ -646,7 +711,7 @@ LINEAR_COMPONENTS = ("attention", "linear_attention", "dense_mlp", "shared_exper
 #: parameters, the latent MoE's norm)
 NOT_LINEAR = ("linear_attention.q_conv1d", "linear_attention.k_conv1d",
               "linear_attention.v_conv1d", "linear_attention.A_log", "linear_attention.dt_bias",
-              "latent.routed_expert_norm")  # fmt: skip
+              "latent.routed_expert_norm", "attention.k_scale", "attention.v_scale")  # fmt: skip
 #: vision / projector kinds that are Linear weights
 VISION_LINEARS = ("vision.wqkv", "vision.wo", "vision.fc0", "vision.fc1", "projector.proj_in",
                   "projector.proj_out")  # fmt: skip
