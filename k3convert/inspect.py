@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .arch import COMPONENTS, load_config, resolve, validate_source
+from .arch import COMPONENTS, kv_cache_scheme_of, load_config, resolve, validate_source
 from .checkpoint import open_checkpoint
 from .checkpoint.output import refuse_partial
 
@@ -186,9 +186,55 @@ def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = Tr
             report["missing"] = missing
     else:
         report["est_bytes_at_config_dtype"] = sum(v["bytes"] for v in by_comp.values())
+    kv = _kv_cache(raw_cfg, cfg, ckpt, rows)
+    if kv is not None:
+        report["kv_cache"] = kv
     if tensors:
         report["tensors"] = table
     return report
+
+
+def _kv_cache(raw: dict, cfg: Any, ckpt, rows) -> dict | None:
+    """The calibrated KV-cache quantization: the config's kv_cache_scheme and, with
+    weights, the per-layer k_scale / v_scale tensors (their range)."""
+    scheme = kv_cache_scheme_of(raw)
+    scales = [(n, role) for n, _, _, role in rows if role.kind in ("k_scale", "v_scale")]
+    if scheme is None and not scales:
+        return None
+    text = getattr(cfg, "text", cfg)
+    kda = getattr(text, "is_kda_layer", None)
+    attn = [i for i in range(text.num_layers) if kda is None or not kda(i)]
+    out: dict[str, Any] = {"scheme": scheme, "attention_layers": len(attn)}
+    if ckpt is not None:
+        out["layers_with_scales"] = len({r.layer for _, r in scales if not r.mtp})
+        for kind in ("k_scale", "v_scale"):
+            vals = [float(ckpt.get(n, None).float().reshape(-1)[0]) for n, r in scales
+                    if r.kind == kind and ckpt.meta(n).shape == (1,)]  # fmt: skip
+            out[kind] = [min(vals), max(vals)] if vals else None
+    return out
+
+
+def _kv_line(kv: dict) -> str:
+    sc = kv["scheme"]
+    if isinstance(sc, dict):
+        what = (
+            f"{sc.get('type', '?')}{sc.get('num_bits', '?')} "
+            f"{sc.get('strategy', '?')} {'dynamic' if sc.get('dynamic') else 'static'}"
+        )
+    else:
+        what = "no kv_cache_scheme in the config"
+    line = f"  KV cache: {what}"
+    if "layers_with_scales" in kv:
+        line += (
+            f", scales on {kv['layers_with_scales']} of {kv['attention_layers']} attention layers"
+        )
+        for kind in ("k_scale", "v_scale"):
+            if kv.get(kind):
+                lo, hi = kv[kind]
+                line += f"; {kind} {lo:.3g}..{hi:.3g}"
+    else:
+        line += f" ({kv['attention_layers']} attention layers)"
+    return line
 
 
 def _inspect_stream(p: Path, *, tensors: bool, keep_mtp: bool) -> dict:
@@ -272,6 +318,8 @@ def format_report(r: dict) -> str:
                 else ""
             )
         )
+    if "kv_cache" in r:
+        head.append(_kv_line(r["kv_cache"]))
     if "vision" in r:
         v = r["vision"]
         head.append(

@@ -326,6 +326,22 @@ def test_mla_latent_quantization(dsv3):
         assert e <= 1e-5, (mla, e)
 
 
+def test_verify_mla_tp2_decode(dsv3):
+    """verify on the fly (planned tp=2 ranks) of the MLA checkpoint with scales: the
+    candidate's cache is quantized, decoding with the latent cache equals its full
+    forward (static scales: bit for bit up to float order), and the note says so."""
+    from k3convert.verify.run import run_verify
+
+    src, kv, _ = dsv3
+    rep = run_verify(candidate=kv, reference=str(src), layout="tp=2", decode=3,
+                     mla_cache="latent", progress=False)  # fmt: skip
+    assert rep["passed"], rep.get("failure")
+    assert "KV cache fake-quantized to FP8" in rep["act_quant"]
+    dec = rep["decode"]
+    assert dec["passed"] and dec["argmax_equal"] and dec["max_rel_err"] <= 1e-5, dec
+    assert rep["logits"]["kld"]["mean"] > 0  # the candidate is not the reference
+
+
 def test_kda_layers_untouched(tmp_path):
     from tests.models import kimi_linear
 
@@ -362,6 +378,26 @@ def open_kv(path):
     ck = open_checkpoint(path)
     arch, cfg = resolve(ck.config)
     return validate_source(arch, cfg, ck, str(path))
+
+
+def test_inspect_shows_scales(llama):
+    from k3convert.inspect import format_report, inspect_path
+
+    _, kv, _ = llama
+    ck = open_checkpoint(kv)
+    r = inspect_path(path=kv, tensors=True)
+    k = [float(ck.get(f"model.layers.{i}.self_attn.k_scale")) for i in range(2)]
+    assert r["kv_cache"]["scheme"] == kv_cache_scheme()
+    assert r["kv_cache"]["layers_with_scales"] == r["kv_cache"]["attention_layers"] == 2
+    assert r["kv_cache"]["k_scale"] == [min(k), max(k)]
+    rows = [t for t in r["tensors"] if t["kind"] in ("k_scale", "v_scale")]
+    assert len(rows) == 4 and all(t["keep"] and t["split"] == "replicate" for t in rows)
+    text = format_report(r)
+    assert "KV cache: float8 tensor static, scales on 2 of 2 attention layers" in text
+    assert "model.layers.1.self_attn.v_scale" in text
+    # a config alone: the scheme, not the tensors (the table does not imply them)
+    cfg_only = inspect_path(path=kv / "config.json")
+    assert cfg_only["kv_cache"] == {"scheme": kv_cache_scheme(), "attention_layers": 2}
 
 
 # -- shard + verify -----------------------------------------------------------------------

@@ -20,8 +20,10 @@ Each attention kind owns its cache layout:
 ``kv_dtype="fp8"`` stores every cached tensor as float8 e4m3 with one scale per tensor
 kind and layer (``k`` / ``v`` / ``latent`` / ``k_rot``): the scale the caller passes in
 ``scales`` (calibrated), else a dynamic scale fixed by the first (prefill) chunk,
-``amax / 448``, as serving engines compute it on the first forward. (``verify`` uses
-dynamic scales: nothing calibrates KV scales yet.) Later tokens are quantized with that
+``amax / 448``, as serving engines compute it on the first forward. (A checkpoint's
+calibrated ``kv_cache_scheme`` scales are applied before the cache, by the runtime's fake
+quantization, see :func:`~k3convert.runtime.decoder.kv_enter`; ``verify --kv-cache fp8``
+then stores those already-rounded values.) Later tokens are quantized with that
 scale (saturating at +-448); attention reads the dequantized values. KDA states are
 always kept in float32 (the reference's state dtype), whatever ``kv_dtype`` says.
 

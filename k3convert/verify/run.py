@@ -651,14 +651,19 @@ def _expert_summary(ranks) -> dict | None:
 
 
 def _act_note(cand: ParallelRuntime) -> str | None:
+    kv = (
+        "KV cache fake-quantized to FP8 e4m3 with the checkpoint's calibrated per-layer "
+        "k_scale / v_scale (MLA: latent and roped key with k_scale)"
+    )
     if not cand.act_specs or not cand.act_quant:
-        return None
+        return kv if cand.kv_quant else None
+    note = "activation fake-quantization on"
     if cand.layout.tp > 1:
-        return (
-            "activation fake-quantization on; row-parallel Linears (o_proj, down_proj) "
-            "quantize their local input slice, as serving engines do"
+        note += (
+            "; row-parallel Linears (o_proj, down_proj) quantize their local input slice, "
+            "as serving engines do"
         )
-    return "activation fake-quantization on"
+    return f"{note}; {kv}" if cand.kv_quant else note
 
 
 def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> dict:
