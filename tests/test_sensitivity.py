@@ -403,3 +403,25 @@ def test_quantized_lm_head_is_scored(llama):
     for method in ("output", "layer", "kl"):
         t = scan_sensitivity(ckpt, plan, calib, method=method).by_name()["lm_head.weight"]
         assert t.layer is None and t.tokens == 64 and t.score > 0, (method, t)
+
+
+def test_expert_shortcut_equals_layer_rerun(dsv3, monkeypatch):
+    """``layer`` scores of routed experts from the expert alone (weighted by its routing
+    weights) equal those from rerunning the whole layer with that expert quantized."""
+    from k3convert.calibrate import sensitivity
+
+    ids = torch.randint(3, 1000, (3, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    calib = CalibrationSet(ids, mask, "padded", fingerprint(ids, mask, {}, None))
+    kw = dict(method="layer", ladder="int8-g32", batch_size=2)
+    fast = scan_sensitivity(dsv3["ckpt"], dsv3["plan"], calib, **kw).by_name()
+    monkeypatch.setattr(sensitivity, "_EXPERT_SHORTCUT", False)
+    full = scan_sensitivity(dsv3["ckpt"], dsv3["plan"], calib, **kw).by_name()
+    experts = [n for n, t in full.items() if t.expert is not None]
+    assert len(experts) == 2 * 8 * 3
+    for n, t in full.items():
+        f = fast[n]
+        assert f.tokens == t.tokens, n
+        assert f.score == pytest.approx(t.score, rel=1e-3, abs=1e-9), n
+        assert f.ladder_score == pytest.approx(t.ladder_score, rel=1e-3, abs=1e-11), n

@@ -7,24 +7,40 @@ alone were quantized. Every tensor is scored on its own - a routed expert's gate
 down projections are three rows, each with its own score - so the budget can go to
 single experts, not just to layers.
 
-Two methods:
+Three methods (``method=``), all on real tokens only (padding excluded; routed experts
+on the tokens the router sends them), each tensor quantized ALONE with the rest of the
+model unquantized. Rank correlation (Spearman) with the true single-tensor KL on held-out
+text, measured on the trained fixtures under int3-g32 (tests/test_sensitivity.py; llama:
+its 28 Linears, deepseek_v3: all 72 incl. 48 individual routed-expert rows):
 
-``output`` (default; cost: one forward of the calibration set plus, per tensor and
-micro-batch, one dequantize and one matmul):
-    the Linear's output error energy on its real inputs,
-    ``sum over real tokens ||x W^T - x Q(W)^T||^2`` (padding excluded; routed experts
-    see the tokens the router sends them), weighted by where that output goes: divided
-    by the mean squared norm of the residual stream entering the layer (per token), so
-    an error is measured relative to the signal it perturbs. ``Q(W)`` is
-    ``scheme.dequantize(scheme.quantize(W))``, computed from the compact parts in the
-    hook; a layer's parts are held compact (never a whole MoE layer dequantized), the
-    fp32 difference of one tensor exists only during its matmul.
-``kl`` (cost: per tensor, the rest of the model from its layer on, for every
-micro-batch; only for small models):
-    the mean next-token KL divergence, over the real tokens of the calibration set, of
-    the model with only that tensor quantized against the unquantized model: the
-    tensor's output is replaced by the quantized one in a hook and the remaining
-    layers and the head are run.
+``layer`` (default; llama 0.87, deepseek_v3 0.95):
+    the change of the decoder layer's output (the residual stream after the layer) when
+    that tensor's output is replaced by ``x Q(W)^T`` in a hook, as
+    ``sum over real tokens ||dh||^2 / mean over real tokens ||h||^2``: the error where it
+    reaches the residual stream, relative to the signal it perturbs (attention's
+    softmax, the gating and the routing weights included). Cost: one rerun of the layer
+    per tensor and micro-batch; routed experts of a plain MoE rerun only their expert on
+    its tokens (the layer output changes by routing weight x expert output change,
+    exactly: a test compares it with the full rerun), so a 384-expert layer costs about
+    3 layer forwards plus one per non-expert Linear, not 1152. A latent MoE (Kimi K3)
+    reruns the layer per expert tensor (its norm after the sum is not linear).
+``output`` (llama 0.45, deepseek_v3 0.68: cheap but weak):
+    the Linear's own output error energy ``sum ||x W^T - x Q(W)^T||^2`` divided by the
+    mean squared norm of the residual stream entering the layer. Cost: one forward plus
+    one dequantize and matmul per tensor and micro-batch. It cannot see where an output
+    goes (q/k/gate/up errors are damped or amplified before they reach the residual).
+``kl`` (llama 0.985, deepseek_v3 0.97; small models only):
+    the mean next-token KL divergence over the real calibration tokens, the tensor's
+    output replaced in a hook and the remaining layers and the head run. Cost: per
+    tensor, the rest of the model from its layer on for every micro-batch, and the
+    reference log-probabilities of the whole set held in memory ([N, S, vocab] fp32).
+
+In every method ``Q(W)`` is ``scheme.dequantize(scheme.quantize(W))``: a layer's parts are
+made once and held compact, one tensor is dequantized at a time (never a whole MoE layer
+in fp32). Memory: one layer's weights plus the calibration set's hidden states. A
+quantized ``lm_head`` is scored in the head stage the same way (logits for ``layer``).
+Scores are per weight tensor, summed over tokens (an expert that works on few tokens
+matters less); they are comparable within one method only.
 
 With a ladder scheme (``w4a16 -> int8-g32``) every tensor is scored under the ladder
 scheme too, so the gain of an upgrade (score - ladder score) is known.
@@ -64,13 +80,16 @@ import torch
 from ..errors import ConfigError
 from ..quant.rules import Decision, Plan
 from ..quant.schemes import Scheme, get_scheme
-from ..runtime.decoder import ROUTERS, layer_output
+from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
 from .data import CalibrationSet
 from .sequential import _dequantized
 
 METHODS = ("output", "layer", "kl")
 REPORT_FORMAT = "k3convert-sensitivity-v1"
 REPORT_FILE = "sensitivity.json"
+#: ``layer`` method: routed experts of a plain MoE rerun alone (False: the whole layer,
+#: the definition the shortcut must reproduce; tests compare the two)
+_EXPERT_SHORTCUT = True
 BUDGET_FORMS = (
     "a percentage of the quantized tensors' output bytes ('5%'), "
     "a byte count ('1.5GB', '300MiB', '2000000'), "
@@ -382,16 +401,17 @@ def scan_sensitivity(
                              calib.describe(), time.perf_counter() - t0, unmeasured)  # fmt: skip
 
 
-def route_tokens(rt, unit: str, y: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def route_tokens(rt, unit: str, y: torch.Tensor):
     """The router Linear's output ``y`` [T, E] -> (expert -> its token rows in the order
-    the runtime feeds them, expert ids [T, k])."""
+    the runtime feeds them, expert -> the routing weights of those rows)."""
     w = rt.loader.get(unit)
-    _, idx = ROUTERS[rt.text.router](rt.text, y, w)
+    weights, idx = ROUTERS[rt.text.router](rt.text, y, w)
     k = idx.shape[1]
     eid = idx.reshape(-1)
     order = eid.argsort(stable=True)
     counts = torch.bincount(eid, minlength=rt.text.num_experts).tolist()
-    return dict(enumerate((order // k).split(counts))), idx
+    rows = dict(enumerate((order // k).split(counts)))
+    return rows, dict(enumerate(weights.reshape(-1)[order].split(counts)))
 
 
 class _Scan:
@@ -408,6 +428,7 @@ class _Scan:
         self.amasks = [None if bool(m.all()) else m for m in self.masks]
         self.real = sum(int(m.sum()) for m in self.masks)
         self.scores = {n: {"score": 0.0, "ladder": 0.0, "tokens": 0} for n in self.rows}
+        self.expert_shortcut = _EXPERT_SHORTCUT
 
     def run(self) -> dict:
         rt = self.rt
@@ -447,6 +468,34 @@ class _Scan:
         r = ref[m.to(ref.device)].double()
         return float((d * d).sum() / max(float((r * r).sum(-1).mean()), 1e-30))
 
+    @torch.inference_mode()
+    def _experts(self, unit, by_name, mine, experts, routed, out, cur, variants) -> None:
+        """``layer`` scores of routed experts' Linears: each expert rerun alone on its
+        tokens, its output change weighted by the routing weights (see ``_stage``)."""
+        rt = self.rt
+        w = rt.loader.get(unit)
+        names = {e: [n for n in mine if by_name[n].role.expert == e] for e in experts}
+        for b, rec in enumerate(routed):
+            ref_out = layer_output(out[b]).to(torch.float32)[self.masks[b].to(out[b].device)]
+            norm = max(float((ref_out.double() ** 2).sum(-1).mean()), 1e-30)
+            for e in experts:
+                x = rec["inputs"].get(e)
+                if x is None:  # no token (real or padding) reached it
+                    continue
+                cur.clear()
+                cur["mask"], cur["experts"] = self.masks[b], rec["experts"]
+                real = self.masks[b].reshape(-1)[rec["experts"][e].to(self.masks[b].device)]
+                wts = rec["weights"][e][:, None].to(torch.float32)
+                ref = gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", x)
+                for name in names[e]:
+                    for lad in variants:
+                        cur["target"], cur["ladder"] = name, lad
+                        got = gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", x)
+                        d = ((got.to(torch.float32) - ref.to(torch.float32)) * wts)[real]
+                        key = "ladder" if lad else "score"
+                        self.scores[name][key] += float((d.double() ** 2).sum()) / norm
+        cur.clear()
+
     def _parts(self, cache: dict, name: str):
         """(quantized parts, ladder parts or None) of ``name``, made once per stage (the
         parts are compact; the source weight is mapped only while they are made)."""
@@ -470,7 +519,11 @@ class _Scan:
         cache: dict = {}
 
         def on_router(name, x, y):
-            cur["experts"], _ = route_tokens(rt, unit, y)
+            cur["experts"], cur["weights"] = route_tokens(rt, unit, y)
+
+        def on_expert_input(name, x, y):
+            if cur.get("capture"):
+                cur["inputs"][by_name[name].role.expert] = x
 
         def token_mask(name, x) -> torch.Tensor:
             valid = cur["mask"]
@@ -511,21 +564,38 @@ class _Scan:
                 s["ladder"] += _energy(xr, w - _dequantized(self.ladder, lparts)) / cur["norm"]
             return None
 
+        # routed experts of a plain MoE (the routed sum added to the layer output as it
+        # is): the layer output changes by weight x (expert output change) on the expert's
+        # own tokens, so only that expert is rerun (not the layer: 3 x E reruns per layer)
+        latent = any(e.key == "latent.routed_expert_down_proj" for e in entries.values())
+        shortcut = (self.method == "layer" and self.expert_shortcut and router is not None
+                    and not latent)  # fmt: skip
+        experts = sorted({by_name[n].role.expert for n in mine
+                          if by_name[n].role.expert is not None})  # fmt: skip
         handles = [rt.add_hook(on_linear, set(mine))] if mine else []
         if router is not None and mine:
             handles.append(rt.add_hook(on_router, {router}))
-        out = []
+        if shortcut and experts:
+            gates = {e.name for e in entries.values()
+                     if e.role.expert in experts and e.key.endswith(".gate_proj")}  # fmt: skip
+            handles.append(rt.add_hook(on_expert_input, gates))
+        out, routed = [], []
         try:
             for b, h in enumerate(hidden):
                 cur.clear()
                 cur["mask"] = self.masks[b]
-                hv = layer_output(h).to(torch.float32)[self.masks[b].to(h.device if
-                                                       torch.is_tensor(h) else "cpu")]  # fmt: skip
+                hv = layer_output(h).to(torch.float32)[self.masks[b].to(layer_output(h).device)]
                 cur["norm"] = max(float((hv.double() ** 2).sum(-1).mean()), 1e-30)
+                cur["capture"], cur["inputs"] = shortcut, {}
                 out.append(self._run(i, h, b))
+                if shortcut:
+                    routed.append({k: cur.get(k) for k in ("experts", "weights", "inputs")})
+            cur.clear()
             if self.method != "output":
                 variants = (False, True) if self.ladder is not None else (False,)
                 for name in mine:
+                    if shortcut and by_name[name].role.expert is not None:
+                        continue
                     for lad in variants:
                         cur["target"], cur["ladder"] = name, lad
                         key = "ladder" if lad else "score"
@@ -533,7 +603,10 @@ class _Scan:
                             cur["mask"] = self.masks[b]
                             cur.pop("experts", None)
                             self.scores[name][key] += self._perturbed(i, h, b, out[b], ref_logp)
-                    if self.method == "kl":
+                if shortcut:
+                    self._experts(unit, by_name, mine, experts, routed, out, cur, variants)
+                if self.method == "kl":
+                    for name in mine:
                         self.scores[name]["score"] /= self.real
                         self.scores[name]["ladder"] /= self.real
         finally:
