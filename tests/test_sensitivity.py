@@ -31,6 +31,7 @@ from k3convert.calibrate.sensitivity import (
     parse_budget,
     scan_sensitivity,
 )
+from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import ConfigError
 from k3convert.quant import quantize
 from k3convert.quant.schemes import get_scheme
@@ -207,11 +208,37 @@ def _random_keeps(plan, budget_bytes: int, seed: int) -> list[str]:
     return out
 
 
-def test_auto_keep_beats_random_and_none(llama, tmp_path):
-    """The issue's target, on transformers' load of the real ``quantize`` output."""
+def _load_quantized(out, dense, family: str):
+    """transformers' model of ``quantize``'s output: llama loaded directly
+    (``CompressedTensorsConfig(dequantize=True)``); deepseek_v3 through compressed-tensors'
+    dequantizer first: transformers 5.24 fuses a layer's experts at load time and cannot
+    concatenate kept bf16 experts with packed int ones ("Sizes of tensors must match")."""
     from transformers import CompressedTensorsConfig
 
-    s = llama
+    if family == "llama":
+        return _hf(out, quantization_config=CompressedTensorsConfig(dequantize=True)).float()
+    from compressed_tensors.entrypoints.convert import (
+        CompressedTensorsDequantizer,
+        convert_checkpoint,
+    )
+    from loguru import logger
+
+    q = open_checkpoint(out)
+    plain = [n.removesuffix(".weight") for n in q.names() if q.meta(n).encoding == "plain"]
+    logger.disable("compressed_tensors")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            convert_checkpoint(out, dense, CompressedTensorsDequantizer(
+                out, ignore=plain, dtype=torch.float32), max_workers=1)  # fmt: skip
+    finally:
+        logger.enable("compressed_tensors")
+    return _hf(dense)
+
+
+@pytest.mark.parametrize("family", ["llama", "dsv3"])
+def test_auto_keep_beats_random_and_none(family, request, tmp_path):
+    """The issue's target, on transformers' model of the real ``quantize`` output."""
+    s = request.getfixturevalue(family)
     rep = scan_sensitivity(s["ckpt"], s["plan"], s["calib"])
     sel = choose_keeps(rep, "5%", s["plan"])
     assert sel.names and sel.used_bytes <= sel.budget_bytes
@@ -220,16 +247,15 @@ def test_auto_keep_beats_random_and_none(llama, tmp_path):
         out = tmp_path / tag
         res = quantize(src=s["path"], out=out, scheme=SCHEME, keep=keep_patterns(names),
                        progress=False)  # fmt: skip
-        assert sorted(r.name for r in res.plan.rows if r.kept and "--keep" in r.reason) == sorted(
-            names
-        )
-        m = _hf(out, quantization_config=CompressedTensorsConfig(dequantize=True)).float()
+        kept = [r.name for r in res.plan.rows if r.kept and "--keep" in r.reason]
+        assert sorted(kept) == sorted(names)
+        m = _load_quantized(out, tmp_path / f"{tag}-dense", family)
         return _kl(s["ref"], _logp(m, s["blocks"]))
 
     none = kl_of([], "none")
     auto = kl_of(sel.names, "auto")
     rnd = [kl_of(_random_keeps(s["plan"], sel.budget_bytes, k), f"rnd{k}") for k in range(4)]
-    print(f"llama {SCHEME} 5% budget ({sel.summary()}): held-out KL none {none:.5f}, "
+    print(f"{family} {SCHEME} ({sel.summary()}): held-out KL none {none:.5f}, "
           f"auto-keep {auto:.5f}, random {', '.join(f'{x:.5f}' for x in rnd)}")  # fmt: skip
     assert auto < none
     assert auto < sum(rnd) / len(rnd)
