@@ -146,6 +146,37 @@ def test_scale_tensors(dsv3):
         kv_scale_tensors({0: {"k": 1.0, "v": 1.0}}, _llama_cfg())
 
 
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k25", "kimi_linear",
+               "kimi_k3"],
+)  # fmt: skip
+def test_scale_names_match_the_tables(family):
+    """The writer's names are the ones every family's table accepts, on the right
+    layers: attention layers only (hybrids: the MLA layers)."""
+    if family == "kimi_k3":
+        import k3convert.presets
+
+        raw = json.loads((Path(k3convert.presets.__file__).parent / "kimi-k3.json").read_text())
+    else:
+        from tests.models import config_for
+
+        raw = config_for(family).to_dict()
+    arch, cfg = resolve(raw)
+    text = getattr(cfg, "text", cfg)
+    kda = getattr(text, "is_kda_layer", lambda i: False)
+    layers = [i for i in range(text.num_layers) if not kda(i)]
+    mla = hasattr(text, "kv_lora_rank")
+    obs = {i: {"latent": 1.0, "k_rot": 2.0} if mla else {"k": 1.0, "v": 2.0} for i in layers}
+    names = kv_scale_tensors(obs, raw)
+    matched = arch.match(cfg, list(names))
+    assert sorted((m.role.layer, m.role.kind) for m in matched.values()) == sorted(
+        (i, k) for i in layers for k in ("k_scale", "v_scale")
+    )
+    assert all(m.role.keep and m.role.split == "replicate" for m in matched.values())
+    rows = [r for r in arch.table(cfg) if r.kind in ("k_scale", "v_scale")]
+    assert len(rows) == 2 and all(r.optional for r in rows)  # accepted, never implied
+
+
 def _llama_cfg():
     from tests.models import config_for
 
@@ -340,6 +371,12 @@ def test_verify_mla_tp2_decode(dsv3):
     dec = rep["decode"]
     assert dec["passed"] and dec["argmax_equal"] and dec["max_rel_err"] <= 1e-5, dec
     assert rep["logits"]["kld"]["mean"] > 0  # the candidate is not the reference
+    # an FP8 cache stores with the calibrated scales: the already-rounded values again
+    rep = run_verify(candidate=kv, reference=str(src), decode=3, kv_cache="fp8",
+                     mla_cache="latent", progress=False)  # fmt: skip
+    dec = rep["decode"]
+    assert rep["passed"] and dec["kv_scales"].startswith("calibrated"), dec
+    assert dec["max_rel_err"] <= 1e-5 and dec["kld_vs_full"] <= 1e-9, dec
 
 
 def test_kda_layers_untouched(tmp_path):
@@ -418,7 +455,7 @@ def test_shard_tp2_and_verify(llama, tmp_path):
                     assert torch.equal(fh.get_tensor(name), ref.get(name)), (r, name)
     rep = run_verify(candidate=out, progress=False)
     assert rep["passed"], rep.get("failure")
-    # the parallel runtime reads the scales back from the shards: a tp=2 stream of the
+    # the parallel runtime reads the scales back from the shards: a tp=2 pp=2 stream of the
     # unquantized source with the same scales (no activation quantization, whose
     # row-parallel local slices would differ from tp=1 by themselves) == the checkpoint
     from k3convert.parallel.ranks import stream_ranks
@@ -427,7 +464,13 @@ def test_shard_tp2_and_verify(llama, tmp_path):
 
     scales = {n: ref.get(n) for n in ref.names() if n.endswith(("k_scale", "v_scale"))}
     plain = _with_kv(src, tmp_path / "plain", scales)
-    s2 = shard(src=plain, out=tmp_path / "s2", tp=2, progress=False).out
+    s2 = shard(src=plain, out=tmp_path / "s2", tp=2, pp=2, progress=False).out
+    for r in range(4):  # stage 0 (ranks 0, 1) holds layer 0, stage 1 (ranks 2, 3) layer 1
+        (unit,) = (Path(s2) / f"rank{r:05d}").glob("*layer*")
+        with safe_open(unit, "pt") as fh:
+            got = sorted(n for n in fh.keys() if n.endswith("_scale"))  # noqa: SIM118
+        i = r // 2
+        assert got == [f"model.layers.{i}.self_attn.{k}_scale" for k in "kv"], (r, got)
     ids = _ids()
     seen = []
     with ParallelRuntime(stream_ranks(open_stream(s2))) as prt:
@@ -439,7 +482,7 @@ def test_shard_tp2_and_verify(llama, tmp_path):
     mine = _forward(plain, ids)
     d = _rel(tp2, mine)
     off = _rel(_forward(plain, ids, act_quant=False), mine)
-    print(f"tp=2 stream vs checkpoint, fp8 KV: {d:.1e} (KV quant off: {off:.1e})")
+    print(f"tp=2 pp=2 stream vs checkpoint, fp8 KV: {d:.1e} (KV quant off: {off:.1e})")
     assert d <= 1e-5 and off > 5 * TOL, (d, off)
 
 

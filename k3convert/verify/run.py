@@ -666,9 +666,38 @@ def _act_note(cand: ParallelRuntime) -> str | None:
     return f"{note}; {kv}" if cand.kv_quant else note
 
 
+def _kv_cache_scales(cand: ParallelRuntime, mla_cache: str) -> dict | None:
+    """``{layer: {kind: scale}}`` for :class:`KVCache` from the candidate's k_scale /
+    v_scale (read from the first rank of the layer's stage; the scales are replicated):
+    GQA layers cache K / V; MLA layers only in the latent layout (the expanded layout
+    caches kv_b_proj's outputs, which no calibrated scale describes); KDA layers none.
+    None when the candidate has no kv_cache_scheme or its quantization is off."""
+    if not cand.kv_quant:
+        return None
+    out: dict[int, dict[str, float]] = {}
+    for i in range(cand.num_layers):
+        kind = cand.text.attention_of(i)
+        if kind == "kda" or (kind == "mla" and mla_cache != "latent"):
+            continue
+        unit = f"layer.{i}"
+        reader = cand.ranks.rank(cand.ranks.tp_group(cand._stage_of[unit])[0])
+        entries = cand.plan.units[unit]
+
+        def value(k: str, reader=reader, entries=entries) -> float:
+            name = entries[f"attention.{k}_scale"].name
+            return float(reader.get(name, torch.float32).reshape(-1)[0])
+
+        k = value("k")
+        out[i] = {"k": k, "v": value("v")} if kind == "gqa" else {"latent": k, "k_rot": k}
+    return out or None
+
+
 def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> dict:
-    """Greedy decode of ``n`` tokens with a KV cache, against full forwards."""
-    cache = KVCache(mla=mla_cache, kv_dtype=kv_cache)
+    """Greedy decode of ``n`` tokens with a KV cache, against full forwards. An FP8 cache
+    of a candidate with calibrated KV-cache scales stores with those scales (what a
+    serving engine loads), where they describe what the cache holds."""
+    scales = _kv_cache_scales(cand, mla_cache) if kv_cache == "fp8" else None
+    cache = KVCache(mla=mla_cache, kv_dtype=kv_cache, scales=scales)
     prompt_note = None
     if mask is not None:
         # right-padded rows would continue after their padding: decode from the longest
@@ -706,6 +735,8 @@ def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> d
            "argmax_equal": same,
            # every rank's cache when simulated; this process's ranks under torchrun
            "cache_mib_this_process": round(cache.nbytes() / 2**20, 3)}  # fmt: skip
+    if scales:
+        out["kv_scales"] = f"calibrated, from the candidate ({len(scales)} layers)"
     if prompt_note:
         out["prompt"] = prompt_note
     # activation specs that run (routed experts' only with act_quant_experts)
