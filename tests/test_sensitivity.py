@@ -451,3 +451,30 @@ def test_expert_shortcut_equals_layer_rerun(dsv3, monkeypatch):
         assert f.tokens == t.tokens, n
         assert f.score == pytest.approx(t.score, rel=1e-3, abs=1e-9), n
         assert f.ladder_score == pytest.approx(t.ladder_score, rel=1e-3, abs=1e-11), n
+
+
+def test_kimi_k3_latent_experts_and_attention_residuals(tmp_path):
+    """Kimi K3 (attention residuals, KDA layers, latent MoE with w1/w2/w3 experts): every
+    method runs; experts' token counts are the calibration engine's; the ``layer`` method
+    reruns the layer per expert tensor there (the latent norm is not linear)."""
+    import warnings
+
+    from k3convert.calibrate.sequential import SequentialOptions, calibrate_sequential
+    from tests.test_calibrate_sequential import k3_calibration
+
+    src, calib = k3_calibration(tmp_path)
+    ckpt, plan = plan_quantization(src=src, scheme="int8-channel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = calibrate_sequential(ckpt, plan, calib, algorithm="rtn",
+                                   options=SequentialOptions(), journal=tmp_path / "j")  # fmt: skip
+    for method in ("output", "layer", "kl"):
+        rep = scan_sensitivity(ckpt, plan, calib, method=method)
+        assert len(rep.tensors) == len([r for r in plan.quantized if not r.as_stored])
+        experts = [t for t in rep.tensors if t.expert is not None]
+        assert experts and rep.unmeasured
+        for t in rep.tensors:
+            assert math.isfinite(t.score) and t.score >= 0, t
+            assert (t.score > 0) == (t.tokens > 0), (method, t)
+        for t in experts:
+            assert t.tokens == res.expert_tokens[t.name], t.name

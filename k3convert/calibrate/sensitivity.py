@@ -33,7 +33,7 @@ its 28 Linears, deepseek_v3: all 72 incl. 48 individual routed-expert rows):
     the mean next-token KL divergence over the real calibration tokens, the tensor's
     output replaced in a hook and the remaining layers and the head run. Cost: per
     tensor, the rest of the model from its layer on for every micro-batch, and the
-    reference log-probabilities of the whole set held in memory ([N, S, vocab] fp32).
+    reference log-probabilities of the whole set held in memory ([N, S, vocab] fp64).
 
 In every method ``Q(W)`` is ``scheme.dequantize(scheme.quantize(W))``: a layer's parts are
 made once and held compact, one tensor is dequantized at a time (never a whole MoE layer
@@ -50,7 +50,8 @@ Routed experts that received no real calibration token have score 0 (and ladder 
 quantization changes nothing, which is exactly what the single-tensor KL on that set
 gives too; spending budget on them would buy nothing measurable. (Scoring them on all
 tokens would measure an input distribution they never see and put them above experts
-that really work.)
+that really work.) Rows the runtime does not run on text (a vision tower, MTP layers)
+are scored 0 and listed there too.
 
 :func:`choose_keeps` spends a :class:`Budget` (:func:`parse_budget`: ``5%`` of the
 scored rows' output bytes, ``1.5GB`` / ``300MiB`` / plain bytes, or ``4.5bpw``) greedily
@@ -188,7 +189,9 @@ class SensitivityReport:
     tensors: list[TensorSensitivity]
     calibration: dict = field(default_factory=dict)
     seconds: float = 0.0
-    unmeasured: list[str] = field(default_factory=list)  # experts with no real token
+    #: rows no real calibration token reached (score 0): routed experts the router never
+    #: chose, and rows outside the decoder layers and the head (vision tower, MTP layers)
+    unmeasured: list[str] = field(default_factory=list)
     selection: dict | None = None  # the last choose_keeps summary
 
     def by_name(self) -> dict[str, TensorSensitivity]:
@@ -223,9 +226,9 @@ class SensitivityReport:
             )
         if self.unmeasured:
             out.append(
-                f"{len(self.unmeasured)} routed expert tensor(s) saw no calibration token "
-                f"(score 0): {', '.join(self.unmeasured[:4])}"
-                + (", ..." if len(self.unmeasured) > 4 else "")
+                f"{len(self.unmeasured)} tensor(s) saw no calibration token (score 0: routed "
+                f"experts never chosen, or outside the text decoder): "
+                f"{', '.join(self.unmeasured[:4])}" + (", ..." if len(self.unmeasured) > 4 else "")
             )
         if self.selection is not None:
             out.append(self.selection["summary"])
@@ -388,7 +391,7 @@ def scan_sensitivity(
                 None if lad is None else float(s["ladder"]),
             )
         )  # fmt: skip
-    unmeasured = [t.name for t in tensors if t.expert is not None and t.tokens == 0]
+    unmeasured = [t.name for t in tensors if t.tokens == 0]
     bad = [t.name for t in tensors
            if not math.isfinite(t.score) or (t.ladder_score is not None
                                              and not math.isfinite(t.ladder_score))]  # fmt: skip
@@ -605,10 +608,10 @@ class _Scan:
                             self.scores[name][key] += self._perturbed(i, h, b, out[b], ref_logp)
                 if shortcut:
                     self._experts(unit, by_name, mine, experts, routed, out, cur, variants)
-                if self.method == "kl":
+                if self.method == "kl":  # (a KL is >= 0; rounding can give -1e-9)
                     for name in mine:
-                        self.scores[name]["score"] /= self.real
-                        self.scores[name]["ladder"] /= self.real
+                        for key in ("score", "ladder"):
+                            self.scores[name][key] = max(self.scores[name][key] / self.real, 0.0)
         finally:
             for hd in handles:
                 hd.remove()
@@ -617,7 +620,9 @@ class _Scan:
 
 
 def _logp(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1)
+    """float64 log-probabilities: the KL of two fp32 logit sets that differ by 1e-7 is
+    ~1e-12, below float32's resolution of a log-probability."""
+    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def _energy(x: torch.Tensor, dw: torch.Tensor) -> float:
@@ -679,11 +684,10 @@ class Selection:
         s = (
             f"auto-keep {self.budget.text}: {len(self.names)} tensor(s) {what}, "
             f"{human_bytes(self.used_bytes)} of {human_bytes(max(self.budget_bytes, 0))} "
-            f"extra bytes, {self.base_bpw:.3f} -> {self.bpw:.3f} bpw, "
-            f"{self.gain / self.total_score:.1%} of the sensitivity removed"
-            if self.total_score > 0
-            else f"auto-keep {self.budget.text}: {len(self.names)} tensor(s) {what}"
+            f"extra bytes, {self.base_bpw:.3f} -> {self.bpw:.3f} bpw"
         )
+        if self.total_score > 0:
+            s += f", {self.gain / self.total_score:.1%} of the sensitivity removed"
         return s + (f" ({self.note})" if self.note else "")
 
     def to_json(self) -> dict:
