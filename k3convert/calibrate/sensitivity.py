@@ -21,9 +21,11 @@ its 28 Linears, deepseek_v3: all 72 incl. 48 individual routed-expert rows):
     softmax, the gating and the routing weights included). Cost: one rerun of the layer
     per tensor and micro-batch; routed experts of a plain MoE rerun only their expert on
     its tokens (the layer output changes by routing weight x expert output change,
-    exactly: a test compares it with the full rerun), so a 384-expert layer costs about
-    3 layer forwards plus one per non-expert Linear, not 1152. A latent MoE (Kimi K3)
-    reruns the layer per expert tensor (its norm after the sum is not linear).
+    exactly: a test compares it with the full rerun), so a layer's experts cost about
+    four times its routed-expert compute (one reference and three perturbed reruns of
+    each expert; twice the perturbed ones with a ladder), not 3 x E layer reruns. A
+    latent MoE (Kimi K3) reruns the layer per expert tensor (its norm after the sum is
+    not linear), which is affordable for small models only.
 ``output`` (llama 0.45, deepseek_v3 0.68: cheap but weak):
     the Linear's own output error energy ``sum ||x W^T - x Q(W)^T||^2`` divided by the
     mean squared norm of the residual stream entering the layer. Cost: one forward plus
@@ -37,8 +39,10 @@ its 28 Linears, deepseek_v3: all 72 incl. 48 individual routed-expert rows):
 
 In every method ``Q(W)`` is ``scheme.dequantize(scheme.quantize(W))``: a layer's parts are
 made once and held compact, one tensor is dequantized at a time (never a whole MoE layer
-in fp32). Memory: one layer's weights plus the calibration set's hidden states. A
-quantized ``lm_head`` is scored in the head stage the same way (logits for ``layer``).
+in fp32). Memory: one layer's weights plus the calibration set's hidden states (in
+memory; with the expert shortcut also each routed expert's input rows of the layer, top-k
+times the layer's hidden states). A quantized ``lm_head`` is scored in the head stage
+the same way (its logits stand for the layer output in ``layer``).
 Scores are per weight tensor, summed over tokens (an expert that works on few tokens
 matters less); they are comparable within one method only.
 
@@ -78,7 +82,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 from ..quant.rules import Decision, Plan
 from ..quant.schemes import Scheme, get_scheme
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
@@ -355,7 +359,13 @@ def scan_sensitivity(
     """Score every quantized row of ``plan`` on ``calib`` (see the module doc).
 
     ckpt / plan: :func:`~k3convert.quant.writer.plan_quantization`'s pair; ladder: a
-    scheme name (or Scheme) also scored for every row; method: ``output`` or ``kl``."""
+    scheme name (or Scheme) also scored for every row; method: ``layer`` (default),
+    ``output`` or ``kl``; batch_size: samples per forward micro-batch; dtype: the
+    runtime's compute dtype; log: called with one line per scored layer.
+
+    Scores are round-to-nearest errors (what the scheme alone does to the tensor): run
+    the scan before GPTQ / AWQ, on the plan those will then use (after
+    :func:`apply_selection`)."""
     from ..runtime.runtime import Runtime
 
     if method not in METHODS:
@@ -396,7 +406,7 @@ def scan_sensitivity(
            if not math.isfinite(t.score) or (t.ladder_score is not None
                                              and not math.isfinite(t.ladder_score))]  # fmt: skip
     if bad:
-        raise ConfigError(
+        raise NonFiniteError(
             f"sensitivity scan: {len(bad)} tensor(s) got a non-finite score (e.g. "
             f"'{bad[0]}'); the model's activations overflow in {dtype}: use dtype fp32."
         )
