@@ -273,6 +273,12 @@ def test_gqa_hook_and_act_quant_off(llama):
         assert rt.kv_quant
         rt.act_quant = False  # switched off between forwards
         assert torch.equal(rt.forward(ids), off)
+    from k3convert.runtime.forward_cmd import run_forward
+
+    on = run_forward(src=kv, ids="1 2 3 4")
+    assert "; KV cache: fake-quantized (fp8 e4m3, calibrated per-layer scales)" in on
+    assert "KV cache: NOT quantized" in run_forward(src=kv, ids="1 2 3 4", act_quant=False)
+    assert "KV cache" not in run_forward(src=q, ids="1 2 3 4")
     # the hook sees the tensors before quantization, also with a cache
     got = []
     with Runtime(open_checkpoint(kv)) as rt:

@@ -222,6 +222,14 @@ def _save(logits: torch.Tensor, out: Path) -> None:
 
 
 def _act_line(rt: Runtime) -> str:
+    kv = ""
+    if rt.kv_scheme is not None:
+        state = "fake-quantized" if rt.kv_quant else "NOT quantized (--no-act-quant)"
+        kv = f"; KV cache: {state} (fp8 e4m3, calibrated per-layer scales)"
+    return _linear_line(rt) + kv
+
+
+def _linear_line(rt: Runtime) -> str:
     if not rt.act_specs:
         return "activations: not quantized by the checkpoint"
     kinds = sorted(

@@ -138,10 +138,12 @@ class Runtime:
     model that fits in memory); default streams.
 
     act_quant: fake-quantize Linear inputs as the checkpoint's ``quantization_config``
-    says (None: on when any Linear has ``input_activations``); a plain attribute, so
-    ``rt.act_quant = False`` switches it off between forwards. act_quant_experts: also
+    says, and the KV cache with the ``kv_cache_scheme``'s scales (None: on when any Linear
+    has ``input_activations`` or the config has a kv_cache_scheme); a plain attribute, so
+    ``rt.act_quant = False`` switches both off between forwards. act_quant_experts: also
     quantize routed experts' inputs (off: as transformers 5.24, see the module doc).
-    ``rt.act_specs`` maps each activation-quantized Linear's weight name to its spec.
+    ``rt.act_specs`` maps each activation-quantized Linear's weight name to its spec;
+    ``rt.kv_scheme`` is the kv_cache_scheme (or None), ``rt.kv_quant`` whether it applies.
     """
 
     def __init__(
