@@ -26,6 +26,7 @@ from k3convert.calibrate.sensitivity import (
     SensitivityReport,
     _kept_row,
     apply_selection,
+    auto_keep,
     choose_keeps,
     keep_patterns,
     parse_budget,
@@ -478,3 +479,19 @@ def test_kimi_k3_latent_experts_and_attention_residuals(tmp_path):
             assert (t.score > 0) == (t.tokens > 0), (method, t)
         for t in experts:
             assert t.tokens == res.expert_tokens[t.name], t.name
+
+
+def test_auto_keep_one_call(w4, llama):
+    ckpt, plan, _ = w4
+    calib = build_calibration_set(llama["path"], "default", num_samples=2, seq_len=32)
+    lines = []
+    new, rep, sel = auto_keep(ckpt, plan, calib, "3%", ladder="int8-g128", log=lines.append)
+    assert sel.names and rep.selection["names"] == sel.names and lines[-1] == sel.summary()
+    assert [r.name for r in new.rows if r.reason.startswith("auto-keep")] == [
+        n for n in (r.name for r in plan.rows) if n in sel.names
+    ]
+    assert all(r.scheme.name == "int8-g128" for r in new.rows if r.name in sel.names)
+    for bad, msg in (("lots", "not understood"), ("fp8", "static input scales")):
+        with pytest.raises(ConfigError, match=msg):  # before any scan
+            auto_keep(ckpt, plan, calib, "5%" if bad == "fp8" else bad,
+                      ladder=bad if bad == "fp8" else None)  # fmt: skip

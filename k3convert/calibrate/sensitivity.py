@@ -62,7 +62,8 @@ scored rows' output bytes, ``1.5GB`` / ``300MiB`` / plain bytes, or ``4.5bpw``) 
 by gain per extra byte, never over the budget; extra bytes come from the writer's own
 planned output entries (:func:`k3convert.quant.writer._entries`) for the row as
 quantized, kept (its source dtype, as the writer keeps rows) or under the ladder scheme.
-:func:`apply_selection` turns a plan and a selection into the plan the writer runs
+:func:`auto_keep` does all three in one call. :func:`apply_selection` turns a plan and a
+selection into the plan the writer runs
 (reason ``auto-keep: sensitivity rank k``); :func:`keep_patterns` gives the same choice
 as exact-name patterns for ``quantize(keep=...)`` (kept only; a ladder needs
 :func:`apply_selection`).
@@ -809,6 +810,31 @@ def apply_selection(plan: Plan, selection: Selection) -> Plan:
     return dataclasses.replace(plan, rows=rows)
 
 
+def auto_keep(
+    ckpt,
+    plan: Plan,
+    calib: CalibrationSet,
+    budget: Budget | str,
+    *,
+    ladder: str | Scheme | None = None,
+    method: str = "layer",
+    batch_size: int = 8,
+    dtype: str = "fp32",
+    log: Callable[[str], None] | None = None,
+) -> tuple[Plan, SensitivityReport, Selection]:
+    """Scan, choose within ``budget`` and apply: (the plan to write, the report with the
+    choice marked, the selection). The budget and the ladder are checked before the scan."""
+    if not isinstance(budget, Budget):
+        budget = parse_budget(budget)
+    _scored_rows(plan, _ladder_scheme(ladder))
+    report = scan_sensitivity(ckpt, plan, calib, ladder=ladder, batch_size=batch_size,
+                              dtype=dtype, method=method, log=log)  # fmt: skip
+    sel = choose_keeps(report, budget, plan, ladder)
+    if log is not None:
+        log(sel.summary())
+    return apply_selection(plan, sel), report, sel
+
+
 def keep_patterns(selection: Selection | Sequence[str]) -> list[str]:
     """Exact-name ``re:`` patterns of the chosen tensors for ``quantize(keep=...)``
     (regex metacharacters escaped; each matches that one weight name)."""
@@ -830,6 +856,7 @@ __all__ = [
     "SensitivityReport",
     "TensorSensitivity",
     "apply_selection",
+    "auto_keep",
     "choose_keeps",
     "keep_patterns",
     "parse_budget",
