@@ -77,16 +77,19 @@ def _with_kv(src: Path, out: Path, scales: dict, scheme=True) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """(quantized fp8-dynamic llama, the same with calibrated KV scales, the source)."""
-    root = tmp_path_factory.mktemp("kv_llama")
-    src = save_model("llama", root / "src")
+def _gqa(root: Path, family: str):
+    """(quantized fp8-dynamic ``family``, the same with calibrated KV scales, the source)."""
+    src = save_model(family, root / "src")
     q = root / "q"
     quantize(src=src, out=q, scheme="fp8-dynamic", progress=False)
     cfg = json.loads((q / "config.json").read_text())
     scales = kv_scale_tensors(_observe(q), cfg)
     return q, _with_kv(q, root / "kv", scales), src
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _gqa(tmp_path_factory.mktemp("kv_llama"), "llama")
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +227,9 @@ def _ct_model(path):
     return m
 
 
-def test_gqa_matches_compressed_tensors(llama):
-    q, kv, _ = llama
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: K after k_norm and rope
+def test_gqa_matches_compressed_tensors(family, llama, tmp_path):
+    q, kv, _ = llama if family == "llama" else _gqa(tmp_path, family)
     ids = _ids()
     m = _ct_model(kv)
     with torch.no_grad():
@@ -233,9 +237,8 @@ def test_gqa_matches_compressed_tensors(llama):
     on = _forward(kv, ids)
     d = _rel(on, ref)
     no_kv = _rel(_forward(q, ids), ref)  # the same checkpoint, K / V unquantized
-    print(
-        f"llama fp8-dynamic + fp8 KV: ours vs compressed-tensors {d:.1e} (no KV quant {no_kv:.1e})"
-    )
+    what = f"{family} fp8-dynamic + fp8 KV: ours vs compressed-tensors"
+    print(f"{what} {d:.1e} (no KV quant {no_kv:.1e})")
     assert d <= TOL, d
     assert no_kv > 5 * TOL, f"KV quantization changed nothing ({no_kv:.1e})"
     # cache path: prefill + decode steps == compressed-tensors with a DynamicCache
