@@ -19,17 +19,23 @@ from .data import (
     model_info,
     resolve_dataset,
 )
+from .sensitivity import SensitivityReport, auto_keep, choose_keeps, parse_budget, scan_sensitivity
 
 __all__ = [
     "CalibrationDataError",
     "CalibrationOptions",
     "CalibrationSet",
     "DatasetDefinition",
+    "SensitivityReport",
+    "auto_keep",
     "build_calibration_set",
     "builtin_corpus",
     "calibration_dirs",
+    "choose_keeps",
     "fingerprint",
     "load_definitions",
     "model_info",
+    "parse_budget",
     "resolve_dataset",
+    "scan_sensitivity",
 ]

@@ -13,7 +13,7 @@ model unquantized. Rank correlation (Spearman) with the true single-tensor KL on
 text, measured on the trained fixtures under int3-g32 (tests/test_sensitivity.py; llama:
 its 28 Linears, deepseek_v3: all 72 incl. 48 individual routed-expert rows):
 
-``layer`` (default; llama 0.87, deepseek_v3 0.95):
+``layer`` (default; llama 0.87, deepseek_v3 0.96):
     the change of the decoder layer's output (the residual stream after the layer) when
     that tensor's output is replaced by ``x Q(W)^T`` in a hook, as
     ``sum over real tokens ||dh||^2 / mean over real tokens ||h||^2``: the error where it
@@ -26,12 +26,12 @@ its 28 Linears, deepseek_v3: all 72 incl. 48 individual routed-expert rows):
     each expert; twice the perturbed ones with a ladder), not 3 x E layer reruns. A
     latent MoE (Kimi K3) reruns the layer per expert tensor (its norm after the sum is
     not linear), which is affordable for small models only.
-``output`` (llama 0.45, deepseek_v3 0.68: cheap but weak):
+``output`` (llama 0.45, deepseek_v3 0.69: cheap but weak):
     the Linear's own output error energy ``sum ||x W^T - x Q(W)^T||^2`` divided by the
     mean squared norm of the residual stream entering the layer. Cost: one forward plus
     one dequantize and matmul per tensor and micro-batch. It cannot see where an output
     goes (q/k/gate/up errors are damped or amplified before they reach the residual).
-``kl`` (llama 0.985, deepseek_v3 0.97; small models only):
+``kl`` (llama 0.98, deepseek_v3 0.96; small models only):
     the mean next-token KL divergence over the real calibration tokens, the tensor's
     output replaced in a hook and the remaining layers and the head run. Cost: per
     tensor, the rest of the model from its layer on for every micro-batch, and the
