@@ -243,7 +243,10 @@ def quantize(
     ] = False,
     algorithm: Annotated[
         str | None,
-        typer.Option(help="With --calibrate: gptq, static or rtn (default gptq)."),
+        typer.Option(
+            help="With --calibrate: gptq (default), awq (low-bit weight-only), smoothquant, "
+            "smoothquant+gptq (W8A8), static (scales only) or rtn."
+        ),
     ] = None,
     dataset: Annotated[
         str | None,
@@ -284,6 +287,10 @@ def quantize(
         float | None,
         typer.Option(help="With --observer percentile: the percentile of |x| (default 99.99)."),
     ] = None,
+    alpha: Annotated[
+        float | None,
+        typer.Option(help="With --algorithm smoothquant[+gptq]: migration strength (0.5)."),
+    ] = None,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
@@ -294,7 +301,7 @@ def quantize(
              ("--num-samples", num_samples), ("--seq-len", seq_len), ("--seed", seed),
              ("--offload-dir", offload_dir),
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
-             ("--percentile", percentile)) if v is not None]  # fmt: skip
+             ("--percentile", percentile), ("--alpha", alpha)) if v is not None]  # fmt: skip
     opts = None
     if calibrate:
         from .calibrate.sequential import SequentialOptions
@@ -304,7 +311,10 @@ def quantize(
             seq_len=seq_len, seed=seed if seed is not None else 0, offload_dir=offload_dir,
             moe_all_experts=moe_all_experts, observer=observer or "minmax",
             percentile=percentile if percentile is not None else 99.99,
+            alpha=alpha if alpha is not None else 0.5,
         )  # fmt: skip
+        if alpha is not None and not (algorithm or "").startswith("smoothquant"):
+            raise typer.BadParameter("--alpha only applies with --algorithm smoothquant[+gptq].")
         if percentile is not None and opts.observer != "percentile":
             raise typer.BadParameter("--percentile only applies with --observer percentile.")
     elif given:
@@ -336,6 +346,9 @@ def quantize(
             f"calibration ({cal.algorithm}): {len(cal.layer_seconds)} layer(s), {total:.1f} s; "
             f"per layer: {per}"
         )
+        if cal.smoothing:
+            won = sum(v is not None for v in cal.smoothing.values())
+            typer.echo(f"smoothing: {won} of {len(cal.smoothing)} mapping(s) smoothed")
         if cal.fallbacks:
             typer.echo(
                 f"{len(cal.fallbacks)} routed expert Linear(s) saw no calibration token and "

@@ -113,7 +113,7 @@ def llama_gptq(work):
 def test_gptq_layer0_equals_direct(llama_gptq):
     ckpt, plan, calib, res, seen = llama_gptq
     layer0 = [r for r in plan.quantized if r.role.layer == 0]
-    assert len(layer0) == 7 and all(r.name in res.gptq_rows for r in layer0)
+    assert len(layer0) == 7 and all(r.name in res.part_rows for r in layer0)
     # transformers' Llama feeds layer 0's Linears the same inputs (padding excluded)
     model = build_model("llama", **QUANT_FAMILIES["llama"])
     tf_in: dict = {}
@@ -403,8 +403,8 @@ def test_finished_journal_resumes_without_rerunning(work):
     j = root / "j-done"
     *_, first = _run(llama, data, "w4a16", "gptq", j)
     *_, again = _run(llama, data, "w4a16", "gptq", j)
-    assert again.resumed_from == 2 and again.gptq_rows == first.gptq_rows
-    for n in first.gptq_rows:
+    assert again.resumed_from == 2 and again.part_rows == first.part_rows
+    for n in first.part_rows:
         a, b = first.weight_parts(n), again.weight_parts(n)
         assert all(torch.equal(a[k], b[k]) for k in a)
     shutil.rmtree(j)

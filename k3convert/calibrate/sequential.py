@@ -60,14 +60,25 @@ from safetensors.torch import save_file
 from .. import __version__ as _k3_version
 from ..errors import ConfigError
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
-from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp
+from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp, layer_output
 from .data import CalibrationSet
 from .gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize
 from .observers import OBSERVERS, check_percentile, make_observer
+from .smooth import (
+    Smoothing,
+    Statistics,
+    awq_scales,
+    check_alpha,
+    layer_mappings,
+    smoothquant_scales,
+)
 
-ALGORITHMS = ("rtn", "gptq", "static")
+ALGORITHMS = ("rtn", "gptq", "static", "awq", "smoothquant", "smoothquant+gptq")
+#: algorithms that smooth (scale migration, :mod:`.smooth`) before quantizing
+SMOOTHING = {"awq": "awq", "smoothquant": "smoothquant", "smoothquant+gptq": "smoothquant"}
+_GPTQ = ("gptq", "smoothquant+gptq")
 _JOURNAL = "journal.json"
-_JOURNAL_VERSION = "k3convert-sequential-v1"
+_JOURNAL_VERSION = "k3convert-sequential-v2"
 
 #: observer(layer, weight name, input, mask or None): every Linear input the engine feeds
 #: to an accumulator (tests recompute Hessians from it; raising aborts the run)
@@ -106,9 +117,13 @@ class SequentialOptions:
     moe_all_experts: bool = False
     observer: str = "minmax"
     percentile: float = 99.99
+    alpha: float = 0.5
+    awq_grid: int = 20
+    awq_duo_scaling: bool = True
+    smooth_tokens: int = 4096
 
     def check(self) -> None:
-        for key in ("batch_size", "block_size"):
+        for key in ("batch_size", "block_size", "awq_grid", "smooth_tokens"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(
@@ -128,21 +143,41 @@ class SequentialOptions:
                 f"{', '.join(OBSERVERS)}."
             )
         check_percentile(self.percentile)
+        check_alpha(self.alpha)
+        if not isinstance(self.awq_duo_scaling, bool):
+            raise ConfigError(
+                f"calibration option awq_duo_scaling must be True or False, "
+                f"got {self.awq_duo_scaling!r}."
+            )
 
-    def algorithm_options(self) -> dict:
+    def algorithm_options(self, algorithm: str | None = None) -> dict:
         """The options that change results (the journal's fingerprint, the provenance)."""
         return {"block_size": self.block_size, "dampening": float(self.dampening),
                 "act_order": bool(self.act_order), "dtype": self.dtype,
                 "batch_size": self.batch_size,
                 "moe_all_experts": self.moe_all_experts, "observer": self.observer,
                 "percentile": float(self.percentile)
-                if self.observer == "percentile" else None}  # fmt: skip
+                if self.observer == "percentile" else None,
+                **self._smoothing_options(algorithm)}  # fmt: skip
+
+    def _smoothing_options(self, algorithm: str | None) -> dict:
+        kind = SMOOTHING.get(algorithm) if algorithm is not None else "all"
+        out = {}
+        if kind in ("smoothquant", "all"):
+            out["alpha"] = float(self.alpha)
+        if kind in ("awq", "all"):
+            out.update(awq_grid=self.awq_grid, awq_duo_scaling=self.awq_duo_scaling)
+        if kind is not None:
+            out["smooth_tokens"] = self.smooth_tokens
+        return out
 
 
 @dataclass
 class SequentialResult:
-    """What calibration produced. ``weight_parts(name)``: the GPTQ parts of a weight (read
-    from its layer's file in the journal), None for rows left to round to nearest."""
+    """What calibration produced. ``weight_parts(name)``: the parts calibration chose for
+    a weight (GPTQ, or round to nearest of the smoothed weight; read from its layer's file
+    in the journal), None for rows left to the writer's round to nearest;
+    ``kept_tensor(name)``: a kept tensor smoothing changed, else None."""
 
     algorithm: str
     journal: Path
@@ -153,12 +188,25 @@ class SequentialResult:
     routing_counts: dict[int, list[int]] = field(default_factory=dict)
     top_k: int | None = None  # experts per token (MoE models)
     fallbacks: list[str] = field(default_factory=list)
-    gptq_rows: dict[str, int] = field(default_factory=dict)  # weight name -> layer
+    #: weight name -> layer, for the rows whose parts calibration chose (GPTQ, smoothed)
+    part_rows: dict[str, int] = field(default_factory=dict)
+    #: kept tensor name -> layer, for kept tensors smoothing changed (norms, routers)
+    kept_rows: dict[str, int] = field(default_factory=dict)
+    #: smoothing: mapping label -> AWQ's chosen ratio (None: no smoothing won) / "alpha"
+    smoothing: dict[str, object] = field(default_factory=dict)
     resumed_from: int = 0  # layers taken from the journal
     calibration: dict = field(default_factory=dict)
 
+    def kept_tensor(self, name: str) -> torch.Tensor | None:
+        """A kept tensor's new value (in its source dtype) when smoothing changed it."""
+        layer = self.kept_rows.get(name)
+        if layer is None:
+            return None
+        with safe_open(str(self.journal / f"layer-{layer}.safetensors"), "pt") as f:
+            return f.get_tensor(name)
+
     def weight_parts(self, name: str) -> dict[str, torch.Tensor] | None:
-        layer = self.gptq_rows.get(name)
+        layer = self.part_rows.get(name)
         if layer is None:
             return None
         prefix = name.removesuffix(".weight") + "."
@@ -241,7 +289,7 @@ def _fingerprint(ckpt, plan, algorithm: str, opts: SequentialOptions, calib_fp: 
     rows = [(r.name, None if r.kept else r.scheme.name,
              None if r.kept else r.scheme.options(), r.as_stored) for r in plan.rows]  # fmt: skip
     meta = {"v": _JOURNAL_VERSION, "k3": _k3_version, "config": ckpt.config, "files": files,
-            "rows": rows, "algorithm": algorithm, "options": opts.algorithm_options(),
+            "rows": rows, "algorithm": algorithm, "options": opts.algorithm_options(algorithm),
             "calibration": calib_fp}  # fmt: skip
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     return h.hexdigest()
@@ -327,7 +375,16 @@ def check_algorithm(plan, algorithm: str) -> None:
             f"calibration algorithm '{algorithm}' is not known; use one of {', '.join(ALGORITHMS)}."
         )
     rows = [r for r in plan.quantized if not r.as_stored]
-    if algorithm == "gptq":
+    if algorithm in SMOOTHING:
+        bad = sorted({r.scheme.name for r in rows
+                      if getattr(r.scheme, "shares_global_scale", False)})  # fmt: skip
+        if bad:
+            raise ConfigError(
+                f"--algorithm {algorithm} does not handle scheme(s) {', '.join(bad)} (their "
+                f"fused Linears share one global scale); use --algorithm rtn, or a scheme "
+                f"without a global scale (int, fp8, mxfp4)."
+            )
+    if algorithm in _GPTQ:
         bad = sorted({r.scheme.name for r in rows if not gptq_supported(r.scheme)})
         if bad:
             raise ConfigError(
@@ -402,6 +459,7 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     amasks = [None if bool(m.all()) else m for m in masks]
     done = int(state["done"])
     rows = {r.name: r for r in plan.rows if not r.kept and not r.as_stored}
+    allrows = {r.name: r for r in plan.rows}
     if done == 0:
         for b, (b_ids, _) in enumerate(batches):
             hidden.put_first(b, rt.embed(b_ids))
@@ -417,8 +475,8 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         _absorb(res, rec)
     for i in range(done, rt.num_layers):
         t0 = time.perf_counter()
-        rec = _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amasks,
-                     journal, observer)  # fmt: skip
+        rec = _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks,
+                     amasks, journal, observer)  # fmt: skip
         rec["seconds"] = time.perf_counter() - t0
         last = i + 1 == rt.num_layers
         if not last:
@@ -440,16 +498,19 @@ def _absorb(res: SequentialResult, rec: dict) -> None:
     if rec.get("routing") is not None:
         res.routing_counts[int(rec["layer"])] = list(rec["routing"])
     res.fallbacks.extend(rec["fallbacks"])
-    res.gptq_rows.update({n: rec["layer"] for n in rec["gptq"]})
+    res.part_rows.update({n: rec["layer"] for n in rec["parts"]})
+    res.kept_rows.update({n: rec["layer"] for n in rec.get("kept", [])})
+    for label, v in rec.get("smoothing", {}).items():
+        res.smoothing[label] = v
 
 
-def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amasks, journal,
-           observer) -> dict:  # fmt: skip
+def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks, amasks,
+           journal, observer) -> dict:  # fmt: skip
     unit = f"layer.{i}"
     entries = rt.plan.units[unit]
     by_name = {e.name: e for e in entries.values()}
     mine = {n: rows[n] for n in by_name if n in rows}
-    gptq = {n for n, r in mine.items() if algorithm == "gptq" and gptq_supported(r.scheme)}
+    gptq = {n for n, r in mine.items() if algorithm in _GPTQ and gptq_supported(r.scheme)}
     static = {n for n, r in mine.items() if _static(r.scheme)}
     acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq}
     # static input scales' observers; capacity: real tokens x input width bounds what
@@ -472,9 +533,21 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
     # experts with a calibrated Linear: the ones the all-experts pass runs
     calibrated_experts = sorted({by_name[n].role.expert for n in mine
                                  if by_name[n].role.expert is not None})  # fmt: skip
+    # smoothing (AWQ / SmoothQuant): its mappings, and the Linears whose inputs it observes
+    kind = SMOOTHING.get(algorithm)
+    maps = []
+    if kind is not None:
+        keys = {e.key: e.name for e in entries.values()}
+        maps = layer_mappings(rt.text, i, keys, allrows, norms_only=False)  # (smooth.py)
+    stats = Statistics(options.smooth_tokens, hidden.n)
+    sources = {m.source for m in maps}
+    sampled = (sources | {n for m in maps for n in m.routed}) if kind == "awq" else set()
+    stat_names = sources | sampled
 
     def on_router(name, x, y):
-        if cur.get("refine"):
+        if cur.get("mute"):  # AWQ's loss runs: no statistics
+            return
+        if cur.get("refine") or cur.get("smooth"):
             w = rt.loader.get(unit)
             _, idx = ROUTERS[rt.text.router](rt.text, y, w)
             order = idx.reshape(-1).argsort(stable=True)
@@ -501,9 +574,28 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
     def on_latent_input(name, x, y):
         cur["expert_input"] = y
 
+    def rows_mask(name, e, x):
+        valid = cur["mask"]
+        if e.role.expert is not None and not cur.get("all"):
+            tok = cur["experts"][e.role.expert]
+            return valid.reshape(-1)[tok.to(valid.device)]
+        if valid.numel() == math.prod(x.shape[:-1]):
+            return valid.reshape(x.shape[:-1])
+        raise ConfigError(
+            f"calibration: the input of '{name}' has shape {tuple(x.shape)}, which does "
+            f"not map onto the batch's {tuple(valid.shape)} tokens."
+        )
+
     def on_linear(name, x, y):
         e = by_name.get(name)
-        if e is None or name not in mine:
+        if e is None or cur.get("mute"):
+            return
+        if cur.get("smooth"):  # smoothing statistics of the unsmoothed layer
+            if name in stat_names:
+                m = rows_mask(name, e, x).reshape(-1).to(torch.bool)
+                stats.add(name, x.reshape(-1, x.shape[-1])[m], sample=name in sampled)
+            return
+        if name not in mine:
             return
         valid = cur["mask"]
         if e.role.expert is not None and all_experts and not cur.get("all"):
@@ -513,16 +605,7 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
             tok = cur["experts"][e.role.expert]
             routed[name] += int(valid.reshape(-1)[tok.to(valid.device)].sum())
             return
-        if e.role.expert is not None and not cur.get("all"):
-            tok = cur["experts"][e.role.expert]
-            m = valid.reshape(-1)[tok.to(valid.device)]
-        elif valid.numel() == math.prod(x.shape[:-1]):
-            m = valid.reshape(x.shape[:-1])
-        else:
-            raise ConfigError(
-                f"calibration: the input of '{name}' has shape {tuple(x.shape)}, which does "
-                f"not map onto the batch's {tuple(valid.shape)} tokens."
-            )
+        m = rows_mask(name, e, x)
         if cur.get("refine"):  # second pass: observers that need one (mse)
             if name in static and obs[name].needs_refine:
                 obs[name].refine(x[m.to(torch.bool)])
@@ -538,12 +621,37 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         if name in static and n:
             obs[name].update(x[m.to(torch.bool)])
 
-    handles = [rt.add_hook(on_linear, set(mine))]
+    handles = [rt.add_hook(on_linear, set(mine) | stat_names)]
     if router is not None:
         handles.append(rt.add_hook(on_router, {router}))
     if all_experts and latent_in is not None:
         handles.append(rt.add_hook(on_latent_input, {latent_in}))
+    sm = Smoothing()
     try:
+        if maps:
+            for b in range(hidden.n):
+                cur.clear()
+                cur["mask"], cur["smooth"] = masks[b], True
+                rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
+            rt.loader.release()
+            loss = None
+            if kind == "awq":
+                cur.clear()
+                cur["mute"] = True
+                loss = _LayerLoss(rt, src, i, hidden, pos, masks, amasks, options.smooth_tokens)
+            sm = _choose_smoothing(ckpt, allrows, maps, stats, kind, options, loss)
+            loss = None
+            cur.clear()
+            stats = None  # its samples are not needed any more
+        touched = sm.touched()
+
+        def smoothed(n: str) -> torch.Tensor:
+            """A smoothed tensor: float32 for a quantized row, the output dtype if kept."""
+            t = sm.apply(n, ckpt.get(n).float())
+            return t if n in mine else t.to(allrows[n].out_dtype)
+
+        # the layer runs on its smoothed (unquantized) weights for the statistics below
+        src.overrides = {n: functools.partial(smoothed, n) for n in touched}
         for b in range(hidden.n):
             cur.clear()
             cur["mask"] = masks[b]
@@ -561,9 +669,10 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         for h in handles:
             h.remove()
         rt.loader.release()
+        src.overrides = {}
 
-    rec: dict = {"layer": i, "scales": {}, "expert_tokens": {}, "fallbacks": [], "gptq": [],
-                 "routing": routing}  # fmt: skip
+    rec: dict = {"layer": i, "scales": {}, "expert_tokens": {}, "fallbacks": [], "parts": [],
+                 "kept": [], "routing": routing, "smoothing": sm.chosen}  # fmt: skip
     for n in mine:
         if by_name[n].role.expert is not None:
             rec["expert_tokens"][n] = routed[n]
@@ -571,7 +680,7 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
     overrides: dict[str, torch.Tensor] = {}
     for n in sorted(mine):
         r = mine[n]
-        w = ckpt.get(n)
+        w = smoothed(n) if n in touched else ckpt.get(n)
         if n in gptq and acc[n].tokens:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", GPTQFallbackWarning)
@@ -582,7 +691,7 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
                 warnings.warn(c.message, c.category, stacklevel=2)
                 if issubclass(c.category, GPTQFallbackWarning) and n not in rec["fallbacks"]:
                     rec["fallbacks"].append(n)
-            rec["gptq"].append(n)
+            rec["parts"].append(n)
             parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
             del acc[n]  # [in, in] float32 each: freed as soon as it is used
         else:
@@ -595,8 +704,16 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
                 )  # fmt: skip
                 rec["fallbacks"].append(n)
             parts = r.scheme.quantize(w, name=n)
+            if n in touched:  # the smoothed weight's parts (the source's are not these)
+                rec["parts"].append(n)
+                parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
         overrides[n] = functools.partial(_dequantized, r.scheme, parts)
         del w
+    for n in sorted(touched - set(mine)):  # kept tensors smoothing changed (norms, router)
+        t = smoothed(n).contiguous()
+        parts_out[n] = t
+        overrides[n] = t
+        rec["kept"].append(n)
     for n in sorted(static):
         if seen[n]:
             rec["scales"][mine[n].module] = max(
@@ -635,6 +752,74 @@ def _layer(rt, src, ckpt, rows, i, algorithm, options, hidden, pos, masks, amask
         rt.loader.release()
         src.overrides = {}
     return rec
+
+
+class _LayerLoss:
+    """AWQ's block loss: the squared error of layer ``i``'s output over the real tokens of
+    the first micro-batches (at least ``tokens`` of them) when the weights the caller
+    names are replaced, against the exact layer."""
+
+    def __init__(self, rt, src, i, hidden, pos, masks, amasks, tokens: int):
+        self.rt, self.src, self.i = rt, src, i
+        self.batches: list[int] = []
+        n = 0
+        for b in range(hidden.n):
+            self.batches.append(b)
+            n += int(masks[b].sum())
+            if n >= tokens:
+                break
+        self.inputs = {b: hidden.get(b) for b in self.batches}
+        self.args = {b: (pos[b], amasks[b], masks[b]) for b in self.batches}
+        self.ref = self._outputs()
+
+    def _outputs(self) -> dict[int, torch.Tensor]:
+        """The layer's outputs on the sample batches (its weights loaded once)."""
+        try:
+            return {b: layer_output(self.rt.run_layer(self.i, self.inputs[b], p, am)).float()
+                    for b, (p, am, _) in self.args.items()}  # fmt: skip
+        finally:
+            self.rt.loader.release()
+
+    def __call__(self, names, fake) -> float:
+        self.src.overrides = {n: functools.partial(fake, n) for n in names}
+        try:
+            out = self._outputs()
+        finally:
+            self.src.overrides = {}
+        total = 0.0
+        for b, y in out.items():
+            d = (y - self.ref[b])[self.args[b][2].to(torch.bool)]
+            total += float(d.pow(2).sum())
+        return total
+
+
+def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options,
+                      layer_loss=None) -> Smoothing:  # fmt: skip
+    """The layer's smoothing scales from its unsmoothed statistics (AWQ: searched per
+    mapping; SmoothQuant: closed form with ``options.alpha``). A mapping whose input saw
+    no real token is left alone."""
+    sm = Smoothing()
+
+    def weight(n: str) -> torch.Tensor:
+        return ckpt.get(n).float()
+
+    def scheme_of(n: str):
+        return allrows[n].scheme
+
+    for m in maps:
+        if not stats.count.get(m.source):
+            continue
+        if kind == "awq":
+            s, ratio = awq_scales(m, weight, scheme_of, stats, options.awq_grid,
+                                  options.awq_duo_scaling, layer_loss)  # fmt: skip
+            sm.chosen[m.label] = ratio
+            if ratio is None:
+                continue
+        else:
+            s = smoothquant_scales(m, weight, stats, float(options.alpha))
+            sm.chosen[m.label] = float(options.alpha)
+        sm.add(m, s)
+    return sm
 
 
 @torch.inference_mode()

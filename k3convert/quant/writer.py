@@ -482,9 +482,14 @@ def quantize(
         provenance = {
             "algorithm": algorithm,
             "dataset": calibrated.calibration,
-            "options": calibrate.algorithm_options(),
+            "options": calibrate.algorithm_options(algorithm),
             "rtn_fallbacks": list(calibrated.fallbacks),
         }
+        if calibrated.smoothing:
+            provenance["smoothed_mappings"] = sum(
+                v is not None for v in calibrated.smoothing.values()
+            )
+            provenance["mappings"] = len(calibrated.smoothing)
     with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
         shared = _shared_amax(ckpt, plan, workers)
     with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
@@ -568,6 +573,11 @@ def _job(
     at a time and copied by the kernel: it never passes through this process whole."""
     if r.as_stored:
         _copy_parts(ckpt, r, w)
+        return r
+    smoothed = calibrated.kept_tensor(r.name) if calibrated is not None and r.kept else None
+    if smoothed is not None:  # a kept tensor calibration's smoothing changed (a norm)
+        _check_finite(r.name, smoothed, ckpt.root)
+        w.put(r.name, smoothed.to(r.out_dtype))
         return r
     main = ckpt.meta(r.name).parts.get("weight")
     if r.kept and not r.encoded and main is not None and main.raw is not None:
