@@ -291,6 +291,14 @@ def quantize(
         float | None,
         typer.Option(help="With --algorithm smoothquant[+gptq]: migration strength (0.5)."),
     ] = None,
+    kv_cache: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-cache",
+            help="With --calibrate: fp8 writes calibrated per-layer KV-cache scales "
+            "(k_scale / v_scale; MLA: the latent cache) and kv_cache_scheme.",
+        ),
+    ] = None,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
@@ -301,7 +309,8 @@ def quantize(
              ("--num-samples", num_samples), ("--seq-len", seq_len), ("--seed", seed),
              ("--offload-dir", offload_dir),
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
-             ("--percentile", percentile), ("--alpha", alpha)) if v is not None]  # fmt: skip
+             ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache))
+             if v is not None]  # fmt: skip
     opts = None
     if calibrate:
         from .calibrate.sequential import SequentialOptions
@@ -311,7 +320,7 @@ def quantize(
             seq_len=seq_len, seed=seed if seed is not None else 0, offload_dir=offload_dir,
             moe_all_experts=moe_all_experts, observer=observer or "minmax",
             percentile=percentile if percentile is not None else 99.99,
-            alpha=alpha if alpha is not None else 0.5,
+            alpha=alpha if alpha is not None else 0.5, kv_cache=kv_cache,
         )  # fmt: skip
         if alpha is not None and not (algorithm or "").startswith("smoothquant"):
             raise typer.BadParameter("--alpha only applies with --algorithm smoothquant[+gptq].")
@@ -346,6 +355,8 @@ def quantize(
             f"calibration ({cal.algorithm}): {len(cal.layer_seconds)} layer(s), {total:.1f} s; "
             f"per layer: {per}"
         )
+        if cal.kv_absmax:
+            typer.echo(f"KV-cache fp8 scales calibrated for {len(cal.kv_absmax)} layer(s)")
         if cal.smoothing:
             won = sum(v is not None for v in cal.smoothing.values())
             typer.echo(f"smoothing: {won} of {len(cal.smoothing)} mapping(s) smoothed")

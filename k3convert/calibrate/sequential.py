@@ -121,6 +121,7 @@ class SequentialOptions:
     awq_grid: int = 20
     awq_duo_scaling: bool = True
     smooth_tokens: int = 4096
+    kv_cache: str | None = None
 
     def check(self) -> None:
         for key in ("batch_size", "block_size", "awq_grid", "smooth_tokens"):
@@ -144,6 +145,10 @@ class SequentialOptions:
             )
         check_percentile(self.percentile)
         check_alpha(self.alpha)
+        if self.kv_cache not in (None, "fp8"):
+            raise ConfigError(
+                f"calibration option kv_cache must be fp8 or unset, got {self.kv_cache!r}."
+            )
         if not isinstance(self.awq_duo_scaling, bool):
             raise ConfigError(
                 f"calibration option awq_duo_scaling must be True or False, "
@@ -158,7 +163,7 @@ class SequentialOptions:
                 "moe_all_experts": self.moe_all_experts, "observer": self.observer,
                 "percentile": float(self.percentile)
                 if self.observer == "percentile" else None,
-                **self._smoothing_options(algorithm)}  # fmt: skip
+                "kv_cache": self.kv_cache, **self._smoothing_options(algorithm)}  # fmt: skip
 
     def _smoothing_options(self, algorithm: str | None) -> dict:
         kind = SMOOTHING.get(algorithm) if algorithm is not None else "all"
@@ -194,6 +199,9 @@ class SequentialResult:
     kept_rows: dict[str, int] = field(default_factory=dict)
     #: smoothing: mapping label -> AWQ's chosen ratio (None: no smoothing won) / "alpha"
     smoothing: dict[str, object] = field(default_factory=dict)
+    #: kv_cache="fp8": attention layer -> the largest |value| entering its KV cache per
+    #: kind (GQA "k" / "v", MLA "latent" / "k_rot"), from the quantized layer's pass
+    kv_absmax: dict[int, dict[str, float]] = field(default_factory=dict)
     resumed_from: int = 0  # layers taken from the journal
     calibration: dict = field(default_factory=dict)
 
@@ -502,6 +510,8 @@ def _absorb(res: SequentialResult, rec: dict) -> None:
     res.kept_rows.update({n: rec["layer"] for n in rec.get("kept", [])})
     for label, v in rec.get("smoothing", {}).items():
         res.smoothing[label] = v
+    if rec.get("kv"):
+        res.kv_absmax[int(rec["layer"])] = dict(rec["kv"])
 
 
 def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks, amasks,
@@ -741,16 +751,48 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         tmp = journal / f"layer-{i}.tmp"
         save_file(parts_out, str(tmp))
         os.replace(tmp, journal / f"layer-{i}.safetensors")
-    if i + 1 == rt.num_layers:
+    last = i + 1 == rt.num_layers
+    kv = options.kv_cache is not None and rt.text.attention_of(i) != "kda"
+    if last and not kv:
         return rec
-    # re-run the layer with its quantized weights: the next layer's inputs
+    # re-run the layer with its quantized weights: the next layer's inputs, and what
+    # enters its KV cache as served (the layer's own weights quantized)
+    kv_max: dict[str, float] = {}
+    batch_mask: list = [None]
+
+    def on_kv(layer, kind, t):
+        if layer != i:
+            return
+        m = batch_mask[0].to(t.device)
+        if kind in ("k", "v"):  # [B, heads, S, d]
+            sel = t.transpose(1, 2)[m]
+        elif kind == "k_rot":  # [B, 1, S, rope]
+            sel = t[:, 0][m]
+        else:  # latent [B, S, r]
+            sel = t[m]
+        a = float(sel.abs().max()) if sel.numel() else 0.0
+        kv_max[kind] = max(kv_max.get(kind, 0.0), a)
+
+    handle = rt.add_kv_hook(on_kv) if kv else None
     src.overrides = overrides
     try:
         for b in range(hidden.n):
-            hidden.put_next(b, rt.run_layer(i, hidden.get(b), pos[b], amasks[b]))
+            batch_mask[0] = masks[b]
+            y = rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
+            if not last:
+                hidden.put_next(b, y)
     finally:
+        if handle is not None:
+            handle.remove()
         rt.loader.release()
         src.overrides = {}
+    if kv:
+        if not all(math.isfinite(v) for v in kv_max.values()):
+            raise ConfigError(
+                f"calibration: non-finite values entered layer {i}'s KV cache; check the "
+                f"source weights and the calibration data."
+            )
+        rec["kv"] = kv_max
     return rec
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .. import __version__ as _k3_version
@@ -378,13 +379,25 @@ def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
         )
 
 
-def _output_config(config: dict, plan: Plan, src: Path, calibration: dict | None = None) -> dict:
+def _output_config(
+    config: dict, plan: Plan, src: Path, calibration: dict | None = None, kv_tensors=None
+) -> dict:
+    from .kvcache import kv_cache_scheme
+
     cfg = copy.deepcopy(config)
     cfg.pop("compression_config", None)
+    src_qc = cfg.get("quantization_config") or {}
     if isinstance(cfg.get("text_config"), dict):
+        src_qc = src_qc or cfg["text_config"].get("quantization_config") or {}
         cfg["text_config"].pop("quantization_config", None)
     if plan.quantized:
         cfg["quantization_config"] = plan.quantization_config()
+        # KV-cache scales: calibrated now, or the source's (kept, copied) with its scheme
+        kept_kv = any(r.name.endswith((".k_scale", ".v_scale")) for r in plan.rows)
+        if kv_tensors:
+            cfg["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
+        elif kept_kv and isinstance(src_qc, dict) and src_qc.get("kv_cache_scheme"):
+            cfg["quantization_config"]["kv_cache_scheme"] = src_qc["kv_cache_scheme"]
     else:
         cfg.pop("quantization_config", None)
     cfg["k3convert"] = {
@@ -473,7 +486,14 @@ def quantize(
     out = Path(out)
     aux = ckpt.aux_files
     need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
-    calibrated = provenance = None
+    calibrated = provenance = kv_tensors = None
+    if calibrate is not None and calibrate.kv_cache:
+        have = [r.name for r in plan.rows if r.name.endswith((".k_scale", ".v_scale"))]
+        if have:
+            raise ConfigError(
+                f"{ckpt.root}: the source already carries KV-cache scales (e.g. '{have[0]}'); "
+                f"quantize it without --kv-cache, or from a source without them."
+            )
     if calibrate is not None:
         # OUT is checked before hours of calibration, not after
         check_output(out, force=force, need_bytes=need, source=ckpt.root)
@@ -485,6 +505,10 @@ def quantize(
             "options": calibrate.algorithm_options(algorithm),
             "rtn_fallbacks": list(calibrated.fallbacks),
         }
+        if calibrate.kv_cache:
+            from .kvcache import kv_scale_tensors
+
+            kv_tensors = kv_scale_tensors(calibrated.kv_absmax, ckpt.config)
         if calibrated.smoothing:
             provenance["smoothed_mappings"] = sum(
                 v is not None for v in calibrated.smoothing.values()
@@ -494,11 +518,20 @@ def quantize(
         shared = _shared_amax(ckpt, plan, workers)
     with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
         nfiles = _write(
-            ckpt, plan, tmp, shard_size, workers, progress, input_scales, shared, calibrated
+            ckpt,
+            plan,
+            tmp,
+            shard_size,
+            workers,
+            progress,
+            input_scales,
+            shared,
+            calibrated,
+            kv_tensors,
         )
         for p in aux:
             shutil.copy2(p, tmp / p.name)
-        cfg = _output_config(ckpt.config, plan, Path(ckpt.root), provenance)
+        cfg = _output_config(ckpt.config, plan, Path(ckpt.root), provenance, kv_tensors)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         routing = _write_routing_counts(tmp, calibrated)
     if calibrated is not None:
@@ -671,10 +704,12 @@ def default_workers() -> int:
 
 def _write(
     ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales, shared=None,
-    calibrated=None,
+    calibrated=None, extra: Mapping[str, torch.Tensor] | None = None,
 ) -> int:  # fmt: skip
+    """Write the plan's rows in shard files (and ``extra`` tensors, the calibrated
+    KV-cache scales, in a last file of their own); returns the number of files."""
     shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
-    names = shard_names(len(shards))
+    names = shard_names(len(shards) + (1 if extra else 0))
     weight_map: dict[str, str] = {}
     total = 0
     bar = tqdm(
@@ -699,6 +734,12 @@ def _write(
                     total += math.prod(shape) * dt.itemsize
     finally:
         bar.close()
-    if len(shards) > 1:
+    if extra:
+        save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / names[-1]),
+                  metadata={"format": "pt"})  # fmt: skip
+        for k, v in extra.items():
+            weight_map[k] = names[-1]
+            total += v.numel() * v.element_size()
+    if len(names) > 1:
         write_index(tmp, weight_map, total)
-    return len(shards)
+    return len(names)
