@@ -299,19 +299,61 @@ def quantize(
             "(k_scale / v_scale; MLA: the latent cache) and kv_cache_scheme.",
         ),
     ] = None,
+    auto_keep: Annotated[
+        str | None,
+        typer.Option(
+            "--auto-keep",
+            help="Budgeted exceptions: keep the most sensitive tensors (routed experts "
+            "individually) within BUDGET: 5%, 1.5GB, 300MiB or 4.5bpw. Report in "
+            "OUT/sensitivity.json.",
+            metavar="BUDGET",
+        ),
+    ] = None,
+    auto_keep_scheme: Annotated[
+        str | None,
+        typer.Option(
+            help="With --auto-keep: move the chosen tensors to this scheme (a ladder, e.g. "
+            "int8-g128) instead of keeping them in high precision."
+        ),
+    ] = None,
+    sensitivity: Annotated[
+        str,
+        typer.Option(
+            help="With --auto-keep: layer (default: each tensor quantized alone, its "
+            "layer's output error), output (cheapest) or kl (exact, small models)."
+        ),
+    ] = "layer",
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="With --auto-keep: also draw the sensitivities as a PNG chart."),
+    ] = None,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
 
     if (scheme is None) == (recipe is None):
         raise typer.BadParameter("give exactly one of --scheme NAME or --recipe R.yaml.")
-    given = [n for n, v in (("--algorithm", algorithm), ("--dataset", dataset),
-             ("--num-samples", num_samples), ("--seq-len", seq_len), ("--seed", seed),
-             ("--offload-dir", offload_dir),
+    data_given = [n for n, v in (("--dataset", dataset), ("--num-samples", num_samples),
+                  ("--seq-len", seq_len), ("--seed", seed)) if v is not None]  # fmt: skip
+    given = [n for n, v in (("--algorithm", algorithm), ("--offload-dir", offload_dir),
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
              ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache))
              if v is not None]  # fmt: skip
-    opts = None
+    if auto_keep is None:
+        extra = [n for n, v in (("--auto-keep-scheme", auto_keep_scheme), ("--plot", plot),
+                 ("--sensitivity", None if sensitivity == "layer" else sensitivity))
+                 if v is not None]  # fmt: skip
+        if extra:
+            raise typer.BadParameter(f"{', '.join(extra)} only apply with --auto-keep.")
+    opts = scan_data = None
+    if not calibrate and auto_keep is not None:
+        from .calibrate.sequential import SequentialOptions
+
+        scan_data = SequentialOptions(
+            dataset=dataset if dataset is not None else "default", num_samples=num_samples,
+            seq_len=seq_len, seed=seed if seed is not None else 0,
+        )  # fmt: skip
+        data_given = []
     if calibrate:
         from .calibrate.sequential import SequentialOptions
 
@@ -326,8 +368,11 @@ def quantize(
             raise typer.BadParameter("--alpha only applies with --algorithm smoothquant[+gptq].")
         if percentile is not None and opts.observer != "percentile":
             raise typer.BadParameter("--percentile only applies with --observer percentile.")
-    elif given:
-        raise typer.BadParameter(f"{', '.join(given)} only apply with --calibrate.")
+    elif given or data_given:
+        raise typer.BadParameter(
+            f"{', '.join(given + data_given)} only apply with --calibrate"
+            + (" or --auto-keep." if not given else ".")
+        )
     res = do_quantize(
         src=src,
         out=out,
@@ -344,9 +389,21 @@ def quantize(
         calibrate=opts,
         algorithm=(algorithm or "gptq") if calibrate else "rtn",
         log=lambda line: typer.echo(line, err=True),
+        auto_keep=auto_keep,
+        auto_keep_scheme=auto_keep_scheme,
+        sensitivity=sensitivity,
+        plot=plot,
+        sensitivity_data=scan_data,
     )
     if dry_run:
         typer.echo(res.table(collapse=not full_table))
+    if res.sensitivity is not None:
+        typer.echo(res.sensitivity.table(top=15))
+        typer.echo(res.selection.summary())
+        if not dry_run:
+            typer.echo(f"sensitivity report: {res.out / 'sensitivity.json'}")
+        if plot is not None:
+            typer.echo(f"sensitivity chart: {plot}")
     cal = res.calibration
     if cal is not None:
         total = sum(cal.layer_seconds)

@@ -89,6 +89,9 @@ class QuantizeResult:
     calibration: object | None = None
     #: ``OUT/routing_counts.json`` when calibration saw MoE layers (``shard --expert-load``)
     routing_counts: Path | None = None
+    #: ``auto_keep``: the sensitivity report and the selection applied to the plan
+    sensitivity: object | None = None
+    selection: object | None = None
 
     def table(self, collapse: bool = True) -> str:
         return self.plan.table(collapse)
@@ -430,6 +433,11 @@ def quantize(
     calibrate=None,
     algorithm: str = "rtn",
     log=None,
+    auto_keep: str | None = None,
+    auto_keep_scheme: str | None = None,
+    sensitivity: str = "layer",
+    plot: str | os.PathLike | None = None,
+    sensitivity_data=None,
 ) -> QuantizeResult:
     """Quantize ``src`` into a compressed-tensors Hugging Face directory ``out``.
 
@@ -450,6 +458,16 @@ def quantize(
     decoder layers' Linears come from calibration (explicit ``input_scales`` win). The
     resume journal lives in ``offload_dir`` or ``OUT.calib/`` and is removed once OUT is
     written. log: called with one line per calibrated layer.
+
+    auto_keep: a budget (``5%``, ``1.5GB``, ``4.5bpw``; :func:`k3convert.calibrate.
+    sensitivity.parse_budget`) for budgeted exceptions: every quantized tensor's
+    sensitivity is measured on the calibration set (``calibrate``'s dataset options, or
+    the built-in set) with ``sensitivity`` (``layer``, ``output`` or ``kl``), and the
+    most sensitive ones within the budget are kept in high precision, or moved to
+    ``auto_keep_scheme`` (a scheme ladder, e.g. ``w8a16``-like ``int8-g128``) when given;
+    the report is written to ``OUT/sensitivity.json`` and, with ``plot``, as a PNG chart.
+    sensitivity_data: SequentialOptions whose dataset options the scan uses when
+    ``calibrate`` is not given.
     """
     t0 = time.perf_counter()
     if workers is None:
@@ -468,6 +486,18 @@ def quantize(
 
         calibrate.check()
         check_algorithm(plan, algorithm)
+    sens = sel = None
+    if plot is not None and auto_keep is None:
+        raise ConfigError("plot is the sensitivity chart of auto_keep; give auto_keep too.")
+    if auto_keep is not None:
+        if not dry_run:  # before the scan, not after it
+            check_output(Path(out), force=force, need_bytes=plan.totals()[1], source=ckpt.root)
+        if plot is not None:
+            guard_out(plot, [ckpt.root])
+        plan, sens, sel = _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme, sensitivity,
+                                     calibrate or sensitivity_data, log)  # fmt: skip
+        if calibrate is not None:
+            check_algorithm(plan, algorithm)
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
     missing = [m for m in missing if m not in input_scales]
     if calibrate is not None:  # decoder layers' scales come from calibration
@@ -481,7 +511,9 @@ def quantize(
             f"first, or use a dynamic scheme such as fp8-dynamic or fp8-block."
         )
     if dry_run:
-        return QuantizeResult(None, plan, True)
+        if sens is not None and plot is not None:
+            sens.plot(plot)
+        return QuantizeResult(None, plan, True, sensitivity=sens, selection=sel)
 
     out = Path(out)
     aux = ckpt.aux_files
@@ -532,12 +564,34 @@ def quantize(
         for p in aux:
             shutil.copy2(p, tmp / p.name)
         cfg = _output_config(ckpt.config, plan, Path(ckpt.root), provenance, kv_tensors)
+        if sel is not None:
+            cfg["k3convert"]["auto_keep"] = sel.to_json()
+            sens.write(tmp / "sensitivity.json")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         routing = _write_routing_counts(tmp, calibrated)
     if calibrated is not None:
         calibrated.cleanup()
+    if sens is not None and plot is not None:
+        sens.plot(plot)
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
-                          out / routing if routing else None)  # fmt: skip
+                          out / routing if routing else None, sens, sel)  # fmt: skip
+
+
+def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
+    """The sensitivity scan on the calibration set and the budgeted selection applied:
+    (new plan, report, selection). The budget and the ladder are checked first."""
+    from ..calibrate.data import build_calibration_set
+    from ..calibrate.sensitivity import auto_keep, parse_budget
+    from ..calibrate.sequential import SequentialOptions
+
+    b = parse_budget(budget)
+    opts = opts if opts is not None else SequentialOptions()
+    calib = build_calibration_set(
+        ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
+        seed=opts.seed, packing=opts.packing,
+    )  # fmt: skip
+    return auto_keep(ckpt, plan, calib, b, ladder=ladder, method=method,
+                     batch_size=opts.batch_size, dtype=opts.dtype, log=log)  # fmt: skip
 
 
 def _write_routing_counts(tmp: Path, calibrated) -> str | None:

@@ -1,0 +1,85 @@
+"""``k3convert quantize --auto-keep BUDGET``: the sensitivity scan wired into quantize
+(the scan and the selection themselves: tests/test_sensitivity.py)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from k3convert.checkpoint.reader import open_checkpoint
+from k3convert.cli import main
+from tests.models import QUANT_FAMILIES, save_model
+from tests.test_calibrate_sequential import _ids_file
+
+DATA = ["--num-samples", "4", "--seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("autokeep")
+    src = save_model("llama", root / "llama", dtype=torch.bfloat16, **QUANT_FAMILIES["llama"])
+    return root, src, _ids_file(root / "ids.jsonl")
+
+
+def _run(*args) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return main(["quantize", *map(str, args)])
+
+
+def test_auto_keep_rtn_writes_report_plot_and_keeps_the_chosen(llama, capsys):
+    root, src, data = llama
+    out, png = root / "rtn", root / "sens.png"
+    rc = _run(src, out, "--scheme", "w4a16", "--auto-keep", "10%", "--dataset", data, *DATA,
+              "--plot", png)  # fmt: skip
+    assert rc == 0
+    cap = capsys.readouterr().out
+    assert "auto-keep 10%" in cap and "sensitivity report" in cap
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rep = json.loads((out / "sensitivity.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    chosen = cfg["k3convert"]["auto_keep"]["names"]
+    assert chosen, cfg["k3convert"]["auto_keep"]
+    assert (
+        cfg["k3convert"]["auto_keep"]["used_bytes"] <= cfg["k3convert"]["auto_keep"]["budget_bytes"]
+    )
+    assert len(rep["tensors"]) == 14  # 7 Linears x 2 layers, each scored
+    q = open_checkpoint(out)
+    for n in chosen:  # kept: the source's bf16 weight, bit for bit, and ignored in the config
+        assert torch.equal(q.get(n), open_checkpoint(src).get(n))
+        assert n.removesuffix(".weight") in cfg["quantization_config"]["ignore"]
+
+
+def test_auto_keep_ladder_with_gptq(llama, capsys):
+    root, src, data = llama
+    out = root / "ladder"
+    rc = _run(src, out, "--scheme", "w4a16", "--calibrate", "--algorithm", "gptq",
+              "--dataset", data, *DATA, "--auto-keep", "4.5bpw",
+              "--auto-keep-scheme", "int8-g128")  # fmt: skip
+    assert rc == 0
+    cfg = json.loads((out / "config.json").read_text())
+    ak = cfg["k3convert"]["auto_keep"]
+    assert ak["action"] == "int8-g128" and ak["names"] and ak["bpw"] <= 4.5 + 1e-9
+    groups = cfg["quantization_config"]["config_groups"]
+    assert {g["weights"]["num_bits"] for g in groups.values()} == {4, 8}
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--auto-keep", "lots"], "budget"),
+        (["--plot", "x.png"], "only apply with --auto-keep"),
+        (["--auto-keep", "5%", "--auto-keep-scheme", "nope"], "nope"),
+    ],
+)
+def test_bad_auto_keep_input_exit_2_nothing_written(llama, capsys, args, msg):
+    root, src, data = llama
+    out = root / "bad"
+    rc = _run(src, out, "--scheme", "w4a16", "--dataset", data, *DATA, *args)
+    assert rc == 2
+    assert msg in capsys.readouterr().err.lower() or msg in capsys.readouterr().out.lower()
+    assert not out.exists()
