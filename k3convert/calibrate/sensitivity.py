@@ -88,7 +88,7 @@ from ..quant.rules import Decision, Plan
 from ..quant.schemes import Scheme, get_scheme
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
 from .data import CalibrationSet
-from .sequential import _dequantized
+from .sequential import _dequantized, token_mask
 
 METHODS = ("output", "layer", "kl")
 REPORT_FORMAT = "k3convert-sensitivity-v1"
@@ -539,17 +539,10 @@ class _Scan:
             if cur.get("capture"):
                 cur["inputs"][by_name[name].role.expert] = x
 
-        def token_mask(name, x) -> torch.Tensor:
-            valid = cur["mask"]
+        def rows_mask(name, x) -> torch.Tensor:
             e = by_name[name]
-            if e.role.expert is not None:
-                return valid.reshape(-1)[cur["experts"][e.role.expert].to(valid.device)]
-            if valid.numel() == math.prod(x.shape[:-1]):
-                return valid.reshape(x.shape[:-1])
-            raise ConfigError(
-                f"sensitivity scan: the input of '{name}' has shape {tuple(x.shape)}, which "
-                f"does not map onto the batch's {tuple(valid.shape)} tokens."
-            )
+            tok = cur["experts"][e.role.expert] if e.role.expert is not None else None
+            return token_mask(cur["mask"], tok, x, f"sensitivity scan: the input of '{name}'")
 
         def on_linear(name, x, y):
             if name not in self.scores:
@@ -561,10 +554,10 @@ class _Scan:
                 parts = self._parts(cache, name)[1 if lad else 0]
                 wq = _dequantized(self.ladder if lad else self.rows[name].scheme, parts)
                 if not lad:
-                    self.scores[name]["tokens"] += int(token_mask(name, x).sum())
+                    self.scores[name]["tokens"] += int(rows_mask(name, x).sum())
                 bias = rt.loader.get(unit).get(by_name[name].key + "_bias")
                 return torch.nn.functional.linear(x, wq.to(x.dtype), bias)
-            m = token_mask(name, x)
+            m = rows_mask(name, x)
             n = int(m.sum())
             s = self.scores[name]
             s["tokens"] += n

@@ -375,6 +375,19 @@ def _unpack(d: dict[str, torch.Tensor]):
     return d["hidden"]
 
 
+def token_mask(valid: torch.Tensor, tok: torch.Tensor | None, x: torch.Tensor, what: str):
+    """Which rows of a Linear's input ``x`` are real tokens: ``valid`` the micro-batch's
+    mask [B, S]; ``tok`` the token rows routed to an expert (None: x covers the batch)."""
+    if tok is not None:
+        return valid.reshape(-1)[tok.to(valid.device)]
+    if valid.numel() == math.prod(x.shape[:-1]):
+        return valid.reshape(x.shape[:-1])
+    raise ConfigError(
+        f"{what} has shape {tuple(x.shape)}, which does not map onto the batch's "
+        f"{tuple(valid.shape)} tokens."
+    )
+
+
 def check_algorithm(plan, algorithm: str) -> None:
     """Errors before any work: unknown algorithm, schemes GPTQ cannot handle, nothing for
     ``static`` to calibrate."""
@@ -585,16 +598,9 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         cur["expert_input"] = y
 
     def rows_mask(name, e, x):
-        valid = cur["mask"]
-        if e.role.expert is not None and not cur.get("all"):
-            tok = cur["experts"][e.role.expert]
-            return valid.reshape(-1)[tok.to(valid.device)]
-        if valid.numel() == math.prod(x.shape[:-1]):
-            return valid.reshape(x.shape[:-1])
-        raise ConfigError(
-            f"calibration: the input of '{name}' has shape {tuple(x.shape)}, which does "
-            f"not map onto the batch's {tuple(valid.shape)} tokens."
-        )
+        routed = e.role.expert is not None and not cur.get("all")
+        tok = cur["experts"][e.role.expert] if routed else None
+        return token_mask(cur["mask"], tok, x, f"calibration: the input of '{name}'")
 
     def on_linear(name, x, y):
         e = by_name.get(name)
