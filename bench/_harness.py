@@ -129,12 +129,15 @@ def warm(paths) -> None:
                 pass
 
 
-def interleaved(stages, repeats: int, reset) -> dict[str, list[tuple[float, float]] | str]:
+def interleaved(
+    stages, repeats: int, reset, on_output=None
+) -> dict[str, list[tuple[float, float]] | str]:
     """Run every available stage once per round, in order, ``repeats`` rounds.
 
     ``stages``: ordered (name, argv or None if unavailable, note). ``reset(name)`` runs
     before each run, outside the timed region (it deletes the stage's output); dirty pages
-    are then synced so no run pays for the previous one's writeback. Returns name ->
+    are then synced so no run pays for the previous one's writeback; ``on_output(name,
+    stdout, stderr)``, if given, sees every successful run's output. Returns name ->
     [(wall s, peak RSS MiB)], or name -> reason for a stage unavailable or failed.
     """
     res: dict[str, list[tuple[float, float]] | str] = {
@@ -147,13 +150,15 @@ def interleaved(stages, repeats: int, reset) -> dict[str, list[tuple[float, floa
             reset(name)
             os.sync()
             try:
-                wall, rss, _, _ = measure(argv)
+                wall, rss, out, err = measure(argv)
             except RuntimeError as e:
                 print(e, file=sys.stderr)
                 tail = [ln for ln in str(e).splitlines() if ln.strip()][-1]
                 res[name] = f"{name} failed: {tail.strip()[:150]}"
                 continue
             res[name].append((wall, rss))
+            if on_output is not None:
+                on_output(name, out, err)
             print(f"  round {r + 1}/{repeats}  {name:<26} {wall:8.2f} s {rss:7.0f} MiB", flush=True)
     return res
 

@@ -1,0 +1,446 @@
+"""Calibration (GPTQ) time per layer, peak RSS and quantized quality, against llm-compressor.
+
+Speed / memory, on a llama-shaped bf16 checkpoint built here with transformers
+(``LlamaForCausalLM``, N(0, 0.02) weights, untied: hidden 768, intermediate 2048, 12 heads,
+4 KV heads, vocab 32000; --layers 8 = 99.5 M params, the half depth 4 layers = 74.3 M),
+calibrated on a pre-tokenized jsonl (``input_ids``, --samples x --seq-len random ids, each
+row ending in EOS so k3convert's packing keeps the rows as they are: both tools see the
+same tokens). Each stage a fresh process, interleaved A B C ... A B C ..., median of
+--repeats (bench/_harness.py):
+
+- k3convert gptq:       ``k3convert quantize SRC OUT --scheme w4a16 --calibrate --algorithm
+                        gptq --dataset D --num-samples N --seq-len S`` (--layers and half of it);
+                        time per layer: the median of the per-layer seconds it prints;
+- llm-compressor GPTQ:  ``oneshot(model=SRC, dataset=<the same rows>, recipe=GPTQModifier(
+                        scheme="W4A16", targets="Linear", ignore=["lm_head"]),
+                        max_seq_length=S, num_calibration_samples=N)`` (its sequential
+                        pipeline, on CPU); time per layer: the oneshot() call / layers;
+- k3convert rtn:        ``quantize --scheme w4a16`` without calibration (a reference).
+
+Quality, on the trained llama fixture (tests/trained.py: a 4-layer hidden-128 model
+trained on the built-in corpus, with its own tokenizer), calibrated on --q-samples x 128
+tokens of the *training* documents (pre-tokenized, the same rows for both tools), judged
+on the held-out documents (heldout_blocks, 128 tokens): per-token KL(bf16 || quantized)
+mean and p99, top-1 agreement with the bf16 model, perplexity. Every output is evaluated
+the same way: transformers loading OUT through its compressed-tensors integration (the
+default ``from_pretrained``: weights dequantized, activations fake-quantized as the
+checkpoint says, so static / dynamic input scales count); the "KLD w-only" column loads
+it with ``CompressedTensorsConfig(dequantize=True)`` (weights only). A row that does not
+load that way says so. Schemes x algorithms: w4a16 rtn/gptq/awq, w4a16-asym rtn/awq,
+w8a8 rtn/smoothquant/smoothquant+gptq, fp8 static, fp8-dynamic rtn; llm-compressor where
+it has the same scheme + algorithm: GPTQ W4A16, AWQ W4A16_ASYM, SmoothQuant+GPTQ W8A8,
+FP8 (static) via QuantizationModifier.
+
+Targets (issue 9): k3convert GPTQ time <= llm-compressor's on the same model; KLD <=
+llm-compressor's for the same scheme and algorithm; peak RSS flat as layers are added
+(--layers vs half of it).
+
+Caveats: llm-compressor is optional, never a dependency (--llmc-python,
+$K3_BENCH_LLMC_PYTHON, or this interpreter; 0.14 needs ``accelerate`` installed beside it);
+it is given the fixture tokenizer as processor (it requires one; the data is already
+tokenized, so it only decides that). Random weights make the speed rows meaningful for
+time and memory only. The deepseek_v3 fixture is not in the quality table.
+
+    python bench/bench_calibrate.py [--repeats 3] [--samples 16] [--seq-len 256]
+        [--quick] [--dir D] [--keep] [--llmc-python PY] [--skip-speed] [--skip-quality]
+        [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from _harness import PY, interleaved, llmc_python, measure, rss_floor, versions, warm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.trained: the trained fixture and its held-out split
+
+SPEED_CFG = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+EOS = 1  # of the speed model and of the trained fixtures' tokenizer
+Q_SEQ = 128  # the trained fixtures' context
+
+#: llm-compressor recipes by key: (imports, recipe expression)
+LLMC_RECIPES = {
+    "GPTQ W4A16": (
+        "from llmcompressor.modifiers.gptq import GPTQModifier",
+        'GPTQModifier(scheme="W4A16", targets="Linear", ignore=["lm_head"])',
+    ),
+    "AWQ W4A16_ASYM": (
+        "from llmcompressor.modifiers.awq import AWQModifier",
+        'AWQModifier(scheme="W4A16_ASYM", targets=["Linear"], ignore=["lm_head"])',
+    ),
+    "SmoothQuant+GPTQ W8A8": (
+        "from llmcompressor.modifiers.gptq import GPTQModifier\n"
+        "from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier",
+        '[SmoothQuantModifier(smoothing_strength=0.5), GPTQModifier(scheme="W8A8", '
+        'targets="Linear", ignore=["lm_head"])]',
+    ),
+    "FP8 static": (
+        "from llmcompressor.modifiers.quantization import QuantizationModifier",
+        'QuantizationModifier(scheme="FP8", targets="Linear", ignore=["lm_head"])',
+    ),
+}
+
+#: quality rows: (k3convert scheme, algorithm, llm-compressor recipe key or None)
+QUALITY = (
+    ("w4a16", "rtn", None),
+    ("w4a16", "gptq", "GPTQ W4A16"),
+    ("w4a16", "awq", None),
+    ("w4a16-asym", "rtn", None),
+    ("w4a16-asym", "awq", "AWQ W4A16_ASYM"),
+    ("w8a8", "rtn", None),
+    ("w8a8", "smoothquant", None),
+    ("w8a8", "smoothquant+gptq", "SmoothQuant+GPTQ W8A8"),
+    ("fp8", "static", "FP8 static"),
+    ("fp8-dynamic", "rtn", None),
+)
+
+#: run in the llm-compressor interpreter: SRC OUT DATA N S PROCESSOR RECIPE-KEY
+_LLMC = """
+import json, sys, time
+src, out, data, n, s, proc, key = sys.argv[1:8]
+from datasets import Dataset
+from transformers import AutoTokenizer
+from llmcompressor import oneshot
+{imports}
+rows = [json.loads(line)["input_ids"] for line in open(data)]
+ds = Dataset.from_dict({{"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}})
+t0 = time.perf_counter()
+oneshot(model=src, dataset=ds, recipe={recipe}, max_seq_length=int(s),
+        num_calibration_samples=int(n), processor=AutoTokenizer.from_pretrained(proc),
+        output_dir=out)
+print(f"K3BENCH oneshot_s {{time.perf_counter() - t0}}")
+"""
+
+
+def llmc_argv(py, src, out, data, n, s, processor, key) -> list[str]:
+    imports, recipe = LLMC_RECIPES[key]
+    code = _LLMC.format(imports=imports, recipe=recipe)
+    return [py, "-c", code, str(src), str(out), str(data), str(n), str(s), str(processor), key]
+
+
+def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list[str]:
+    argv = [PY, "-m", "k3convert", "quantize", str(src), str(out), "--scheme", scheme]
+    if algorithm not in (None, "rtn"):
+        argv += ["--calibrate", "--algorithm", algorithm, "--dataset", str(data)]
+        argv += ["--num-samples", str(n), "--seq-len", str(s)]
+    return argv
+
+
+# -- inputs ------------------------------------------------------------------------------
+def build_speed_model(path: Path, layers: int) -> int:
+    """The llama-shaped bf16 checkpoint (written once); returns its parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, **SPEED_CFG)
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(path)
+        del model
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+
+
+def write_rows(path: Path, rows: list[list[int]]) -> None:
+    """Pre-tokenized rows, each ending in EOS (k3convert's packing then appends nothing and
+    cuts the stream back into the same rows)."""
+    for r in rows:
+        if len(r) != len(rows[0]) or r[-1] != EOS:
+            raise ValueError("calibration rows must have one length and end in EOS")
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+
+
+def speed_rows(n: int, s: int) -> list[list[int]]:
+    rng = random.Random(0)
+    vocab = SPEED_CFG["vocab_size"]
+    return [[rng.randrange(3, vocab) for _ in range(s - 1)] + [EOS] for _ in range(n)]
+
+
+def fixture_data(fixture: Path, n: int):
+    """(calibration rows from the training documents, held-out [B, 128] blocks)."""
+    from transformers import AutoTokenizer
+
+    from tests.trained import corpus_documents, heldout_blocks, split_corpus, token_stream
+
+    tok = AutoTokenizer.from_pretrained(fixture)
+    if tok.eos_token_id != EOS:
+        raise ValueError(f"{fixture}: EOS id {tok.eos_token_id}, expected {EOS}")
+    train, held = split_corpus(corpus_documents())
+    stream = token_stream(tok, train).tolist()
+    step = Q_SEQ - 1
+    if len(stream) < n * step:
+        raise ValueError(f"the training stream has {len(stream)} tokens, fewer than {n} rows")
+    rows = [[*stream[i * step : (i + 1) * step], EOS] for i in range(n)]
+    return rows, heldout_blocks(tok, held, Q_SEQ)
+
+
+# -- quality -----------------------------------------------------------------------------
+@torch.no_grad()
+def logits_of(path: Path, blocks: torch.Tensor, **kw) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    return torch.cat(
+        [model(input_ids=blocks[i : i + 16]).logits for i in range(0, len(blocks), 16)]
+    )
+
+
+def metrics(ref: torch.Tensor, q: torch.Tensor, blocks: torch.Tensor) -> dict:
+    """Per-token KL(ref || q) mean / p99, top-1 agreement, perplexity of ``q``."""
+    lp, lq = ref.log_softmax(-1), q.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).flatten()
+    nll = -lq[:, :-1].gather(-1, blocks[:, 1:, None]).mean()
+    return {
+        "kld_mean": kl.mean().item(),
+        "kld_p99": torch.quantile(kl, 0.99).item(),
+        "top1": (ref.argmax(-1) == q.argmax(-1)).float().mean().item(),
+        "ppl": math.exp(nll.item()),
+    }
+
+
+def evaluate(out: Path, ref, blocks) -> dict:
+    from transformers import CompressedTensorsConfig
+
+    row: dict = {}
+    try:
+        row.update(metrics(ref, logits_of(out, blocks), blocks), loaded="transformers + ct")
+    except Exception as e:
+        row["loaded"] = f"default load failed: {type(e).__name__}: {str(e)[:80]}"
+    try:
+        q = logits_of(out, blocks, quantization_config=CompressedTensorsConfig(dequantize=True))
+        row["kld_wonly"] = metrics(ref, q, blocks)["kld_mean"]
+        if "kld_mean" not in row:
+            row.update(metrics(ref, q, blocks), loaded="transformers dequantize=True")
+    except Exception as e:
+        row["loaded"] = row.get("loaded", "") + f"; dequantize=True failed: {str(e)[:80]}"
+    return row
+
+
+def quality(root: Path, llmc: str | None, n: int) -> tuple[list, str]:
+    from tests.trained import trained_model
+
+    fixture = trained_model("llama")
+    rows, blocks = fixture_data(fixture, n)
+    data = root / "quality.jsonl"
+    write_rows(data, rows)
+    ref = logits_of(fixture, blocks)
+    runs = []
+    for scheme, algo, key in QUALITY:
+        runs.append(
+            (f"k3convert {scheme} {algo}", k3_argv(fixture, None, scheme, algo, data, n, Q_SEQ))
+        )
+        if key and llmc:
+            runs.append(
+                (
+                    f"llm-compressor {key}",
+                    llmc_argv(llmc, fixture, None, data, n, Q_SEQ, fixture, key),
+                )
+            )
+    table = []
+    for name, argv in runs:
+        out = root / "q" / name.replace(" ", "_").replace("+", "p")
+        shutil.rmtree(out, ignore_errors=True)
+        argv[argv.index("None")] = str(out)
+        print(f"  quality: {name} ...", flush=True)
+        try:
+            wall, rss, _, _ = measure(argv)
+        except RuntimeError as e:
+            tail = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
+            table.append({"name": name, "loaded": f"failed: {tail[:120]}"})
+            continue
+        row = {"name": name, "wall_s": wall, "rss_mib": rss}
+        row.update(evaluate(out, ref, blocks))
+        table.append(row)
+    note = (
+        f"trained llama fixture {fixture.name}; calibration {n} x {Q_SEQ} training tokens; "
+        f"held-out {blocks.shape[0]} x {Q_SEQ} tokens"
+    )
+    return table, note
+
+
+def print_quality(table: list, note: str) -> None:
+    print(f"\n### Quality ({note})\n")
+    cols = ["output", "KLD mean", "KLD p99", "top-1", "ppl", "KLD w-only", "s", "loaded by"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in table:
+        if "kld_mean" not in r:
+            print(f"| {r['name']} | - | - | - | - | - | - | {r['loaded']} |")
+            continue
+        wonly = f"{r['kld_wonly']:.5f}" if "kld_wonly" in r else "-"
+        cells = [r["name"], f"{r['kld_mean']:.5f}", f"{r['kld_p99']:.4f}", f"{r['top1']:.4f}"]
+        cells += [f"{r['ppl']:.3f}", wonly, f"{r.get('wall_s', 0):.1f}", r["loaded"]]
+        print("| " + " | ".join(cells) + " |")
+
+
+# -- speed -------------------------------------------------------------------------------
+_PER_LAYER = re.compile(
+    r"calibration \((\w[\w+]*)\): (\d+) layer\(s\), ([\d.]+) s; per layer: (.*)"
+)
+
+
+def speed(root: Path, llmc: str | None, a) -> tuple[dict, dict, str]:
+    from tests.trained import trained_model
+
+    depths = (a.layers, a.layers // 2)
+    srcs, params = {}, {}
+    for d in depths:
+        srcs[d] = root / f"llama-{d}L"
+        params[d] = build_speed_model(srcs[d], d)
+    data = root / "speed.jsonl"
+    write_rows(data, speed_rows(a.samples, a.seq_len))
+    processor = trained_model("llama")  # llm-compressor requires a processor; see the doc
+    outs: dict = {}
+
+    def out(name: str) -> Path:
+        outs[name] = root / "out" / name.replace(" ", "_")
+        return outs[name]
+
+    n, s = a.samples, a.seq_len
+    stages = []
+    for d in depths:
+        name = f"k3convert gptq {d}L"
+        argv = k3_argv(srcs[d], out(name), "w4a16", "gptq", data, n, s)
+        stages.append((name, argv, "quantize --scheme w4a16 --calibrate --algorithm gptq"))
+        if d == a.layers or a.llmc_both_depths:
+            name = f"llm-compressor GPTQ {d}L"
+            why = "llm-compressor: not available (no interpreter imports llmcompressor)"
+            argv = llmc and llmc_argv(llmc, srcs[d], out(name), data, n, s, processor, "GPTQ W4A16")
+            stages.append((name, argv, "oneshot GPTQModifier W4A16" if llmc else why))
+    name = f"k3convert rtn {a.layers}L"
+    stages.append((name, k3_argv(srcs[a.layers], out(name), "w4a16"), "quantize --scheme w4a16"))
+
+    per_layer: dict[str, list[float]] = {}
+
+    def on_output(name: str, stdout: str, stderr: str) -> None:
+        layers = int(re.search(r"(\d+)L$", name).group(1))
+        if m := _PER_LAYER.search(stdout):
+            secs = [float(x.split(": ")[1].removesuffix(" s")) for x in m.group(4).split(", ")]
+            per_layer.setdefault(name, []).append(statistics.median(secs))
+        elif m := re.search(r"K3BENCH oneshot_s ([\d.]+)", stdout):
+            per_layer.setdefault(name, []).append(float(m.group(1)) / layers)
+
+    def reset(name: str) -> None:
+        shutil.rmtree(outs.get(name, root / "none"), ignore_errors=True)
+        shutil.rmtree(Path(f"{outs.get(name, root / 'none')}.calib"), ignore_errors=True)
+
+    (root / "out").mkdir(exist_ok=True)
+    warm(p for d in depths for p in srcs[d].iterdir())
+    results = interleaved(stages, a.repeats, reset, on_output=on_output)
+    note = (
+        "llama-shaped bf16, hidden 768, intermediate 2048, vocab 32000; "
+        + ", ".join(f"{d} layers = {params[d] / 1e6:.1f} M params" for d in depths)
+        + f"; calibration {n} x {s} tokens; repeats {a.repeats}; "
+        f"peak RSS floor {rss_floor():.0f} MiB (the launcher's)"
+    )
+    return results, per_layer, note
+
+
+def print_speed(results: dict, per_layer: dict, note: str) -> None:
+    print(f"\n### Speed / memory ({note})\n")
+    cols = ["stage", "median s", "min s", "s / layer (median)", "peak RSS MiB", "vs cmp"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    med = {
+        k: statistics.median(w for w, _ in v)
+        for k, v in results.items()
+        if isinstance(v, list) and v
+    }
+    for name, runs in results.items():
+        if isinstance(runs, str) or not runs:
+            print(f"| {name} | {runs or 'no run'} | | | | |")
+            continue
+        pl = per_layer.get(name)
+        cmp = "-"
+        if name.startswith("k3convert gptq"):
+            other = med.get(name.replace("k3convert gptq", "llm-compressor GPTQ"))
+            cmp = f"{other / med[name]:.2f}" if other else "-"
+        cells = [name, f"{med[name]:.1f}", f"{min(w for w, _ in runs):.1f}"]
+        cells += [
+            f"{statistics.median(pl):.2f}" if pl else "-",
+            f"{max(r for _, r in runs):.0f}",
+            cmp,
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print(
+        "\ns / layer: k3convert's printed per-layer calibration seconds (median over layers, "
+        "then over runs); llm-compressor's oneshot() call (load + calibrate + save) / layers. "
+        "vs cmp: llm-compressor's median / k3convert's (> 1: k3convert faster)."
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8, help="the full depth (half also run)")
+    ap.add_argument("--samples", type=int, default=16, help="speed: calibration samples")
+    ap.add_argument("--seq-len", type=int, default=256, help="speed: tokens per sample")
+    ap.add_argument("--q-samples", type=int, default=32, help="quality: samples of 128 tokens")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 4 layers, 4 x 128 tokens")
+    ap.add_argument("--llmc-both-depths", action="store_true", help="llm-compressor at both")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--dir", type=Path, help="work dir (default: a temp dir, removed)")
+    ap.add_argument("--keep", action="store_true", help="keep the default temp dir")
+    ap.add_argument("--llmc-python", help="an interpreter that can import llmcompressor")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.layers, a.samples, a.seq_len, a.q_samples = 1, 4, 4, 128, 8
+
+    root = a.dir or Path(tempfile.mkdtemp(prefix="bench_calibrate_"))
+    root.mkdir(parents=True, exist_ok=True)
+    llmc = llmc_python(a.llmc_python)
+    print(f"k3convert: {versions(PY, 'k3convert', 'torch', 'transformers', 'compressed-tensors')}")
+    if llmc:
+        print(f"llm-compressor: {versions(llmc, 'llmcompressor', 'compressed-tensors', 'torch')}")
+    else:
+        print("llm-compressor: not available (no interpreter imports llmcompressor; "
+              "--llmc-python or $K3_BENCH_LLMC_PYTHON)")  # fmt: skip
+    report: dict = {}
+
+    def save() -> None:  # after each part, so a later failure keeps what was measured
+        if a.json:
+            a.json.write_text(json.dumps(report, indent=1))
+
+    if not a.skip_speed:
+        results, per_layer, note = speed(root, llmc, a)
+        report["speed"] = {"note": note, "runs": results, "seconds_per_layer": per_layer}
+        save()
+        print_speed(results, per_layer, note)
+    if not a.skip_quality:
+        table, note = quality(root, llmc, a.q_samples)
+        report["quality"] = {"note": note, "rows": table}
+        save()
+        print_quality(table, note)
+    if a.dir is None and not a.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    elif a.keep:
+        print(f"kept {root}")
+
+
+if __name__ == "__main__":
+    main()
