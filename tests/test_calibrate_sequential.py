@@ -295,6 +295,25 @@ def test_kill_and_rerun_is_byte_identical(work, llama_gptq):
     assert not (root / "q-resumed.calib").exists()
 
 
+def test_awq_moe_kill_and_rerun_is_byte_identical(work):
+    """AWQ on the MoE model: smoothed norms and the compensated router live in the journal
+    beside the parts; a run killed after layer 1 resumes and writes the same bytes."""
+    root, _, dsv3, data = work
+    opts = _opts(dataset=str(data), num_samples=SAMPLES, seq_len=SEQ)
+    a, b = root / "awq-fresh", root / "awq-resumed"
+    ra = quantize(src=dsv3, out=a, scheme="int8-channel", calibrate=opts, algorithm="awq",
+                  progress=False)  # fmt: skip
+    assert ra.calibration.kept_rows, "smoothing changed no kept tensor"
+    assert "model.layers.1.mlp.gate.weight" in ra.calibration.kept_rows  # the router
+    with pytest.raises(_Killed):
+        _run(dsv3, data, "int8-channel", "awq", root / "awq-resumed.calib", _kill_at(2),
+             packed=True)  # fmt: skip
+    rb = quantize(src=dsv3, out=b, scheme="int8-channel", calibrate=opts, algorithm="awq",
+                  progress=False)  # fmt: skip
+    assert rb.calibration.resumed_from == 2
+    assert _files(a) == _files(b)
+
+
 def test_changed_seed_starts_over(work):
     root, llama, _, data = work
     j = root / "j-seed"
