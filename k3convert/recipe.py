@@ -15,6 +15,16 @@ resolved against the registry, and patterns are compiled. Example::
           scheme: fp8-block
       keep: ["re:.*layers\\.0\\..*"]   # optional extra keeps
       default_keep: true                # architecture default exceptions
+      calibrate:                        # optional: every --calibrate option
+        algorithm: gptq
+        dataset: default
+        num_samples: 256
+        kv_cache: fp8
+      auto_keep: {budget: 5%, scheme: int8-g128}   # optional: --auto-keep
+
+A ``calibrate`` / ``auto_keep`` section applies when the command line (or the API call)
+gives no ``--calibrate`` / ``--auto-keep`` of its own; one that does replaces the
+recipe's section as a whole.
 
 Tensors matched by no rule are kept unless ``quantize.scheme`` names a default.
 
@@ -59,11 +69,56 @@ class RuleSpec:
 
 
 @dataclass(frozen=True)
+class CalibrateSection:
+    """``quantize --calibrate``'s options (:class:`k3convert.calibrate.sequential.
+    SequentialOptions`, plus the algorithm)."""
+
+    algorithm: str = "gptq"
+    dataset: str = "default"
+    num_samples: int | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    packing: bool = True
+    batch_size: int = 8
+    block_size: int = 128
+    dampening: float = 0.01
+    act_order: bool = False
+    offload_dir: str | None = None
+    dtype: str = "fp32"
+    moe_all_experts: bool = False
+    observer: str = "minmax"
+    percentile: float = 99.99
+    alpha: float = 0.5
+    awq_grid: int = 20
+    awq_duo_scaling: bool = True
+    smooth_tokens: int = 4096
+    kv_cache: str | None = None
+
+    def options(self):
+        from .calibrate.sequential import SequentialOptions
+
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "algorithm"}
+        return SequentialOptions(**kw)
+
+
+@dataclass(frozen=True)
+class AutoKeepSection:
+    """``quantize --auto-keep``: budget, ladder scheme, sensitivity method, chart path."""
+
+    budget: str
+    scheme: str | None = None
+    sensitivity: str = "layer"
+    plot: str | None = None
+
+
+@dataclass(frozen=True)
 class QuantizeSection:
     scheme: str | None = None
     rules: tuple[RuleSpec, ...] = ()
     keep: tuple[str, ...] = ()
     default_keep: bool = True
+    calibrate: CalibrateSection | None = None
+    auto_keep: AutoKeepSection | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +180,10 @@ def _convert(value: Any, tp, path: str, src: str):
         if not isinstance(value, str):
             raise ConfigError(f"{src}: '{path}' must be a string, got {short_repr(value)}.")
         return value
+    if tp is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{src}: '{path}' must be a number, got {short_repr(value)}.")
+        return float(value)
     if tp is int:
         # bools are ints to Python, not to a recipe: group_size: true is a mistake
         if not isinstance(value, int) or isinstance(value, bool):
@@ -319,6 +378,36 @@ def _validate(r: Recipe) -> None:
             f"{r.source}: quantize needs 'rules' or a default 'scheme'; as written it "
             f"would keep every tensor."
         )
+    if q.calibrate is not None:
+        from .calibrate.sequential import ALGORITHMS
+
+        where = f"{r.source}: quantize.calibrate"
+        if q.calibrate.algorithm not in ALGORITHMS:
+            close = difflib.get_close_matches(q.calibrate.algorithm, ALGORITHMS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{where}.algorithm: '{_key_text(q.calibrate.algorithm)}' is not known; use "
+                f"one of {', '.join(ALGORITHMS)}.{hint}"
+            )
+        try:
+            q.calibrate.options().check()
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    if q.auto_keep is not None:
+        from .calibrate.sensitivity import METHODS, parse_budget
+
+        where = f"{r.source}: quantize.auto_keep"
+        try:
+            parse_budget(q.auto_keep.budget)
+            if q.auto_keep.scheme is not None:
+                get_scheme(q.auto_keep.scheme)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if q.auto_keep.sensitivity not in METHODS:
+            raise ConfigError(
+                f"{where}.sensitivity: '{_key_text(q.auto_keep.sensitivity)}' is not known; "
+                f"use one of {', '.join(METHODS)}."
+            )
 
 
 def _check_options(get_scheme, rule: RuleSpec, path: str, src: str) -> None:

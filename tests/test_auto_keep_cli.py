@@ -83,3 +83,46 @@ def test_bad_auto_keep_input_exit_2_nothing_written(llama, capsys, args, msg):
     assert rc == 2
     assert msg in capsys.readouterr().err.lower() or msg in capsys.readouterr().out.lower()
     assert not out.exists()
+
+
+def test_recipe_calibrate_and_auto_keep_sections(llama, tmp_path, capsys):
+    """Every calibration / auto-keep option is a recipe key; the CLI runs them."""
+    _, src, data = llama
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "quantize:\n  scheme: w4a16-asym\n"
+        f"  calibrate: {{algorithm: awq, dataset: '{data}', num_samples: 4, seq_len: 16,\n"
+        "              awq_grid: 4, kv_cache: fp8}\n"
+        "  auto_keep: {budget: 10%}\n"
+    )
+    out = tmp_path / "out"
+    assert _run(src, out, "--recipe", recipe) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "awq"
+    assert cfg["k3convert"]["calibration"]["options"]["awq_grid"] == 4
+    assert cfg["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    assert cfg["k3convert"]["auto_keep"]["names"]
+    capsys.readouterr()
+    for bad, msg in [
+        ("  calibrate: {algorithm: gptqq}\n", "did you mean 'gptq'"),
+        ("  calibrate: {alpha: 3}\n", "alpha must be a number in [0, 1]"),
+        ("  calibrate: {num_sampels: 3}\n", "did you mean 'num_samples'"),
+        ("  auto_keep: {budget: plenty}\n", "quantize.auto_keep"),
+        ("  auto_keep: {budget: 5%, sensitivity: vibes}\n", "sensitivity"),
+    ]:
+        recipe.write_text("quantize:\n  scheme: w4a16\n" + bad)
+        assert _run(src, tmp_path / "bad", "--recipe", recipe) == 2, bad
+        err = capsys.readouterr().err
+        assert msg.lower() in err.lower(), (bad, err)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_shipped_recipes_load():
+    from pathlib import Path
+
+    from k3convert.recipe import load_recipe
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    loaded = {p.name: load_recipe(p) for p in sorted(root.glob("*.yaml"))}
+    awq = loaded["llama-w4a16-awq.yaml"].quantize
+    assert awq.calibrate.algorithm == "awq" and awq.auto_keep.scheme == "int8-g128"

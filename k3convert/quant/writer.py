@@ -474,6 +474,21 @@ def quantize(
         workers = default_workers()
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
+    if isinstance(recipe, (str, os.PathLike)):
+        from ..recipe import load_recipe
+
+        recipe = load_recipe(recipe)
+    if recipe is not None and calibrate is None and recipe.quantize.calibrate is not None:
+        calibrate = recipe.quantize.calibrate.options()  # the recipe's calibration section
+        algorithm = recipe.quantize.calibrate.algorithm
+    if recipe is not None and auto_keep is None and recipe.quantize.auto_keep is not None:
+        ak = recipe.quantize.auto_keep
+        auto_keep, auto_keep_scheme, sensitivity, plot = (
+            ak.budget,
+            ak.scheme,
+            ak.sensitivity,
+            ak.plot,
+        )
     ckpt, plan = plan_quantization(
         src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
         kept_as_stored=kept_as_stored,
