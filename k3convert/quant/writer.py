@@ -474,6 +474,8 @@ def quantize(
         workers = default_workers()
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
+    if (scheme is None) == (recipe is None):
+        raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
     if isinstance(recipe, (str, os.PathLike)):
         from ..recipe import load_recipe
 
