@@ -43,7 +43,7 @@ time and memory only. The deepseek_v3 fixture is not in the quality table.
 
     python bench/bench_calibrate.py [--repeats 3] [--samples 16] [--seq-len 256]
         [--quick] [--dir D] [--keep] [--llmc-python PY] [--skip-speed] [--skip-quality]
-        [--json FILE]
+        [--only "w8a8,fp8"] [--reuse] [--json FILE]
 """
 
 from __future__ import annotations
@@ -239,7 +239,9 @@ def evaluate(out: Path, ref, blocks) -> dict:
     return row
 
 
-def quality(root: Path, llmc: str | None, n: int) -> tuple[list, str]:
+def quality(
+    root: Path, llmc: str | None, n: int, only=None, reuse=False, save=None
+) -> tuple[list, str]:
     from tests.trained import trained_model
 
     fixture = trained_model("llama")
@@ -259,21 +261,30 @@ def quality(root: Path, llmc: str | None, n: int) -> tuple[list, str]:
                     llmc_argv(llmc, fixture, None, data, n, Q_SEQ, fixture, key),
                 )
             )
-    table = []
+    if only:
+        runs = [r for r in runs if any(o in r[0] for o in only)]
+    table: list = []
     for name, argv in runs:
         out = root / "q" / name.replace(" ", "_").replace("+", "p")
-        shutil.rmtree(out, ignore_errors=True)
         argv[argv.index("None")] = str(out)
         print(f"  quality: {name} ...", flush=True)
-        try:
-            wall, rss, _, _ = measure(argv)
-        except RuntimeError as e:
-            tail = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
-            table.append({"name": name, "loaded": f"failed: {tail[:120]}"})
-            continue
-        row = {"name": name, "wall_s": wall, "rss_mib": rss}
+        row = {"name": name}
+        if reuse and (out / "config.json").is_file():
+            row["reused"] = True  # written by an earlier run of this script: no wall / RSS
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(Path(f"{out}.calib"), ignore_errors=True)
+            try:
+                wall, rss, _, _ = measure(argv)
+            except RuntimeError as e:
+                tail = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
+                table.append({"name": name, "loaded": f"failed: {tail[:120]}"})
+                continue
+            row.update(wall_s=wall, rss_mib=rss)
         row.update(evaluate(out, ref, blocks))
         table.append(row)
+        if save:
+            save(table)
     note = (
         f"trained llama fixture {fixture.name}; calibration {n} x {Q_SEQ} training tokens; "
         f"held-out {blocks.shape[0]} x {Q_SEQ} tokens"
@@ -292,7 +303,8 @@ def print_quality(table: list, note: str) -> None:
             continue
         wonly = f"{r['kld_wonly']:.5f}" if "kld_wonly" in r else "-"
         cells = [r["name"], f"{r['kld_mean']:.5f}", f"{r['kld_p99']:.4f}", f"{r['top1']:.4f}"]
-        cells += [f"{r['ppl']:.3f}", wonly, f"{r.get('wall_s', 0):.1f}", r["loaded"]]
+        wall = f"{r['wall_s']:.1f}" if "wall_s" in r else "-"
+        cells += [f"{r['ppl']:.3f}", wonly, wall, r["loaded"]]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -402,6 +414,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 repeat, 4 layers, 4 x 128 tokens")
     ap.add_argument("--llmc-both-depths", action="store_true", help="llm-compressor at both")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--only", help="quality: comma-separated substrings of the rows to run")
+    ap.add_argument("--reuse", action="store_true", help="quality: keep outputs already in --dir")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--dir", type=Path, help="work dir (default: a temp dir, removed)")
     ap.add_argument("--keep", action="store_true", help="keep the default temp dir")
@@ -432,7 +446,13 @@ def main() -> None:
         save()
         print_speed(results, per_layer, note)
     if not a.skip_quality:
-        table, note = quality(root, llmc, a.q_samples)
+
+        def partial(rows: list) -> None:
+            report["quality"] = {"rows": rows}
+            save()
+
+        only = [o.strip() for o in a.only.split(",")] if a.only else None
+        table, note = quality(root, llmc, a.q_samples, only, a.reuse, partial)
         report["quality"] = {"note": note, "rows": table}
         save()
         print_quality(table, note)
