@@ -345,14 +345,26 @@ def quantize(
                  if v is not None]  # fmt: skip
         if extra:
             raise typer.BadParameter(f"{', '.join(extra)} only apply with --auto-keep.")
+    rec_keep = rec_cal = False
+    if recipe is not None and scheme is None:  # its sections count as given
+        from .recipe import load_recipe
+
+        r = load_recipe(recipe)
+        rec_keep, rec_cal = r.quantize.auto_keep is not None, r.quantize.calibrate is not None
     opts = scan_data = None
-    if not calibrate and auto_keep is not None:
+    if not calibrate and (auto_keep is not None or rec_keep):
         from .calibrate.sequential import SequentialOptions
 
-        scan_data = SequentialOptions(
-            dataset=dataset if dataset is not None else "default", num_samples=num_samples,
-            seq_len=seq_len, seed=seed if seed is not None else 0,
-        )  # fmt: skip
+        if rec_cal and data_given:
+            raise typer.BadParameter(
+                f"{', '.join(data_given)}: the recipe's quantize.calibrate section sets the "
+                f"calibration data; give --calibrate to replace that section."
+            )
+        if not rec_cal:
+            scan_data = SequentialOptions(
+                dataset=dataset if dataset is not None else "default",
+                num_samples=num_samples, seq_len=seq_len, seed=seed if seed is not None else 0,
+            )  # fmt: skip
         data_given = []
     if calibrate:
         from .calibrate.sequential import SequentialOptions

@@ -74,6 +74,7 @@ def test_auto_keep_ladder_with_gptq(llama, capsys):
         (["--auto-keep", "lots"], "budget"),
         (["--plot", "x.png"], "only apply with --auto-keep"),
         (["--auto-keep", "5%", "--auto-keep-scheme", "nope"], "nope"),
+        (["--auto-keep", "5%", "--plot", "/nonexistent-k3/x.png"], "does not exist"),
     ],
 )
 def test_bad_auto_keep_input_exit_2_nothing_written(llama, capsys, args, msg):
@@ -126,3 +127,22 @@ def test_shipped_recipes_load():
     loaded = {p.name: load_recipe(p) for p in sorted(root.glob("*.yaml"))}
     awq = loaded["llama-w4a16-awq.yaml"].quantize
     assert awq.calibrate.algorithm == "awq" and awq.auto_keep.scheme == "int8-g128"
+
+
+def test_recipe_auto_keep_takes_the_command_line_data(llama, tmp_path, capsys):
+    """A recipe with only an auto_keep section: --dataset / --seq-len choose the scan's
+    data; with a calibrate section they would be ignored, so they are refused."""
+    _, src, data = llama
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("quantize:\n  scheme: w4a16\n  auto_keep: {budget: 10%}\n")
+    out = tmp_path / "out"
+    assert _run(src, out, "--recipe", recipe, "--dataset", data, *DATA) == 0
+    assert json.loads((out / "config.json").read_text())["k3convert"]["auto_keep"]["names"]
+    recipe.write_text(
+        "quantize:\n  scheme: w4a16\n  auto_keep: {budget: 10%}\n"
+        f"  calibrate: {{algorithm: rtn, dataset: '{data}', num_samples: 4, seq_len: 16}}\n"
+    )
+    capsys.readouterr()
+    assert _run(src, tmp_path / "o2", "--recipe", recipe, "--dataset", data) == 2
+    assert "quantize.calibrate section sets" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()

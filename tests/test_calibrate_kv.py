@@ -156,3 +156,48 @@ def test_kv_cache_needs_calibrate_and_a_source_without_scales(llama_kv, tmp_path
     cfg = json.loads((tmp_path / "carried" / "config.json").read_text())
     assert cfg["quantization_config"]["kv_cache_scheme"]["num_bits"] == 8
     assert "model.layers.0.self_attn.k_scale" in open_checkpoint(tmp_path / "carried").names()
+
+
+def test_source_scales_survive_smoothing_unchanged(tmp_path):
+    """A source with its own KV-cache scales keeps them (and its kv_cache_scheme): AWQ
+    then leaves out the smoothing sites that change what enters the cache (MLA's
+    kv_a_layernorm), so the copied scales stay true."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from k3convert.quant.kvcache import kv_cache_scheme, kv_scale_tensors
+
+    dsv3 = save_model("deepseek_v3", tmp_path / "dsv3")
+    src = tmp_path / "with-kv"
+    shutil.copytree(dsv3, src)
+    cfg = json.loads((src / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    scales = kv_scale_tensors({i: {"latent": 4.0, "k_rot": 2.0} for i in range(n)}, cfg)
+    save_file(scales, str(src / "kv.safetensors"), metadata={"format": "pt"})
+    (src / "model.safetensors").rename(src / "main.safetensors")
+    names = open_checkpoint(dsv3).names()
+    wm = {**dict.fromkeys(names, "main.safetensors"), **dict.fromkeys(scales, "kv.safetensors")}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    cfg["quantization_config"] = {"kv_cache_scheme": kv_cache_scheme()}
+    (src / "config.json").write_text(json.dumps(cfg))
+    data = _ids_file(tmp_path / "ids.jsonl")
+    out = tmp_path / "out"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["quantize", str(src), str(out), "--scheme", "int8-channel", "--calibrate",
+                   "--algorithm", "awq", "--dataset", str(data), "--num-samples", "4",
+                   "--seq-len", "16"])  # fmt: skip
+    assert rc == 0
+    q, s = open_checkpoint(out), open_checkpoint(src)
+    for name, t in scales.items():
+        assert torch.equal(q.get(name), t)
+    assert (
+        json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+        == kv_cache_scheme()
+    )
+    for i in range(n):  # the cached latent's norm was not smoothed
+        key = f"model.layers.{i}.self_attn.kv_a_layernorm.weight"
+        assert torch.equal(q.get(key), s.get(key))
+    assert not torch.equal(q.get("model.layers.1.mlp.gate.weight"),
+                           s.get("model.layers.1.mlp.gate.weight"))  # fmt: skip

@@ -561,7 +561,8 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     maps = []
     if kind is not None:
         keys = {e.key: e.name for e in entries.values()}
-        maps = layer_mappings(rt.text, i, keys, allrows, norms_only=False)  # (smooth.py)
+        fixed = any(n.endswith((".k_scale", ".v_scale")) for n in allrows)  # kept scales
+        maps = layer_mappings(rt.text, i, keys, allrows, norms_only=False, cache_fixed=fixed)
     stats = Statistics(options.smooth_tokens, hidden.n)
     sources = {m.source for m in maps}
     sampled = (sources | {n for m in maps for n in m.routed}) if kind == "awq" else set()

@@ -88,11 +88,19 @@ class Mapping:
 
 
 def layer_mappings(
-    ts, layer: int, keys: dict[str, str], rows: dict, *, norms_only: bool
+    ts,
+    layer: int,
+    keys: dict[str, str],
+    rows: dict,
+    *,
+    norms_only: bool,
+    cache_fixed: bool = False,
 ) -> list[Mapping]:
     """The mappings of decoder layer ``layer``. keys: runtime key -> tensor name of the
     layer's tensors; rows: tensor name -> the plan's Decision (every row); norms_only:
-    only norm -> Linears mappings (SmoothQuant)."""
+    only norm -> Linears mappings; cache_fixed: the KV cache's contents must not change
+    (the source's KV-cache scales are kept): no ``kv_a_layernorm -> kv_b_proj`` (MLA's
+    cached latent) and no ``v_proj -> o_proj`` (the cached values)."""
 
     def usable(name: str) -> bool:
         r = rows.get(name)
@@ -128,7 +136,8 @@ def layer_mappings(
 
     add("attention", "norms.input_layernorm", list(_ATTENTION_READERS), True)
     for norm, reader in _NORM_PAIRS:
-        add(norm, norm, [reader], True)
+        if not (cache_fixed and norm == "norms.kv_a_layernorm"):
+            add(norm, norm, [reader], True)
     experts = sorted({int(k.split(".")[1]) for k in keys if k.startswith("routed_experts.")})
     if "router.router" in keys:
         readers = ["router.router", "shared_experts.gate_proj", "shared_experts.up_proj"]
@@ -147,7 +156,7 @@ def layer_mappings(
         prefixes = ["dense_mlp", "shared_experts"] + [f"routed_experts.{e}" for e in experts]
         for p in prefixes:
             add(p, f"{p}.up_proj", [f"{p}.down_proj"], False)
-    if ts.attention_of(layer) == "gqa" and "attention.g_proj" not in keys:
+    if ts.attention_of(layer) == "gqa" and "attention.g_proj" not in keys and not cache_fixed:
         v, o = keys.get("attention.v_proj"), keys.get("attention.o_proj")
         if v is not None and o is not None and rows[v].shape[0] == rows[o].shape[1]:
             add("v->o", "attention.v_proj", ["attention.o_proj"], False)

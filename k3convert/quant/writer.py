@@ -66,7 +66,7 @@ from ..checkpoint.output import (
     write_index,
 )
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
-from ..errors import ConfigError
+from ..errors import ConfigError, OutputError
 from ..formats import ACTIVATION_PARTS
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
 from .schemes import NonFiniteWeightError, get_scheme, known_schemes
@@ -385,13 +385,13 @@ def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
 def _output_config(
     config: dict, plan: Plan, src: Path, calibration: dict | None = None, kv_tensors=None
 ) -> dict:
+    from ..arch import kv_cache_scheme_of
     from .kvcache import kv_cache_scheme
 
+    src_kv = kv_cache_scheme_of(config)
     cfg = copy.deepcopy(config)
     cfg.pop("compression_config", None)
-    src_qc = cfg.get("quantization_config") or {}
     if isinstance(cfg.get("text_config"), dict):
-        src_qc = src_qc or cfg["text_config"].get("quantization_config") or {}
         cfg["text_config"].pop("quantization_config", None)
     if plan.quantized:
         cfg["quantization_config"] = plan.quantization_config()
@@ -399,8 +399,8 @@ def _output_config(
         kept_kv = any(r.name.endswith((".k_scale", ".v_scale")) for r in plan.rows)
         if kv_tensors:
             cfg["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
-        elif kept_kv and isinstance(src_qc, dict) and src_qc.get("kv_cache_scheme"):
-            cfg["quantization_config"]["kv_cache_scheme"] = src_qc["kv_cache_scheme"]
+        elif kept_kv and src_kv:
+            cfg["quantization_config"]["kv_cache_scheme"] = src_kv
     else:
         cfg.pop("quantization_config", None)
     cfg["k3convert"] = {
@@ -503,6 +503,7 @@ def quantize(
 
         calibrate.check()
         check_algorithm(plan, algorithm)
+        _check_source_kv(ckpt, plan, calibrate)
     sens = sel = None
     if plot is not None and auto_keep is None:
         raise ConfigError("plot is the sensitivity chart of auto_keep; give auto_keep too.")
@@ -511,8 +512,14 @@ def quantize(
             check_output(Path(out), force=force, need_bytes=plan.totals()[1], source=ckpt.root)
         if plot is not None:
             guard_out(plot, [ckpt.root])
+            parent = Path(plot).resolve().parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK):
+                raise OutputError(
+                    f"{plot}: the chart's directory {parent} does not exist or is not "
+                    f"writable; create it or choose another --plot path."
+                )
         plan, sens, sel = _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme, sensitivity,
-                                     calibrate or sensitivity_data, log)  # fmt: skip
+                                     sensitivity_data or calibrate, log)  # fmt: skip
         if calibrate is not None:
             check_algorithm(plan, algorithm)
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
@@ -536,13 +543,6 @@ def quantize(
     aux = ckpt.aux_files
     need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
     calibrated = provenance = kv_tensors = None
-    if calibrate is not None and calibrate.kv_cache:
-        have = [r.name for r in plan.rows if r.name.endswith((".k_scale", ".v_scale"))]
-        if have:
-            raise ConfigError(
-                f"{ckpt.root}: the source already carries KV-cache scales (e.g. '{have[0]}'); "
-                f"quantize it without --kv-cache, or from a source without them."
-            )
     if calibrate is not None:
         # OUT is checked before hours of calibration, not after
         check_output(out, force=force, need_bytes=need, source=ckpt.root)
@@ -592,6 +592,21 @@ def quantize(
         sens.plot(plot)
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
                           out / routing if routing else None, sens, sel)  # fmt: skip
+
+
+def _check_source_kv(ckpt, plan: Plan, opts) -> None:
+    """A source that carries KV-cache scales keeps them as they are: refuse recalibrating
+    them over it (``kv_cache``) and the smoothing sites that would change what enters the
+    cache (``v_proj -> o_proj``, ``kv_a_layernorm -> kv_b_proj``: the engine skips them
+    when the plan keeps KV-cache scales, which would otherwise be stale)."""
+    have = [r.name for r in plan.rows if r.name.endswith((".k_scale", ".v_scale"))]
+    if not have:
+        return
+    if opts.kv_cache:
+        raise ConfigError(
+            f"{ckpt.root}: the source already carries KV-cache scales (e.g. '{have[0]}'); "
+            f"quantize it without --kv-cache, or from a source without them."
+        )
 
 
 def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
@@ -644,7 +659,6 @@ def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, l
     is written: a bad dataset or an existing OUT fails first)."""
     from ..calibrate.data import build_calibration_set
     from ..calibrate.sequential import calibrate_sequential
-    from ..errors import OutputError
 
     if out.exists() and not force:
         raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
