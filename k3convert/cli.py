@@ -291,6 +291,14 @@ def quantize(
         float | None,
         typer.Option(help="With --algorithm smoothquant[+gptq]: migration strength (0.5)."),
     ] = None,
+    alpha_search: Annotated[
+        bool,
+        typer.Option(
+            "--alpha-search",
+            help="With --algorithm smoothquant[+gptq]: search alpha per mapping on the "
+            "W8A8 error (weights and dynamic activations fake-quantized) instead of --alpha.",
+        ),
+    ] = False,
     kv_cache: Annotated[
         str | None,
         typer.Option(
@@ -337,7 +345,8 @@ def quantize(
                   ("--seq-len", seq_len), ("--seed", seed)) if v is not None]  # fmt: skip
     given = [n for n, v in (("--algorithm", algorithm), ("--offload-dir", offload_dir),
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
-             ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache))
+             ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache),
+             ("--alpha-search", alpha_search or None))
              if v is not None]  # fmt: skip
     if auto_keep is None:
         extra = [n for n, v in (("--auto-keep-scheme", auto_keep_scheme), ("--plot", plot),
@@ -375,9 +384,14 @@ def quantize(
             moe_all_experts=moe_all_experts, observer=observer or "minmax",
             percentile=percentile if percentile is not None else 99.99,
             alpha=alpha if alpha is not None else 0.5, kv_cache=kv_cache,
+            alpha_search=alpha_search,
         )  # fmt: skip
-        if alpha is not None and not (algorithm or "").startswith("smoothquant"):
-            raise typer.BadParameter("--alpha only applies with --algorithm smoothquant[+gptq].")
+        if (alpha is not None or alpha_search) and not (algorithm or "").startswith("smoothquant"):
+            raise typer.BadParameter(
+                "--alpha / --alpha-search only apply with --algorithm smoothquant[+gptq]."
+            )
+        if alpha is not None and alpha_search:
+            raise typer.BadParameter("give --alpha or --alpha-search, not both.")
         if percentile is not None and opts.observer != "percentile":
             raise typer.BadParameter("--percentile only applies with --observer percentile.")
     elif given or data_given:

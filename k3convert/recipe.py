@@ -89,6 +89,7 @@ class CalibrateSection:
     observer: str = "minmax"
     percentile: float = 99.99
     alpha: float = 0.5
+    alpha_search: bool = False
     awq_grid: int = 20
     awq_duo_scaling: bool = True
     smooth_tokens: int = 4096

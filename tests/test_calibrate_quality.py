@@ -147,6 +147,7 @@ def test_smoothquant_w8a8_beats_plain_w8a8(llama_q):
     plain, sq = llama_q.kl("w8a8", "rtn"), llama_q.kl("w8a8", "smoothquant")
     assert sq < plain, (sq, plain)
     assert llama_q.kl("w8a8", "smoothquant+gptq") < plain
+    assert llama_q.kl("w8a8", "smoothquant", alpha_search=True) < plain
 
 
 def test_static_fp8_within_1_2x_of_dynamic(llama_q):

@@ -71,6 +71,7 @@ from .smooth import (
     check_alpha,
     layer_mappings,
     smoothquant_scales,
+    smoothquant_search,
 )
 
 ALGORITHMS = ("rtn", "gptq", "static", "awq", "smoothquant", "smoothquant+gptq")
@@ -118,6 +119,7 @@ class SequentialOptions:
     observer: str = "minmax"
     percentile: float = 99.99
     alpha: float = 0.5
+    alpha_search: bool = False
     awq_grid: int = 20
     awq_duo_scaling: bool = True
     smooth_tokens: int = 4096
@@ -149,6 +151,10 @@ class SequentialOptions:
             raise ConfigError(
                 f"calibration option kv_cache must be fp8 or unset, got {self.kv_cache!r}."
             )
+        if not isinstance(self.alpha_search, bool):
+            raise ConfigError(
+                f"calibration option alpha_search must be True or False, got {self.alpha_search!r}."
+            )
         if not isinstance(self.awq_duo_scaling, bool):
             raise ConfigError(
                 f"calibration option awq_duo_scaling must be True or False, "
@@ -169,7 +175,8 @@ class SequentialOptions:
         kind = SMOOTHING.get(algorithm) if algorithm is not None else "all"
         out = {}
         if kind in ("smoothquant", "all"):
-            out["alpha"] = float(self.alpha)
+            out["alpha"] = None if self.alpha_search else float(self.alpha)
+            out["alpha_search"] = self.alpha_search
         if kind in ("awq", "all"):
             out.update(awq_grid=self.awq_grid, awq_duo_scaling=self.awq_duo_scaling)
         if kind is not None:
@@ -565,7 +572,8 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         maps = layer_mappings(rt.text, i, keys, allrows, norms_only=False, cache_fixed=fixed)
     stats = Statistics(options.smooth_tokens, hidden.n)
     sources = {m.source for m in maps}
-    sampled = (sources | {n for m in maps for n in m.routed}) if kind == "awq" else set()
+    searched = kind == "awq" or options.alpha_search
+    sampled = (sources | {n for m in maps for n in m.routed}) if searched else set()
     stat_names = sources | sampled
 
     def on_router(name, x, y):
@@ -863,6 +871,11 @@ def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options
                                   options.awq_duo_scaling, layer_loss)  # fmt: skip
             sm.chosen[m.label] = ratio
             if ratio is None:
+                continue
+        elif options.alpha_search:
+            s, alpha = smoothquant_search(m, weight, scheme_of, stats)
+            sm.chosen[m.label] = alpha
+            if alpha is None:
                 continue
         else:
             s = smoothquant_scales(m, weight, stats, float(options.alpha))

@@ -270,6 +270,37 @@ def smoothquant_scales(m: Mapping, weight, stats: Statistics, alpha: float) -> t
     return s.clamp(min=1e-5)
 
 
+def smoothquant_search(
+    m: Mapping, weight, scheme_of, stats: Statistics, alphas=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+) -> tuple[torch.Tensor, float | None]:
+    """SmoothQuant with its migration strength searched per mapping: the ``alpha`` (or no
+    smoothing, None) whose smoothed, *activation- and weight-fake-quantized* balance
+    Linears best reproduce their exact outputs on the sampled rows — the error W8A8 adds,
+    dynamic input quantization included (compressed-tensors' fake quantization of the
+    scheme's activation spec; static specs are judged on the weights alone)."""
+    from ..quant.activations import fake_quant_activation
+
+    width = stats.max[m.source].shape[0]
+    cands: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones(width))]
+    cands += [(a, smoothquant_scales(m, weight, stats, a)) for a in alphas]
+    loss = torch.zeros(len(cands), dtype=torch.float64)
+    for n in m.balance:
+        x = stats.sample(n if n in m.routed else m.source)
+        if x is None:
+            continue
+        w, sch = weight(n), scheme_of(n)
+        spec = sch.act if sch.act is not None and sch.act.dynamic is True else None
+        y = x @ w.T
+        for c, (_, s) in enumerate(cands):
+            xa = fake_quant_activation((x / s)[None], spec)[0]
+            loss[c] += float((xa @ _fake(sch, w * s, n).T - y).pow(2).sum())
+        del w, y
+    best = int(loss.argmin())
+    if not bool(torch.isfinite(loss).all()):
+        raise ConfigError(f"SmoothQuant: a non-finite loss in {m.label}; check the weights.")
+    return cands[best][1], cands[best][0]
+
+
 def awq_scales(
     m: Mapping,
     weight,
@@ -356,4 +387,5 @@ __all__ = [
     "check_alpha",
     "layer_mappings",
     "smoothquant_scales",
+    "smoothquant_search",
 ]
