@@ -49,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from .calibrate.sequential import SequentialOptions
 from .errors import SHORT, ConfigError, short_repr
 
 
@@ -69,37 +70,16 @@ class RuleSpec:
 
 
 @dataclass(frozen=True)
-class CalibrateSection:
-    """``quantize --calibrate``'s options (:class:`k3convert.calibrate.sequential.
-    SequentialOptions`, plus the algorithm)."""
+class CalibrateSection(SequentialOptions):
+    """``quantize --calibrate``'s options: every field of
+    :class:`k3convert.calibrate.sequential.SequentialOptions`, plus the algorithm."""
 
     algorithm: str = "gptq"
-    dataset: str = "default"
-    num_samples: int | None = None
-    seq_len: int | None = None
-    seed: int = 0
-    packing: bool = True
-    batch_size: int = 8
-    block_size: int = 128
-    dampening: float = 0.01
-    act_order: bool = False
-    offload_dir: str | None = None
-    dtype: str = "fp32"
-    moe_all_experts: bool = False
-    observer: str = "minmax"
-    percentile: float = 99.99
-    alpha: float = 0.5
-    alpha_search: bool = False
-    awq_grid: int = 20
-    awq_duo_scaling: bool = True
-    smooth_tokens: int = 4096
-    kv_cache: str | None = None
 
-    def options(self):
-        from .calibrate.sequential import SequentialOptions
-
-        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "algorithm"}
-        return SequentialOptions(**kw)
+    def options(self) -> SequentialOptions:
+        return SequentialOptions(
+            **{f.name: getattr(self, f.name) for f in fields(SequentialOptions)}
+        )
 
 
 @dataclass(frozen=True)
