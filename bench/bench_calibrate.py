@@ -232,8 +232,9 @@ def evaluate(out: Path, ref, blocks) -> dict:
     try:
         q = logits_of(out, blocks, quantization_config=CompressedTensorsConfig(dequantize=True))
         row["kld_wonly"] = metrics(ref, q, blocks)["kld_mean"]
-        if "kld_mean" not in row:
-            row.update(metrics(ref, q, blocks), loaded="transformers dequantize=True")
+        if "kld_mean" not in row:  # keep why the default load failed
+            why = row["loaded"].removeprefix("default load failed: ")
+            row.update(metrics(ref, q, blocks), loaded=f"transformers dequantize=True ({why})")
     except Exception as e:
         row["loaded"] = row.get("loaded", "") + f"; dequantize=True failed: {str(e)[:80]}"
     return row
