@@ -39,7 +39,12 @@ Caveats: llm-compressor is optional, never a dependency (--llmc-python,
 $K3_BENCH_LLMC_PYTHON, or this interpreter; 0.14 needs ``accelerate`` installed beside it);
 it is given the fixture tokenizer as processor (it requires one; the data is already
 tokenized, so it only decides that). Random weights make the speed rows meaningful for
-time and memory only. The deepseek_v3 fixture is not in the quality table.
+time and memory only. The deepseek_v3 fixture is not in the quality table. On a shared
+2-core machine the per-layer time is dominated by torch's Cholesky calls (MKL/OpenMP
+under CPU contention: 10x slower than on an idle machine) and varies between runs; use
+--repeats >= 3 on a quiet machine. llm-compressor 0.14's GPTQModifier defaults to
+actorder="static" (k3convert: act_order off); its AWQModifier fails on a CPU-only
+machine ("Cannot access accelerator device"), so AWQ has no llm-compressor row there.
 
     python bench/bench_calibrate.py [--repeats 3] [--samples 16] [--seq-len 256]
         [--quick] [--dir D] [--keep] [--llmc-python PY] [--skip-speed] [--skip-quality]
