@@ -452,3 +452,61 @@ def test_out_and_offload_dir_checked_before_calibrating(work, tmp_path, capsys):
     rc = main([base[0], base[1], str(out), *base[2:], "--offload-dir", str(llama)])
     assert rc == 2 and "calibrated layer" not in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_kimi_k25_images_reach_the_layers(tmp_path, capsys):
+    """Image + text samples (pixels pre-processed into a .safetensors file, as verify's
+    --pixel-values takes them): each sample is embedded with its images, so layer 0's
+    Linears see what the runtime's own forward with those images feeds them (the runtime's
+    K2.5 image path is checked against transformers in tests/test_runtime.py); a raw image
+    file is refused with exit 2 and nothing written."""
+    from safetensors.torch import save_file
+
+    from k3convert.runtime import Runtime
+    from tests.test_runtime import IMG, image_inputs, save_variant
+
+    model = save_variant("kimi_k25", tmp_path / "k25")
+    pv, grid = image_inputs([[1, 4, 6]])
+    save_file({"pixel_values": pv, "image_grid_thw": grid}, str(tmp_path / "img.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 100, (20,), generator=g)
+    ids[4:10] = IMG  # 1 x 4 x 6 patches merged 2 x 2: 6 image tokens
+    rows = [{"input_ids": ids.tolist(), "images": ["img.safetensors"]},
+            {"input_ids": torch.randint(3, 100, (12,), generator=g).tolist()}]  # fmt: skip
+    data = tmp_path / "mm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calib = build_calibration_set(model, data, num_samples=2, seq_len=20, packing=False,
+                                  min_len=4, shuffle=False)  # fmt: skip
+    assert calib.images is not None
+    ckpt, plan = plan_quantization(src=model, scheme="w8a8")
+    name = next(r.name for r in plan.quantized if r.name.endswith("0.self_attn.q_a_proj.weight"))
+    seen = {}
+
+    def obs(layer, n, x, m):
+        if layer == 0 and n == name:
+            seen.setdefault("x", []).append(x.detach().clone().reshape(-1, x.shape[-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate_sequential(ckpt, plan, calib, algorithm="gptq", options=_opts(),
+                             journal=tmp_path / "j", observer=obs)  # fmt: skip
+    ref = {}
+    with Runtime(open_checkpoint(model), dtype="fp32", act_quant=False) as rt:
+
+        def hook(n, x, y):  # (returns None: the output stays)
+            ref.setdefault("x", x.reshape(-1, x.shape[-1]).clone())
+
+        rt.add_hook(hook, {name})
+        rt.forward(ids[None], pixel_values=pv, image_grid_thw=grid)
+    first = seen["x"][0]
+    assert first.shape == ref["x"].shape
+    torch.testing.assert_close(first, ref["x"], rtol=1e-5, atol=1e-5)
+    # a raw image file is refused: the model's image processor is remote code
+    (tmp_path / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    data.write_text(json.dumps({"input_ids": ids.tolist(), "images": ["cat.png"]}) + "\n")
+    capsys.readouterr()
+    rc = main(["quantize", str(model), str(tmp_path / "out"), "--scheme", "w8a8",
+               "--calibrate", "--dataset", str(data), "--num-samples", "1",
+               "--seq-len", "20"])  # fmt: skip
+    assert rc == 2 and "image processor" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -296,16 +296,19 @@ def _static(scheme: Scheme) -> bool:
     return scheme.needs_input_scale and scheme.act.strategy == "tensor"
 
 
-def _fingerprint(ckpt, plan, algorithm: str, opts: SequentialOptions, calib_fp: str) -> str:
+def _fingerprint(ckpt, plan, algorithm: str, opts: SequentialOptions, calib) -> str:
     h = hashlib.sha256()
     root = Path(ckpt.root)
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                    for p in root.iterdir() if p.suffix == ".safetensors")  # fmt: skip
     rows = [(r.name, None if r.kept else r.scheme.name,
              None if r.kept else r.scheme.options(), r.as_stored) for r in plan.rows]  # fmt: skip
+    media = sorted({(p, os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                    for paths in (calib.images or []) for p in paths})  # fmt: skip
     meta = {"v": _JOURNAL_VERSION, "k3": _k3_version, "config": ckpt.config, "files": files,
+            "media": media,
             "rows": rows, "algorithm": algorithm, "options": opts.algorithm_options(algorithm),
-            "calibration": calib_fp}  # fmt: skip
+            "calibration": calib.fingerprint}  # fmt: skip
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
@@ -451,13 +454,10 @@ def calibrate_sequential(
     options.check()
     check_algorithm(plan, algorithm)
     if calib.images:
-        raise ConfigError(
-            f"{calib.source}: the calibration set holds images; layer-sequential calibration "
-            f"runs text only for now. Use a text dataset."
-        )
+        _check_media(calib)
     log = log or (lambda s: None)
     journal = Path(journal)
-    fp = _fingerprint(ckpt, plan, algorithm, options, calib.fingerprint)
+    fp = _fingerprint(ckpt, plan, algorithm, options, calib)
     state = _read_journal(journal)
     if state is not None and state.get("fingerprint") != fp:
         log(f"calibration journal {journal} is for other inputs; starting over.")
@@ -479,7 +479,11 @@ def calibrate_sequential(
 def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log):
     ids, mask = calib.input_ids, calib.attention_mask
     bs = options.batch_size
-    batches = [(ids[k : k + bs], mask[k : k + bs]) for k in range(0, ids.shape[0], bs)]
+    if calib.images:  # one sample a micro-batch, its placeholders widened to its images
+        batches, pixels = _media_batches(rt, calib)
+    else:
+        batches = [(ids[k : k + bs], mask[k : k + bs]) for k in range(0, ids.shape[0], bs)]
+        pixels = [None] * len(batches)
     hidden = _Hidden(len(batches), journal, spill=options.offload_dir is not None)
     pos = [rt.default_positions(b_ids) for b_ids, _ in batches]
     masks = [m.to(torch.bool) for _, m in batches]
@@ -490,7 +494,8 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     allrows = {r.name: r for r in plan.rows}
     if done == 0:
         for b, (b_ids, _) in enumerate(batches):
-            hidden.put_first(b, rt.embed(b_ids))
+            pv, grid = pixels[b] if pixels[b] is not None else (None, None)
+            hidden.put_first(b, rt.embed(b_ids, pixel_values=pv, image_grid_thw=grid))
     elif done < rt.num_layers:
         hidden.resume(done)
         log(f"calibration: resuming after layer {done - 1} (journal {journal})")
@@ -517,6 +522,55 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         fb = f", {len(rec['fallbacks'])} expert(s) fell back to RTN" if rec["fallbacks"] else ""
         log(f"calibrated layer {i} in {rec['seconds']:.2f} s{fb}")
     return res
+
+
+def _check_media(calib: CalibrationSet) -> None:
+    """Image samples must come pre-processed: a ``.safetensors`` file holding the
+    processor's ``pixel_values`` and ``image_grid_thw`` (Moonshot's image processor is
+    the model directory's code, which k3convert never runs)."""
+    for i, paths in enumerate(calib.images):
+        for p in paths:
+            if not str(p).endswith(".safetensors"):
+                raise ConfigError(
+                    f"{calib.source}: sample {i}'s image {p} is an image file; k3convert does "
+                    f"not run the model's own image processor (its code lives in the model "
+                    f"directory). Run the processor elsewhere, save its pixel_values and "
+                    f"image_grid_thw with safetensors, and list that .safetensors file instead."
+                )
+
+
+def _media_batches(rt, calib: CalibrationSet):
+    """One micro-batch per sample (its padding dropped), with its pixels: (batches,
+    pixels); placeholders are widened as the model does (``Runtime.expand_media``)."""
+    if rt.vision is None:
+        raise ConfigError(
+            f"{calib.source}: the calibration set holds images, but the model has no vision "
+            f"tower the runtime runs."
+        )
+    batches, pixels = [], []
+    for i, paths in enumerate(calib.images):
+        real = calib.attention_mask[i].to(torch.bool)
+        row = calib.input_ids[i][real][None]
+        if not paths:
+            batches.append((row, torch.ones_like(row)))
+            pixels.append(None)
+            continue
+        pv, grid = [], []
+        for p in paths:
+            with safe_open(str(p), "pt") as f:
+                keys = set(f.keys())
+                if not {"pixel_values", "image_grid_thw"} <= keys:
+                    raise ConfigError(
+                        f"{p}: a pre-processed image file holds pixel_values and "
+                        f"image_grid_thw; found {', '.join(sorted(keys)) or 'nothing'}."
+                    )
+                pv.append(f.get_tensor("pixel_values"))
+                grid.append(f.get_tensor("image_grid_thw").long().reshape(-1, 3))
+        g = torch.cat(grid)
+        wide, _ = rt.expand_media(row, g)
+        batches.append((wide, torch.ones_like(wide)))
+        pixels.append((torch.cat(pv), g))
+    return batches, pixels
 
 
 def _absorb(res: SequentialResult, rec: dict) -> None:
