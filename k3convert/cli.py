@@ -299,6 +299,14 @@ def quantize(
             "W8A8 error (weights and dynamic activations fake-quantized) instead of --alpha.",
         ),
     ] = False,
+    no_act_order: Annotated[
+        bool,
+        typer.Option(
+            "--no-act-order",
+            help="With GPTQ: sweep columns in their stored order, not by descending "
+            "Hessian diagonal (act-order, the default, as llm-compressor's).",
+        ),
+    ] = False,
     kv_cache: Annotated[
         str | None,
         typer.Option(
@@ -346,7 +354,7 @@ def quantize(
     given = [n for n, v in (("--algorithm", algorithm), ("--offload-dir", offload_dir),
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
              ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache),
-             ("--alpha-search", alpha_search or None))
+             ("--alpha-search", alpha_search or None), ("--no-act-order", no_act_order or None))
              if v is not None]  # fmt: skip
     if auto_keep is None:
         extra = [n for n, v in (("--auto-keep-scheme", auto_keep_scheme), ("--plot", plot),
@@ -384,7 +392,7 @@ def quantize(
             moe_all_experts=moe_all_experts, observer=observer or "minmax",
             percentile=percentile if percentile is not None else 99.99,
             alpha=alpha if alpha is not None else 0.5, kv_cache=kv_cache,
-            alpha_search=alpha_search,
+            alpha_search=alpha_search, act_order=not no_act_order,
         )  # fmt: skip
         if (alpha is not None or alpha_search) and not (algorithm or "").startswith("smoothquant"):
             raise typer.BadParameter(

@@ -141,7 +141,9 @@ def test_gptq_layer0_equals_direct(llama_gptq):
         for x, m in ours:
             acc.add(x, m)
         torch.testing.assert_close(acc.hessian().double(), h_engine, rtol=1e-4, atol=1e-6)
-        want = gptq_quantize(ckpt.get(r.name), acc.hessian(), r.scheme, name=r.name)
+        want = gptq_quantize(
+            ckpt.get(r.name), acc.hessian(), r.scheme, name=r.name, act_order=True
+        )  # the default
         got = res.weight_parts(r.name)
         assert want.keys() == got.keys()
         for k in want:

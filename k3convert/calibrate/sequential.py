@@ -112,7 +112,7 @@ class SequentialOptions:
     batch_size: int = 8
     block_size: int = 128
     dampening: float = 0.01
-    act_order: bool = False
+    act_order: bool = True  # llm-compressor's default too (actorder static = weight)
     offload_dir: str | os.PathLike | None = None
     dtype: str = "fp32"
     moe_all_experts: bool = False
