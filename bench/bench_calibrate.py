@@ -43,7 +43,7 @@ time and memory only. The deepseek_v3 fixture is not in the quality table. On a 
 2-core machine the per-layer time is dominated by torch's Cholesky calls (MKL/OpenMP
 under CPU contention: 10x slower than on an idle machine) and varies between runs; use
 --repeats >= 3 on a quiet machine. llm-compressor 0.14's GPTQModifier defaults to
-actorder="static" (k3convert: act_order off); its AWQModifier fails on a CPU-only
+actorder="static", as k3convert's act_order (on by default); its AWQModifier fails on a CPU-only
 machine ("Cannot access accelerator device"), so AWQ has no llm-compressor row there.
 
     python bench/bench_calibrate.py [--repeats 3] [--samples 16] [--seq-len 256]
