@@ -296,8 +296,10 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _temporary_modules(mods: dict[str, types.ModuleType]):
-    saved = {n: sys.modules.get(n) for n in mods}
+def temporary_modules(mods: dict[str, types.ModuleType], also=()):
+    """``sys.modules`` holds ``mods`` inside the block; afterwards those names and the
+    names in ``also`` (modules the block itself registers) are as they were."""
+    saved = {n: sys.modules.get(n) for n in [*mods, *also]}
     sys.modules.update(mods)
     try:
         yield
@@ -362,7 +364,7 @@ def load() -> types.ModuleType:
     pkg.__path__ = [str(pkg_dir)]
     pkg.__package__ = PKG
     sys.modules[PKG] = pkg
-    with _temporary_modules(fla), _no_torch_compile():
+    with temporary_modules(fla), _no_torch_compile():
         for name in MODULE_FILES:
             full = f"{PKG}.{name}"
             spec = importlib.util.spec_from_file_location(full, pkg_dir / f"{name}.py")

@@ -33,6 +33,7 @@ from k3convert.calibrate.gptq import (
 from k3convert.errors import ConfigError, NonFiniteError
 from k3convert.quant.packing import unpack_int32
 from k3convert.quant.schemes import NonFiniteWeightError, WeightRangeError, get_scheme
+from tests.moonshot_oracle import temporary_modules
 
 OUT, IN = 128, 384
 
@@ -49,11 +50,9 @@ def llmc():
         m = types.ModuleType(n)
         m.__path__ = []
         stand_ins[n] = m
-    names = [*stand_ins, *(f"llmcompressor.modifiers.gptq.{f}" for f in ("helpers", "gq"))]
-    saved = {n: sys.modules.get(n) for n in names}
-    sys.modules.update(stand_ins)
-    try:
-        loaded = []
+    names = [f"llmcompressor.modifiers.gptq.{f}" for f in ("helpers", "gq")]
+    loaded = []
+    with temporary_modules(stand_ins, also=names):
         for mod, file in (("helpers", "helpers.py"), ("gq", "gptq_quantize.py")):
             full = f"llmcompressor.modifiers.gptq.{mod}"
             if mod == "gq":  # gptq_quantize imports the helpers under their real name
@@ -63,12 +62,6 @@ def llmc():
             sys.modules[full] = m
             s.loader.exec_module(m)
             loaded.append(m)
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
     return loaded[1], loaded[0]
 
 
