@@ -9,6 +9,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
 
 from tests.models import QUANT_FAMILIES, save_model
 
@@ -42,3 +43,14 @@ def quant_sources(tmp_path_factory) -> dict:
     """family -> tiny model whose Linear inputs are all multiples of 128 (QUANT_FAMILIES)."""
     root = tmp_path_factory.mktemp("quant_sources")
     return {f: save_model(f, root / f, **kw) for f, kw in QUANT_FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core machine
+    (OpenMP threads spin against other processes). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

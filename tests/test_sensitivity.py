@@ -57,12 +57,7 @@ MIN_RHO = {("llama", "layer"): 0.75, ("dsv3", "layer"): 0.85,
            ("llama", "kl"): 0.9, ("dsv3", "kl"): 0.88}  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hf(path, **kw):
