@@ -504,7 +504,7 @@ def quantize(
         calibrate.check()
         check_algorithm(plan, algorithm)
         _check_source_kv(ckpt, plan, calibrate)
-    sens = sel = None
+    sens = sel = scan_set = None
     if plot is not None and auto_keep is None:
         raise ConfigError("plot is the sensitivity chart of auto_keep; give auto_keep too.")
     if auto_keep is not None:
@@ -518,8 +518,9 @@ def quantize(
                     f"{plot}: the chart's directory {parent} does not exist or is not "
                     f"writable; create it or choose another --plot path."
                 )
-        plan, sens, sel = _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme, sensitivity,
-                                     sensitivity_data or calibrate, log)  # fmt: skip
+        plan, sens, sel, scan_set = _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme,
+                                               sensitivity, sensitivity_data or calibrate,
+                                               log)  # fmt: skip
         if calibrate is not None:
             check_algorithm(plan, algorithm)
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
@@ -546,7 +547,9 @@ def quantize(
     if calibrate is not None:
         # OUT is checked before hours of calibration, not after
         check_output(out, force=force, need_bytes=need, source=ckpt.root)
-        calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log)
+        # the scan's set is calibration's too when both come from the same options
+        reuse = scan_set if sensitivity_data is None else None
+        calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log, reuse)
         input_scales = {**calibrated.input_scales, **input_scales}
         provenance = {
             "algorithm": algorithm,
@@ -611,7 +614,8 @@ def _check_source_kv(ckpt, plan: Plan, opts) -> None:
 
 def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
     """The sensitivity scan on the calibration set and the budgeted selection applied:
-    (new plan, report, selection). The budget and the ladder are checked first."""
+    (new plan, report, selection, the calibration set). The budget and the ladder are
+    checked first."""
     from ..calibrate.data import build_calibration_set
     from ..calibrate.sensitivity import auto_keep, parse_budget
     from ..calibrate.sequential import SequentialOptions
@@ -622,8 +626,10 @@ def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
         ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
         seed=opts.seed, packing=opts.packing,
     )  # fmt: skip
-    return auto_keep(ckpt, plan, calib, b, ladder=ladder, method=method,
-                     batch_size=opts.batch_size, dtype=opts.dtype, log=log)  # fmt: skip
+    new_plan, report, sel = auto_keep(ckpt, plan, calib, b, ladder=ladder, method=method,
+                                      batch_size=opts.batch_size, dtype=opts.dtype,
+                                      log=log)  # fmt: skip
+    return new_plan, report, sel, calib
 
 
 def _write_routing_counts(tmp: Path, calibrated) -> str | None:
@@ -654,7 +660,7 @@ def _calibrated_modules(plan: Plan) -> set[str]:
             if r.role.layer is not None and r.role.unit.startswith("layer.")}  # fmt: skip
 
 
-def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log):
+def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log, calib=None):
     """Build the calibration set and run layer-sequential calibration (before anything
     is written: a bad dataset or an existing OUT fails first)."""
     from ..calibrate.data import build_calibration_set
@@ -662,10 +668,11 @@ def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, l
 
     if out.exists() and not force:
         raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
-    calib = build_calibration_set(
-        ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
-        seed=opts.seed, packing=opts.packing,
-    )  # fmt: skip
+    if calib is None:  # (else: the set the sensitivity scan built from the same options)
+        calib = build_calibration_set(
+            ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
+            seed=opts.seed, packing=opts.packing,
+        )  # fmt: skip
     journal = Path(opts.offload_dir) if opts.offload_dir else out.parent / f"{out.name}.calib"
     # the journal is emptied and removed by its owner: never the source, OUT or inside them
     guard_out(journal, [ckpt.root, out])
