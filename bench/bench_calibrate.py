@@ -1,8 +1,9 @@
 """Calibration (GPTQ) time per layer, peak RSS and quantized quality, against llm-compressor.
 
-Speed / memory, on a llama-shaped bf16 checkpoint built here with transformers
-(``LlamaForCausalLM``, N(0, 0.02) weights, untied: hidden 768, intermediate 2048, 12 heads,
-4 KV heads, vocab 32000; --layers 8 = 99.5 M params, the half depth 4 layers = 74.3 M),
+Speed / memory, on a llama-shaped bf16 checkpoint built by bench/_harness.py's
+``build_llama`` (as bench_quant.py's; N(0, 0.02) weights, untied: hidden 768,
+intermediate 2048, 12 heads, 4 KV heads, vocab 32000; --layers 8 = 99.5 M params, the
+half depth 4 layers = 74.3 M),
 calibrated on a pre-tokenized jsonl (``input_ids``, --samples x --seq-len random ids, each
 row ending in EOS so k3convert's packing keeps the rows as they are: both tools see the
 same tokens). Each stage a fresh process, interleaved A B C ... A B C ..., median of
@@ -65,23 +66,28 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _harness import PY, interleaved, llmc_python, measure, rss_floor, versions, warm
+from _harness import (
+    PY,
+    build_llama,
+    interleaved,
+    llmc_python,
+    measure,
+    rss_floor,
+    versions,
+    warm,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.trained: the trained fixture and its held-out split
 
+#: the speed model's shape (bench/_harness.py build_llama: k3convert's synthesizer with
+#: the llama3-8b layout, untied, BOS 0 / EOS 1)
 SPEED_CFG = dict(
     vocab_size=32000,
     hidden_size=768,
     intermediate_size=2048,
     num_attention_heads=12,
     num_key_value_heads=4,
-    max_position_embeddings=2048,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=2,
-    tie_word_embeddings=False,
-    initializer_range=0.02,
 )
 EOS = 1  # of the speed model and of the trained fixtures' tokenizer
 Q_SEQ = 128  # the trained fixtures' context
@@ -156,17 +162,13 @@ def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list
 
 # -- inputs ------------------------------------------------------------------------------
 def build_speed_model(path: Path, layers: int) -> int:
-    """The llama-shaped bf16 checkpoint (written once); returns its parameter count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(num_hidden_layers=layers, **SPEED_CFG)
-    if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-        model.save_pretrained(path)
-        del model
-    with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    """The llama-shaped bf16 checkpoint (bench/_harness.py's builder, one file, written
+    once); returns its parameter count."""
+    c = SPEED_CFG
+    total, _ = build_llama(path, layers=layers, files=1, hidden=c["hidden_size"],
+                           intermediate=c["intermediate_size"], heads=c["num_attention_heads"],
+                           kv_heads=c["num_key_value_heads"], vocab=c["vocab_size"])  # fmt: skip
+    return total // 2  # bf16
 
 
 def write_rows(path: Path, rows: list[list[int]]) -> None:
