@@ -367,7 +367,8 @@ def quantize(
         from .recipe import load_recipe
 
         r = load_recipe(recipe)
-        rec_keep, rec_cal = r.quantize.auto_keep is not None, r.quantize.calibrate is not None
+        q = r.require_quantize()
+        rec_keep, rec_cal = q.auto_keep is not None, q.calibrate is not None
     opts = scan_data = None
     if not calibrate and (auto_keep is not None or rec_keep):
         from .calibrate.sequential import SequentialOptions

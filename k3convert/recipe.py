@@ -1,12 +1,15 @@
 """Recipe files: YAML parsed with ``yaml.safe_load`` into frozen dataclasses.
 
-A recipe says what a conversion does, so it is validated completely before anything
-runs: unknown keys are an error naming the key path (``quantize.rules[1].sheme``) and
-the nearest valid key, values are type-checked, scheme names and their options are
-resolved against the registry, and patterns are compiled. Example::
+A recipe says what a conversion does, end to end, so it is validated completely before
+anything runs: unknown keys are an error naming the key path (``quantize.rules[1].sheme``)
+and the nearest valid key, values are type-checked, scheme names and their options are
+resolved against the registry, patterns are compiled, files it names must exist, and
+impossible layouts (``moe_tp * moe_ep != tp``) are refused. Schema version 1::
 
+    version: 1                      # optional; the only version so far
     description: Kimi-K2 with int4 routed experts
-    quantize:
+    source: {path: /models/kimi-k2, model_type: kimi_k2}   # both optional
+    quantize:                       # optional: without it tensors stay as released
       rules:
         - roles: [experts]
           scheme: w4a16
@@ -21,12 +24,21 @@ resolved against the registry, and patterns are compiled. Example::
         num_samples: 256
         kv_cache: fp8
       auto_keep: {budget: 5%, scheme: int8-g128}   # optional: --auto-keep
+    layout: {tp: 8, pp: 1, moe_ep: 8, redundant_experts: 32, expert_load: calibration}
+    output: {compression: zstd, workers: 8, unit_hash: xxh3-128}
+    verify: {samples: 2, seq_len: 64, decode: 4, max_kld: 0.05}
 
-A ``calibrate`` / ``auto_keep`` section applies when the command line (or the API call)
-gives no ``--calibrate`` / ``--auto-keep`` of its own; one that does replaces the
-recipe's section as a whole.
+A quantize-only recipe of the first format (``description`` + ``quantize``) is a valid
+version-1 recipe. A ``calibrate`` / ``auto_keep`` section applies when the command line
+(or the API call) gives no ``--calibrate`` / ``--auto-keep`` of its own; one that does
+replaces the recipe's section as a whole. Tensors matched by no rule are kept unless
+``quantize.scheme`` names a default.
 
-Tensors matched by no rule are kept unless ``quantize.scheme`` names a default.
+Relative paths in a recipe file (``source.path``, ``layout.expert_load``, ``verify.data``,
+``verify.reference``, ``verify.pixel_values``, a ``calibrate.dataset`` that is a path)
+are taken from the recipe file's directory, so a recipe and its data move together.
+Overrides (``--set layout.tp=8``, :func:`apply_overrides`) are applied to the YAML
+document before validation, so a bad override fails like a bad recipe, with its key path.
 
 Reading is defensive (``yaml.safe_load`` semantics through a SafeLoader subclass): a
 recipe must be UTF-8 and at most :data:`MAX_RECIPE_BYTES`; nesting deeper than
@@ -39,10 +51,14 @@ never the whole value.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -103,13 +119,97 @@ class QuantizeSection:
 
 
 @dataclass(frozen=True)
+class SourceSection:
+    """What the recipe converts. ``path``: the checkpoint directory (the command line's
+    SRC wins); ``model_type``: the config.json ``model_type`` the recipe was written for
+    (a different model is refused before any work)."""
+
+    path: str | None = None
+    model_type: str | None = None
+
+
+@dataclass(frozen=True)
+class LayoutSection:
+    """The parallel layout of the stream (``shard``'s options). ``moe_tp`` defaults to
+    ``tp // moe_ep``; ``pp_layers``: layers per pipeline stage (default: balanced by
+    bytes); ``expert_load``: a routing-counts JSON file, or ``calibration`` for the counts
+    this conversion's calibration measures, to balance experts over EP ranks;
+    ``redundant_experts``: extra replicas of the hottest experts per layer."""
+
+    tp: int = 1
+    pp: int = 1
+    moe_tp: int | None = None
+    moe_ep: int = 1
+    pp_layers: tuple[int, ...] = ()
+    expert_load: str | None = None
+    redundant_experts: int = 0
+
+    def layout(self):
+        from .shard.layout import Layout
+
+        return Layout(tp=self.tp, pp=self.pp, moe_tp=self.moe_tp, moe_ep=self.moe_ep)
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """How units are written: ``compression`` (none / zstd), ``workers`` (units and
+    tensors in flight; default: the CPUs), ``unit_hash`` (xxh3-128 / sha256)."""
+
+    compression: str = "none"
+    workers: int | None = None
+    unit_hash: str = "xxh3-128"
+
+
+@dataclass(frozen=True)
+class VerifySection:
+    """``verify`` after ``convert``: the candidate stream against ``reference`` (default:
+    the source; ``transformers`` for transformers' own model). Inputs: ``data`` (a token
+    file) or ``samples`` random sequences of ``seq_len`` tokens, ``pixel_values`` for an
+    image; ``decode`` incremental-decode steps; thresholds (None: the per-scheme
+    defaults); ``enabled: false`` skips it."""
+
+    enabled: bool = True
+    reference: str | None = None
+    data: str | None = None
+    samples: int = 2
+    seq_len: int = 32
+    decode: int = 4
+    pixel_values: str | None = None
+    kv_cache: str | None = None
+    max_kld: float | None = None
+    min_top1: float | None = None
+    max_rel_err: float | None = None
+    dtype: str = "fp32"
+
+
+#: the recipe schema versions this release reads
+VERSIONS = (1,)
+
+
+@dataclass(frozen=True)
 class Recipe:
+    version: int = 1
     description: str = ""
-    quantize: QuantizeSection = field(default_factory=QuantizeSection)
-    source: str = field(default="<recipe>", compare=False)
+    source: SourceSection = field(default_factory=SourceSection)
+    quantize: QuantizeSection | None = None
+    layout: LayoutSection = field(default_factory=LayoutSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    verify: VerifySection = field(default_factory=VerifySection)
+    #: where the recipe came from (a file path, a preset, ``<recipe>``); not part of it
+    origin: str = field(default="<recipe>", compare=False)
+
+    def require_quantize(self) -> QuantizeSection:
+        """The quantize section, for the commands that need one."""
+        if self.quantize is None:
+            raise ConfigError(
+                f"{self.origin}: the recipe has no quantize section, so it keeps every tensor "
+                f"as released; `k3convert quantize` needs quantize.rules or quantize.scheme "
+                f"(`k3convert convert` runs such a recipe: shard + verify)."
+            )
+        return self.quantize
 
 
-_SKIP = {"source"}
+_SKIP = {"origin"}
 
 #: a recipe is a few KiB; anything larger is not one
 MAX_RECIPE_BYTES = 1 << 20
@@ -200,18 +300,55 @@ def _build(cls, data: Any, path: str, src: str):
     return cls(**kwargs)
 
 
-def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
-    """A validated Recipe from a parsed YAML document (dict)."""
+def parse_recipe(
+    data: Any, source: str = "<recipe>", *, base: str | os.PathLike | None = None
+) -> Recipe:
+    """A validated Recipe from a parsed YAML document (dict). ``base``: the directory
+    relative paths are taken from (a recipe file's own; default: the working directory)."""
+    if isinstance(data, dict) and "version" in data:
+        v = data["version"]
+        if isinstance(v, bool) or v not in VERSIONS:
+            raise ConfigError(
+                f"{source}: 'version' {short_repr(v)} is not a recipe schema version this "
+                f"k3convert reads ({', '.join(map(str, VERSIONS))}); upgrade k3convert or "
+                f"write the recipe for version {VERSIONS[-1]}."
+            )
+    if isinstance(data, dict) and isinstance(data.get("quantize"), dict):
+        _old_keys(data["quantize"], source)
     r = _build(Recipe, data, "", source)
-    r = Recipe(r.description, r.quantize, source)
+    r = dataclasses.replace(r, origin=source)
+    r = _resolve_paths(r, Path(base) if base is not None else None)
     _validate(r)
     return r
 
 
-def load_recipe(path: str | os.PathLike) -> Recipe:
+def _old_keys(q: dict, src: str) -> None:
+    """Keys a quantize section may carry from before the layout / output / verify
+    sections existed: say where they went."""
+    moved = {"tp": "layout.tp", "pp": "layout.pp", "ep": "layout.moe_ep",
+             "compress": "output.compression", "workers": "output.workers"}  # fmt: skip
+    for k, to in moved.items():
+        if k in q:
+            raise ConfigError(
+                f"{src}: 'quantize.{k}' is not a quantize option; since recipe version 1 it "
+                f"is '{to}' (move it to that section)."
+            )
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recipe:
     """Read and validate a recipe YAML file (``yaml.safe_load`` semantics, bounded: see
-    the module doc)."""
+    the module doc), with ``--set KEY=VALUE`` overrides applied first. ``path`` may
+    also name a preset of :func:`presets` (``k3k-day0``)."""
     p = Path(path)
+    if not p.exists() and str(path) in presets():
+        p = presets()[str(path)]
+    data = _load_yaml(read_recipe_text(p), str(p))
+    data = apply_overrides(data, overrides, str(p))
+    return parse_recipe(data, str(p), base=p.resolve().parent)
+
+
+def read_recipe_text(p: Path) -> str:
+    """A recipe file's text: bounded in size, UTF-8."""
     try:
         with open(p, "rb") as f:
             raw = f.read(MAX_RECIPE_BYTES + 1)
@@ -223,14 +360,77 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
             f"- is this the right path?"
         )
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError(
             f"{p}:{line}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
             f"save the recipe as UTF-8."
         ) from e
-    return parse_recipe(_load_yaml(text, str(p)), str(p))
+
+
+def apply_overrides(data: Any, overrides: Sequence[str], src: str = "<recipe>") -> Any:
+    """``KEY.PATH=VALUE`` overrides (``layout.tp=8``, ``quantize.rules[0].scheme=w4a16``,
+    ``verify.enabled=false``) set into a parsed document; VALUE is read as YAML (``8`` is
+    an integer, ``[1, 2]`` a list, ``null`` unsets). Validation happens afterwards, so a
+    bad key or value fails with its key path like one written in the file."""
+    if not overrides:
+        return data
+    doc = copy.deepcopy(data) if data is not None else {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{src}: 'top level' must be a mapping, got {short_repr(doc)}.")
+    for item in overrides:
+        key, sep, text = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                f"--set {short_repr(item)}: expected KEY=VALUE, e.g. --set layout.tp=8."
+            )
+        try:
+            value = _load_yaml(text, f"--set {key}") if text.strip() else None
+        except ConfigError as e:
+            raise ConfigError(f"--set {key}: the value is not valid YAML ({e}).") from None
+        steps = _key_steps(key)
+        node = doc
+        for i, (step, nxt) in enumerate(zip(steps, [*steps[1:], None], strict=True)):
+            where = _steps_text(steps[: i + 1])
+            last = nxt is None
+            if isinstance(step, int):
+                if not isinstance(node, list) or not -len(node) <= step < len(node):
+                    raise ConfigError(
+                        f"--set {key}: '{where}' is not an element of the recipe "
+                        f"({'no such index' if isinstance(node, list) else 'not a list'})."
+                    )
+            elif not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: '{_steps_text(steps[:i])}' is not a mapping.")
+            if last:
+                node[step] = value
+            else:
+                if isinstance(step, str) and node.get(step) is None:
+                    node[step] = {} if isinstance(nxt, str) else []
+                node = node[step]
+    return doc
+
+
+def _key_steps(key: str) -> list:
+    steps: list = []
+    for part in key.split("."):
+        name, *idx = part.split("[")
+        if name:
+            steps.append(name)
+        for i in idx:
+            try:
+                steps.append(int(i.rstrip("]")))
+            except ValueError:
+                raise ConfigError(f"--set {key}: bad index [{i}; write e.g. rules[0].") from None
+    return steps
+
+
+def _steps_text(steps: list) -> str:
+    out = ""
+    for s in steps:
+        out += f"[{s}]" if isinstance(s, int) else (f".{s}" if out else s)
+    return out
 
 
 def _load_yaml(text: str, src: str) -> Any:
@@ -337,32 +537,125 @@ class _RecipeLoader(yaml.SafeLoader):
 
 
 def _validate(r: Recipe) -> None:
+    src = r.origin
+    if r.quantize is not None:
+        _validate_quantize(r.quantize, src)
+    _validate_layout(r.layout, src)
+    o = r.output
+    from .stream import hashing
+    from .stream.format import COMPRESSIONS
+
+    _choice(o.compression, COMPRESSIONS, f"{src}: output.compression")
+    _choice(o.unit_hash, hashing.ALGORITHMS, f"{src}: output.unit_hash")
+    if o.workers is not None and o.workers < 1:
+        raise ConfigError(f"{src}: output.workers must be at least 1, got {o.workers}.")
+    v = r.verify
+    for k in ("samples", "seq_len"):
+        if getattr(v, k) < 1:
+            raise ConfigError(f"{src}: verify.{k} must be at least 1, got {getattr(v, k)}.")
+    if v.decode < 0:
+        raise ConfigError(f"{src}: verify.decode must be 0 or more, got {v.decode}.")
+    _choice(v.dtype, ("fp32", "bf16", "fp16"), f"{src}: verify.dtype")
+    if v.kv_cache is not None:
+        _choice(v.kv_cache, ("fp8",), f"{src}: verify.kv_cache")
+    for k in ("max_kld", "max_rel_err"):
+        x = getattr(v, k)
+        if x is not None and not (x >= 0 and x == x and x != float("inf")):
+            raise ConfigError(f"{src}: verify.{k} must be a finite number >= 0, got {x}.")
+    if v.min_top1 is not None and not 0 <= v.min_top1 <= 1:
+        raise ConfigError(f"{src}: verify.min_top1 is a fraction in [0, 1], got {v.min_top1}.")
+    for k in ("data", "pixel_values"):
+        _must_exist(getattr(v, k), f"{src}: verify.{k}")
+    if v.reference not in (None, "transformers"):
+        _must_exist(v.reference, f"{src}: verify.reference")
+    if r.layout.expert_load not in (None, CALIBRATION):
+        _must_exist(r.layout.expert_load, f"{src}: layout.expert_load")
+    if r.layout.expert_load == CALIBRATION and (r.quantize is None or r.quantize.calibrate is None):
+        raise ConfigError(
+            f"{src}: layout.expert_load: 'calibration' takes the routing counts measured "
+            f"by calibration, but the recipe has no quantize.calibrate section; add one or "
+            f"give a routing-counts JSON file."
+        )
+    if r.source.path is not None:
+        _must_exist(r.source.path, f"{src}: source.path")
+
+
+#: ``layout.expert_load`` value: the routing counts this conversion's calibration measures
+CALIBRATION = "calibration"
+
+
+def _validate_layout(lay: LayoutSection, src: str) -> None:
+    for k in ("tp", "pp", "moe_ep"):
+        if getattr(lay, k) < 1:
+            raise ConfigError(f"{src}: layout.{k} must be at least 1, got {getattr(lay, k)}.")
+    if lay.moe_tp is not None and lay.moe_tp < 1:
+        raise ConfigError(f"{src}: layout.moe_tp must be at least 1, got {lay.moe_tp}.")
+    if lay.moe_tp is None and lay.tp % lay.moe_ep:
+        from .shard.layout import divisors
+
+        raise ConfigError(
+            f"{src}: layout.moe_ep={lay.moe_ep} must divide layout.tp={lay.tp} (experts are "
+            f"spread over the tensor-parallel ranks); legal values: {divisors(lay.tp)}."
+        )
+    if lay.moe_tp is not None and lay.moe_tp * lay.moe_ep != lay.tp:
+        raise ConfigError(
+            f"{src}: layout.moe_tp * layout.moe_ep must equal layout.tp, got {lay.moe_tp} * "
+            f"{lay.moe_ep} != {lay.tp}; e.g. moe_tp: {max(1, lay.tp // lay.moe_ep)}."
+        )
+    if lay.redundant_experts < 0:
+        raise ConfigError(
+            f"{src}: layout.redundant_experts must be 0 or more, got {lay.redundant_experts}."
+        )
+    if lay.pp_layers:
+        if len(lay.pp_layers) != lay.pp:
+            raise ConfigError(
+                f"{src}: layout.pp_layers has {len(lay.pp_layers)} stage(s) but layout.pp is "
+                f"{lay.pp}; give one layer count per stage."
+            )
+        if min(lay.pp_layers) < 0:
+            raise ConfigError(f"{src}: layout.pp_layers: layer counts must be 0 or more.")
+
+
+def _choice(value: str, allowed, where: str) -> None:
+    if value in allowed:
+        return
+    close = difflib.get_close_matches(_key_text(value), list(allowed), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"{where}: '{_key_text(value)}' is not one of {', '.join(allowed)}.{hint}")
+
+
+def _must_exist(path: str | None, where: str) -> None:
+    if path is not None and not Path(path).exists():
+        raise ConfigError(f"{where}: {path} does not exist; fix the path in the recipe.")
+
+
+def _validate_quantize(q: QuantizeSection, src: str) -> None:
     from .quant.rules import KEEP, check_pattern
     from .quant.schemes import get_scheme
 
-    q = r.quantize
     if q.scheme is not None:
-        _scheme(get_scheme, q.scheme, {}, f"{r.source}: quantize.scheme")
+        _scheme(get_scheme, q.scheme, {}, f"{src}: quantize.scheme")
     for i, rule in enumerate(q.rules):
-        where = f"{r.source}: quantize.rules[{i}]"
+        where = f"{src}: quantize.rules[{i}]"
         if rule.scheme != KEEP:
-            _check_options(get_scheme, rule, f"quantize.rules[{i}]", r.source)
+            _check_options(get_scheme, rule, f"quantize.rules[{i}]", src)
             _scheme(get_scheme, rule.scheme, rule.options, where)
         elif rule.options:
             raise ConfigError(f"{where}: a 'keep' rule takes no options.")
         for p in rule.match:
             check_pattern(p, f"{where}.match")
     for i, p in enumerate(q.keep):
-        check_pattern(p, f"{r.source}: quantize.keep[{i}]")
+        check_pattern(p, f"{src}: quantize.keep[{i}]")
     if not q.rules and q.scheme is None:
         raise ConfigError(
-            f"{r.source}: quantize needs 'rules' or a default 'scheme'; as written it "
-            f"would keep every tensor."
+            f"{src}: quantize needs 'rules' or a default 'scheme'; as written it would keep "
+            f"every tensor (leave the quantize section out to convert without quantizing)."
         )
     if q.calibrate is not None:
+        from .calibrate.data import resolve_dataset
         from .calibrate.sequential import ALGORITHMS
 
-        where = f"{r.source}: quantize.calibrate"
+        where = f"{src}: quantize.calibrate"
         if q.calibrate.algorithm not in ALGORITHMS:
             close = difflib.get_close_matches(q.calibrate.algorithm, ALGORITHMS, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
@@ -374,10 +667,14 @@ def _validate(r: Recipe) -> None:
             q.calibrate.options().check()
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
+        try:
+            resolve_dataset(q.calibrate.dataset)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.dataset: {e}") from None
     if q.auto_keep is not None:
         from .calibrate.sensitivity import METHODS, parse_budget
 
-        where = f"{r.source}: quantize.auto_keep"
+        where = f"{src}: quantize.auto_keep"
         try:
             parse_budget(q.auto_keep.budget)
             if q.auto_keep.scheme is not None:
@@ -389,6 +686,105 @@ def _validate(r: Recipe) -> None:
                 f"{where}.sensitivity: '{_key_text(q.auto_keep.sensitivity)}' is not known; "
                 f"use one of {', '.join(METHODS)}."
             )
+
+
+def _resolve_paths(r: Recipe, base: Path | None) -> Recipe:
+    """Relative paths of a recipe file taken from its directory (``base``)."""
+    if base is None:
+        return r
+
+    def fix(p: str | None, keep=()) -> str | None:
+        if p is None or p in keep:
+            return p
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else base / q)
+
+    rep = dataclasses.replace
+    r = rep(r, source=rep(r.source, path=fix(r.source.path)))
+    lay = rep(r.layout, expert_load=fix(r.layout.expert_load, (CALIBRATION,)))
+    v = rep(r.verify, data=fix(r.verify.data), pixel_values=fix(r.verify.pixel_values),
+            reference=fix(r.verify.reference, ("transformers",)))  # fmt: skip
+    q = r.quantize
+    if q is not None and q.calibrate is not None:
+        from .calibrate.data import _looks_like_path
+
+        ds = str(q.calibrate.dataset)
+        if _looks_like_path(ds) or (base / ds).exists():
+            cal = rep(q.calibrate, dataset=fix(ds))
+            if cal.offload_dir is not None:
+                cal = rep(cal, offload_dir=fix(str(cal.offload_dir)))
+            q = rep(q, calibrate=cal)
+    if q is not None and q.auto_keep is not None and q.auto_keep.plot is not None:
+        q = rep(q, auto_keep=rep(q.auto_keep, plot=fix(q.auto_keep.plot)))
+    return rep(r, layout=lay, verify=v, quantize=q)
+
+
+# -- presets and printing ---------------------------------------------------------------
+#: where preset recipes live: ``$K3CONVERT_RECIPES_DIR``, the source checkout's
+#: ``recipes/``, then ``<prefix>/share/k3convert/recipes`` (a wheel's data-files)
+ENV_RECIPES = "K3CONVERT_RECIPES_DIR"
+
+
+def recipe_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get(ENV_RECIPES):
+        dirs.append(Path(os.environ[ENV_RECIPES]))
+    dirs.append(Path(__file__).resolve().parents[1] / "recipes")
+    dirs.append(Path(sys.prefix) / "share" / "k3convert" / "recipes")
+    return [d for d in dirs if d.is_dir()]
+
+
+def presets() -> dict[str, Path]:
+    """Preset name (file stem) -> recipe file, first directory of :func:`recipe_dirs` wins."""
+    out: dict[str, Path] = {}
+    for d in recipe_dirs():
+        for f in sorted(d.glob("*.yaml")):
+            out.setdefault(f.stem, f)
+    return out
+
+
+def preset_path(name: str) -> Path:
+    known = presets()
+    if name in known:
+        return known[name]
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(
+        f"no preset recipe named '{_key_text(name)}'.{hint} Presets: "
+        f"{', '.join(known) or 'none found (set ' + ENV_RECIPES + ')'}."
+    )
+
+
+def preset_summary(path: Path) -> str:
+    """The first line of a preset's comment header (what it is for)."""
+    for line in read_recipe_text(path).splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def recipe_to_dict(r: Recipe) -> dict:
+    """The resolved recipe as plain YAML-able data (every default filled in); parsing
+    it gives the same Recipe back."""
+
+    def conv(v):
+        if is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in fields(v) if f.name not in _SKIP}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        if isinstance(v, os.PathLike):
+            return os.fspath(v)
+        return v
+
+    return conv(r)
+
+
+def dump_recipe(r: Recipe) -> str:
+    return yaml.safe_dump(recipe_to_dict(r), sort_keys=False, default_flow_style=None)
 
 
 def _check_options(get_scheme, rule: RuleSpec, path: str, src: str) -> None:

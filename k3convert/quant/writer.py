@@ -136,9 +136,9 @@ def _recipe_rules(recipe) -> tuple[list[Rule], str | None, list[str], bool | Non
     from ..recipe import load_recipe
 
     r = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
-    q = r.quantize
+    q = r.require_quantize()
     rules = [
-        make_rule(x.scheme, x.match, x.roles, x.options, where=f"{r.source}: quantize.rules[{i}]")
+        make_rule(x.scheme, x.match, x.roles, x.options, where=f"{r.origin}: quantize.rules[{i}]")
         for i, x in enumerate(q.rules)
     ]
     return rules, q.scheme, list(q.keep), q.default_keep
@@ -480,6 +480,8 @@ def quantize(
         from ..recipe import load_recipe
 
         recipe = load_recipe(recipe)
+    if recipe is not None:
+        recipe.require_quantize()
     if recipe is not None and calibrate is None and recipe.quantize.calibrate is not None:
         calibrate = recipe.quantize.calibrate.options()  # the recipe's calibration section
         algorithm = recipe.quantize.calibrate.algorithm
