@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -523,8 +523,14 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
 
 
 def _group(
-    raw: dict[str, PartMeta], qcfg: QuantConfig, claims: list[tuple[str, str]] | None = None
+    raw: dict[str, PartMeta],
+    qcfg: QuantConfig,
+    claims: list[tuple[str, str]] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, TensorMeta]:
+    """Physical tensors grouped into logical ones. ``shapes``: logical shapes known
+    without reading data (a planned, not yet written checkpoint), used for encodings that
+    store theirs as a tensor (``weight_shape``)."""
     groups: dict[str, dict[str, PartMeta]] = {}
     for name, pm in raw.items():
         base, part = _split_part(name)
@@ -562,6 +568,8 @@ def _group(
             _note_claim(claims, qcfg, logical, module, w)
             continue
         shape = enc.stored_shape(sig)
+        if shape is None and shapes is not None and logical in shapes:
+            shape = tuple(shapes[logical])
         if shape is None:  # the logical shape is stored as data: [out, in]
             shape = _stored_shape(logical, parts[enc.shape_part], parts.get("weight_packed"))
         q = qcfg.params(module, shape)

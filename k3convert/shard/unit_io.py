@@ -202,8 +202,10 @@ class _SourceMaps:
         pm = self.ck.meta(logical).parts[part]
         item = _itemsize(pm.dtype)
         shape = (*pm.shape[:-1], pm.shape[-1] * item) if pm.shape else (item,)
-        if pm.raw is None:  # torch .bin source
-            t = self.ck.get_parts(logical)[part].contiguous().reshape(-1)
+        if pm.raw is None:  # a torch .bin source, or tensors produced on demand (convert)
+            one = getattr(self.ck, "part_tensor", None)
+            t = one(logical, part) if one is not None else self.ck.get_parts(logical)[part]
+            t = t.contiguous().reshape(-1)
             return t.view(torch.uint8).numpy().reshape(shape)
         m = self.maps.get(pm.file)
         if m is None:  # a plain ndarray over an mmap: np.memmap's slicing costs more

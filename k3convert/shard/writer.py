@@ -26,6 +26,7 @@ atomically: it is the commit marker.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import threading
@@ -46,6 +47,8 @@ from ..checkpoint.output import (
     reports_write_errors,
 )
 from ..errors import ConfigError, OutputError
+from ..parallel import procs
+from ..parallel.procs import ProcessGroup
 from ..stream import hashing as unit_hashing
 from ..stream.format import (
     COMPRESSIONS,
@@ -141,6 +144,35 @@ def shard(
     t0 = time.perf_counter()
     if compress not in COMPRESSIONS:
         raise ConfigError(f"compress must be one of {COMPRESSIONS}, got {compress!r}.")
+    layout = Layout(tp=tp, pp=pp, moe_ep=ep)
+    ck = open_checkpoint(src)
+    out = Path(out)
+    guard_out(out, [ck.root])
+    picked = None
+    if expert_load is None and redundant_experts:
+        cand = Path(ck.root) / ROUTING_COUNTS
+        if cand.is_file():
+            expert_load = picked = cand
+    plan = build_plan(
+        ck,
+        layout,
+        compression=compress,
+        pp_layers=pp_layers,
+        expert_load=expert_load,
+        redundant_experts=redundant_experts,
+    )
+    res = write_stream(
+        data=ck, plan=plan, out=out, source=ck, carry=carried_files(ck), compress=compress,
+        workers=workers, force=force, progress=progress, recipe=recipe, unit_hash=unit_hash,
+        desc=f"shard tp{tp} pp{pp} ep{ep}",
+    )  # fmt: skip
+    return dataclasses.replace(res, seconds=time.perf_counter() - t0, expert_load_from=picked)
+
+
+def check_write_options(compress: str, unit_hash: str, workers) -> int:
+    """The writer's options checked; returns the number of workers."""
+    if compress not in COMPRESSIONS:
+        raise ConfigError(f"compress must be one of {COMPRESSIONS}, got {compress!r}.")
     if unit_hash not in unit_hashing.ALGORITHMS:
         raise ConfigError(
             f"unit hash must be one of {', '.join(unit_hashing.ALGORITHMS)}, got {unit_hash!r}."
@@ -149,64 +181,95 @@ def shard(
         workers = os.cpu_count() or 2
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
-    out = Path(out)
-    layout = Layout(tp=tp, pp=pp, moe_ep=ep)
-    ck = open_checkpoint(src)
-    guard_out(out, [ck.root])
-    picked = None
-    if expert_load is None and redundant_experts:
-        cand = Path(ck.root) / ROUTING_COUNTS
-        if cand.is_file():
-            expert_load = picked = cand
-    src_files = ck.files()
+    return workers
+
+
+def write_stream(
+    *,
+    data,
+    plan: Plan,
+    out: Path,
+    source: Checkpoint,
+    carry: list[tuple[str, Path | bytes]],
+    compress: str = "none",
+    workers: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+    recipe: dict | None = None,
+    unit_hash: str = unit_hashing.DEFAULT,
+    identity: object = None,
+    desc: str = "shard",
+    bar: tqdm | None = None,
+    group: ProcessGroup | None = None,
+    share_by_layer: bool = False,
+) -> ShardResult:
+    """Write ``plan``'s units into the stream directory ``out`` and commit the manifest.
+
+    data: where the units' tensor bytes come from (a Checkpoint, or convert's planned
+    checkpoint producing quantized tensors on demand); source: the checkpoint recorded in
+    the manifest (its files hashed); carry: (name, file or bytes) copied next to the
+    manifest (config.json first); identity: extra JSON-able data that must match for a
+    unit of an earlier run to be reused (convert: the quantization's fingerprint); bar: a
+    progress bar to advance instead of a new one. group: the torchrun job (default: the
+    current one); each process writes its share of the units (balanced by bytes: single
+    units, or whole layers with ``share_by_layer``), process 0 prepares OUT before and
+    writes the manifest after the others have reported.
+    """
+    t0 = time.perf_counter()
+    workers = check_write_options(compress, unit_hash, workers)
+    group = group if group is not None else procs.current()
+    src_files = source.files()
     lock = threading.Lock()
-    bar = tqdm(
-        total=sum(f.size for f in src_files),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"shard tp{tp} pp{pp} ep{ep}",
-        disable=not progress,
-        smoothing=0.1,
-    )
+    own_bar = bar is None
+    if own_bar:
+        bar = tqdm(
+            total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+            disable=not progress or not group.leader, smoothing=0.1,
+        )  # fmt: skip
 
     def tick(n: int) -> None:
         with lock:
             bar.update(n)
 
+    mine = _my_units(plan, group, share_by_layer)
+    my_files = procs.balance(src_files, lambda f: f.size, group.world)[group.rank]
     # provenance hashes only read the source: start them now, they are the longest
-    # serial jobs (one file each); cancelled if planning or writing fails
-    hasher = SourceHasher(ck.root, src_files, workers, tick)
+    # serial jobs (one file each); cancelled if writing fails
+    hasher = None
     syncer: Syncer | None = None
+    results: dict[int, dict] = {}
+    skipped = written = 0
     try:
-        plan = build_plan(
-            ck,
-            layout,
-            compression=compress,
-            pp_layers=pp_layers,
-            expert_load=expert_load,
-            redundant_experts=redundant_experts,
-        )
-        _prepare_out(out, force)
+        err = None
         total = sum(up.header()[2] for up in plan.units)
-        probe_writable(out, inside=True)
-        free = free_bytes(out) + sum(f.stat().st_size for f in out.glob("rank*/*") if f.is_file())
-        if free < total:  # zstd rarely saves more than a few percent on weights
-            raise OutputError(
-                f"{out}: needs about {total / 1e9:.2f} GB (uncompressed size; zstd saves "
-                f"little on weights) but {free / 1e9:.2f} GB are free; free space or choose "
-                f"another OUT."
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        (out / JOURNAL).mkdir(exist_ok=True)
+        if group.leader:
+            try:
+                _prepare_out(out, force)
+                probe_writable(out, inside=True)
+                held = sum(f.stat().st_size for f in out.glob("rank*/*") if f.is_file())
+                free = free_bytes(out) + held
+                if free < total:  # zstd rarely saves more than a few percent on weights
+                    raise OutputError(
+                        f"{out}: needs about {total / 1e9:.2f} GB (uncompressed size; zstd "
+                        f"saves little on weights) but {free / 1e9:.2f} GB are free; free "
+                        f"space or choose another OUT."
+                    )
+                out.mkdir(parents=True, exist_ok=True)
+                (out / JOURNAL).mkdir(exist_ok=True)
+            except BaseException as e:
+                err = e
+        group.agree(err, f"preparing {out}")
+        hasher = SourceHasher(source.root, my_files, workers, tick)
         with lock:
-            bar.total += total
+            bar.total = (bar.total or 0) + sum(f.size for f in my_files)
+            bar.total += sum(up.header()[2] for up in mine)
             bar.refresh()
         source_id = [
-            [str(f.path.relative_to(ck.root)), f.size, f.path.stat().st_mtime_ns] for f in src_files
+            [str(f.path.relative_to(source.root)), f.size, f.path.stat().st_mtime_ns]
+            for f in src_files
         ]
-        results: dict[int, dict] = {}
-        skipped = written = 0
+        if identity is not None:
+            source_id.append({"identity": identity})
         syncer = Syncer()
 
         def do_unit(up: UnitPlan) -> None:
@@ -219,63 +282,117 @@ def shard(
                     skipped += 1
             else:
                 rec = write_unit(
-                    ck, up, out, compress, on_bytes=tick, fsync=False, unit_hash=unit_hash
+                    data, up, out, compress, on_bytes=tick, fsync=False, unit_hash=unit_hash
                 )
                 syncer.submit(out / up.file)
                 atomic_json(journal_path(out, up), {"key": key, **rec}, fsync=False)
                 with lock:
                     written += 1
-            results[id(up)] = rec
+            results[up_id(up)] = rec
 
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k3shard") as pool:
-            futs = [pool.submit(do_unit, up) for up in plan.units]
-            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in done:
-                f.result()
-        sha = hasher.result()
-        files = _carry_aux(ck, out)
-        manifest = render(_manifest(plan, ck, results, sha, files, compress, recipe))
-        synced = syncer.finish()
+        try:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k3shard") as pool:
+                futs = [pool.submit(do_unit, up) for up in mine]
+                done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+                for f in pending:
+                    f.cancel()
+                for f in done:
+                    f.result()
+            sha = hasher.result()
+            synced = syncer.finish()
+            to_sync = [out / up.file for up in mine if out / up.file not in synced]
+            to_sync += sorted({(out / up.file).parent for up in mine})
+            with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
+                list(pool.map(fsync_path, to_sync))
+        except BaseException as e:
+            if not isinstance(e, Exception) or group.world == 1:
+                raise
+            err, sha = e, {}
+        group.agree(err, f"writing its units of {out}")
+        shares = group.gather((results, sha, written, skipped))
     except BaseException:
-        hasher.cancel()
+        if hasher is not None:
+            hasher.cancel()
         if syncer is not None:
             syncer.abort()
         raise
     finally:
-        bar.close()
-    to_sync = [out / up.file for up in plan.units if out / up.file not in synced]
-    to_sync += [out / f["name"] for f in files]
-    to_sync += sorted({(out / up.file).parent for up in plan.units})
-    with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
-        list(pool.map(fsync_path, to_sync))
-    atomic_json(out / MANIFEST, manifest)
-    fsync_dir(out)
-    _cleanup(out, plan)
+        if own_bar:
+            bar.close()
+    all_results: dict[int, dict] = {}
+    all_sha: dict[str, str] = {}
+    for r, h, _, _ in shares:
+        all_results.update(r)
+        all_sha.update(h)
+    written = sum(s[2] for s in shares)
+    skipped = sum(s[3] for s in shares)
+    manifest_path = out / MANIFEST
+    if group.leader:
+        try:
+            files = _carry(carry, out)
+            manifest = render(
+                _manifest(plan, source, all_results, all_sha, files, compress, recipe)
+            )
+            with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
+                list(pool.map(fsync_path, [out / f["name"] for f in files]))
+            atomic_json(manifest_path, manifest)
+            fsync_dir(out)
+            _cleanup(out, plan)
+            err = None
+        except BaseException as e:
+            if not isinstance(e, Exception) or group.world == 1:
+                raise
+            err = e
+    else:
+        err = None
+    group.agree(err, f"committing {out}")
     return ShardResult(
         out,
-        out / MANIFEST,
+        manifest_path,
         written,
         skipped,
-        sum(r["bytes"] for r in results.values()),
+        sum(r["bytes"] for r in all_results.values()),
         time.perf_counter() - t0,
-        picked,
+        None,
     )
 
 
-def _carry_aux(ck: Checkpoint, out: Path) -> list[dict]:
-    """Copy config.json, tokenizer, processor and other non-weight files; hash them."""
-    srcs = [ck.root / "config.json", *ck.aux_files]
+def up_id(up: UnitPlan) -> tuple[int, int]:
+    """A unit's key that survives pickling between processes: (rank, index)."""
+    return up.rank, up.index
+
+
+def _my_units(plan: Plan, group: ProcessGroup, by_layer: bool) -> list[UnitPlan]:
+    if group.world == 1:
+        return list(plan.units)
+    if not by_layer:
+        items = [[up] for up in plan.units]
+    else:
+        grouped: dict[str, list[UnitPlan]] = {}
+        for up in plan.units:
+            grouped.setdefault(up.name, []).append(up)
+        items = list(grouped.values())
+    share = procs.balance(items, lambda ups: sum(u.header()[2] for u in ups), group.world)
+    return [up for ups in share[group.rank] for up in ups]
+
+
+def carried_files(ck: Checkpoint) -> list[tuple[str, Path | bytes]]:
+    """config.json, tokenizer, processor and other non-weight files of a checkpoint."""
+    return [(p.name, p) for p in [ck.root / "config.json", *ck.aux_files] if p.is_file()]
+
+
+def _carry(carry: list[tuple[str, Path | bytes]], out: Path) -> list[dict]:
+    """Copy (or write) the carried non-weight files next to the manifest; hash them."""
     files = []
-    for p in srcs:
-        if not p.is_file():
-            continue
-        dst = out / p.name
+    for name, what in carry:
+        dst = out / name
         tmp = dst.with_name(dst.name + f".tmp-{os.getpid()}")
-        shutil.copyfile(p, tmp)
+        if isinstance(what, bytes):
+            tmp.write_bytes(what)
+        else:
+            shutil.copyfile(what, tmp)
         os.replace(tmp, dst)
-        files.append({"name": p.name, "bytes": dst.stat().st_size, "sha256": file_sha256(dst)})
+        files.append({"name": name, "bytes": dst.stat().st_size, "sha256": file_sha256(dst)})
     return files
 
 
@@ -285,7 +402,7 @@ def _manifest(plan: Plan, ck: Checkpoint, results, sha, files, compress, recipe)
     for r in range(lay.world):
         units = []
         for up in plan.rank_units(r):
-            rec = results[id(up)]
+            rec = results[up_id(up)]
             units.append(
                 {
                     "index": up.index,
