@@ -474,6 +474,105 @@ def quantize(
         workers = default_workers()
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
+    out = Path(out)
+    p = prepare_quantization(
+        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
+        kept_as_stored=kept_as_stored, input_scales=input_scales, calibrate=calibrate,
+        algorithm=algorithm, log=log, auto_keep=auto_keep, auto_keep_scheme=auto_keep_scheme,
+        sensitivity=sensitivity, plot=plot, sensitivity_data=sensitivity_data, workers=workers,
+        dry_run=dry_run,
+        check_out=lambda need, root: check_output(out, force=force, need_bytes=need, source=root),
+        journal=None, out=out, force=force,
+    )  # fmt: skip
+    ckpt, plan, sens, sel = p.ckpt, p.plan, p.sensitivity, p.selection
+    if dry_run:
+        if sens is not None and p.plot is not None:
+            sens.plot(p.plot)
+        return QuantizeResult(None, plan, True, sensitivity=sens, selection=sel)
+    need = plan.totals()[1] + sum(f.stat().st_size for f in ckpt.aux_files)
+    calibrated = p.calibrated
+    with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
+        nfiles = _write(
+            ckpt,
+            plan,
+            tmp,
+            shard_size,
+            workers,
+            progress,
+            p.input_scales,
+            p.shared,
+            calibrated,
+            p.kv_tensors,
+        )
+        for f in ckpt.aux_files:
+            shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(p.output_config(), indent=2) + "\n")
+        if sel is not None:
+            sens.write(tmp / "sensitivity.json")
+        routing = _write_routing_counts(tmp, calibrated)
+    if calibrated is not None:
+        calibrated.cleanup()
+    if sens is not None and p.plot is not None:
+        sens.plot(p.plot)
+    return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
+                          out / routing if routing else None, sens, sel)  # fmt: skip
+
+
+@dataclass
+class Prepared:
+    """Everything decided before the first output byte: the plan (after auto-keep), the
+    calibration's result and the values the writer needs."""
+
+    ckpt: object
+    plan: Plan
+    input_scales: dict
+    shared: dict
+    calibrated: object | None = None
+    kv_tensors: dict | None = None
+    provenance: dict | None = None
+    sensitivity: object | None = None
+    selection: object | None = None
+    plot: str | os.PathLike | None = None
+
+    def output_config(self) -> dict:
+        """config.json of the quantized checkpoint."""
+        cfg = _output_config(self.ckpt.config, self.plan, Path(self.ckpt.root),
+                             self.provenance, self.kv_tensors)  # fmt: skip
+        if self.selection is not None:
+            cfg["k3convert"]["auto_keep"] = self.selection.to_json()
+        return cfg
+
+
+def prepare_quantization(
+    *,
+    src,
+    scheme: str | None = None,
+    recipe=None,
+    keep: Sequence[str] = (),
+    default_keep: bool = True,
+    kept_as_stored: bool = True,
+    input_scales: Mapping | None = None,
+    calibrate=None,
+    algorithm: str = "rtn",
+    log=None,
+    auto_keep: str | None = None,
+    auto_keep_scheme: str | None = None,
+    sensitivity: str = "layer",
+    plot=None,
+    sensitivity_data=None,
+    workers: int = 1,
+    dry_run: bool = False,
+    check_out=None,
+    journal: Path | None = None,
+    out: Path | None = None,
+    force: bool = False,
+    plan_only: bool = False,
+) -> Prepared:
+    """:func:`quantize` up to its first output byte: the plan, the auto-keep scan, the
+    calibration and the fused global scales. check_out(need_bytes): checks OUT before
+    hours of scanning / calibrating; journal: the calibration journal (default
+    ``OUT.calib/``); plan_only: stop after the plan and every check that needs no data
+    (``convert`` validates a recipe this way before any work)."""
     if (scheme is None) == (recipe is None):
         raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
     if isinstance(recipe, (str, os.PathLike)):
@@ -506,25 +605,72 @@ def quantize(
         calibrate.check()
         check_algorithm(plan, algorithm)
         _check_source_kv(ckpt, plan, calibrate)
-    sens = sel = scan_set = None
     if plot is not None and auto_keep is None:
         raise ConfigError("plot is the sensitivity chart of auto_keep; give auto_keep too.")
+    if auto_keep is not None and plot is not None:
+        guard_out(plot, [ckpt.root])
+        parent = Path(plot).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise OutputError(
+                f"{plot}: the chart's directory {parent} does not exist or is not "
+                f"writable; create it or choose another --plot path."
+            )
     if auto_keep is not None:
-        if not dry_run:  # before the scan, not after it
-            check_output(Path(out), force=force, need_bytes=plan.totals()[1], source=ckpt.root)
-        if plot is not None:
-            guard_out(plot, [ckpt.root])
-            parent = Path(plot).resolve().parent
-            if not parent.is_dir() or not os.access(parent, os.W_OK):
-                raise OutputError(
-                    f"{plot}: the chart's directory {parent} does not exist or is not "
-                    f"writable; create it or choose another --plot path."
-                )
+        from ..calibrate.sensitivity import parse_budget
+
+        parse_budget(auto_keep)
+    _check_input_scales(plan, input_scales, calibrate)
+    prepared = Prepared(ckpt, plan, input_scales, {}, plot=plot)
+    if plan_only:
+        return prepared
+    sens = sel = scan_set = None
+    if auto_keep is not None:
+        if not dry_run and check_out is not None:  # before the scan, not after it
+            check_out(plan.totals()[1], ckpt.root)
         plan, sens, sel, scan_set = _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme,
                                                sensitivity, sensitivity_data or calibrate,
                                                log)  # fmt: skip
         if calibrate is not None:
+            from ..calibrate.sequential import check_algorithm
+
             check_algorithm(plan, algorithm)
+        _check_input_scales(plan, input_scales, calibrate)
+    prepared.plan, prepared.sensitivity, prepared.selection = plan, sens, sel
+    if dry_run:
+        return prepared
+    need = plan.totals()[1] + sum(f.stat().st_size for f in ckpt.aux_files)
+    if calibrate is not None:
+        # OUT is checked before hours of calibration, not after
+        if check_out is not None:
+            check_out(need, ckpt.root)
+        # the scan's set is calibration's too when both come from the same options
+        reuse = scan_set if sensitivity_data is None else None
+        calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log, reuse,
+                                journal=journal)  # fmt: skip
+        prepared.calibrated = calibrated
+        prepared.input_scales = {**calibrated.input_scales, **input_scales}
+        provenance = {
+            "algorithm": algorithm,
+            "dataset": calibrated.calibration,
+            "options": calibrate.algorithm_options(algorithm),
+            "rtn_fallbacks": list(calibrated.fallbacks),
+        }
+        if calibrate.kv_cache:
+            from .kvcache import kv_scale_tensors
+
+            prepared.kv_tensors = kv_scale_tensors(calibrated.kv_absmax, ckpt.config)
+        if calibrated.smoothing:
+            provenance["smoothed_mappings"] = sum(
+                v is not None for v in calibrated.smoothing.values()
+            )
+            provenance["mappings"] = len(calibrated.smoothing)
+        prepared.provenance = provenance
+    with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
+        prepared.shared = _shared_amax(ckpt, plan, workers)
+    return prepared
+
+
+def _check_input_scales(plan: Plan, input_scales: Mapping, calibrate) -> None:
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
     missing = [m for m in missing if m not in input_scales]
     if calibrate is not None:  # decoder layers' scales come from calibration
@@ -537,66 +683,6 @@ def quantize(
             f"{len(missing)} module(s) have none (e.g. '{missing[0]}'). Run calibration "
             f"first, or use a dynamic scheme such as fp8-dynamic or fp8-block."
         )
-    if dry_run:
-        if sens is not None and plot is not None:
-            sens.plot(plot)
-        return QuantizeResult(None, plan, True, sensitivity=sens, selection=sel)
-
-    out = Path(out)
-    aux = ckpt.aux_files
-    need = plan.totals()[1] + sum(p.stat().st_size for p in aux)
-    calibrated = provenance = kv_tensors = None
-    if calibrate is not None:
-        # OUT is checked before hours of calibration, not after
-        check_output(out, force=force, need_bytes=need, source=ckpt.root)
-        # the scan's set is calibration's too when both come from the same options
-        reuse = scan_set if sensitivity_data is None else None
-        calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log, reuse)
-        input_scales = {**calibrated.input_scales, **input_scales}
-        provenance = {
-            "algorithm": algorithm,
-            "dataset": calibrated.calibration,
-            "options": calibrate.algorithm_options(algorithm),
-            "rtn_fallbacks": list(calibrated.fallbacks),
-        }
-        if calibrate.kv_cache:
-            from .kvcache import kv_scale_tensors
-
-            kv_tensors = kv_scale_tensors(calibrated.kv_absmax, ckpt.config)
-        if calibrated.smoothing:
-            provenance["smoothed_mappings"] = sum(
-                v is not None for v in calibrated.smoothing.values()
-            )
-            provenance["mappings"] = len(calibrated.smoothing)
-    with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
-        shared = _shared_amax(ckpt, plan, workers)
-    with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
-        nfiles = _write(
-            ckpt,
-            plan,
-            tmp,
-            shard_size,
-            workers,
-            progress,
-            input_scales,
-            shared,
-            calibrated,
-            kv_tensors,
-        )
-        for p in aux:
-            shutil.copy2(p, tmp / p.name)
-        cfg = _output_config(ckpt.config, plan, Path(ckpt.root), provenance, kv_tensors)
-        if sel is not None:
-            cfg["k3convert"]["auto_keep"] = sel.to_json()
-            sens.write(tmp / "sensitivity.json")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        routing = _write_routing_counts(tmp, calibrated)
-    if calibrated is not None:
-        calibrated.cleanup()
-    if sens is not None and plot is not None:
-        sens.plot(plot)
-    return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
-                          out / routing if routing else None, sens, sel)  # fmt: skip
 
 
 def _check_source_kv(ckpt, plan: Plan, opts) -> None:
@@ -662,20 +748,27 @@ def _calibrated_modules(plan: Plan) -> set[str]:
             if r.role.layer is not None and r.role.unit.startswith("layer.")}  # fmt: skip
 
 
-def _calibrate(ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log, calib=None):
+def _calibrate(
+    ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log, calib=None,
+    journal: Path | None = None,
+):  # fmt: skip
     """Build the calibration set and run layer-sequential calibration (before anything
-    is written: a bad dataset or an existing OUT fails first)."""
+    is written: a bad dataset or an existing OUT fails first). journal: given by a caller
+    that owns OUT's resumption (convert); default ``OUT.calib/`` next to a new OUT."""
     from ..calibrate.data import build_calibration_set
     from ..calibrate.sequential import calibrate_sequential
 
-    if out.exists() and not force:
+    if journal is None and out.exists() and not force:
         raise OutputError(f"{out} already exists; choose another OUT or pass --force.")
     if calib is None:  # (else: the set the sensitivity scan built from the same options)
         calib = build_calibration_set(
             ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
             seed=opts.seed, packing=opts.packing,
         )  # fmt: skip
-    journal = Path(opts.offload_dir) if opts.offload_dir else out.parent / f"{out.name}.calib"
+    if opts.offload_dir:
+        journal = Path(opts.offload_dir)
+    elif journal is None:
+        journal = out.parent / f"{out.name}.calib"
     # the journal is emptied and removed by its owner: never the source, OUT or inside them
     guard_out(journal, [ckpt.root, out])
     if journal.exists() and not journal.is_dir():
