@@ -648,6 +648,11 @@ def verify(
         raise typer.Exit(1)
 
 
+from .cli_convert import register as _register_convert  # noqa: E402
+
+_register_convert(app)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: K3Error -> one line on stderr, exit 2."""
     try:

@@ -484,38 +484,41 @@ def quantize(
         check_out=lambda need, root: check_output(out, force=force, need_bytes=need, source=root),
         journal=None, out=out, force=force,
     )  # fmt: skip
-    ckpt, plan, sens, sel = p.ckpt, p.plan, p.sensitivity, p.selection
+    plan, sens, sel = p.plan, p.sensitivity, p.selection
     if dry_run:
         if sens is not None and p.plot is not None:
             sens.plot(p.plot)
         return QuantizeResult(None, plan, True, sensitivity=sens, selection=sel)
-    need = plan.totals()[1] + sum(f.stat().st_size for f in ckpt.aux_files)
     calibrated = p.calibrated
-    with staged_output(out, force=force, need_bytes=need, source=ckpt.root) as tmp:
-        nfiles = _write(
-            ckpt,
-            plan,
-            tmp,
-            shard_size,
-            workers,
-            progress,
-            p.input_scales,
-            p.shared,
-            calibrated,
-            p.kv_tensors,
-        )
-        for f in ckpt.aux_files:
-            shutil.copy2(f, tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(p.output_config(), indent=2) + "\n")
-        if sel is not None:
-            sens.write(tmp / "sensitivity.json")
-        routing = _write_routing_counts(tmp, calibrated)
+    nfiles, routing = write_checkpoint(p, out, force=force, progress=progress,
+                                       shard_size=shard_size, workers=workers)  # fmt: skip
     if calibrated is not None:
         calibrated.cleanup()
     if sens is not None and p.plot is not None:
         sens.plot(p.plot)
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
                           out / routing if routing else None, sens, sel)  # fmt: skip
+
+
+def write_checkpoint(
+    p: Prepared, out: Path, *, force: bool = False, progress: bool = True,
+    shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None,
+) -> tuple[int, str | None]:  # fmt: skip
+    """Write the prepared quantization as a compressed-tensors directory ``out`` (staged,
+    renamed when complete); (files written, the routing counts file name or None)."""
+    ckpt, plan = p.ckpt, p.plan
+    workers = workers or default_workers()
+    need = plan.totals()[1] + sum(f.stat().st_size for f in ckpt.aux_files)
+    with staged_output(Path(out), force=force, need_bytes=need, source=ckpt.root) as tmp:
+        nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, p.input_scales,
+                        p.shared, p.calibrated, p.kv_tensors)  # fmt: skip
+        for f in ckpt.aux_files:
+            shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(p.output_config(), indent=2) + "\n")
+        if p.selection is not None:
+            p.sensitivity.write(tmp / "sensitivity.json")
+        routing = _write_routing_counts(tmp, p.calibrated)
+    return nfiles, routing
 
 
 @dataclass
@@ -720,14 +723,12 @@ def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
     return new_plan, report, sel, calib
 
 
-def _write_routing_counts(tmp: Path, calibrated) -> str | None:
+def routing_counts_doc(calibrated) -> dict:
     """``routing_counts.json``: per MoE layer the real calibration tokens the router sent
     each expert, under ``"layers"`` as ``shard --expert-load`` reads it, with the
-    calibration set's fingerprint and token count. None when nothing was routed."""
-    if calibrated is None or not calibrated.routing_counts:
-        return None
+    calibration set's fingerprint and token count."""
     cal = calibrated.calibration or {}
-    doc = {
+    return {
         "format": "k3convert-routing-counts-v1",
         "dataset": cal.get("source"),
         "dataset_fingerprint": cal.get("fingerprint"),
@@ -735,8 +736,15 @@ def _write_routing_counts(tmp: Path, calibrated) -> str | None:
         "top_k": calibrated.top_k,
         "layers": {str(k): list(v) for k, v in sorted(calibrated.routing_counts.items())},
     }
+
+
+def _write_routing_counts(tmp: Path, calibrated) -> str | None:
+    """Write :func:`routing_counts_doc` into ``tmp``; None when nothing was routed."""
+    if calibrated is None or not calibrated.routing_counts:
+        return None
     from ..shard.plan import ROUTING_COUNTS
 
+    doc = routing_counts_doc(calibrated)
     (tmp / ROUTING_COUNTS).write_text(json.dumps(doc, indent=1) + "\n")
     return ROUTING_COUNTS
 
@@ -817,25 +825,64 @@ def _job(
 
 def _copy_parts(ckpt, r: Decision, w: SafetensorsWriter) -> None:
     """An as-stored row: every part copied unchanged (by the kernel from a safetensors
-    source), its scales checked first (non-finite floats; an E8M0 exponent of 255 is NaN)."""
+    source), its scales checked first (:func:`stored_parts`)."""
     parts = ckpt.meta(r.name).parts
-    stored = ckpt.get_parts(r.name)  # mapped views, no copies
+    for name, t in stored_parts(ckpt, r).items():
+        pm = parts[name[len(r.module) + 1 :]]
+        if pm.raw is not None:
+            w.copy_from(name, pm.file, pm.raw)
+        else:
+            w.put(name, t)
+
+
+def stored_parts(ckpt, r: Decision) -> dict[str, torch.Tensor]:
+    """An as-stored row's parts by output name (mapped views, no copies), its scales
+    checked (non-finite floats; an E8M0 exponent of 255 is NaN)."""
+    stored = ckpt.get_parts(r.name)
+    out = {}
     for name, _, _ in _entries(r):
         part = name[len(r.module) + 1 :]
-        pm = parts[part]
+        t = stored[part]
         if part.endswith("scale"):
-            t = stored[part]
             if t.dtype == torch.uint8 and bool((t == 255).any()):
                 raise NonFiniteWeightError(
                     f"{ckpt.root}: '{name}' holds {int((t == 255).sum())} E8M0 exponent(s) "
                     f"of 255 (NaN); the source is corrupt - fix or re-download it."
                 )
             _check_scale(name, t, ckpt.root)
-            del t
-        if pm.raw is not None:
-            w.copy_from(name, pm.file, pm.raw)
-        else:
-            w.put(name, stored[part])
+        out[name] = t
+    return out
+
+
+def row_tensors(
+    ckpt, r: Decision, input_scales: Mapping, shared: Mapping, calibrated=None
+) -> dict[str, torch.Tensor]:
+    """Row ``r``'s output tensors by output name, exactly what :func:`_job` writes for
+    it, checked the same way (``convert`` streams them into units instead)."""
+    if r.as_stored:
+        return stored_parts(ckpt, r)
+    smoothed = calibrated.kept_tensor(r.name) if calibrated is not None and r.kept else None
+    if smoothed is not None:
+        _check_finite(r.name, smoothed, ckpt.root)
+        return {r.name: smoothed.to(r.out_dtype)}
+    main = ckpt.meta(r.name).parts.get("weight")
+    if r.kept and not r.encoded and main is not None and main.raw is not None:
+        _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
+        return {r.name: ckpt.get_parts(r.name)["weight"]}
+    tensors = _produce(ckpt, r, input_scales, shared, calibrated)
+    out = {}
+    for name, dt, shape in _entries(r):
+        t = tensors.pop(name)
+        if t.dtype != dt or tuple(t.shape) != tuple(shape):
+            raise AssertionError(f"{name}: produced {t.dtype}{tuple(t.shape)}, planned {dt}{shape}")
+        _check_scale(name, t, ckpt.root)
+        out[name] = t
+    return out
+
+
+def output_entries(r: Decision) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor row ``r`` writes."""
+    return _entries(r)
 
 
 def _unordered(fn, items, workers: int):

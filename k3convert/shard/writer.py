@@ -202,6 +202,7 @@ def write_stream(
     bar: tqdm | None = None,
     group: ProcessGroup | None = None,
     share_by_layer: bool = False,
+    on_unit=None,
 ) -> ShardResult:
     """Write ``plan``'s units into the stream directory ``out`` and commit the manifest.
 
@@ -213,7 +214,9 @@ def write_stream(
     progress bar to advance instead of a new one. group: the torchrun job (default: the
     current one); each process writes its share of the units (balanced by bytes: single
     units, or whole layers with ``share_by_layer``), process 0 prepares OUT before and
-    writes the manifest after the others have reported.
+    writes the manifest after the others have reported. on_unit(unit): called as each
+    unit starts (progress displays). ``data.expect(units)``, when ``data`` has it, is told
+    which units this process writes before the first one.
     """
     t0 = time.perf_counter()
     workers = check_write_options(compress, unit_hash, workers)
@@ -271,9 +274,14 @@ def write_stream(
         if identity is not None:
             source_id.append({"identity": identity})
         syncer = Syncer()
+        expect = getattr(data, "expect", None)
+        if expect is not None:
+            expect(mine)
 
         def do_unit(up: UnitPlan) -> None:
             nonlocal skipped, written
+            if on_unit is not None:
+                on_unit(up)
             key = plan_key(up, compress, source_id, unit_hash)
             rec = resumable(out, up, key)
             if rec is not None:

@@ -329,12 +329,15 @@ def run_verify(
     resident: bool = False,
     check_stream: bool = True,
     progress: bool = True,
+    distributed: bool | None = None,
 ) -> dict:
     """Run the check; returns the report (``report["passed"]``). Under torchrun only rank
     0's report is complete (``report["rank"]`` says which). pp_layers / expert_load /
     redundant_experts: the placement for a checkpoint cut on the fly, as ``shard`` takes
     them. resident: keep the candidate's weights in memory (fast decoding of small
-    models); default streams them, layer by layer, on every forward and decode step."""
+    models); default streams them, layer by layer, on every forward and decode step.
+    distributed: False runs every rank in this process even under torchrun (convert's
+    process 0 does, after the others have written their units); None: torchrun decides."""
     t_start = time.perf_counter()
     cand_path = Path(candidate)
     if not cand_path.exists():
@@ -360,7 +363,7 @@ def run_verify(
         raise ConfigError(
             "--kv-cache / --mla-cache choose the decode check's cache; add --decode N."
         )
-    dist_run = under_torchrun()
+    dist_run = under_torchrun() if distributed is None else distributed
     if dist_run:
         from ..device import resolve_device
 

@@ -1,0 +1,665 @@
+"""``convert``: quantize -> shard -> verify in one streaming pass, driven by one recipe.
+
+Nothing is planned twice and no quantized checkpoint is written in between: the
+quantization plan becomes a :class:`PlannedCheckpoint` (the checkpoint ``quantize`` would
+write: its config.json, tensor names, dtypes, shapes and encodings, but no files), the
+shard planner cuts that into units, and each unit's writer asks the planned checkpoint
+for the tensors it needs, which quantizes them then (kept tensors are mapped from the
+source, bit for bit). A tensor several units read (a TP-split weight: one slice per rank)
+is quantized once and cached until its last reader is done, within ``cache_bytes``; past
+that the oldest entries are dropped and recomputed when asked again (quantization is
+deterministic, so the bytes are the same).
+
+Order of work, and what is checked before any of it:
+
+1. plan (metadata only): the recipe, the source, the quantization plan, every unit of
+   the layout (a tp that does not divide the heads, a scheme whose blocks a split would
+   cut, an expert load that does not fit: all fail here), the verify inputs;
+2. calibrate, when the recipe has ``quantize.calibrate`` (or auto-keep's sensitivity
+   scan): layer by layer on the runtime, journaled in ``OUT.calib/`` (or the recipe's
+   ``offload_dir``) so a rerun does not redo finished layers;
+3. write: the units, journaled in ``OUT/.k3-journal/`` so a rerun skips the finished
+   ones; ``manifest.json`` last, atomically;
+4. verify: the stream against the source (or the recipe's reference), every rank
+   simulated; ``OUT/report.json`` (and, on request, an HTML page) with the sizes, time per
+   stage and verify's parity figures.
+
+An interrupted run is resumed by running the same command again: the stream it writes
+(manifest, units, carried files) is byte-identical to an uninterrupted run's.
+
+Under ``torchrun`` the processes share the work of step 3 (whole layers to processes,
+balanced by bytes, so a TP-split tensor is quantized by one process only); step 2 runs on
+process 0 while the others wait, then every process reads its layers' calibrated weights
+from the journal; process 0 alone commits the manifest and runs verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import __version__
+from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint.output import guard_out, reports_write_errors
+from .checkpoint.reader import PartMeta, QuantConfig, _group, _quant_config
+from .errors import ConfigError, K3Error, OutputError
+from .parallel import procs
+from .recipe import CALIBRATION, Recipe, apply_overrides, load_recipe, parse_recipe, recipe_to_dict
+from .shard.plan import build_plan
+from .shard.writer import carried_files, write_stream
+from .stream.format import JOURNAL, MANIFEST
+
+#: computed tensors kept for their later readers at most (then recomputed on demand)
+DEFAULT_CACHE_BYTES = 2 << 30
+REPORT = "report.json"
+REPORT_FORMAT = "k3convert-convert-report-v1"
+#: where a planned tensor "lives" (messages only: it is never a file)
+_PLANNED = "<planned quantized checkpoint>"
+
+
+class PlannedCheckpoint(Checkpoint):
+    """The compressed-tensors checkpoint ``quantize`` would write from ``prepared``
+    (:class:`k3convert.quant.writer.Prepared`), as a :class:`Checkpoint` whose tensors are
+    produced when read: ``part_tensor(logical, part)`` quantizes the row on first use.
+
+    ``expect(units)`` tells it which unit tensors will be read (the units this process
+    writes), so a produced row is dropped right after its last reader."""
+
+    def __init__(self, prepared, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        from .quant.writer import output_entries
+
+        ck = prepared.ckpt
+        self.prepared = prepared
+        self.config_doc = prepared.output_config()
+        raw: dict[str, PartMeta] = {}
+        self._row_of: dict[str, object] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        where = Path(ck.root) / _PLANNED
+        for r in prepared.plan.rows:
+            for name, dt, shape in output_entries(r):
+                nbytes = torch.Size(shape).numel() * dt.itemsize
+                raw[name] = PartMeta(name, where, dt, tuple(shape), nbytes, None)
+                self._row_of[name] = r
+            if not r.kept or r.as_stored:
+                shapes[r.name] = tuple(r.shape)
+        self._extra = dict(prepared.kv_tensors or {})
+        for name, t in self._extra.items():
+            raw[name] = PartMeta(name, where, t.dtype, tuple(t.shape), t.numel() * t.itemsize)
+        metas = _group(raw, QuantConfig(_quant_config(self.config_doc)), None, shapes)
+        super().__init__(Path(ck.root), self.config_doc, metas, [])
+        self.source = ck
+        self.__dict__["aux_files"] = list(ck.aux_files)  # the source's (cached_property)
+        self.cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, dict] = OrderedDict()  # row name -> outputs
+        self._held = 0
+        self._busy: dict[str, threading.Event] = {}
+        self._refs: Counter[str] = Counter()
+        self.produced = 0  # rows computed (recomputations included)
+
+    def expect(self, units) -> None:
+        """Count the reads ``units`` will make, per row."""
+        refs: Counter[str] = Counter()
+        for up in units:
+            for tp in up.tensors:
+                if tp.slice.contents == "local_shape":
+                    continue
+                pm = self.meta(tp.src_logical).parts[tp.slice.part]
+                r = self._row_of.get(pm.name)
+                if r is not None:
+                    refs[r.name] += 1
+        with self._lock:
+            self._refs = refs
+
+    def get_parts(self, name: str) -> dict[str, torch.Tensor]:
+        return {k: self.part_tensor(name, k) for k in self.meta(name).parts}
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise NotImplementedError("a planned checkpoint is read by parts (part_tensor)")
+
+    def part_tensor(self, logical: str, part: str) -> torch.Tensor:
+        pm = self.meta(logical).parts[part]
+        if pm.name in self._extra:
+            return self._extra[pm.name]
+        r = self._row_of[pm.name]
+        return self._outputs(r)[pm.name]
+
+    def _outputs(self, r) -> dict[str, torch.Tensor]:
+        from .quant.writer import row_tensors
+
+        p = self.prepared
+        cheap = r.as_stored or (r.kept and not r.encoded and self._stored_plain(r))
+        while True:
+            with self._lock:
+                hit = self._cache.get(r.name)
+                if hit is not None:
+                    self._release(r.name)
+                    return hit
+                ev = self._busy.get(r.name)
+                if ev is None:
+                    ev = self._busy[r.name] = threading.Event()
+                    break
+            ev.wait()  # another unit is producing this row: take its result
+        try:
+            out = row_tensors(p.ckpt, r, p.input_scales, p.shared, p.calibrated)
+        except BaseException:
+            with self._lock:
+                self._busy.pop(r.name).set()
+            raise
+        with self._lock:
+            self.produced += 1
+            if not cheap and self._refs[r.name] > 1:
+                self._cache[r.name] = out
+                self._held += _nbytes(out)
+                self._release(r.name)
+                self._evict()
+            else:
+                self._refs[r.name] -= 1
+            self._busy.pop(r.name).set()
+        return out
+
+    def _stored_plain(self, r) -> bool:
+        main = self.source.meta(r.name).parts.get("weight")
+        return main is not None and main.raw is not None
+
+    def _release(self, name: str) -> None:
+        """One read of a cached row done (lock held); drop it after its last."""
+        self._refs[name] -= 1
+        if self._refs[name] <= 0 and name in self._cache:
+            self._held -= _nbytes(self._cache.pop(name))
+
+    def _evict(self) -> None:
+        while self._held > self.cache_bytes and len(self._cache) > 1:
+            _, out = self._cache.popitem(last=False)
+            self._held -= _nbytes(out)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+
+def _nbytes(out: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in out.values())
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    report: dict
+    passed: bool | None
+    seconds: float
+    units_written: int = 0
+    units_skipped: int = 0
+    verify_report: dict | None = field(default=None, repr=False)
+
+    def summary(self) -> str:
+        return render_summary(self.report)
+
+
+def _resolve_recipe(recipe, overrides) -> Recipe:
+    if isinstance(recipe, Recipe):
+        if overrides:
+            doc = apply_overrides(recipe_to_dict(recipe), overrides, recipe.origin)
+            return parse_recipe(doc, recipe.origin)
+        return recipe
+    if recipe is None:
+        raise ConfigError("convert needs a recipe (--recipe R.yaml or a preset name).")
+    return load_recipe(recipe, overrides)
+
+
+def _check_out_early(out: Path, force: bool) -> None:
+    """OUT refused before hours of calibration, not after (the writer checks again)."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT.")
+    if not out.is_dir() or force:
+        return
+    if (out / MANIFEST).is_file():
+        raise OutputError(
+            f"{out}: already holds a complete stream ({MANIFEST} present); pass --force to "
+            f"replace it, or choose another output directory."
+        )
+    if not (out / JOURNAL).is_dir() and any(out.iterdir()):
+        raise OutputError(
+            f"{out}: exists, is not empty and is not an interrupted k3convert run (no "
+            f"{JOURNAL}/); choose an empty directory or pass --force to replace it."
+        )
+
+
+def _fingerprint(prepared, data_config: dict) -> str:
+    """What a unit's bytes depend on besides its tensor table and the source files: the
+    quantized config (schemes, calibration provenance) and every row's decision."""
+    h = hashlib.sha256(json.dumps(data_config, sort_keys=True, default=str).encode())
+    if prepared is not None:
+        for r in prepared.plan.rows:
+            opts = r.scheme.options() if r.scheme is not None else None
+            h.update(json.dumps([r.name, r.label, opts, str(r.out_dtype)], default=str).encode())
+        for name, t in sorted((prepared.kv_tensors or {}).items()):
+            h.update(name.encode() + t.float().numpy().tobytes())
+        for name, v in sorted((prepared.input_scales or {}).items()):
+            h.update(name.encode() + torch.as_tensor(v).float().numpy().tobytes())
+    return h.hexdigest()
+
+
+class _Display:
+    """One progress line for the whole run: stage, current item, rate, ETA."""
+
+    def __init__(self, enabled: bool, stages: list[str]):
+        self.stages = stages
+        self.bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024,
+                        disable=not enabled, smoothing=0.1, desc="convert")  # fmt: skip
+
+    def stage(self, name: str, total: float = 0, unit: str = "B") -> None:
+        i = self.stages.index(name) + 1
+        self.bar.unit = unit
+        self.bar.unit_scale = unit == "B"
+        self.bar.reset(total=total)
+        self.bar.set_description(f"convert [{i}/{len(self.stages)} {name}]", refresh=True)
+
+    def item(self, text: str) -> None:
+        self.bar.set_postfix_str(text, refresh=False)
+
+    def write(self, line: str) -> None:
+        if self.bar.disable:
+            return
+        self.bar.write(line)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@reports_write_errors
+def convert(
+    *,
+    src=None,
+    out,
+    recipe,
+    overrides=(),
+    keep_intermediate: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    report_html=None,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+    log=None,
+) -> ConvertResult:
+    """Run ``recipe`` (a path, a preset name or a :class:`Recipe`; ``overrides``:
+    ``["layout.tp=8", ...]``) on ``src`` (default: the recipe's ``source.path``) into the
+    stream directory ``out``. keep_intermediate: also write the quantized checkpoint to
+    ``OUT.quantized/``. report_html: write an HTML report there. See the module doc."""
+    t_start = time.perf_counter()
+    times: dict[str, float] = {}
+    r = _resolve_recipe(recipe, overrides)
+    src = src if src is not None else r.source.path
+    if src is None:
+        raise ConfigError(
+            f"{r.origin}: no source: give SRC on the command line or source.path in the recipe."
+        )
+    out = Path(out)
+    group = procs.current()
+    ck = open_checkpoint(src)
+    guard_out(out, [ck.root])
+    calib_dir = out.parent / f"{out.name}.calib"
+    guard_out(calib_dir, [ck.root, out])
+    inter = out.parent / f"{out.name}.quantized" if keep_intermediate else None
+    if inter is not None:
+        guard_out(inter, [ck.root, out])
+    if report_html is not None:
+        guard_out(report_html, [ck.root])
+    mt = ck.config.get("model_type")
+    if r.source.model_type is not None and mt != r.source.model_type:
+        raise ConfigError(
+            f"{r.origin}: source.model_type is '{r.source.model_type}' but {ck.root}/config.json "
+            f"says '{mt}'; this recipe was written for another model (change or drop "
+            f"source.model_type)."
+        )
+    _check_out_early(out, force)
+    stages = [*(["calibrate"] if _needs_data(r) else []), "write",
+              *(["verify"] if r.verify.enabled else [])]  # fmt: skip
+    ui = _Display(progress and group.leader, stages)
+    say = log or ui.write
+    try:
+        # -- 1. plan: every check that needs no tensor data ---------------------------
+        t = time.perf_counter()
+        lay = r.layout
+        layout = lay.layout()
+        placement = dict(
+            compression=r.output.compression,
+            pp_layers=list(lay.pp_layers) or None,
+            redundant_experts=lay.redundant_experts,
+        )
+        load = None if lay.expert_load in (None, CALIBRATION) else lay.expert_load
+        prep = None
+        if r.quantize is not None:
+            from .quant.writer import prepare_quantization
+
+            with _key_path(r, "quantize"):
+                prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
+            data: Checkpoint = PlannedCheckpoint(prep, cache_bytes)
+        else:
+            data = ck
+        with _key_path(r, "layout"):  # raises on a layout the model cannot take
+            build_plan(data, layout, expert_load=load, **placement)
+        vref = _verify_reference(r, ck)
+        times["plan"] = time.perf_counter() - t
+
+        # -- 2. calibrate (and the auto-keep scan) -------------------------------------
+        if r.quantize is not None:
+            t = time.perf_counter()
+            prep = _prepare(r, ck, out, force, calib_dir, group, ui, say)
+            data = PlannedCheckpoint(prep, cache_bytes)
+            if "calibrate" in stages:
+                times["calibrate"] = time.perf_counter() - t
+        if lay.expert_load == CALIBRATION:
+            counts = prep.calibrated.routing_counts if prep.calibrated is not None else {}
+            if not counts:
+                raise ConfigError(
+                    f"{r.origin}: layout.expert_load is 'calibration' but calibration routed "
+                    f"no tokens (the model has no MoE layer the runtime calibrates)."
+                )
+            load = counts
+        plan = build_plan(data, layout, expert_load=load, **placement)
+
+        # -- 3. write the stream ------------------------------------------------------
+        t = time.perf_counter()
+        ui.stage("write")
+        carry = _carry_list(ck, prep)
+        identity = _fingerprint(prep, data.config)
+        res = write_stream(
+            data=data, plan=plan, out=out, source=ck, carry=carry,
+            compress=r.output.compression, workers=r.output.workers, force=force,
+            progress=progress, recipe=recipe_to_dict(r), unit_hash=r.output.unit_hash,
+            identity=identity, bar=ui.bar, group=group, share_by_layer=True,
+            on_unit=lambda up: ui.item(f"rank {up.rank} {up.name}"),
+        )  # fmt: skip
+        times["write"] = time.perf_counter() - t
+        if prep is not None and prep.calibrated is not None and group.leader:
+            prep.calibrated.cleanup()
+        if inter is not None and group.leader and prep is not None:
+            from .quant.writer import write_checkpoint
+
+            write_checkpoint(prep, inter, force=force, progress=False)
+
+        # -- 4. verify and report -------------------------------------------------------
+        vrep = None
+        if r.verify.enabled and group.leader:
+            t = time.perf_counter()
+            ui.stage("verify", total=1, unit="run")
+            ui.item("every rank simulated, vs " + ("transformers" if vref == "transformers"
+                                                   else Path(vref).name))  # fmt: skip
+            vrep = _run_verify(r, out, vref)
+            ui.bar.update(1)
+            times["verify"] = time.perf_counter() - t
+    finally:
+        ui.close()
+    times["total"] = time.perf_counter() - t_start
+    report = _report(r, ck, out, prep, plan, res, times, vrep, group, inter)
+    if group.leader:
+        from .verify.report import write_json
+
+        write_json(report, out / REPORT)
+        if prep is not None and prep.sensitivity is not None:
+            prep.sensitivity.write(out / "sensitivity.json")
+        if report_html is not None:
+            from .report_html import write_html
+
+            write_html(report, vrep, report_html)
+    group.barrier()
+    return ConvertResult(out, report, report["passed"], times["total"], res.units_written,
+                         res.units_skipped, vrep)  # fmt: skip
+
+
+@contextmanager
+def _key_path(r: Recipe, section: str):
+    """A model-dependent check of a recipe section fails naming the section (and the
+    recipe) first: ``R.yaml: layout (tp=3 pp=1 moe_tp=3 moe_ep=1): cannot split ...``."""
+    try:
+        yield
+    except K3Error as e:
+        where = section
+        if section == "layout":
+            lay = r.layout.layout()
+            where = f"layout (tp={lay.tp} pp={lay.pp} moe_tp={lay.moe_tp} moe_ep={lay.moe_ep})"
+        msg = str(e)
+        if msg.startswith(f"{r.origin}: {section}"):
+            raise
+        try:
+            err = type(e)(f"{r.origin}: {where}: {msg}")
+        except TypeError:  # an error class with its own constructor
+            err = ConfigError(f"{r.origin}: {where}: {msg}")
+        err.exit_code = e.exit_code
+        raise err from None
+
+
+def _needs_data(r: Recipe) -> bool:
+    q = r.quantize
+    return q is not None and (q.calibrate is not None or q.auto_keep is not None)
+
+
+def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, say):
+    """The full quantization preparation: process 0 calibrates (the others wait), then
+    the others read the finished journal (every layer done: nothing is recomputed)."""
+    from .quant.writer import prepare_quantization
+
+    def run(log):
+        return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out,
+                                    force=force, log=log)  # fmt: skip
+
+    if not _needs_data(r):
+        return run(None)
+    ui.stage("calibrate", total=0, unit="layer")
+
+    def log(line: str) -> None:
+        ui.bar.update(1)
+        ui.item(line.split(":")[0])
+        if say is not ui.write:
+            say(line)
+
+    err = prep = None
+    if group.leader:
+        try:
+            prep = run(log)
+        except Exception as e:
+            if group.world == 1:
+                raise
+            err = e
+    group.agree(err, "calibrating")
+    if not group.leader:
+        prep = run(None)
+    return prep
+
+
+def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
+    """config.json (the quantized one), the source's aux files, and calibration's
+    routing counts when there are any (auto-keep's sensitivity report, which records
+    its own timing, is written next to the report instead, outside the manifest)."""
+    if prep is None:
+        return carried_files(ck)
+    cfg = (json.dumps(prep.output_config(), indent=2) + "\n").encode()
+    carry: list[tuple[str, Path | bytes]] = [("config.json", cfg)]
+    carry += [(p.name, p) for p in ck.aux_files]
+    cal = prep.calibrated
+    if cal is not None and cal.routing_counts:
+        from .quant.writer import routing_counts_doc
+        from .shard.plan import ROUTING_COUNTS
+
+        doc = routing_counts_doc(cal)
+        carry.append((ROUTING_COUNTS, (json.dumps(doc, indent=1) + "\n").encode()))
+    return carry
+
+
+def _verify_reference(r: Recipe, ck) -> str:
+    v = r.verify
+    if v.reference is None:
+        return str(ck.root)
+    if v.reference == "transformers":
+        return v.reference
+    open_checkpoint(v.reference)  # a bad reference fails before any work
+    return v.reference
+
+
+def _run_verify(r: Recipe, out: Path, ref: str) -> dict:
+    from .verify.run import run_verify
+
+    v = r.verify
+    lay = r.layout
+    return run_verify(
+        candidate=out,
+        reference=ref,
+        data=v.data,
+        random=v.samples,
+        seq_len=v.seq_len,
+        pixel_values=v.pixel_values,
+        decode=v.decode,
+        kv_cache=v.kv_cache,
+        max_kld=v.max_kld,
+        min_top1=v.min_top1,
+        max_rel_err=v.max_rel_err,
+        dtype=v.dtype,
+        redundant_experts=lay.redundant_experts,
+        progress=False,
+        distributed=False,
+    )
+
+
+def _report(r, ck, out, prep, plan, res, times, vrep, group, inter) -> dict:
+    src_bytes = sum(f.size for f in ck.files())
+    rep: dict = {
+        "format": REPORT_FORMAT,
+        "generator": f"k3convert {__version__}",
+        "recipe": r.origin,
+        "description": r.description,
+        "source": str(Path(ck.root).resolve()),
+        "out": str(out.resolve()),
+        "model_type": ck.config.get("model_type"),
+        "layout": {
+            **plan.layout.to_json(),
+            "world": plan.layout.world,
+            "redundant_experts": r.layout.redundant_experts,
+        },
+        "processes": group.world,
+        "sizes": {
+            "source_bytes": src_bytes,
+            "quantized_bytes": prep.plan.totals()[1] if prep is not None else None,
+            "stream_bytes": res.bytes_written,
+            "units": len(plan.units),
+        },
+        "units": {"written": res.units_written, "skipped": res.units_skipped},
+        "seconds": {k: round(v, 3) for k, v in times.items()},
+        "intermediate": str(inter) if inter is not None else None,
+    }
+    if prep is not None:
+        pl = prep.plan
+        rep["quantize"] = {
+            "tensors": len(pl.rows),
+            "quantized": len(pl.quantized),
+            "schemes": sorted(pl.schemes()),
+            "calibration": prep.provenance,
+        }
+    if vrep is not None:
+        rep["verify"] = _verify_summary(vrep)
+        rep["passed"] = bool(vrep.get("passed"))
+    else:
+        rep["verify"] = None
+        rep["passed"] = None
+    return rep
+
+
+def _verify_summary(v: dict) -> dict:
+    keep = ("passed", "failure", "thresholds", "logits", "decode", "candidate_kind",
+            "reference_kind", "seconds", "inputs")  # fmt: skip
+    return {k: v[k] for k in keep if k in v}
+
+
+def render_summary(rep: dict) -> str:
+    """The end-of-run table: sizes in and out, time per stage, verify's parity figures."""
+    from .inspect import human_bytes
+
+    s = rep["sizes"]
+    lay = rep["layout"]
+    lines = [
+        f"convert {rep['source']} -> {rep['out']}  (recipe {rep['recipe']})",
+        f"  layout      tp={lay['tp']} pp={lay['pp']} moe_tp={lay['moe_tp']} "
+        f"moe_ep={lay['moe_ep']} redundant_experts={lay['redundant_experts']}  "
+        f"({lay['world']} ranks, {rep['processes']} process(es))",
+        f"  size        source {human_bytes(s['source_bytes'])}"
+        + (f" -> quantized {human_bytes(s['quantized_bytes'])}" if s["quantized_bytes"] else "")
+        + f" -> stream {human_bytes(s['stream_bytes'])} in {s['units']} units "
+        f"({rep['units']['written']} written, {rep['units']['skipped']} already done)",
+    ]
+    if rep.get("quantize"):
+        q = rep["quantize"]
+        cal = q.get("calibration") or {}
+        lines.append(
+            f"  quantize    {q['quantized']} of {q['tensors']} tensors "
+            f"({', '.join(q['schemes']) or 'none'})"
+            + (f", calibrated ({cal.get('algorithm')})" if cal else "")
+        )
+    secs = rep["seconds"]
+    lines.append("  time        " + "  ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
+    v = rep.get("verify")
+    if v:
+        lg = v.get("logits") or {}
+        th = v.get("thresholds") or {}
+        kld = lg.get("kld") or {}
+
+        def f(x, spec=".3g"):
+            return "-" if x is None else format(x, spec)
+
+        lines.append(
+            f"  verify      {'PASS' if v.get('passed') else 'FAIL'}: KLD mean "
+            f"{f(kld.get('mean'))} (max {f(th.get('max_kld'))}), top-1 "
+            f"{f(lg.get('top1'), '.3f')} (min {f(th.get('min_top1'))}), max rel err "
+            f"{f(lg.get('max_rel_err'))}"
+            + (
+                f", decode {'ok' if v['decode'].get('passed') else 'FAIL'}"
+                if v.get("decode")
+                else ""
+            )
+            + (f"; {v['failure']}" if v.get("failure") else "")
+        )
+    else:
+        lines.append("  verify      skipped (verify.enabled: false)")
+    lines.append(f"  report      {rep['out']}/{REPORT}")
+    return "\n".join(lines)
+
+
+__all__ = ["ConvertResult", "PlannedCheckpoint", "convert", "render_summary"]
+
+
+def check_against(r: Recipe, model) -> str:
+    """Everything ``convert`` checks before any work, against ``model`` (a checkpoint):
+    the quantization plan and every unit of the layout. Reads no weights; returns a
+    one-line description of what would be written."""
+    ck = open_checkpoint(model)
+    mt = ck.config.get("model_type")
+    if r.source.model_type is not None and mt != r.source.model_type:
+        raise ConfigError(
+            f"{r.origin}: source.model_type is '{r.source.model_type}' but {ck.root}/config.json "
+            f"says '{mt}'; this recipe was written for another model."
+        )
+    data: Checkpoint = ck
+    if r.quantize is not None:
+        from .quant.writer import prepare_quantization
+
+        with _key_path(r, "quantize"):
+            prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
+        data = PlannedCheckpoint(prep)
+    lay = r.layout
+    load = None if lay.expert_load in (None, CALIBRATION) else lay.expert_load
+    with _key_path(r, "layout"):
+        plan = build_plan(data, lay.layout(), compression=r.output.compression,
+                          pp_layers=list(lay.pp_layers) or None, expert_load=load,
+                          redundant_experts=lay.redundant_experts)  # fmt: skip
+    total = sum(up.header()[2] for up in plan.units)
+    return (
+        f"{ck.root}: {len(plan.units)} units over {plan.layout.world} ranks, "
+        f"{total / 2**20:.1f} MiB before compression"
+    )

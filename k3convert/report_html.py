@@ -1,0 +1,128 @@
+"""``convert --report-html F``: one self-contained HTML page (no external files, no
+scripts): the run's summary table, the per-stage times and verify's parity figures, with
+verify's plot (per-layer hidden-state error, per-position KLD) embedded as a PNG data URI
+when matplotlib is installed."""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import tempfile
+from pathlib import Path
+
+
+def _rows(rep: dict) -> list[tuple[str, str]]:
+    from .inspect import human_bytes
+
+    s, lay = rep["sizes"], rep["layout"]
+    rows = [
+        ("recipe", rep["recipe"]),
+        ("source", rep["source"]),
+        ("output", rep["out"]),
+        ("model", str(rep.get("model_type"))),
+        (
+            "layout",
+            f"tp={lay['tp']} pp={lay['pp']} moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']} "
+            f"redundant_experts={lay['redundant_experts']} ({lay['world']} ranks)",
+        ),
+        ("processes", str(rep["processes"])),
+        ("source size", human_bytes(s["source_bytes"])),
+    ]
+    if s.get("quantized_bytes"):
+        rows.append(("quantized size", human_bytes(s["quantized_bytes"])))
+    rows.append(("stream size", f"{human_bytes(s['stream_bytes'])} in {s['units']} units"))
+    q = rep.get("quantize")
+    if q:
+        cal = (q.get("calibration") or {}).get("algorithm")
+        rows.append((
+            "quantized tensors",
+            f"{q['quantized']} of {q['tensors']} ({', '.join(q['schemes']) or 'none'})"
+            + (f", calibrated with {cal}" if cal else ""),
+        ))  # fmt: skip
+    for k, v in rep["seconds"].items():
+        rows.append((f"time: {k}", f"{v:.2f} s"))
+    return rows
+
+
+def _verify_rows(v: dict) -> list[tuple[str, str]]:
+    lg = v.get("logits") or {}
+    th = v.get("thresholds") or {}
+    kld = lg.get("kld") or {}
+    rows = [("verdict", "PASS" if v.get("passed") else f"FAIL: {v.get('failure')}")]
+    for k in ("mean", "p99", "max"):
+        rows.append((f"KLD {k}", _num(kld.get(k))))
+    rows += [
+        ("top-1 agreement", _num(lg.get("top1"))),
+        ("max rel err", _num(lg.get("max_rel_err"))),
+        ("cosine", _num(lg.get("cosine"))),
+        (
+            "thresholds",
+            f"{th.get('kind')}: KLD <= {_num(th.get('max_kld'))}, top-1 >= "
+            f"{_num(th.get('min_top1'))}, rel err <= {_num(th.get('max_rel_err'))}",
+        ),
+    ]
+    dec = v.get("decode")
+    if dec:
+        rows.append(
+            ("decode check", "pass" if dec.get("passed") else f"FAIL: {dec.get('failure')}")
+        )
+    return rows
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    body = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows
+    )
+    return f"<table>{body}</table>"
+
+
+def _plot_uri(verify_report: dict | None) -> str | None:
+    if verify_report is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    from .verify.report import plot
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "verify.png"
+        plot(verify_report, p)
+        return "data:image/png;base64," + base64.b64encode(p.read_bytes()).decode()
+
+
+def write_html(report: dict, verify_report: dict | None, path: str | os.PathLike) -> Path:
+    """Write the page (to a temporary name, then renamed); returns its path."""
+    title = f"k3convert convert: {Path(report['source']).name}"
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:60em}"
+        "table{border-collapse:collapse;margin-bottom:1.5em}"
+        "th,td{border:1px solid #ccc;padding:4px 10px;text-align:left}"
+        "th{background:#f4f4f4;font-weight:normal}.pass{color:#070}.fail{color:#a00}</style>",
+        f"</head><body><h1>{html.escape(title)}</h1>",
+    ]
+    passed = report.get("passed")
+    if passed is not None:
+        cls, word = ("pass", "PASS") if passed else ("fail", "FAIL")
+        parts.append(f"<p class='{cls}'><b>verify: {word}</b></p>")
+    parts += ["<h2>Summary</h2>", _table(_rows(report))]
+    if report.get("verify"):
+        parts += ["<h2>Parity</h2>", _table(_verify_rows(report["verify"]))]
+    uri = _plot_uri(verify_report)
+    if uri:
+        parts.append(f"<h2>Verify plots</h2><img alt='verify plots' src='{uri}'>")
+    elif report.get("verify"):
+        parts.append("<p>(plots need matplotlib: <code>pip install matplotlib</code>)</p>")
+    parts.append("</body></html>\n")
+    p = Path(path)
+    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
+    tmp.write_text("".join(parts), encoding="utf-8")
+    os.replace(tmp, p)
+    return p
