@@ -216,22 +216,40 @@ def _resolve_recipe(recipe, overrides) -> Recipe:
     return load_recipe(recipe, overrides)
 
 
-def _check_out_early(out: Path, force: bool) -> None:
-    """OUT refused before hours of calibration, not after (the writer checks again)."""
+def _check_out_early(out: Path, force: bool, r: Recipe, ck) -> dict | None:
+    """OUT refused before hours of calibration, not after (the writer checks again).
+    Returns the manifest of a complete OUT that this very recipe wrote from this source
+    (same resolved recipe, same source files and sizes): it is verified again, not
+    rewritten; None when there is work to do."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT.")
     if not out.is_dir() or force:
-        return
+        return None
     if (out / MANIFEST).is_file():
+        try:
+            man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+            src = man["source"]
+            same = (
+                src.get("recipe") == json.loads(json.dumps(recipe_to_dict(r)))
+                and src.get("path") == str(Path(ck.root).resolve())
+                and [(f["name"], f["bytes"]) for f in src["files"]]
+                == [(str(f.path.relative_to(ck.root)), f.size) for f in ck.files()]
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            same, man = False, None
+        if same:
+            return man
         raise OutputError(
-            f"{out}: already holds a complete stream ({MANIFEST} present); pass --force to "
-            f"replace it, or choose another output directory."
+            f"{out}: already holds a complete stream ({MANIFEST} present) written by another "
+            f"recipe or from another source; pass --force to replace it, or choose another "
+            f"output directory."
         )
     if not (out / JOURNAL).is_dir() and any(out.iterdir()):
         raise OutputError(
             f"{out}: exists, is not empty and is not an interrupted k3convert run (no "
             f"{JOURNAL}/); choose an empty directory or pass --force to replace it."
         )
+    return None
 
 
 def _fingerprint(prepared, data_config: dict) -> str:
@@ -320,7 +338,7 @@ def convert(
             f"says '{mt}'; this recipe was written for another model (change or drop "
             f"source.model_type)."
         )
-    _check_out_early(out, force)
+    done = _check_out_early(out, force, r, ck)
     stages = [*(["calibrate"] if _needs_data(r) else []), "write",
               *(["verify"] if r.verify.enabled else [])]  # fmt: skip
     ui = _Display(progress and group.leader, stages)
@@ -337,6 +355,7 @@ def convert(
         )
         load = None if lay.expert_load in (None, CALIBRATION) else lay.expert_load
         prep = None
+        pending = lay.expert_load == CALIBRATION  # counts come after calibration
         if r.quantize is not None:
             from .quant.writer import prepare_quantization
 
@@ -346,18 +365,22 @@ def convert(
         else:
             data = ck
         with _key_path(r, "layout"):  # raises on a layout the model cannot take
-            build_plan(data, layout, expert_load=load, **placement)
+            build_plan(data, layout, expert_load=_even_load(data) if pending else load,
+                       **placement)  # fmt: skip
         vref = _verify_reference(r, ck)
         times["plan"] = time.perf_counter() - t
 
         # -- 2. calibrate (and the auto-keep scan) -------------------------------------
-        if r.quantize is not None:
+        if done is not None:  # a complete stream of this recipe: verify it again
+            stages = [s for s in stages if s != "calibrate"]
+            ui.stages = stages
+        if r.quantize is not None and done is None:
             t = time.perf_counter()
             prep = _prepare(r, ck, out, force, calib_dir, group, ui, say)
             data = PlannedCheckpoint(prep, cache_bytes)
             if "calibrate" in stages:
                 times["calibrate"] = time.perf_counter() - t
-        if lay.expert_load == CALIBRATION:
+        if lay.expert_load == CALIBRATION and done is None:
             counts = prep.calibrated.routing_counts if prep.calibrated is not None else {}
             if not counts:
                 raise ConfigError(
@@ -365,14 +388,18 @@ def convert(
                     f"no tokens (the model has no MoE layer the runtime calibrates)."
                 )
             load = counts
+        if pending and done is not None:
+            load = _even_load(data)  # (the manifest holds the real placement)
         plan = build_plan(data, layout, expert_load=load, **placement)
 
         # -- 3. write the stream ------------------------------------------------------
         t = time.perf_counter()
         ui.stage("write")
+        if done is not None:
+            say(f"{out}: already a complete stream of this recipe and source; verifying it")
         carry = _carry_list(ck, prep)
         identity = _fingerprint(prep, data.config)
-        res = write_stream(
+        res = _from_manifest(out, done) if done is not None else write_stream(
             data=data, plan=plan, out=out, source=ck, carry=carry,
             compress=r.output.compression, workers=r.output.workers, force=force,
             progress=progress, recipe=recipe_to_dict(r), unit_hash=r.output.unit_hash,
@@ -436,6 +463,24 @@ def _key_path(r: Recipe, section: str):
             err = ConfigError(f"{r.origin}: {where}: {msg}")
         err.exit_code = e.exit_code
         raise err from None
+
+
+def _from_manifest(out: Path, man: dict):
+    from .shard.writer import ShardResult
+
+    units = [u for rk in man["ranks"] for u in rk["units"]]
+    return ShardResult(out, out / MANIFEST, 0, len(units), sum(u["bytes"] for u in units), 0.0)
+
+
+def _even_load(ck) -> dict[int, list[float]]:
+    """Equal routing counts for every MoE layer: the placement planned (and checked)
+    before calibration has measured the real ones."""
+    from .arch import resolve, validate_source
+
+    arch, cfg = resolve(ck.config, f"{ck.root}/config.json")
+    roles = validate_source(arch, cfg, ck, str(ck.root))
+    layers = {m.role.layer for m in roles.values() if m.role.expert is not None}
+    return {L: [1.0] * cfg.num_experts for L in layers}
 
 
 def _needs_data(r: Recipe) -> bool:
@@ -509,7 +554,6 @@ def _run_verify(r: Recipe, out: Path, ref: str) -> dict:
     from .verify.run import run_verify
 
     v = r.verify
-    lay = r.layout
     return run_verify(
         candidate=out,
         reference=ref,
@@ -523,7 +567,6 @@ def _run_verify(r: Recipe, out: Path, ref: str) -> dict:
         min_top1=v.min_top1,
         max_rel_err=v.max_rel_err,
         dtype=v.dtype,
-        redundant_experts=lay.redundant_experts,
         progress=False,
         distributed=False,
     )
@@ -654,6 +697,8 @@ def check_against(r: Recipe, model) -> str:
         data = PlannedCheckpoint(prep)
     lay = r.layout
     load = None if lay.expert_load in (None, CALIBRATION) else lay.expert_load
+    if lay.expert_load == CALIBRATION:
+        load = _even_load(data)
     with _key_path(r, "layout"):
         plan = build_plan(data, lay.layout(), compression=r.output.compression,
                           pp_layers=list(lay.pp_layers) or None, expert_load=load,

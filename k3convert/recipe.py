@@ -756,12 +756,16 @@ def preset_path(name: str) -> Path:
 
 
 def preset_summary(path: Path) -> str:
-    """The first line of a preset's comment header (what it is for)."""
+    """A preset's one-line description (its ``description``, else its first comment)."""
+    try:
+        desc = load_recipe(path).description
+    except ConfigError as e:
+        return f"(invalid: {e})"
+    if desc:
+        return " ".join(desc.split())
     for line in read_recipe_text(path).splitlines():
         if line.startswith("#"):
             return line.lstrip("# ").strip()
-        if line.strip():
-            break
     return ""
 
 

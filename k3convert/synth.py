@@ -242,7 +242,7 @@ def _scale_hybrid(t: dict, o: dict, tiny: bool) -> None:
         lac.update(num_heads=4, head_dim=16)
         if t.get("routed_expert_hidden_size"):
             t["routed_expert_hidden_size"] = 32
-    if o.get("heads") and not tiny:
+    if o.get("heads"):  # KDA heads follow the attention heads (tiny or not)
         lac["num_heads"] = o["heads"]
     for k in ("linear_num_heads", "linear_head_dim"):
         t.pop(k, None)
