@@ -551,13 +551,14 @@ def shard(
 def demo(
     out: Annotated[Path, typer.Option(help="Working directory for the demo.")] = Path("demo-out"),
     family: Annotated[
-        str, typer.Option(help="Preset to rehearse: kimi-k25, kimi-k2, llama3-8b, ...")
-    ] = "kimi-k25",
+        str, typer.Option(help="Preset model to rehearse: kimi-k3, kimi-k25, kimi-k2, ...")
+    ] = "kimi-k3",
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
 ):
-    """Build a tiny model with synth and run every stage on it end to end."""
+    """Synth a tiny model and convert it with the demo recipe (quantize -> shard -> verify)."""
     from .demo import run_demo
 
-    run_demo(out=out, preset=family, echo=typer.echo)
+    run_demo(out=out, preset=family, echo=typer.echo, progress=not no_progress)
 
 
 @app.command()
@@ -651,6 +652,9 @@ def verify(
 from .cli_convert import register as _register_convert  # noqa: E402
 
 _register_convert(app)
+from .cli_plan import register as _register_plan  # noqa: E402
+
+_register_plan(app)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -280,6 +280,7 @@ class _Display:
         self.bar.unit = unit
         self.bar.unit_scale = unit == "B"
         self.bar.reset(total=total)
+        self.bar.set_postfix_str("", refresh=False)
         self.bar.set_description(f"convert [{i}/{len(self.stages)} {name}]", refresh=True)
 
     def item(self, text: str) -> None:

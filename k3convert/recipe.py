@@ -340,7 +340,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
     the module doc), with ``--set KEY=VALUE`` overrides applied first. ``path`` may
     also name a preset of :func:`presets` (``k3k-day0``)."""
     p = Path(path)
-    if not p.exists() and str(path) in presets():
+    if not p.is_file() and str(path) in presets():
         p = presets()[str(path)]
     data = _load_yaml(read_recipe_text(p), str(p))
     data = apply_overrides(data, overrides, str(p))

@@ -268,9 +268,15 @@ def test_cli_version_and_synth(tmp_path):
 
 
 def test_demo_runs(tmp_path):
-    r = _cli("demo", "--out", tmp_path / "demo")
+    """synth a tiny Kimi K3, convert it with the demo preset, print the summary."""
+    r = _cli("demo", "--out", tmp_path / "demo", "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert "routed_experts" in r.stdout and "pack-quantized" in r.stdout
+    assert "kimi_k3" in r.stdout and "verify      PASS" in r.stdout
+    rep = json.loads((tmp_path / "demo" / "stream" / "report.json").read_text())
+    assert rep["passed"] is True and rep["layout"]["world"] == 4
+    assert rep["units"]["written"] == rep["sizes"]["units"] > 0
+    assert "fp8-dynamic" in rep["quantize"]["schemes"]
+    assert (tmp_path / "demo" / "report.html").read_text().startswith("<!doctype html>")
 
 
 def test_inspect_stream_directory(tmp_path, tiny_models):
