@@ -1,0 +1,140 @@
+"""``k3convert plan``: the command line of :mod:`k3convert.memplan` (registered by cli.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .errors import ConfigError, OutputError
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``plan`` command to ``app``."""
+
+    @app.command("plan")
+    def plan(
+        src: Annotated[
+            str | None,
+            typer.Argument(
+                help="config.json, a model directory (its stored tensors when it has "
+                "weights) or a preset (kimi-k3, kimi-k2, kimi-k25, ...); optional with a "
+                "--recipe whose source.path names the model."
+            ),
+        ] = None,
+        recipe: Annotated[
+            Path | None,
+            typer.Option(help="Recipe YAML: its layout and quantize sections are defaults."),
+        ] = None,
+        tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree (default 1).")] = None,
+        pp: Annotated[int | None, typer.Option(help="Pipeline stages (default 1).")] = None,
+        ep: Annotated[
+            int | None, typer.Option(help="Expert-parallel degree, dividing tp (default 1).")
+        ] = None,
+        redundant_experts: Annotated[
+            int | None, typer.Option(help="Extra expert copies per MoE layer (EPLB).")
+        ] = None,
+        pp_layers: Annotated[
+            str | None, typer.Option(help="Explicit layers per stage, e.g. '20,21,20'.")
+        ] = None,
+        expert_load: Annotated[
+            Path | None,
+            typer.Option(help="JSON: layer -> tokens per expert, to place experts as shard."),
+        ] = None,
+        scheme: Annotated[
+            str | None,
+            typer.Option(help="Plan the weights as quantize --scheme NAME would write them."),
+        ] = None,
+        context: Annotated[
+            str,
+            typer.Option(help="Tokens per sequence: 131072, 128k, 1M (k = 1024, M = 1,048,576)."),
+        ] = "131072",
+        batch: Annotated[int, typer.Option(help="Sequences served at once.")] = 1,
+        kv_dtype: Annotated[
+            str, typer.Option(help="KV cache dtype: bf16, fp8, fp16 or fp32.")
+        ] = "bf16",
+        device_mem: Annotated[
+            str | None,
+            typer.Option(help="Memory per device: 141GB (10^9), 140GiB (2^30), 1.5TB, ..."),
+        ] = None,
+        device: Annotated[
+            str | None,
+            typer.Option(
+                help="A device's published memory: h100, h200, b200, mi300x, mi325x, mtt-s5000."
+            ),
+        ] = None,
+        prefill_chunk: Annotated[
+            str, typer.Option(help="Tokens per prefill chunk, for the activation estimate.")
+        ] = "8192",
+        top: Annotated[int, typer.Option(help="Layouts that fit to list.")] = 5,
+        json_out: Annotated[
+            Path | None, typer.Option("--json", help="Write the plan as JSON (bytes) here.")
+        ] = None,
+        plot: Annotated[
+            Path | None, typer.Option(help="Write a PNG of per-rank memory here (matplotlib).")
+        ] = None,
+        fail_if_over: Annotated[
+            bool,
+            typer.Option("--fail-if-over", help="Exit 1 when a rank is over the budget."),
+        ] = False,
+    ):
+        """Memory per rank for a layout and a workload: weights (as shard writes them),
+        KV cache, KDA state, activations (an estimate) against a device's memory; lists
+        the smallest layouts that fit. Exit 0 (over-budget ranks are flagged), 1 with
+        --fail-if-over when one is over, 2 bad input."""
+        from .config_parse import int_list
+        from .memplan import plan_memory, plot_plan
+
+        if fail_if_over and device_mem is None and device is None:
+            raise ConfigError("--fail-if-over needs a budget: give --device-mem or --device.")
+        if plot is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ConfigError(
+                    "--plot needs matplotlib, which is not installed; `pip install "
+                    "matplotlib` (or the project's test extra), or leave --plot out."
+                )
+        for opt, p in (("--json", json_out), ("--plot", plot)):
+            if p is not None and not Path(p).parent.is_dir():
+                raise OutputError(f"{opt} {p}: the directory {Path(p).parent} does not exist.")
+        res = plan_memory(
+            src=src,
+            recipe=recipe,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            redundant_experts=redundant_experts,
+            pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
+            expert_load=expert_load,
+            scheme=scheme,
+            context=context,
+            batch=batch,
+            kv_dtype=kv_dtype,
+            prefill_chunk=prefill_chunk,
+            device_mem=device_mem,
+            device=device,
+            top=top,
+        )
+        typer.echo(res.table())
+        if json_out is not None:
+            tmp = Path(f"{json_out}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(res.to_json(), indent=2) + "\n")
+                os.replace(tmp, json_out)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise OutputError(f"--json {json_out}: cannot write ({e.strerror or e}).") from e
+            typer.echo(f"plan written to {json_out}")
+        if plot is not None:
+            typer.echo(f"chart written to {plot_plan(res, plot)}")
+        if fail_if_over and res.over:
+            typer.echo(
+                f"FAIL: {len(res.over)} rank(s) over the {res.device} budget "
+                f"(ranks {res.over[:8]}{'...' if len(res.over) > 8 else ''})",
+                err=True,
+            )
+            raise typer.Exit(1)
