@@ -500,10 +500,13 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
 
     if not _needs_data(r):
         return run(None)
-    ui.stage("calibrate", total=0, unit="layer")
+    from .arch import resolve
+
+    ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
 
     def log(line: str) -> None:
-        ui.bar.update(1)
+        if line.startswith("calibrated layer"):
+            ui.bar.update(1)
         ui.item(line.split(":")[0])
         if say is not ui.write:
             say(line)
@@ -606,6 +609,8 @@ def _report(r, ck, out, prep, plan, res, times, vrep, group, inter) -> dict:
             "quantized": len(pl.quantized),
             "schemes": sorted(pl.schemes()),
             "calibration": prep.provenance,
+            # layers a rerun took from the calibration journal instead of recomputing
+            "calibration_layers_resumed": getattr(prep.calibrated, "resumed_from", None),
         }
     if vrep is not None:
         rep["verify"] = _verify_summary(vrep)

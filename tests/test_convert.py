@@ -1,0 +1,255 @@
+"""``convert``: one streaming pass equals quantize + shard byte for byte; resumable.
+
+The reference for "the same output" is what the two separate, already-tested stages
+write: ``quantize`` to a compressed-tensors checkpoint, then ``shard`` of that checkpoint.
+convert never writes that checkpoint, so equal units prove its on-demand quantization
+(the planned checkpoint) produces exactly quantize's tensors, split exactly as shard
+splits them. Interruptions are real exceptions raised from inside the unit writer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import k3convert.shard.writer as shard_writer
+from k3convert.convert import PlannedCheckpoint, convert
+from k3convert.quant import quantize
+from k3convert.recipe import parse_recipe
+from k3convert.shard import shard
+from k3convert.synth import synthesize
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RECIPE = {
+    "description": "int4 experts, fp8 attention",
+    "quantize": {
+        "rules": [
+            {"roles": ["experts"], "scheme": "w4a16", "options": {"group_size": 32}},
+            {"roles": ["attention"], "scheme": "fp8-dynamic"},
+            {"roles": ["shared_experts", "dense_mlp"], "scheme": "int8-g32"},
+        ]
+    },
+    "layout": {"tp": 2, "pp": 2, "moe_ep": 2},
+    "output": {"compression": "zstd"},
+    "verify": {"samples": 2, "seq_len": 16, "decode": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def k25(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("k25") / "m"
+    synthesize(config="kimi-k25", out=d, tiny=True, seed=1)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ids_file(tmp_path_factory) -> Path:
+    """Pre-tokenized calibration rows (the tiny synth models have no tokenizer)."""
+    p = tmp_path_factory.mktemp("ids") / "ids.jsonl"
+    rng = random.Random(0)
+    p.write_text(
+        "".join(
+            json.dumps({"input_ids": [rng.randrange(1, 250) for _ in range(48)]}) + "\n"
+            for _ in range(8)
+        )
+    )
+    return p
+
+
+def _files(d: Path, skip=("report.json",)) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(d)): p.read_bytes()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
+
+
+def _two_step(src: Path, tmp: Path, recipe: dict) -> Path:
+    q, s = tmp / "q", tmp / "s"
+    quantize(src=src, out=q, recipe=parse_recipe(recipe), progress=False)
+    lay = recipe["layout"]
+    shard(src=q, out=s, tp=lay["tp"], pp=lay.get("pp", 1), ep=lay.get("moe_ep", 1),
+          compress=recipe["output"]["compression"], progress=False)  # fmt: skip
+    return s
+
+
+def test_convert_equals_quantize_then_shard(k25, tmp_path):
+    out = tmp_path / "c"
+    res = convert(src=k25, out=out, recipe=parse_recipe(RECIPE), progress=False)
+    assert res.passed is True
+    ref = _two_step(k25, tmp_path, RECIPE)
+    got, want = _files(out), _files(ref)
+    # every unit and the carried config.json byte for byte; the manifest's rank tables
+    units = [k for k in want if k.startswith("rank")]
+    assert len(units) == 12 and all(got[k] == want[k] for k in units)
+    assert got["config.json"] == want["config.json"]
+    mg, mw = json.loads(got["manifest.json"]), json.loads(want["manifest.json"])
+    assert mg["ranks"] == mw["ranks"] and mg["layout"] == mw["layout"]
+    # the manifest records the original source (not an intermediate) and the recipe
+    assert mg["source"]["path"] == str(k25.resolve())
+    assert mg["source"]["recipe"]["layout"]["tp"] == 2
+    assert not (tmp_path / "c.quantized").exists() and not (tmp_path / "c.calib").exists()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["passed"] is True and rep["units"]["written"] == 12
+    assert rep["sizes"]["source_bytes"] > rep["sizes"]["quantized_bytes"] > 0
+    assert set(rep["seconds"]) >= {"plan", "write", "verify", "total"}
+    assert rep["verify"]["logits"]["kld"]["mean"] < 0.05
+
+
+def test_cache_eviction_recomputes_the_same_bytes(k25, tmp_path):
+    """With no cache budget a TP-split tensor is quantized again for every reader: more
+    work, the same bytes."""
+    recipe = parse_recipe({**RECIPE, "verify": {"enabled": False}})
+    a = convert(src=k25, out=tmp_path / "a", recipe=recipe, progress=False)
+    seen = {}
+    orig = PlannedCheckpoint.__init__
+
+    def spy(self, prepared, cache_bytes=0):
+        orig(self, prepared, 0)
+        seen["ck"] = self
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(PlannedCheckpoint, "__init__", spy)
+    try:
+        convert(src=k25, out=tmp_path / "b", recipe=recipe, progress=False)
+    finally:
+        mp.undo()
+    assert a.passed is None
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    ck = seen["ck"]
+    rows = len([r for r in ck.prepared.plan.rows if not r.kept and not r.as_stored])
+    assert ck.produced > rows  # recomputed for later readers
+    assert ck.held_bytes == 0  # nothing left behind
+
+
+class _Stop(Exception):
+    pass
+
+
+def _interrupt_after(monkeypatch, n: int) -> list:
+    """Make the unit writer raise after ``n`` units (the way a kill stops a run: the
+    units written so far are on disk with their journal entries, nothing else)."""
+    done: list = []
+    started = [0]
+    lock = threading.Lock()
+    real = shard_writer.write_unit
+
+    def write_unit(*a, **kw):
+        with lock:  # units are written on several threads
+            if started[0] >= n:
+                raise _Stop(f"interrupted after {n} units")
+            started[0] += 1
+        rec = real(*a, **kw)
+        done.append(a[1].file)
+        return rec
+
+    monkeypatch.setattr(shard_writer, "write_unit", write_unit)
+    return done
+
+
+def test_interrupted_convert_resumes_to_identical_output(k25, tmp_path, monkeypatch):
+    recipe = parse_recipe(RECIPE)
+    full = tmp_path / "full"
+    convert(src=k25, out=full, recipe=recipe, progress=False)
+    out = tmp_path / "out"
+    done = _interrupt_after(monkeypatch, 5)
+    with pytest.raises(_Stop):
+        convert(src=k25, out=out, recipe=recipe, progress=False)
+    assert len(done) == 5 and not (out / "manifest.json").exists()
+    monkeypatch.undo()
+    res = convert(src=k25, out=out, recipe=recipe, progress=False)
+    assert res.units_skipped == 5 and res.units_written == 7
+    assert _files(out) == _files(full)
+    # a complete OUT of the same recipe is verified again, not rewritten
+    again = convert(src=k25, out=out, recipe=recipe, progress=False)
+    assert again.units_written == 0 and again.passed is True
+    assert _files(out) == _files(full)
+
+
+def test_calibrated_convert_resumes_without_recalibrating(k25, ids_file, tmp_path, monkeypatch):
+    doc = {
+        **RECIPE,
+        "quantize": {
+            **RECIPE["quantize"],
+            "calibrate": {
+                "algorithm": "gptq",
+                "dataset": str(ids_file),
+                "num_samples": 8,
+                "seq_len": 32,
+                "batch_size": 4,
+            },
+        },
+        "layout": {"tp": 2, "moe_ep": 2, "redundant_experts": 2, "expert_load": "calibration"},
+    }
+    recipe = parse_recipe(doc)
+    full = tmp_path / "full"
+    first = convert(src=k25, out=full, recipe=recipe, progress=False)
+    assert first.passed is True
+    cal = first.report["quantize"]["calibration"]
+    assert cal["algorithm"] == "gptq"
+    assert first.report["quantize"]["calibration_layers_resumed"] == 0
+    man = json.loads((full / "manifest.json").read_text())
+    assert any(f["name"] == "routing_counts.json" for f in man["files"])
+    out = tmp_path / "out"
+    _interrupt_after(monkeypatch, 3)
+    with pytest.raises(_Stop):
+        convert(src=k25, out=out, recipe=recipe, progress=False)
+    assert (tmp_path / "out.calib").is_dir()  # the journal survives the interruption
+    monkeypatch.undo()
+    res = convert(src=k25, out=out, recipe=recipe, progress=False)
+    layers = json.loads((k25 / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert res.report["quantize"]["calibration_layers_resumed"] == layers
+    assert res.units_skipped == 3
+    assert _files(out) == _files(full)
+    assert not (tmp_path / "out.calib").exists()  # removed once the stream is complete
+
+
+def test_keep_intermediate_writes_quantize_output(k25, tmp_path):
+    recipe = parse_recipe({**RECIPE, "verify": {"enabled": False}})
+    convert(src=k25, out=tmp_path / "c", recipe=recipe, keep_intermediate=True,
+            progress=False, report_html=tmp_path / "r.html")  # fmt: skip
+    q = tmp_path / "q"
+    quantize(src=k25, out=q, recipe=recipe, progress=False)
+    inter = tmp_path / "c.quantized"
+    assert _files(inter) == _files(q)
+    html = (tmp_path / "r.html").read_text()
+    assert html.startswith("<!doctype html>") and "stream size" in html
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "k3convert", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, timeout=600,
+    )  # fmt: skip
+
+
+def test_cli_convert_exit_codes(k25, tmp_path):
+    import yaml
+
+    rp = tmp_path / "r.yaml"
+    rp.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "c"
+    # verify below its threshold: exit 1, the stream is still written and reported
+    r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "verify.max_kld=0",
+             "--set", "verify.min_top1=1.0")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "verify      FAIL" in r.stdout and (out / "manifest.json").is_file()
+    assert json.loads((out / "report.json").read_text())["passed"] is False
+    # another recipe over a complete OUT: refused before any work
+    r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "output.compression=none")
+    assert r.returncode == 2 and "written by another recipe" in r.stderr
+    assert "Traceback" not in r.stderr
+    # a bad override: exit 2, key path, nothing created
+    r = _cli("convert", k25, tmp_path / "d", "-r", rp, "--set", "layout.tq=2")
+    assert r.returncode == 2 and "layout.tq" in r.stderr and "did you mean 'tp'" in r.stderr
+    assert not (tmp_path / "d").exists()
+    # OUT inside the source is refused
+    r = _cli("convert", k25, k25 / "x", "-r", rp)
+    assert r.returncode == 2 and not (k25 / "x").exists()
