@@ -976,9 +976,15 @@ class MemoryPlan:
 
 
 def _gib(n: int | None) -> str:
+    """Bytes in the largest binary unit that keeps them >= 1 (two decimals)."""
     if n is None:
         return "-"
-    return f"{n / 2**30:.2f} GiB"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    return f"{x:.2f} TiB"
 
 
 def _render(headers: list[str], rows: list[list[str]]) -> str:
@@ -1276,7 +1282,10 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
     out = Path(path)
     if not out.parent.is_dir():
         raise ConfigError(f"--plot {out}: the directory {out.parent} does not exist.")
-    gib = 2**30
+    top = max([r.total for r in plan.ranks] + [plan.budget or 0])
+    unit, gib = next(
+        (u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= b
+    )
     ranks = [r.rank for r in plan.ranks]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.35 * len(ranks) + 4), 4.5))
     bottom = [0.0] * len(ranks)
@@ -1306,7 +1315,7 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
             color="black",
             linestyle="--",
             linewidth=1,
-            label=f"budget {plan.budget / gib:.1f} GiB",
+            label=f"budget {plan.budget / gib:.1f} {unit}",
         )
     lay = plan.layout
     ax.set_title(
@@ -1314,10 +1323,11 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
         f"context {plan.workload.context:,} x batch {plan.workload.batch}"
     )
     ax.set_xlabel("rank")
-    ax.set_ylabel("GiB")
+    ax.set_ylabel(unit)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    if plan.budget is not None:
-        for lbl, r in zip(ax.get_xticklabels(), plan.ranks, strict=False):
+    ax.set_xticks(ranks, [str(r) for r in ranks], fontsize=8 if len(ranks) <= 32 else 5)
+    if plan.budget is not None:  # ranks over budget: red labels
+        for lbl, r in zip(ax.get_xticklabels(), plan.ranks, strict=True):
             if r.total > plan.budget:
                 lbl.set_color("red")
     fig.tight_layout()
