@@ -285,7 +285,7 @@ def _build(cls, data: Any, path: str, src: str):
     for key, value in data.items():
         kp = f"{path}.{_key_text(key)}" if path else _key_text(key)
         if key not in valid:
-            close = difflib.get_close_matches(_key_text(key), valid, n=1)
+            close = difflib.get_close_matches(_key_text(key), valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(
                 f"{src}: unknown key '{kp}'{hint} Valid keys at '{where}': {', '.join(valid)}."
