@@ -288,7 +288,7 @@ def test_search_lists_layouts_that_fit_by_device_count(tiny):
 
 
 # -- recipe ----------------------------------------------------------------------------------
-def test_recipe_layout_and_quantize_are_defaults(tiny, tmp_path):
+def test_recipe_layout_and_quantize_are_defaults(tiny, tmp_path, capsys):
     r = tmp_path / "r.yaml"
     r.write_text(
         f"source: {{path: {tiny['kimi-k25']}}}\nlayout: {{tp: 2, pp: 2, moe_ep: 2}}\n" + MIXED
@@ -302,6 +302,8 @@ def test_recipe_layout_and_quantize_are_defaults(tiny, tmp_path):
     assert p1.layout.world == 1 and p1.ranks[0].weights == sum(
         ck.meta(n).nbytes for n in ck.names()
     )
+    rc, out, err = _run(capsys, "plan", "--recipe", r, "--device", "h100")  # no SRC
+    assert rc == 0 and "tp 2 x pp 2 = 4 rank(s)" in out and "recipe" in out, err
     with pytest.raises(ConfigError, match="model_type"):
         r.write_text(f"source: {{path: {tiny['kimi-k25']}, model_type: llama}}\n")
         plan_memory(recipe=r, search=False)
@@ -367,6 +369,8 @@ def test_cli_missing_source_and_matplotlib(tiny, capsys, monkeypatch, tmp_path):
     assert rc == 2 and "give SRC" in err and err.count("\n") == 1
     rc, _, err = _run(capsys, "plan", tmp_path / "nothing-here")
     assert rc == 2 and "neither" in err
+    rc, _, err = _run(capsys, "plan", tiny["kimi-k25.stream"])
+    assert rc == 2 and "stream directory" in err and err.count("\n") == 1
     import importlib.util
 
     real = importlib.util.find_spec
