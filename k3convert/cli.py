@@ -430,6 +430,8 @@ def quantize(
         plot=plot,
         sensitivity_data=scan_data,
     )
+    if not _leader():  # under torchrun process 0 reports for the job
+        return
     if dry_run:
         typer.echo(res.table(collapse=not full_table))
     if res.sensitivity is not None:
@@ -463,6 +465,12 @@ def quantize(
             f"(shard --expert-load; picked up by shard --redundant-experts)"
         )
     typer.echo(res.summary())
+
+
+def _leader() -> bool:
+    from .parallel import procs
+
+    return procs.current().leader
 
 
 @app.command()
@@ -538,6 +546,8 @@ def shard(
         redundant_experts=redundant_experts,
         progress=True,
     )
+    if not _leader():  # under torchrun process 0 reports for the job
+        return
     if res.expert_load_from is not None:
         typer.echo(f"expert load: {res.expert_load_from} (routing counts from calibration)")
     typer.echo(

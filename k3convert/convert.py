@@ -29,8 +29,10 @@ An interrupted run is resumed by running the same command again: the stream it w
 
 Under ``torchrun`` the processes share the work of step 3 (whole layers to processes,
 balanced by bytes, so a TP-split tensor is quantized by one process only); step 2 runs on
-process 0 while the others wait, then every process reads its layers' calibrated weights
-from the journal; process 0 alone commits the manifest and runs verify.
+process 0 while the others wait, then they receive its result (the plan, the scales, the
+journal's path) and read their layers' calibrated weights from the journal (OUT's parent
+must be on a file system every process sees); process 0 alone commits the manifest and
+runs verify.
 """
 
 from __future__ import annotations
@@ -490,19 +492,10 @@ def _needs_data(r: Recipe) -> bool:
 
 
 def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, say):
-    """The full quantization preparation: process 0 calibrates (the others wait), then
-    the others read the finished journal (every layer done: nothing is recomputed)."""
-    from .quant.writer import prepare_quantization
-
-    def run(log):
-        return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out,
-                                    force=force, log=log)  # fmt: skip
-
-    if not _needs_data(r):
-        return run(None)
+    """The full quantization preparation (auto-keep scan, calibration), on process 0;
+    the other processes get its result (:func:`k3convert.quant.writer.prepare_on_leader`)."""
     from .arch import resolve
-
-    ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
+    from .quant.writer import prepare_on_leader, prepare_quantization
 
     def log(line: str) -> None:
         if line.startswith("calibrated layer"):
@@ -511,18 +504,14 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
         if say is not ui.write:
             say(line)
 
-    err = prep = None
-    if group.leader:
-        try:
-            prep = run(log)
-        except Exception as e:
-            if group.world == 1:
-                raise
-            err = e
-    group.agree(err, "calibrating")
-    if not group.leader:
-        prep = run(None)
-    return prep
+    if _needs_data(r):
+        ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
+
+    def prepare():
+        return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out,
+                                    force=force, log=log if _needs_data(r) else None)  # fmt: skip
+
+    return prepare_on_leader(group, prepare, lambda: ck)
 
 
 def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:

@@ -475,15 +475,23 @@ def quantize(
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
     out = Path(out)
-    p = prepare_quantization(
-        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
-        kept_as_stored=kept_as_stored, input_scales=input_scales, calibrate=calibrate,
-        algorithm=algorithm, log=log, auto_keep=auto_keep, auto_keep_scheme=auto_keep_scheme,
-        sensitivity=sensitivity, plot=plot, sensitivity_data=sensitivity_data, workers=workers,
-        dry_run=dry_run,
-        check_out=lambda need, root: check_output(out, force=force, need_bytes=need, source=root),
-        journal=None, out=out, force=force,
-    )  # fmt: skip
+    from ..parallel import procs
+
+    group = procs.current()
+
+    def prepare():
+        return prepare_quantization(
+            src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
+            kept_as_stored=kept_as_stored, input_scales=input_scales, calibrate=calibrate,
+            algorithm=algorithm, log=log, auto_keep=auto_keep,
+            auto_keep_scheme=auto_keep_scheme, sensitivity=sensitivity, plot=plot,
+            sensitivity_data=sensitivity_data, workers=workers, dry_run=dry_run,
+            check_out=lambda need, root: check_output(out, force=force, need_bytes=need,
+                                                      source=root),
+            journal=None, out=out, force=force,
+        )  # fmt: skip
+
+    p = prepare_on_leader(group, prepare, lambda: open_checkpoint(src))
     plan, sens, sel = p.plan, p.sensitivity, p.selection
     if dry_run:
         if sens is not None and p.plot is not None:
@@ -491,10 +499,11 @@ def quantize(
         return QuantizeResult(None, plan, True, sensitivity=sens, selection=sel)
     calibrated = p.calibrated
     nfiles, routing = write_checkpoint(p, out, force=force, progress=progress,
-                                       shard_size=shard_size, workers=workers)  # fmt: skip
-    if calibrated is not None:
+                                       shard_size=shard_size, workers=workers,
+                                       group=group)  # fmt: skip
+    if calibrated is not None and group.leader:
         calibrated.cleanup()
-    if sens is not None and p.plot is not None:
+    if sens is not None and p.plot is not None and group.leader:
         sens.plot(p.plot)
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
                           out / routing if routing else None, sens, sel)  # fmt: skip
@@ -502,23 +511,70 @@ def quantize(
 
 def write_checkpoint(
     p: Prepared, out: Path, *, force: bool = False, progress: bool = True,
-    shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None, group=None,
 ) -> tuple[int, str | None]:  # fmt: skip
     """Write the prepared quantization as a compressed-tensors directory ``out`` (staged,
-    renamed when complete); (files written, the routing counts file name or None)."""
+    renamed when complete); (files written, the routing counts file name or None).
+    group: the torchrun job (default: a group of one): process 0 stages the directory,
+    every process writes its share of the files, process 0 writes the rest and renames."""
+    from contextlib import ExitStack
+
+    from ..parallel import procs
+
+    group = group if group is not None else procs.ProcessGroup()
     ckpt, plan = p.ckpt, p.plan
     workers = workers or default_workers()
     need = plan.totals()[1] + sum(f.stat().st_size for f in ckpt.aux_files)
-    with staged_output(Path(out), force=force, need_bytes=need, source=ckpt.root) as tmp:
+    with ExitStack() as stack:
+        tmp = err = None
+        if group.leader:
+            try:
+                tmp = stack.enter_context(
+                    staged_output(Path(out), force=force, need_bytes=need, source=ckpt.root)
+                )
+            except Exception as e:
+                if group.world == 1:
+                    raise
+                err = e
+        group.agree(err, f"preparing {out}")
+        tmp = group.share(tmp)
         nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, p.input_scales,
-                        p.shared, p.calibrated, p.kv_tensors)  # fmt: skip
-        for f in ckpt.aux_files:
-            shutil.copy2(f, tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(p.output_config(), indent=2) + "\n")
-        if p.selection is not None:
-            p.sensitivity.write(tmp / "sensitivity.json")
-        routing = _write_routing_counts(tmp, p.calibrated)
-    return nfiles, routing
+                        p.shared, p.calibrated, p.kv_tensors, group)  # fmt: skip
+        routing = None
+        if group.leader:
+            try:
+                for f in ckpt.aux_files:
+                    shutil.copy2(f, tmp / f.name)
+                cfg = json.dumps(p.output_config(), indent=2) + "\n"
+                (tmp / "config.json").write_text(cfg)
+                if p.selection is not None:
+                    p.sensitivity.write(tmp / "sensitivity.json")
+                routing = _write_routing_counts(tmp, p.calibrated)
+            except Exception as e:
+                if group.world == 1:
+                    raise
+                err = e
+    group.agree(err, f"committing {out}")
+    return nfiles, group.share(routing)
+
+
+def prepare_on_leader(group, prepare, reopen) -> Prepared:
+    """``prepare()`` (the scan, the calibration) run by process 0 alone; the others get
+    its result (the plan, the scales, the journal's path: small) instead of redoing it.
+    reopen(): this process's own opened source, attached to the shared result."""
+    if group.world == 1:
+        return prepare()
+    err = prep = None
+    if group.leader:
+        try:
+            prep = prepare()
+        except Exception as e:
+            err = e
+    group.agree(err, "preparing the quantization (calibration / sensitivity scan)")
+    shared = group.share(None if prep is None else dataclasses.replace(prep, ckpt=None))
+    if group.leader:
+        return prep
+    return dataclasses.replace(shared, ckpt=reopen())
 
 
 @dataclass
@@ -938,36 +994,51 @@ def default_workers() -> int:
 
 def _write(
     ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales, shared=None,
-    calibrated=None, extra: Mapping[str, torch.Tensor] | None = None,
+    calibrated=None, extra: Mapping[str, torch.Tensor] | None = None, group=None,
 ) -> int:  # fmt: skip
     """Write the plan's rows in shard files (and ``extra`` tensors, the calibrated
-    KV-cache scales, in a last file of their own); returns the number of files."""
+    KV-cache scales, in a last file of their own); returns the number of files. group:
+    the torchrun job; each process writes its share of the files (balanced by bytes) and
+    process 0 the KV file and the index, after :meth:`ProcessGroup.agree`."""
+    from ..parallel import procs
+
+    group = group if group is not None else procs.ProcessGroup()
     shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
     names = shard_names(len(shards) + (1 if extra else 0))
+    files = list(zip(names, shards, strict=False))
+    mine = procs.balance(files, lambda f: sum(r.out_bytes for r in f[1]), group.world)[group.rank]
     weight_map: dict[str, str] = {}
     total = 0
+    for fname, rows in files:
+        for name, dt, shape in (e for r in rows for e in _entries(r)):
+            weight_map[name] = fname
+            total += math.prod(shape) * dt.itemsize
     bar = tqdm(
-        total=plan.totals()[0],
+        total=sum(r.src_bytes for _, rows in mine for r in rows),
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
         desc=f"quantize {Path(ckpt.root).name}",
-        disable=not progress,
+        disable=not progress or not group.leader,
     )
+    err = None
     try:
         with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
-            for i, rows in enumerate(shards):
-                fname = names[i]
+            for fname, rows in mine:
                 entries = [e for r in rows for e in _entries(r)]
                 with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
                     job = lambda r: _job(ckpt, r, w, input_scales, shared or {}, calibrated)  # noqa: E731
                     for r in _unordered(job, rows, workers):
                         bar.update(r.src_bytes)
-                for name, dt, shape in entries:
-                    weight_map[name] = fname
-                    total += math.prod(shape) * dt.itemsize
+    except Exception as e:
+        if group.world == 1:
+            raise
+        err = e
     finally:
         bar.close()
+    group.agree(err, f"writing its files of {tmp}")
+    if not group.leader:
+        return len(names)
     if extra:
         save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / names[-1]),
                   metadata={"format": "pt"})  # fmt: skip
