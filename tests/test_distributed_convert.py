@@ -1,0 +1,359 @@
+"""Conversion under torchrun (2 CPU processes, gloo) against the same conversion in one
+process: ``shard`` and ``convert`` (plain recipe, and GPTQ calibration) write the same
+bytes, file for file; a process that dies mid-unit fails the job without a manifest, and
+the rerun resumes from the journal to the same bytes; ``procs.balance`` is LPT.
+
+Starting torchrun costs more than a tiny conversion (three interpreters importing torch
+on two shared cores), so the three clean jobs run in one torchrun job
+(tests/dist_jobs.py: the CLI's commands one after another); the rerun after the crash is
+the plain ``python -m torch.distributed.run -m k3convert shard`` command line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from k3convert.checkpoint import open_checkpoint
+from k3convert.convert import convert
+from k3convert.parallel.procs import ProcessGroup, balance
+from k3convert.shard import shard
+from k3convert.shard.layout import Layout
+from k3convert.shard.plan import build_plan
+from k3convert.shard.unit_io import journal_path
+from k3convert.shard.writer import _my_units
+from k3convert.stream.format import JOURNAL, MANIFEST
+from k3convert.synth import synthesize
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TESTS = Path(__file__).resolve().parent
+DEMO = TESTS.parent / "recipes" / "demo.yaml"
+SHARD_ARGS = ["--tp", "2", "--pp", "2", "--ep", "2", "--compress", "zstd"]
+AUX = {"tiktoken.model": b"carried tokenizer bytes\n", "tokenizer_config.json": b'{"a": 1}\n'}
+#: a GPTQ recipe for the tiny DeepSeek-V3 (MLA's kv_b_proj input, 16, is below int4-g32's
+#: group: attention stays as released); loose verify thresholds: this file is about the two
+#: runs being identical, parity itself is tests/test_verify.py's
+GPTQ_RECIPE = """\
+version: 1
+description: dist test - GPTQ int4-g32 MLPs and experts on pre-tokenized ids, tp2 pp2 ep2
+source: {model_type: deepseek_v3}
+quantize:
+  rules:
+    - roles: [experts, shared_experts, dense_mlp]
+      scheme: int4-g32
+  calibrate: {algorithm: gptq, dataset: ids.jsonl, num_samples: 8, seq_len: 32}
+layout: {tp: 2, pp: 2, moe_ep: 2}
+output: {compression: zstd}
+verify: {samples: 2, seq_len: 16, decode: 2, min_top1: 0.5, max_kld: 0.5}
+"""
+
+
+def _dist_ok() -> tuple[bool, str]:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False, "torch.distributed is not available in this torch build"
+    if not dist.is_gloo_available():
+        return False, "torch.distributed has no gloo backend (CPU collectives)"
+    return True, ""
+
+
+_OK, _WHY = _dist_ok()
+needs_gloo = pytest.mark.skipif(not _OK, reason=_WHY)
+
+
+class _Torchrun:
+    """``python -m torch.distributed.run --standalone --nproc-per-node 2 ARGS``, started in
+    the background (its output to files, so nothing blocks on a full pipe)."""
+
+    def __init__(self, args: list, log: Path):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", *map(str, args)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        self.log = log
+        self.t0 = time.perf_counter()
+        with open(f"{log}.out", "w") as fo, open(f"{log}.err", "w") as fe:
+            self.p = subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe,
+                                      start_new_session=True)  # fmt: skip
+        self.seconds: float | None = None
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        self.p.wait()
+        self.seconds = time.perf_counter() - self.t0
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr); fails the test, after killing torchrun and its
+        workers, when the job runs past ``timeout`` seconds from its start."""
+        left = timeout - (time.perf_counter() - self.t0)
+        try:
+            rc = self.p.wait(timeout=max(left, 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)  # torchrun and its workers: our session
+            self.p.wait()
+            rc = None
+        out = Path(f"{self.log}.out").read_text(errors="replace")
+        err = Path(f"{self.log}.err").read_text(errors="replace")
+        if rc is None:
+            pytest.fail(f"torchrun ran past {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
+        return rc, out, err
+
+
+def _torchrun(args: list, log: Path, timeout: float) -> tuple[int, str, str]:
+    return _Torchrun(args, log).wait(timeout)
+
+
+def _files(root: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """Every file under ``root`` (hidden ones too), relative path -> bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and str(p.relative_to(root)) not in skip
+    }
+
+
+def _assert_same_tree(a: Path, b: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    fa, fb = _files(a, skip), _files(b, skip)
+    assert sorted(fa) == sorted(fb), (
+        f"only in {a.name}: {sorted(set(fa) - set(fb))}; only in {b.name}: "
+        f"{sorted(set(fb) - set(fa))}"
+    )
+    differ = [n for n in fa if fa[n] != fb[n]]
+    assert differ == [], f"files whose bytes differ: {differ}"
+    return fa
+
+
+@pytest.fixture(scope="module")
+def srcs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny sources: kimi-k25 in 5 weight files with two tokenizer files to carry, kimi-k3,
+    deepseek-v3; pre-tokenized calibration ids and the GPTQ recipe next to them."""
+    root = tmp_path_factory.mktemp("dist_src")
+    k25 = root / "kimi-k25"
+    synthesize(config="kimi-k25", out=k25, tiny=True, shard_mb=0.1)
+    for name, data in AUX.items():
+        (k25 / name).write_bytes(data)
+    synthesize(config="kimi-k3", out=root / "kimi-k3", tiny=True)
+    synthesize(config="deepseek-v3", out=root / "deepseek-v3", tiny=True)
+    rng = random.Random(0)
+    with open(root / "ids.jsonl", "w", encoding="utf-8") as fh:
+        for _ in range(8):
+            fh.write(json.dumps({"input_ids": [rng.randrange(2, 256) for _ in range(40)]}) + "\n")
+    (root / "gptq.yaml").write_text(GPTQ_RECIPE, encoding="utf-8")
+    return {"root": root, "k25": k25, "k3": root / "kimi-k3", "ds": root / "deepseek-v3",
+            "gptq": root / "gptq.yaml"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(srcs) -> dict:
+    """Both torchrun jobs, started at once (most of a tiny job's time is three interpreters
+    importing torch and waiting on each other): the three clean jobs in one
+    (tests/dist_jobs.py: shard, convert demo, convert GPTQ), and the shard whose process 1
+    dies (tests/dist_die.py; run with one worker thread so it dies in its second unit)."""
+    if not _OK:
+        pytest.skip(_WHY)
+    root = srcs["root"] / "two"
+    root.mkdir()
+    outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq"}
+    jobs = [
+        ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
+        ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
+        ["convert", srcs["ds"], outs["gptq"], "-r", srcs["gptq"], "--no-progress"],
+    ]
+    (root / "jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
+    clean = _Torchrun([TESTS / "dist_jobs.py", root / "jobs.json", root / "rc"], root / "log")
+    die_out = srcs["root"] / "die"
+    die = _Torchrun([TESTS / "dist_die.py", "shard", srcs["k25"], die_out, *SHARD_ARGS,
+                     "--workers", "1"], srcs["root"] / "die-log")  # fmt: skip
+    yield {"clean": clean, "outs": outs, "rc": root / "rc", "die": die, "die_out": die_out}
+    for job in (clean, die):
+        if job.p.poll() is None:
+            os.killpg(job.p.pid, signal.SIGKILL)
+            job.p.wait()
+
+
+@pytest.fixture(scope="module")
+def one_proc(srcs, launched) -> dict[str, Path]:
+    """The same three jobs in this one process (no torchrun in its environment), while
+    the torchrun jobs run."""
+    assert "WORLD_SIZE" not in os.environ
+    root = srcs["root"] / "one"
+    shard(src=srcs["k25"], out=root / "shard", tp=2, pp=2, ep=2, compress="zstd",
+          progress=False)  # fmt: skip
+    demo = convert(src=srcs["k3"], out=root / "demo", recipe=DEMO, progress=False)
+    gptq = convert(src=srcs["ds"], out=root / "gptq", recipe=srcs["gptq"], progress=False)
+    assert demo.passed is True and gptq.passed is True
+    return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq"}
+
+
+@pytest.fixture(scope="module")
+def two_proc(launched, one_proc) -> dict:
+    """The clean torchrun job's outcome."""
+    rc, out, err = launched["clean"].wait(300)
+    rcs = [Path(f"{launched['rc']}.{r}.json") for r in (0, 1)]
+    codes = [json.loads(f.read_text()) for f in rcs if f.is_file()]
+    return {**launched["outs"], "rc": rc, "codes": codes, "out": out, "err": err}
+
+
+def _job_ok(two: dict) -> None:
+    assert two["rc"] == 0 and two["codes"] == [[0, 0, 0], [0, 0, 0]], (
+        f"torchrun rc {two['rc']}, per-process exit codes {two['codes']}:\n"
+        f"{two['out'][-3000:]}\n{two['err'][-5000:]}"
+    )
+
+
+# -- 1. shard ---------------------------------------------------------------------------
+@needs_gloo
+def test_shard_two_processes_byte_identical(srcs, one_proc, two_proc):
+    _job_ok(two_proc)
+    files = _assert_same_tree(one_proc["shard"], two_proc["shard"])
+    man = json.loads(files[MANIFEST])
+    units = [u for rk in man["ranks"] for u in rk["units"]]
+    assert man["layout"]["world"] == 4 and len(units) == 12
+    assert {u["compression"] for u in units} == {"zstd"}
+    assert sorted(files) == sorted(
+        [MANIFEST, "config.json", *AUX, *(u["file"] for u in units)]
+    )  # no journal, no temp file left
+    for name, data in AUX.items():  # carried files: the source's bytes
+        assert files[name] == data
+    assert files["config.json"] == (srcs["k25"] / "config.json").read_bytes()
+    # the source's weight files, hashed by the two processes between them
+    weights = sorted(p.name for p in srcs["k25"].glob("*.safetensors"))
+    assert len(weights) > 2 and [f["name"] for f in man["source"]["files"]] == weights
+    # the whole job's counts (process 0 prints them; every process may)
+    got = re.findall(r"wrote .*?: (\d+) units \((\d+) already intact", two_proc["out"])
+    assert got and set(got) == {("12", "0")}, two_proc["out"][-2000:]
+
+
+# -- 2. convert -------------------------------------------------------------------------
+def _check_convert(one: Path, two: Path, written: int) -> dict:
+    _assert_same_tree(one, two, skip=("report.json",))
+    r1 = json.loads((one / "report.json").read_text())
+    r2 = json.loads((two / "report.json").read_text())
+    assert r1["processes"] == 1 and r2["processes"] == 2
+    assert r2["passed"] is True and r1["passed"] is True
+    assert r2["units"] == {"written": written, "skipped": 0}
+    # everything but the timing, the OUT path and the process count is the same
+    for k in ("sizes", "layout", "quantize", "verify"):
+        if k == "verify":
+            for v in (r1, r2):
+                v[k].pop("seconds", None)
+        assert r1.get(k) == r2.get(k), k
+    assert not (two.parent / f"{two.name}.calib").exists()  # calibration journal cleaned
+    assert not (two / JOURNAL).exists()
+    return r2
+
+
+@needs_gloo
+def test_convert_demo_two_processes_identical(one_proc, two_proc):
+    _job_ok(two_proc)
+    rep = _check_convert(one_proc["demo"], two_proc["demo"], written=16)
+    assert rep["layout"]["world"] == 4 and rep["verify"]["decode"]["passed"] is True
+    assert "mxfp4" in rep["quantize"]["schemes"] and "fp8-dynamic" in rep["quantize"]["schemes"]
+
+
+@needs_gloo
+def test_convert_gptq_two_processes_identical(one_proc, two_proc):
+    _job_ok(two_proc)
+    rep = _check_convert(one_proc["gptq"], two_proc["gptq"], written=16)
+    cal = rep["quantize"]["calibration"]
+    assert cal["algorithm"] == "gptq", cal
+    assert rep["quantize"]["schemes"] == ["int4-g32"]
+    # process 0 calibrated, process 1 read the journal: the same quantized weights
+    man = json.loads((two_proc["gptq"] / MANIFEST).read_text())
+    assert man["source"]["recipe"]["quantize"]["calibrate"]["algorithm"] == "gptq"
+
+
+# -- 3. a process that dies -------------------------------------------------------------
+@needs_gloo
+def test_dead_process_fails_job_then_rerun_resumes(srcs, launched, one_proc):
+    out = launched["die_out"]
+    rc, sout, err = launched["die"].wait(120)
+    assert rc != 0, f"torchrun succeeded although process 1 died:\n{sout}\n{err[-3000:]}"
+    # torchrun names process 1's os._exit(1) as the root cause
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*1\b", err), err[-3000:]
+    assert not (out / MANIFEST).exists()
+    journal = {p.name for p in (out / JOURNAL).glob("*.json")}
+    # process 1's share, as the writer assigns it: its first unit is journaled, its
+    # second is a partial temp file, the rest was never started; process 0 got as far as
+    # it got before torchrun stopped it
+    plan = build_plan(open_checkpoint(srcs["k25"]), Layout(tp=2, pp=2, moe_ep=2),
+                      compression="zstd")  # fmt: skip
+    mine = _my_units(plan, ProcessGroup(rank=1, world=2), by_layer=False)
+    assert len(mine) >= 3 and len(plan.units) == 12
+    done = {journal_path(out, up).name for up in plan.units} & journal
+    assert journal == done and journal_path(out, mine[0]).name in journal, sorted(journal)
+    assert not {journal_path(out, up).name for up in mine[1:]} & journal, sorted(journal)
+    partial = [p.relative_to(out).as_posix() for p in out.glob("rank*/*.tmp-*")]
+    assert any(p.startswith(f"{mine[1].file}.tmp-") for p in partial), (partial, mine[1].file)
+    print(f"died: torchrun rc {rc} after {launched['die'].seconds:.1f} s, "
+          f"{len(journal)} units journaled")  # fmt: skip
+
+    args = ["-m", "k3convert", "shard", srcs["k25"], out, *SHARD_ARGS]
+    rc, sout, err = _torchrun(args, srcs["root"] / "rerun-log", 180)
+    assert rc == 0, f"{sout[-2000:]}\n{err[-4000:]}"
+    got = re.findall(r"wrote .*?: (\d+) units \((\d+) already intact", sout)
+    n = len(journal)
+    assert got and set(got) == {(str(12 - n), str(n))}, sout
+    _assert_same_tree(one_proc["shard"], out)  # temp files and journal gone, same bytes
+
+
+# -- 4. balance -------------------------------------------------------------------------
+def test_balance_lpt_by_hand():
+    # largest first onto the least loaded, ties to the lowest process: 5->p0, 4->p1,
+    # 3->p1 (4 < 5), 3->p0 (5 < 7), 3->p1 (7 < 8); each share in the items' order
+    items = ["a5", "b4", "c3", "d3", "e3"]
+    assert balance(items, lambda s: int(s[1]), 2) == [["a5", "d3"], ["b4", "c3", "e3"]]
+    # equal sizes: round robin from process 0
+    assert balance(list(range(7)), lambda _: 1, 3) == [[0, 3, 6], [1, 4], [2, 5]]
+    # more processes than items: the rest get nothing; no items: every share empty
+    assert balance([9, 1], lambda s: s, 4) == [[9], [1], [], []]
+    assert balance([], lambda s: s, 3) == [[], [], []]
+    assert balance([3, 1, 2], lambda s: s, 1) == [[3, 1, 2]]
+
+
+def _best(sizes: list[int], world: int) -> int:
+    best = sum(sizes)
+    for assign in itertools.product(range(world), repeat=len(sizes)):
+        loads = [0] * world
+        for s, p in zip(sizes, assign, strict=True):
+            loads[p] += s
+        best = min(best, max(loads))
+    return best
+
+
+def test_balance_properties():
+    rng = random.Random(13)
+    for trial in range(300):
+        world = rng.randint(1, 5)
+        n = rng.randint(0, 9 if world <= 3 else 7)
+        sizes = [rng.choice([0, 1, 2, rng.randint(1, 1000), rng.randint(1, 10**9)])
+                 for _ in range(n)]  # fmt: skip
+        items = list(enumerate(sizes))  # (original position, bytes): distinct items
+        share = balance(items, lambda it: it[1], world)
+        assert share == balance(items, lambda it: it[1], world)  # deterministic
+        assert len(share) == world
+        flat = sorted(it for s in share for it in s)
+        assert flat == items, "every item exactly once"
+        for s in share:
+            assert s == sorted(s), "a share keeps the items' order"
+        loads = [sum(it[1] for it in s) for s in share]
+        total, biggest = sum(sizes), max(sizes, default=0)
+        assert max(loads, default=0) * world <= total + world * biggest, (trial, sizes, loads)
+        # Graham's bound for LPT against the true optimum (brute force on small cases)
+        if world > 1 and n and world**n <= 3000:
+            opt = _best(sizes, world)
+            assert 3 * world * max(loads) <= (4 * world - 1) * opt, (trial, sizes, loads, opt)
