@@ -28,11 +28,12 @@ An interrupted run is resumed by running the same command again: the stream it w
 (manifest, units, carried files) is byte-identical to an uninterrupted run's.
 
 Under ``torchrun`` the processes share the work of step 3 (whole layers to processes,
-balanced by bytes, so a TP-split tensor is quantized by one process only); step 2 runs on
-process 0 while the others wait, then they receive its result (the plan, the scales, the
-journal's path) and read their layers' calibrated weights from the journal (OUT's parent
-must be on a file system every process sees); process 0 alone commits the manifest and
-runs verify.
+balanced by bytes, so a TP-split tensor is quantized by one process only); in step 2 every
+process runs each layer's calibration forward passes and solves its share of the layer's
+GPTQ problems (the routed experts, balanced by cost), exchanging the parts through the
+journal (OUT's parent must be on a file system every process sees; auto-keep's scan runs
+on process 0 and its choice is shared); process 0 alone commits the manifest and runs
+verify.
 """
 
 from __future__ import annotations
@@ -492,10 +493,11 @@ def _needs_data(r: Recipe) -> bool:
 
 
 def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, say):
-    """The full quantization preparation (auto-keep scan, calibration), on process 0;
-    the other processes get its result (:func:`k3convert.quant.writer.prepare_on_leader`)."""
+    """The full quantization preparation, every process together: the auto-keep scan on
+    process 0 (its choice shared), calibration with each layer's GPTQ solves split over
+    the processes (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
     from .arch import resolve
-    from .quant.writer import prepare_on_leader, prepare_quantization
+    from .quant.writer import prepare_quantization
 
     def log(line: str) -> None:
         if line.startswith("calibrated layer"):
@@ -506,12 +508,9 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
 
     if _needs_data(r):
         ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
-
-    def prepare():
-        return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out,
-                                    force=force, log=log if _needs_data(r) else None)  # fmt: skip
-
-    return prepare_on_leader(group, prepare, lambda: ck)
+    return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out, force=force,
+                                log=log if _needs_data(r) and group.leader else None,
+                                group=group)  # fmt: skip
 
 
 def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
@@ -600,6 +599,8 @@ def _report(r, ck, out, prep, plan, res, times, vrep, group, inter) -> dict:
             "calibration": prep.provenance,
             # layers a rerun took from the calibration journal instead of recomputing
             "calibration_layers_resumed": getattr(prep.calibrated, "resumed_from", None),
+            # calibrated weights (GPTQ solves, smoothed weights) each process produced
+            "calibrated_rows_per_process": getattr(prep.calibrated, "solves_per_process", None),
         }
     if vrep is not None:
         rep["verify"] = _verify_summary(vrep)

@@ -247,6 +247,8 @@ def _check_convert(one: Path, two: Path, written: int) -> dict:
     assert r2["passed"] is True and r1["passed"] is True
     assert r2["units"] == {"written": written, "skipped": 0}
     # everything but the timing, the OUT path and the process count is the same
+    split = [(r.get("quantize") or {}).pop("calibrated_rows_per_process", None) for r in (r1, r2)]
+    r2["calibrated_rows_per_process"] = split
     for k in ("sizes", "layout", "quantize", "verify"):
         if k == "verify":
             for v in (r1, r2):
@@ -272,7 +274,10 @@ def test_convert_gptq_two_processes_identical(one_proc, two_proc):
     cal = rep["quantize"]["calibration"]
     assert cal["algorithm"] == "gptq", cal
     assert rep["quantize"]["schemes"] == ["int4-g32"]
-    # process 0 calibrated, process 1 read the journal: the same quantized weights
+    # each layer's GPTQ solves were split over the two processes, the parts exchanged
+    # through the journal: the same quantized weights as one process solving them all
+    one, two = rep["calibrated_rows_per_process"]
+    assert len(one) == 1 and len(two) == 2 and min(two) > 0 and sum(two) == one[0], (one, two)
     man = json.loads((two_proc["gptq"] / MANIFEST).read_text())
     assert man["source"]["recipe"]["quantize"]["calibrate"]["algorithm"] == "gptq"
 

@@ -210,6 +210,8 @@ class SequentialResult:
     #: kind (GQA "k" / "v", MLA "latent" / "k_rot"), from the quantized layer's pass
     kv_absmax: dict[int, dict[str, float]] = field(default_factory=dict)
     resumed_from: int = 0  # layers taken from the journal
+    #: GPTQ solves each torchrun process did (one entry without torchrun)
+    solves_per_process: list[int] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)
 
     def kept_tensor(self, name: str) -> torch.Tensor | None:
@@ -319,8 +321,11 @@ class _Hidden:
     journal directory. The next layer's states are written beside them (never over them),
     so a run killed mid-layer resumes from intact files."""
 
-    def __init__(self, n: int, journal: Path, spill: bool):
+    def __init__(self, n: int, journal: Path, spill: bool, writer: bool = True):
         self.n, self.journal, self.spill = n, journal, spill
+        #: False on torchrun processes other than 0: they compute the same states and
+        #: read process 0's spilled files, but write none
+        self.writer = writer
         self.layer = 0
         self._mem: list = [None] * n
         self._next: list = [None] * n
@@ -329,6 +334,8 @@ class _Hidden:
         return self.journal / f"hidden-L{layer}-{b}.safetensors"
 
     def _save(self, layer: int, b: int, h) -> None:
+        if not self.writer:
+            return
         tmp = self.journal / f"hidden-L{layer}-{b}.tmp"
         save_file(_pack(h), str(tmp))
         os.replace(tmp, self.path(layer, b))
@@ -369,6 +376,8 @@ class _Hidden:
             self._mem = [self._load(layer, b) for b in range(self.n)]
 
     def drop(self, layer: int) -> None:
+        if not self.writer:
+            return
         for b in range(self.n):
             self.path(layer, b).unlink(missing_ok=True)
 
@@ -441,8 +450,16 @@ def calibrate_sequential(
     journal: str | os.PathLike,
     observer: Observer | None = None,
     log: Callable[[str], None] | None = None,
+    group=None,
 ) -> SequentialResult:
     """Calibrate every decoder layer of ``ckpt`` in order (see the module doc).
+
+    group: the torchrun job (:class:`k3convert.parallel.procs.ProcessGroup`; default a
+    group of one). Every process runs each layer's forward passes (the same inputs, the
+    same statistics); the GPTQ solves of a layer - one per Linear, the routed experts
+    being most of them - are split over the processes by cost, each writes its parts to
+    the journal, and every process reads all of them before the quantized layer runs.
+    Process 0 alone writes the journal's state and the hidden-state checkpoints.
 
     plan: :func:`~k3convert.quant.writer.plan_quantization`'s plan (which rows are
     quantized with which scheme); calib: the calibration set; journal: the directory of
@@ -455,28 +472,37 @@ def calibrate_sequential(
     check_algorithm(plan, algorithm)
     if calib.images:
         _check_media(calib)
+    from ..parallel.procs import ProcessGroup
+
+    group = group if group is not None else ProcessGroup()
     log = log or (lambda s: None)
     journal = Path(journal)
     fp = _fingerprint(ckpt, plan, algorithm, options, calib)
     state = _read_journal(journal)
+    group.barrier()  # every process has read the state before process 0 may replace it
     if state is not None and state.get("fingerprint") != fp:
         log(f"calibration journal {journal} is for other inputs; starting over.")
         state = None
-        _wipe(journal)
-    journal.mkdir(parents=True, exist_ok=True)
+        if group.leader:
+            _wipe(journal)
+    if group.leader:
+        journal.mkdir(parents=True, exist_ok=True)
     if state is None:
         state = {"fingerprint": fp, "done": 0, "layers": []}
-        _write_journal(journal, state)
+        if group.leader:
+            _write_journal(journal, state)
+    group.barrier()
 
     src = OverlaySource(ckpt)
     rt = Runtime(src, dtype=options.dtype, prefetch=False, act_quant=False)
     try:
-        return _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log)
+        return _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer,
+                    log, group)  # fmt: skip
     finally:
         rt.close()
 
 
-def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log):
+def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log, group):
     ids, mask = calib.input_ids, calib.attention_mask
     bs = options.batch_size
     if calib.images:  # one sample a micro-batch, its placeholders widened to its images
@@ -484,7 +510,8 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     else:
         batches = [(ids[k : k + bs], mask[k : k + bs]) for k in range(0, ids.shape[0], bs)]
         pixels = [None] * len(batches)
-    hidden = _Hidden(len(batches), journal, spill=options.offload_dir is not None)
+    hidden = _Hidden(len(batches), journal, spill=options.offload_dir is not None,
+                     writer=group.leader)  # fmt: skip
     pos = [rt.default_positions(b_ids) for b_ids, _ in batches]
     masks = [m.to(torch.bool) for _, m in batches]
     # attention masks as the runtime takes them (None when a batch has no padding)
@@ -496,6 +523,7 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         for b, (b_ids, _) in enumerate(batches):
             pv, grid = pixels[b] if pixels[b] is not None else (None, None)
             hidden.put_first(b, rt.embed(b_ids, pixel_values=pv, image_grid_thw=grid))
+        group.barrier()  # (spilled: process 0's files are the others' inputs)
     elif done < rt.num_layers:
         hidden.resume(done)
         log(f"calibration: resuming after layer {done - 1} (journal {journal})")
@@ -509,15 +537,21 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     for i in range(done, rt.num_layers):
         t0 = time.perf_counter()
         rec = _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks,
-                     amasks, journal, observer)  # fmt: skip
+                     amasks, journal, observer, group)  # fmt: skip
         rec["seconds"] = time.perf_counter() - t0
         last = i + 1 == rt.num_layers
         if not last:
             hidden.advance(checkpoint=True)
         state["layers"].append(rec)
         state["done"] = i + 1
-        _write_journal(journal, state)
+        if group.leader:
+            _write_journal(journal, state)
         hidden.drop(i)
+        if group.world > 1:
+            group.barrier()  # the layer's journal and hidden states are on disk
+            if group.leader:
+                for p in journal.glob(f"layer-{i}.gptq-*.safetensors"):
+                    p.unlink()
         _absorb(res, rec)
         fb = f", {len(rec['fallbacks'])} expert(s) fell back to RTN" if rec["fallbacks"] else ""
         log(f"calibrated layer {i} in {rec['seconds']:.2f} s{fb}")
@@ -586,17 +620,33 @@ def _absorb(res: SequentialResult, rec: dict) -> None:
         res.smoothing[label] = v
     if rec.get("kv"):
         res.kv_absmax[int(rec["layer"])] = dict(rec["kv"])
+    for r, k in enumerate(rec.get("solves") or []):  # GPTQ solves per torchrun process
+        while len(res.solves_per_process) <= r:
+            res.solves_per_process.append(0)
+        res.solves_per_process[r] += k
 
 
 def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks, amasks,
-           journal, observer) -> dict:  # fmt: skip
+           journal, observer, group) -> dict:  # fmt: skip
     unit = f"layer.{i}"
     entries = rt.plan.units[unit]
     by_name = {e.name: e for e in entries.values()}
     mine = {n: rows[n] for n in by_name if n in rows}
     gptq = {n for n, r in mine.items() if algorithm in _GPTQ and gptq_supported(r.scheme)}
     static = {n for n, r in mine.items() if _static(r.scheme)}
-    acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq}
+    # under torchrun each process solves (and accumulates the Hessians of) its share of
+    # the GPTQ Linears, balanced by the solve's cost; the others' come from the journal
+    others: set[str] = set()
+    if group.world > 1:
+        from ..parallel.procs import balance
+
+        def cost(n: str) -> int:  # the Hessian's Cholesky and the column sweep
+            o, k = mine[n].shape
+            return int(k) * int(k) * (int(k) + int(o))
+
+        order = sorted(gptq)
+        others = set(order) - set(balance(order, cost, group.world)[group.rank])
+    acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq if n not in others}
     # static input scales' observers; capacity: real tokens x input width bounds what
     # any Linear of the layer sees (a token reaches an expert at most once)
     real = sum(int(m.sum()) for m in masks)
@@ -759,6 +809,8 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     overrides: dict[str, torch.Tensor] = {}
     for n in sorted(mine):
         r = mine[n]
+        if n in others:  # another process's solve
+            continue
         w = smoothed(n) if n in touched else ckpt.get(n)
         if n in gptq and acc[n].tokens:
             with warnings.catch_warnings(record=True) as caught:
@@ -788,6 +840,11 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
                 parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
         overrides[n] = functools.partial(_dequantized, r.scheme, parts)
         del w
+    if group.world == 1:
+        rec["solves"] = [len(parts_out_names(parts_out, mine))]
+    else:
+        weight = lambda n: smoothed(n) if n in touched else ckpt.get(n)  # noqa: E731
+        _share_solves(group, journal, i, mine, others, weight, rec, parts_out, overrides)
     for n in sorted(touched - set(mine)):  # kept tensors smoothing changed (norms, router)
         t = smoothed(n).contiguous()
         parts_out[n] = t
@@ -816,7 +873,7 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
                 f"static input scale; use more (or unpadded) calibration samples."
             )
         rec["scales"][mod] = max(sib)
-    if parts_out:
+    if parts_out and group.leader:
         tmp = journal / f"layer-{i}.tmp"
         save_file(parts_out, str(tmp))
         os.replace(tmp, journal / f"layer-{i}.safetensors")
@@ -863,6 +920,54 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             )
         rec["kv"] = kv_max
     return rec
+
+
+def _share_solves(group, journal: Path, i: int, mine, others, weight, rec, parts_out,
+                  overrides) -> None:  # fmt: skip
+    """Under torchrun: write the parts of this process's share of layer ``i``'s GPTQ
+    Linears, wait for every process, then take the others' parts (and their fallbacks)
+    as if solved here. A Linear of another share that wrote no parts saw no token and was
+    rounded to nearest: that is recomputed here (cheap, the same bytes). The record's
+    lists keep the one-process order (sorted names)."""
+    path = journal / f"layer-{i}.gptq-{group.rank}.safetensors"
+    err = None
+    try:
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in parts_out.items()}, str(tmp))
+        os.replace(tmp, path)
+    except OSError as e:
+        err = e
+    mine_solved = sum(1 for n in parts_out_names(parts_out, mine) if n not in others)
+    lists = group.gather((rec["fallbacks"], rec["parts"], mine_solved))
+    group.agree(err, f"writing its GPTQ parts of layer {i}")
+    by_module = {mine[n].module: n for n in others}
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    for r in range(group.world):
+        if r == group.rank:
+            continue
+        with safe_open(str(journal / f"layer-{i}.gptq-{r}.safetensors"), "pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                module, _, part = k.rpartition(".")
+                if module in by_module:
+                    t = f.get_tensor(k)
+                    parts_out[k] = t
+                    got.setdefault(by_module[module], {})[part] = t
+    for n in sorted(others):
+        parts = got.get(n)
+        if parts is None:  # no token reached it: its owner rounded it to nearest
+            parts = mine[n].scheme.quantize(weight(n), name=n)
+        overrides[n] = functools.partial(_dequantized, mine[n].scheme, parts)
+    fb = {n for f, _, _ in lists for n in f}
+    done = {n for _, p, _ in lists for n in p}
+    rec["solves"] = [k for _, _, k in lists]
+    rec["fallbacks"] = [n for n in sorted(mine) if n in fb]
+    rec["parts"] = [n for n in sorted(mine) if n in done]
+
+
+def parts_out_names(parts_out: dict, mine: dict) -> set[str]:
+    """The quantized rows whose parts are in ``parts_out``."""
+    mods = {k.rpartition(".")[0] for k in parts_out}
+    return {n for n, r in mine.items() if r.module in mods}
 
 
 class _LayerLoss:

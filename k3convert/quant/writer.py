@@ -479,19 +479,16 @@ def quantize(
 
     group = procs.current()
 
-    def prepare():
-        return prepare_quantization(
-            src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
-            kept_as_stored=kept_as_stored, input_scales=input_scales, calibrate=calibrate,
-            algorithm=algorithm, log=log, auto_keep=auto_keep,
-            auto_keep_scheme=auto_keep_scheme, sensitivity=sensitivity, plot=plot,
-            sensitivity_data=sensitivity_data, workers=workers, dry_run=dry_run,
-            check_out=lambda need, root: check_output(out, force=force, need_bytes=need,
-                                                      source=root),
-            journal=None, out=out, force=force,
-        )  # fmt: skip
-
-    p = prepare_on_leader(group, prepare, lambda: open_checkpoint(src))
+    p = prepare_quantization(
+        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
+        kept_as_stored=kept_as_stored, input_scales=input_scales, calibrate=calibrate,
+        algorithm=algorithm, log=log if group.leader else None, auto_keep=auto_keep,
+        auto_keep_scheme=auto_keep_scheme, sensitivity=sensitivity, plot=plot,
+        sensitivity_data=sensitivity_data, workers=workers, dry_run=dry_run,
+        check_out=lambda need, root: check_output(out, force=force, need_bytes=need,
+                                                  source=root),
+        journal=None, out=out, force=force, group=group,
+    )  # fmt: skip
     plan, sens, sel = p.plan, p.sensitivity, p.selection
     if dry_run:
         if sens is not None and p.plot is not None:
@@ -558,23 +555,18 @@ def write_checkpoint(
     return nfiles, group.share(routing)
 
 
-def prepare_on_leader(group, prepare, reopen) -> Prepared:
-    """``prepare()`` (the scan, the calibration) run by process 0 alone; the others get
-    its result (the plan, the scales, the journal's path: small) instead of redoing it.
-    reopen(): this process's own opened source, attached to the shared result."""
+def _on_leader(group, fn, what: str):
+    """``fn()`` on process 0 alone, its (picklable) result shared with the others."""
     if group.world == 1:
-        return prepare()
-    err = prep = None
+        return fn()
+    err = res = None
     if group.leader:
         try:
-            prep = prepare()
+            res = fn()
         except Exception as e:
             err = e
-    group.agree(err, "preparing the quantization (calibration / sensitivity scan)")
-    shared = group.share(None if prep is None else dataclasses.replace(prep, ckpt=None))
-    if group.leader:
-        return prep
-    return dataclasses.replace(shared, ckpt=reopen())
+    group.agree(err, what)
+    return group.share(res)
 
 
 @dataclass
@@ -626,12 +618,19 @@ def prepare_quantization(
     out: Path | None = None,
     force: bool = False,
     plan_only: bool = False,
+    group=None,
 ) -> Prepared:
     """:func:`quantize` up to its first output byte: the plan, the auto-keep scan, the
     calibration and the fused global scales. check_out(need_bytes): checks OUT before
     hours of scanning / calibrating; journal: the calibration journal (default
     ``OUT.calib/``); plan_only: stop after the plan and every check that needs no data
-    (``convert`` validates a recipe this way before any work)."""
+    (``convert`` validates a recipe this way before any work). group: the torchrun job
+    (every process calls this): the sensitivity scan runs on process 0 and its choice is
+    shared; calibration runs on every process together
+    (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
+    from ..parallel.procs import ProcessGroup
+
+    group = group if group is not None else ProcessGroup()
     if (scheme is None) == (recipe is None):
         raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
     if isinstance(recipe, (str, os.PathLike)):
@@ -686,9 +685,12 @@ def prepare_quantization(
     if auto_keep is not None:
         if not dry_run and check_out is not None:  # before the scan, not after it
             check_out(plan.totals()[1], ckpt.root)
-        plan, sens, sel, scan_set = _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme,
-                                               sensitivity, sensitivity_data or calibrate,
-                                               log)  # fmt: skip
+
+        def scan():
+            return _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme, sensitivity,
+                              sensitivity_data or calibrate, log)  # fmt: skip
+
+        plan, sens, sel, scan_set = _on_leader(group, scan, "the sensitivity scan")
         if calibrate is not None:
             from ..calibrate.sequential import check_algorithm
 
@@ -705,7 +707,7 @@ def prepare_quantization(
         # the scan's set is calibration's too when both come from the same options
         reuse = scan_set if sensitivity_data is None else None
         calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log, reuse,
-                                journal=journal)  # fmt: skip
+                                journal=journal, group=group)  # fmt: skip
         prepared.calibrated = calibrated
         prepared.input_scales = {**calibrated.input_scales, **input_scales}
         provenance = {
@@ -814,7 +816,7 @@ def _calibrated_modules(plan: Plan) -> set[str]:
 
 def _calibrate(
     ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log, calib=None,
-    journal: Path | None = None,
+    journal: Path | None = None, group=None,
 ):  # fmt: skip
     """Build the calibration set and run layer-sequential calibration (before anything
     is written: a bad dataset or an existing OUT fails first). journal: given by a caller
@@ -842,7 +844,14 @@ def _calibrate(
         )
     try:
         return calibrate_sequential(
-            ckpt, plan, calib, algorithm=algorithm, options=opts, journal=journal, log=log
+            ckpt,
+            plan,
+            calib,
+            algorithm=algorithm,
+            options=opts,
+            journal=journal,
+            log=log,
+            group=group,
         )
     except OSError as e:  # disk full or read-only while writing the journal / spill
         raise write_error(e, journal, "writing the calibration journal") from e
