@@ -167,11 +167,13 @@ def launched(srcs) -> dict:
         pytest.skip(_WHY)
     root = srcs["root"] / "two"
     root.mkdir()
-    outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq"}
+    outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
+            "quantize": root / "quantize"}  # fmt: skip
     jobs = [
         ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
         ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
         ["convert", srcs["ds"], outs["gptq"], "-r", srcs["gptq"], "--no-progress"],
+        ["quantize", srcs["ds"], outs["quantize"], *quantize_args(srcs)],
     ]
     (root / "jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
     clean = _Torchrun([TESTS / "dist_jobs.py", root / "jobs.json", root / "rc"], root / "log")
@@ -196,7 +198,18 @@ def one_proc(srcs, launched) -> dict[str, Path]:
     demo = convert(src=srcs["k3"], out=root / "demo", recipe=DEMO, progress=False)
     gptq = convert(src=srcs["ds"], out=root / "gptq", recipe=srcs["gptq"], progress=False)
     assert demo.passed is True and gptq.passed is True
-    return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq"}
+    from k3convert.cli import main
+
+    assert main(["quantize", str(srcs["ds"]), str(root / "quantize"), *quantize_args(srcs)]) == 0
+    return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
+            "quantize": root / "quantize"}  # fmt: skip
+
+
+def quantize_args(srcs) -> list[str]:
+    """GPTQ-calibrated int4 in several small shard files (so both processes write some)."""
+    return ["--scheme", "int4-g32", "--keep", "re:.*kv_b_proj.*", "--calibrate", "--dataset",
+            str(srcs["root"] / "ids.jsonl"),
+            "--num-samples", "8", "--seq-len", "32", "--shard-size-gb", "0.00005"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +222,7 @@ def two_proc(launched, one_proc) -> dict:
 
 
 def _job_ok(two: dict) -> None:
-    assert two["rc"] == 0 and two["codes"] == [[0, 0, 0], [0, 0, 0]], (
+    assert two["rc"] == 0 and two["codes"] == [[0, 0, 0, 0], [0, 0, 0, 0]], (
         f"torchrun rc {two['rc']}, per-process exit codes {two['codes']}:\n"
         f"{two['out'][-3000:]}\n{two['err'][-5000:]}"
     )
@@ -280,6 +293,19 @@ def test_convert_gptq_two_processes_identical(one_proc, two_proc):
     assert len(one) == 1 and len(two) == 2 and min(two) > 0 and sum(two) == one[0], (one, two)
     man = json.loads((two_proc["gptq"] / MANIFEST).read_text())
     assert man["source"]["recipe"]["quantize"]["calibrate"]["algorithm"] == "gptq"
+
+
+@needs_gloo
+def test_quantize_gptq_two_processes_identical(one_proc, two_proc):
+    """quantize under torchrun: calibration's GPTQ solves split over the processes, the
+    shard files written by both; every file equal to the one-process run's."""
+    _job_ok(two_proc)
+    files = _assert_same_tree(one_proc["quantize"], two_proc["quantize"])
+    assert sum(n.startswith("model-") for n in files) >= 4, sorted(files)
+    assert "model.safetensors.index.json" in files and "routing_counts.json" in files
+    cfg = json.loads(files["config.json"])
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
+    assert not (two_proc["quantize"].parent / "quantize.calib").exists()
 
 
 # -- 3. a process that dies -------------------------------------------------------------
