@@ -403,13 +403,19 @@ def convert(
             say(f"{out}: already a complete stream of this recipe and source; verifying it")
         carry = _carry_list(ck, prep)
         identity = _fingerprint(prep, data.config)
-        res = _from_manifest(out, done) if done is not None else write_stream(
-            data=data, plan=plan, out=out, source=ck, carry=carry,
-            compress=r.output.compression, workers=r.output.workers, force=force,
-            progress=progress, recipe=recipe_to_dict(r), unit_hash=r.output.unit_hash,
-            identity=identity, bar=ui.bar, group=group, share_by_layer=True,
-            on_unit=lambda up: ui.item(f"rank {up.rank} {up.name}"),
-        )  # fmt: skip
+        from .quant.writer import _torch_threads
+
+        workers = r.output.workers or procs.cores_per_process()
+        # units are written (and their tensors quantized) on `workers` threads, one core
+        # each: nested OpenMP teams would oversubscribe the cores
+        with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
+            res = _from_manifest(out, done) if done is not None else write_stream(
+                data=data, plan=plan, out=out, source=ck, carry=carry,
+                compress=r.output.compression, workers=workers, force=force,
+                progress=progress, recipe=recipe_to_dict(r), unit_hash=r.output.unit_hash,
+                identity=identity, bar=ui.bar, group=group, share_by_layer=True,
+                on_unit=lambda up: ui.item(f"rank {up.rank} {up.name}"),
+            )  # fmt: skip
         times["write"] = time.perf_counter() - t
         if prep is not None and prep.calibrated is not None and group.leader:
             prep.calibrated.cleanup()

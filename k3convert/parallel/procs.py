@@ -99,6 +99,20 @@ def current() -> ProcessGroup:
     return ProcessGroup(dist.get_rank(), dist.get_world_size())
 
 
+def cores_per_process() -> int:
+    """The cores this process may run on, divided among the torchrun processes of its
+    node (``LOCAL_WORLD_SIZE``): the default number of worker threads of a stage."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun() else 1
+    except ValueError:
+        local = 1
+    return max(1, n // max(1, local))
+
+
 def balance(items: Sequence[T], size: Callable[[T], int], world: int) -> list[list[T]]:
     """``items`` split over ``world`` processes by bytes (largest first onto the least
     loaded; each share keeps the items' original order)."""

@@ -993,12 +993,11 @@ MAX_DEFAULT_WORKERS = 8
 
 
 def default_workers() -> int:
-    """The cores this process may run on, at most :data:`MAX_DEFAULT_WORKERS`."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(n, MAX_DEFAULT_WORKERS))
+    """The cores this process may run on, at most :data:`MAX_DEFAULT_WORKERS`; under
+    torchrun the node's cores shared by its processes (``LOCAL_WORLD_SIZE``)."""
+    from ..parallel.procs import cores_per_process
+
+    return max(1, min(cores_per_process(), MAX_DEFAULT_WORKERS))
 
 
 def _write(

@@ -178,7 +178,7 @@ def check_write_options(compress: str, unit_hash: str, workers) -> int:
             f"unit hash must be one of {', '.join(unit_hashing.ALGORITHMS)}, got {unit_hash!r}."
         )
     if workers is None:
-        workers = os.cpu_count() or 2
+        workers = max(2, procs.cores_per_process())  # I/O and hashing overlap: at least 2
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}.")
     return workers
