@@ -988,13 +988,9 @@ def _gib(n: int | None) -> str:
 
 
 def _render(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
-    ]
-    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    out = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*r) for r in rows]
-    return "\n".join(out)
+    from .inspect import _table
+
+    return _table(headers, rows)
 
 
 class Planner:

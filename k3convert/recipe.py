@@ -55,7 +55,6 @@ import copy
 import dataclasses
 import difflib
 import os
-import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -726,12 +725,9 @@ ENV_RECIPES = "K3CONVERT_RECIPES_DIR"
 
 
 def recipe_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get(ENV_RECIPES):
-        dirs.append(Path(os.environ[ENV_RECIPES]))
-    dirs.append(Path(__file__).resolve().parents[1] / "recipes")
-    dirs.append(Path(sys.prefix) / "share" / "k3convert" / "recipes")
-    return [d for d in dirs if d.is_dir()]
+    from .paths import data_dirs
+
+    return data_dirs(ENV_RECIPES, "recipes")
 
 
 def presets() -> dict[str, Path]:

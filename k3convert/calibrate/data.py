@@ -156,12 +156,9 @@ def calibration_dirs() -> list[Path]:
     (editable install), then ``<sys.prefix>/share/k3convert/calibration`` (where a wheel
     installs the same files, see pyproject's data-files).
     """
-    dirs = []
-    if os.environ.get(ENV_DIR):
-        dirs.append(Path(os.environ[ENV_DIR]))
-    dirs.append(Path(__file__).resolve().parents[2] / "calibration")
-    dirs.append(Path(sys.prefix) / "share" / "k3convert" / "calibration")
-    return [d for d in dirs if d.is_dir()]
+    from ..paths import data_dirs
+
+    return data_dirs(ENV_DIR, "calibration")
 
 
 def _definitions_dir() -> Path:
