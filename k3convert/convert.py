@@ -108,9 +108,10 @@ class PlannedCheckpoint(Checkpoint):
         self._busy: dict[str, threading.Event] = {}
         self._refs: Counter[str] = Counter()
         self.produced = 0  # rows computed (recomputations included)
+        #: mapped-as-stored rows whose values were checked (NaN / Inf, E8M0 255) once
+        self._checked: set[str] = set()
 
-    def expect(self, units) -> None:
-        """Count the reads ``units`` will make, per row."""
+    def _reads(self, units) -> Counter[str]:
         refs: Counter[str] = Counter()
         for up in units:
             for tp in up.tensors:
@@ -120,8 +121,22 @@ class PlannedCheckpoint(Checkpoint):
                 r = self._row_of.get(pm.name)
                 if r is not None:
                     refs[r.name] += 1
+        return refs
+
+    def expect(self, units) -> None:
+        """Count the reads ``units`` will make, per row."""
+        refs = self._reads(units)
         with self._lock:
             self._refs = refs
+
+    def skip(self, unit) -> None:
+        """``unit`` will not be written (a rerun found it intact): its reads are not
+        coming, so rows it shares are not held for it."""
+        with self._lock:
+            for name, k in self._reads([unit]).items():
+                self._refs[name] -= k
+                if self._refs[name] <= 0 and name in self._cache:
+                    self._held -= _nbytes(self._cache.pop(name))
 
     def get_parts(self, name: str) -> dict[str, torch.Tensor]:
         return {k: self.part_tensor(name, k) for k in self.meta(name).parts}
@@ -141,6 +156,11 @@ class PlannedCheckpoint(Checkpoint):
 
         p = self.prepared
         cheap = r.as_stored or (r.kept and not r.encoded and self._stored_plain(r))
+        if cheap and r.name in self._checked:  # mapped again; checked by its first read
+            parts = p.ckpt.get_parts(r.name)
+            if r.as_stored:
+                return {f"{r.module}.{k}": v for k, v in parts.items()}
+            return {r.name: parts["weight"]}
         while True:
             with self._lock:
                 hit = self._cache.get(r.name)
@@ -160,6 +180,8 @@ class PlannedCheckpoint(Checkpoint):
             raise
         with self._lock:
             self.produced += 1
+            if cheap:
+                self._checked.add(r.name)
             if not cheap and self._refs[r.name] > 1:
                 self._cache[r.name] = out
                 self._held += _nbytes(out)
@@ -219,33 +241,45 @@ def _resolve_recipe(recipe, overrides) -> Recipe:
     return load_recipe(recipe, overrides)
 
 
+#: next to the manifest: what a complete OUT was converted from, for a rerun to recognise
+SIDECAR = ".k3-convert.json"
+
+
+def _stream_identity(r: Recipe, ck) -> dict:
+    """What a stream's bytes depend on: the source files (names, sizes, mtimes) and the
+    recipe's quantize / layout / output format (not verify, workers or descriptions)."""
+    d = recipe_to_dict(r)
+    return json.loads(json.dumps({
+        "source": str(Path(ck.root).resolve()),
+        "files": [[str(f.path.relative_to(ck.root)), f.size, f.path.stat().st_mtime_ns]
+                  for f in ck.files()],
+        "quantize": d["quantize"],
+        "layout": d["layout"],
+        "output": {k: d["output"][k] for k in ("compression", "unit_hash")},
+    }))  # fmt: skip
+
+
 def _check_out_early(out: Path, force: bool, r: Recipe, ck) -> dict | None:
     """OUT refused before hours of calibration, not after (the writer checks again).
-    Returns the manifest of a complete OUT that this very recipe wrote from this source
-    (same resolved recipe, same source files and sizes): it is verified again, not
-    rewritten; None when there is work to do."""
+    Returns the sidecar of a complete OUT that this very recipe wrote from this source
+    (:func:`_stream_identity`): it is verified again, not rewritten; None when there is
+    work to do."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory; remove it or choose another OUT.")
     if not out.is_dir() or force:
         return None
     if (out / MANIFEST).is_file():
         try:
-            man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-            src = man["source"]
-            same = (
-                src.get("recipe") == json.loads(json.dumps(recipe_to_dict(r)))
-                and src.get("path") == str(Path(ck.root).resolve())
-                and [(f["name"], f["bytes"]) for f in src["files"]]
-                == [(str(f.path.relative_to(ck.root)), f.size) for f in ck.files()]
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            same, man = False, None
+            side = json.loads((out / SIDECAR).read_text(encoding="utf-8"))
+            same = side.get("identity") == _stream_identity(r, ck)
+        except (OSError, ValueError, AttributeError):
+            same, side = False, None
         if same:
-            return man
+            return side
         raise OutputError(
-            f"{out}: already holds a complete stream ({MANIFEST} present) written by another "
-            f"recipe or from another source; pass --force to replace it, or choose another "
-            f"output directory."
+            f"{out}: already holds a complete stream ({MANIFEST} present) that this recipe "
+            f"did not write from this source as it is now (another recipe, layout or "
+            f"source files); pass --force to replace it, or choose another output directory."
         )
     if not (out / JOURNAL).is_dir() and any(out.iterdir()):
         raise OutputError(
@@ -253,6 +287,19 @@ def _check_out_early(out: Path, force: bool, r: Recipe, ck) -> dict | None:
             f"{JOURNAL}/); choose an empty directory or pass --force to replace it."
         )
     return None
+
+
+def _check_file_out(path, what: str, sources) -> None:
+    """A file convert writes at the end (the HTML report): refused now, not after hours."""
+    import os
+
+    p = guard_out(path, sources)
+    parent = p.resolve().parent
+    if p.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise OutputError(
+            f"{p}: the {what} cannot be written there (a directory, or a parent that does "
+            f"not exist or is not writable); choose another path."
+        )
 
 
 def _fingerprint(prepared, data_config: dict) -> str:
@@ -333,8 +380,13 @@ def convert(
     inter = out.parent / f"{out.name}.quantized" if keep_intermediate else None
     if inter is not None:
         guard_out(inter, [ck.root, out])
+        if r.quantize is None:
+            raise ConfigError(
+                f"{r.origin}: --keep-intermediate keeps the quantized checkpoint, but the "
+                f"recipe has no quantize section (nothing is quantized)."
+            )
     if report_html is not None:
-        guard_out(report_html, [ck.root])
+        _check_file_out(report_html, "HTML report", [ck.root, out])
     mt = ck.config.get("model_type")
     if r.source.model_type is not None and mt != r.source.model_type:
         raise ConfigError(
@@ -343,6 +395,16 @@ def convert(
             f"source.model_type)."
         )
     done = _check_out_early(out, force, r, ck)
+    if done is not None and inter is not None:
+        raise OutputError(
+            f"{out}: already a complete stream of this recipe; --keep-intermediate would "
+            f"need the quantization (and calibration) again - pass --force to redo the "
+            f"conversion, or run `k3convert quantize` for the checkpoint."
+        )
+    if inter is not None:
+        from .checkpoint.output import check_output
+
+        check_output(inter, force=force, need_bytes=0, source=ck.root)
     stages = [*(["calibrate"] if _needs_data(r) else []), "write",
               *(["verify"] if r.verify.enabled else [])]  # fmt: skip
     ui = _Display(progress and group.leader, stages)
@@ -409,7 +471,7 @@ def convert(
         # units are written (and their tensors quantized) on `workers` threads, one core
         # each: nested OpenMP teams would oversubscribe the cores
         with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
-            res = _from_manifest(out, done) if done is not None else write_stream(
+            res = _from_manifest(out) if done is not None else write_stream(
                 data=data, plan=plan, out=out, source=ck, carry=carry,
                 compress=r.output.compression, workers=workers, force=force,
                 progress=progress, recipe=recipe_to_dict(r), unit_hash=r.output.unit_hash,
@@ -417,40 +479,61 @@ def convert(
                 on_unit=lambda up: ui.item(f"rank {up.rank} {up.name}"),
             )  # fmt: skip
         times["write"] = time.perf_counter() - t
-        if prep is not None and prep.calibrated is not None and group.leader:
-            prep.calibrated.cleanup()
-        if inter is not None and group.leader and prep is not None:
-            from .quant.writer import write_checkpoint
-
-            write_checkpoint(prep, inter, force=force, progress=False)
-
-        # -- 4. verify and report -------------------------------------------------------
-        vrep = None
-        if r.verify.enabled and group.leader:
-            t = time.perf_counter()
-            ui.stage("verify", total=1, unit="run")
-            ui.item("every rank simulated, vs " + ("transformers" if vref == "transformers"
-                                                   else Path(vref).name))  # fmt: skip
-            vrep = _run_verify(r, out, vref)
-            ui.bar.update(1)
-            times["verify"] = time.perf_counter() - t
+        vrep = report = err = None
+        if group.leader:  # the rest is process 0's; the others wait for its verdict
+            try:
+                report, vrep = _finish(r, ck, out, prep, plan, res, times, t_start, done,
+                                       inter, force, vref, report_html, group, ui)  # fmt: skip
+            except Exception as e:
+                if group.world == 1:
+                    raise
+                err = e
+        group.agree(err, f"finishing {out} (intermediate checkpoint, verify, report)")
     finally:
         ui.close()
+    report = group.share(report)
+    return ConvertResult(out, report, report["passed"], report["seconds"]["total"],
+                         res.units_written, res.units_skipped, vrep)  # fmt: skip
+
+
+def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vref,
+            report_html, group, ui):  # fmt: skip
+    """Process 0, after the stream is committed: the sidecar, the intermediate checkpoint
+    (before the calibration journal it reads is removed), verify, the report files."""
+    if done is None:
+        side = {"identity": _stream_identity(r, ck), "quantize": None}
+        if prep is not None:
+            side["quantize"] = _quantize_summary(prep, run=False)
+        (out / SIDECAR).write_text(json.dumps(side, indent=1) + "\n")
+    if inter is not None and prep is not None:
+        from .quant.writer import write_checkpoint
+
+        write_checkpoint(prep, inter, force=force, progress=False)
+    if prep is not None and prep.calibrated is not None:
+        prep.calibrated.cleanup()
+    if prep is not None and prep.sensitivity is not None and done is None:
+        prep.sensitivity.write(out / "sensitivity.json")
+        if prep.plot is not None:
+            prep.sensitivity.plot(prep.plot)
+    vrep = None
+    if r.verify.enabled:
+        t = time.perf_counter()
+        ui.stage("verify", total=1, unit="run")
+        ui.item("every rank simulated, vs " + ("transformers" if vref == "transformers"
+                                               else Path(vref).name))  # fmt: skip
+        vrep = _run_verify(r, out, vref)
+        ui.bar.update(1)
+        times["verify"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
-    report = _report(r, ck, out, prep, plan, res, times, vrep, group, inter)
-    if group.leader:
-        from .verify.report import write_json
+    report = _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done)
+    from .verify.report import write_json
 
-        write_json(report, out / REPORT)
-        if prep is not None and prep.sensitivity is not None:
-            prep.sensitivity.write(out / "sensitivity.json")
-        if report_html is not None:
-            from .report_html import write_html
+    write_json(report, out / REPORT)
+    if report_html is not None:
+        from .report_html import write_html
 
-            write_html(report, vrep, report_html)
-    group.barrier()
-    return ConvertResult(out, report, report["passed"], times["total"], res.units_written,
-                         res.units_skipped, vrep)  # fmt: skip
+        write_html(report, vrep, report_html)
+    return report, vrep
 
 
 @contextmanager
@@ -475,9 +558,11 @@ def _key_path(r: Recipe, section: str):
         raise err from None
 
 
-def _from_manifest(out: Path, man: dict):
+def _from_manifest(out: Path):
+    """The write stage's result for a complete stream found in OUT (nothing written)."""
     from .shard.writer import ShardResult
 
+    man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
     units = [u for rk in man["ranks"] for u in rk["units"]]
     return ShardResult(out, out / MANIFEST, 0, len(units), sum(u["bytes"] for u in units), 0.0)
 
@@ -523,18 +608,26 @@ def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
     """config.json (the quantized one), the source's aux files, and calibration's
     routing counts when there are any (auto-keep's sensitivity report, which records
     its own timing, is written next to the report instead, outside the manifest)."""
+    from .shard.plan import ROUTING_COUNTS
+
+    # files this run writes next to the manifest itself: a source's own (a quantize
+    # output's sensitivity report, an earlier convert's report) are not carried over them
+    ours = {REPORT, SIDECAR, "sensitivity.json"}
     if prep is None:
-        return carried_files(ck)
-    cfg = (json.dumps(prep.output_config(), indent=2) + "\n").encode()
-    carry: list[tuple[str, Path | bytes]] = [("config.json", cfg)]
-    carry += [(p.name, p) for p in ck.aux_files]
+        return [(n, p) for n, p in carried_files(ck) if n not in ours]
     cal = prep.calibrated
+    routing = None
     if cal is not None and cal.routing_counts:
         from .quant.writer import routing_counts_doc
-        from .shard.plan import ROUTING_COUNTS
 
         doc = routing_counts_doc(cal)
-        carry.append((ROUTING_COUNTS, (json.dumps(doc, indent=1) + "\n").encode()))
+        routing = (json.dumps(doc, indent=1) + "\n").encode()
+        ours.add(ROUTING_COUNTS)  # this calibration's counts replace the source's
+    cfg = (json.dumps(prep.output_config(), indent=2) + "\n").encode()
+    carry: list[tuple[str, Path | bytes]] = [("config.json", cfg)]
+    carry += [(p.name, p) for p in ck.aux_files if p.name not in ours]
+    if routing is not None:
+        carry.append((ROUTING_COUNTS, routing))
     return carry
 
 
@@ -570,8 +663,32 @@ def _run_verify(r: Recipe, out: Path, ref: str) -> dict:
     )
 
 
-def _report(r, ck, out, prep, plan, res, times, vrep, group, inter) -> dict:
+def _quantize_summary(prep, run: bool = True) -> dict:
+    """The quantize section of the report; ``run``: with this run's own counts (not
+    kept in the sidecar, which must not depend on how the stream was made)."""
+    pl = prep.plan
+    cal = prep.calibrated
+    out = {
+        "tensors": len(pl.rows),
+        "quantized": len(pl.quantized),
+        "quantized_bytes": pl.totals()[1],
+        "schemes": sorted(pl.schemes()),
+        "calibration": prep.provenance,
+    }
+    if run:
+        # layers a rerun took from the calibration journal instead of recomputing
+        out["calibration_layers_resumed"] = getattr(cal, "resumed_from", None)
+        # calibrated weights (GPTQ solves, smoothed weights) each process produced
+        out["calibrated_rows_per_process"] = getattr(cal, "solves_per_process", None)
+    return out
+
+
+def _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=None) -> dict:
     src_bytes = sum(f.size for f in ck.files())
+    if done is not None:  # a complete stream verified again: its run's own figures
+        q = done.get("quantize")
+    else:
+        q = _quantize_summary(prep) if prep is not None else None
     rep: dict = {
         "format": REPORT_FORMAT,
         "generator": f"k3convert {__version__}",
@@ -588,26 +705,15 @@ def _report(r, ck, out, prep, plan, res, times, vrep, group, inter) -> dict:
         "processes": group.world,
         "sizes": {
             "source_bytes": src_bytes,
-            "quantized_bytes": prep.plan.totals()[1] if prep is not None else None,
+            "quantized_bytes": q.pop("quantized_bytes", None) if q else None,
             "stream_bytes": res.bytes_written,
             "units": len(plan.units),
         },
         "units": {"written": res.units_written, "skipped": res.units_skipped},
         "seconds": {k: round(v, 3) for k, v in times.items()},
         "intermediate": str(inter) if inter is not None else None,
+        "quantize": q,
     }
-    if prep is not None:
-        pl = prep.plan
-        rep["quantize"] = {
-            "tensors": len(pl.rows),
-            "quantized": len(pl.quantized),
-            "schemes": sorted(pl.schemes()),
-            "calibration": prep.provenance,
-            # layers a rerun took from the calibration journal instead of recomputing
-            "calibration_layers_resumed": getattr(prep.calibrated, "resumed_from", None),
-            # calibrated weights (GPTQ solves, smoothed weights) each process produced
-            "calibrated_rows_per_process": getattr(prep.calibrated, "solves_per_process", None),
-        }
     if vrep is not None:
         rep["verify"] = _verify_summary(vrep)
         rep["passed"] = bool(vrep.get("passed"))

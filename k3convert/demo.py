@@ -9,15 +9,16 @@ pass - and prints the summary. A fresh install is checked in seconds, offline.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from .convert import convert
-from .errors import K3Error
+from .errors import K3Error, OutputError
 from .synth import synthesize
 
 DEMO_PRESET = "demo"
+#: in --out: the demo's own earlier outputs may be replaced
+MARKER = ".k3convert-demo"
 
 
 def run_demo(
@@ -26,10 +27,16 @@ def run_demo(
     """synth (tiny ``preset``) -> convert with the demo recipe; returns the result."""
     out = Path(out)
     model = out / "model"
-    if model.exists():
-        shutil.rmtree(model)
+    marker = out / MARKER
+    if model.exists() and not marker.is_file():
+        raise OutputError(
+            f"{model}: exists and was not written by `k3convert demo` (no {marker}); "
+            f"choose another --out directory."
+        )
     echo(f"== synth: tiny {preset} (same names, dtypes and encodings as the release)")
-    echo(synthesize(config=preset, out=model, tiny=True, seed=0))
+    summary = synthesize(config=preset, out=model, tiny=True, seed=0, force=model.exists())
+    marker.write_text("k3convert demo: model/, stream/, report.html are replaced on rerun\n")
+    echo(summary)
     echo("")
     echo(f"== convert: recipe '{DEMO_PRESET}' (k3convert recipe show {DEMO_PRESET})")
     # the demo recipe is written for Kimi K3; its rules name roles every family has

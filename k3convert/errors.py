@@ -82,3 +82,12 @@ def short_repr(value: Any, limit: int = SHORT) -> str:
     if len(r) > limit:
         r = r[: limit - 3] + "..."
     return f"{type(value).__name__} {r}"
+
+
+def short_list(values, head: int = 8) -> str:
+    """A list for a message: the first ``head`` items and a count of the rest."""
+    values = list(values)
+    if len(values) <= head:
+        return str(values)
+    shown = ", ".join(map(str, values[:head]))
+    return f"[{shown}, ... ({len(values) - head} more)]"

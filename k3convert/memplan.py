@@ -83,7 +83,7 @@ from .arch import load_config, resolve, validate_source
 from .arch.base import Arch, Role
 from .checkpoint import Checkpoint, PartMeta, TensorMeta
 from .checkpoint.reader import QuantConfig
-from .errors import ConfigError, K3Error
+from .errors import ConfigError, K3Error, short_list
 from .formats import detect_encoding
 from .shard.layout import Layout, divisors, partition_layers, place_experts
 from .shard.plan import _Splitter, _stage_units, load_expert_load, unit_sort_key
@@ -601,8 +601,8 @@ class WeightModel:
             if not us:
                 raise ConfigError(
                     f"pipeline stage {s} of pp={layout.pp} would hold nothing (layers per "
-                    f"stage {[b - a for a, b in ranges]}); use pp <= {self.num_layers} or "
-                    f"set --pp-layers."
+                    f"stage {short_list([b - a for a, b in ranges])}); use pp <= "
+                    f"{self.num_layers} or set --pp-layers."
                 )
         placed = self.placement(layout, load, redundant)
         out = [0] * layout.world

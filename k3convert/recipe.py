@@ -285,7 +285,7 @@ def _build(cls, data: Any, path: str, src: str):
         kp = f"{path}.{_key_text(key)}" if path else _key_text(key)
         if key not in valid:
             close = difflib.get_close_matches(_key_text(key), valid, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = f"; did you mean '{close[0]}'?" if close else "."
             raise ConfigError(
                 f"{src}: unknown key '{kp}'{hint} Valid keys at '{where}': {', '.join(valid)}."
             )
@@ -390,6 +390,9 @@ def apply_overrides(data: Any, overrides: Sequence[str], src: str = "<recipe>") 
         except ConfigError as e:
             raise ConfigError(f"--set {key}: the value is not valid YAML ({e}).") from None
         steps = _key_steps(key)
+        if not steps or any(st == "" for st in steps):
+            raise ConfigError(f"--set {short_repr(item)}: empty key path; e.g. --set layout.tp=8.")
+        value = _cwd_path(_steps_text([st for st in steps if isinstance(st, str)]), value)
         node = doc
         for i, (step, nxt) in enumerate(zip(steps, [*steps[1:], None], strict=True)):
             where = _steps_text(steps[: i + 1])
@@ -409,6 +412,27 @@ def apply_overrides(data: Any, overrides: Sequence[str], src: str = "<recipe>") 
                     node[step] = {} if isinstance(nxt, str) else []
                 node = node[step]
     return doc
+
+
+#: recipe keys whose value is a path (a ``--set`` value is taken from the working
+#: directory, as anything typed on a command line; the file's own values from its folder)
+PATH_KEYS = {
+    "source.path", "layout.expert_load", "verify.data", "verify.reference",
+    "verify.pixel_values", "quantize.calibrate.dataset", "quantize.calibrate.offload_dir",
+    "quantize.auto_keep.plot",
+}  # fmt: skip
+_PATH_WORDS = {"layout.expert_load": "calibration", "verify.reference": "transformers"}
+
+
+def _cwd_path(key: str, value: Any) -> Any:
+    if key not in PATH_KEYS or not isinstance(value, str) or value == _PATH_WORDS.get(key):
+        return value
+    if key == "quantize.calibrate.dataset":
+        from .calibrate.data import _looks_like_path
+
+        if not (_looks_like_path(value) or Path(value).exists()):
+            return value  # a dataset name
+    return str(Path(value).expanduser().absolute())
 
 
 def _key_steps(key: str) -> list:
@@ -584,6 +608,15 @@ CALIBRATION = "calibration"
 
 
 def _validate_layout(lay: LayoutSection, src: str) -> None:
+    from .shard.layout import MAX_DEGREE
+
+    for k in ("tp", "pp", "moe_ep", "moe_tp", "redundant_experts"):
+        v = getattr(lay, k)
+        if v is not None and v > MAX_DEGREE:
+            raise ConfigError(
+                f"{src}: layout.{k}={v} is beyond any cluster (at most {MAX_DEGREE}); check "
+                f"the value."
+            )
     for k in ("tp", "pp", "moe_ep"):
         if getattr(lay, k) < 1:
             raise ConfigError(f"{src}: layout.{k} must be at least 1, got {getattr(lay, k)}.")
@@ -707,12 +740,13 @@ def _resolve_paths(r: Recipe, base: Path | None) -> Recipe:
     if q is not None and q.calibrate is not None:
         from .calibrate.data import _looks_like_path
 
-        ds = str(q.calibrate.dataset)
+        cal = q.calibrate
+        ds = str(cal.dataset)
         if _looks_like_path(ds) or (base / ds).exists():
-            cal = rep(q.calibrate, dataset=fix(ds))
-            if cal.offload_dir is not None:
-                cal = rep(cal, offload_dir=fix(str(cal.offload_dir)))
-            q = rep(q, calibrate=cal)
+            cal = rep(cal, dataset=fix(ds))
+        if cal.offload_dir is not None:
+            cal = rep(cal, offload_dir=fix(str(cal.offload_dir)))
+        q = rep(q, calibrate=cal)
     if q is not None and q.auto_keep is not None and q.auto_keep.plot is not None:
         q = rep(q, auto_keep=rep(q.auto_keep, plot=fix(q.auto_keep.plot)))
     return rep(r, layout=lay, verify=v, quantize=q)

@@ -20,6 +20,7 @@ import pytest
 
 import k3convert.shard.writer as shard_writer
 from k3convert.convert import PlannedCheckpoint, convert
+from k3convert.errors import OutputError
 from k3convert.quant import quantize
 from k3convert.recipe import parse_recipe
 from k3convert.shard import shard
@@ -242,10 +243,16 @@ def test_cli_convert_exit_codes(k25, tmp_path):
     assert r.returncode == 1, r.stderr
     assert "verify      FAIL" in r.stdout and (out / "manifest.json").is_file()
     assert json.loads((out / "report.json").read_text())["passed"] is False
-    # another recipe over a complete OUT: refused before any work
+    # another stream format over a complete OUT: refused before any work
     r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "output.compression=none")
-    assert r.returncode == 2 and "written by another recipe" in r.stderr
+    assert r.returncode == 2 and "this recipe did not write" in r.stderr
     assert "Traceback" not in r.stderr
+    # other verify thresholds over the same stream: verified again, nothing rewritten
+    before = _files(out)
+    r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "verify.decode=0")
+    assert r.returncode == 0, r.stderr
+    assert "0 written, 12 already done" in r.stdout and "verify      PASS" in r.stdout
+    assert _files(out) == before
     # a bad override: exit 2, key path, nothing created
     r = _cli("convert", k25, tmp_path / "d", "-r", rp, "--set", "layout.tq=2")
     assert r.returncode == 2 and "layout.tq" in r.stderr and "did you mean 'tp'" in r.stderr
@@ -253,3 +260,84 @@ def test_cli_convert_exit_codes(k25, tmp_path):
     # OUT inside the source is refused
     r = _cli("convert", k25, k25 / "x", "-r", rp)
     assert r.returncode == 2 and not (k25 / "x").exists()
+
+
+def _calibrated(ids_file: Path, **layout) -> dict:
+    return {
+        **RECIPE,
+        "quantize": {
+            **RECIPE["quantize"],
+            "calibrate": {
+                "algorithm": "gptq",
+                "dataset": str(ids_file),
+                "num_samples": 8,
+                "seq_len": 32,
+                "batch_size": 4,
+            },
+        },
+        "layout": layout or RECIPE["layout"],
+        "verify": {"enabled": False},
+    }
+
+
+def test_keep_intermediate_after_calibration_equals_quantize(k25, ids_file, tmp_path):
+    """The intermediate checkpoint is written from the calibration journal before the
+    journal is removed; it equals quantize's own calibrated output."""
+    recipe = parse_recipe(_calibrated(ids_file))
+    convert(src=k25, out=tmp_path / "c", recipe=recipe, keep_intermediate=True, progress=False)
+    q = tmp_path / "q"
+    quantize(src=k25, out=q, recipe=recipe, progress=False)
+    assert _files(tmp_path / "c.quantized") == _files(q)
+    assert not (tmp_path / "c.calib").exists()
+    # a complete OUT cannot make the intermediate again without redoing the work
+    with pytest.raises(OutputError, match="keep-intermediate"):
+        convert(src=k25, out=tmp_path / "c", recipe=recipe, keep_intermediate=True,
+                progress=False)  # fmt: skip
+
+
+def test_quantize_output_as_source_carries_each_file_once(k25, ids_file, tmp_path):
+    """A calibrated quantize output carries routing_counts.json; converting it with a
+    calibrating recipe writes this run's counts, listed once, and the stream checks."""
+    from k3convert.stream import check
+
+    recipe = parse_recipe(_calibrated(ids_file, tp=2, moe_ep=2))
+    q = tmp_path / "q"
+    quantize(src=k25, out=q, recipe=recipe, progress=False)
+    assert (q / "routing_counts.json").is_file()
+    rtn = {"algorithm": "rtn", "dataset": str(ids_file), "num_samples": 8, "seq_len": 32}
+    again = parse_recipe(
+        {
+            **_calibrated(ids_file, tp=2, moe_ep=2),
+            "quantize": {"scheme": "fp8-dynamic", "calibrate": rtn},
+        }
+    )
+    out = tmp_path / "s"
+    convert(src=q, out=out, recipe=again, progress=False)
+    names = [f["name"] for f in json.loads((out / "manifest.json").read_text())["files"]]
+    assert sorted(names) == sorted(set(names)) and "routing_counts.json" in names
+    assert check(out).ok
+
+
+def test_changed_source_is_not_taken_for_converted(k25, tmp_path):
+    """A complete OUT is recognised by the source files' names, sizes and mtimes: the
+    same bytes count rewritten in place (a new revision) is not verified as if done."""
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(k25, src)
+    recipe = parse_recipe({**RECIPE, "verify": {"enabled": False}})
+    out = tmp_path / "c"
+    convert(src=src, out=out, recipe=recipe, progress=False)
+    st = next(src.glob("*.safetensors"))
+    os.utime(st, ns=(st.stat().st_atime_ns, st.stat().st_mtime_ns + 10**9))
+    with pytest.raises(OutputError, match="did not write from this source"):
+        convert(src=src, out=out, recipe=recipe, progress=False)
+
+
+def test_bad_html_path_fails_before_any_work(k25, tmp_path):
+    recipe = parse_recipe(RECIPE)
+    with pytest.raises(OutputError, match="HTML report"):
+        convert(src=k25, out=tmp_path / "c", recipe=recipe, progress=False,
+                report_html=tmp_path / "no" / "such" / "r.html")  # fmt: skip
+    assert not (tmp_path / "c").exists()

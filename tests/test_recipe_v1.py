@@ -368,3 +368,35 @@ def test_recipe_dataclasses_are_frozen():
     r = load_recipe(RECIPES / "demo.yaml")
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.layout.tp = 3  # type: ignore[misc]
+
+
+def test_set_paths_are_taken_from_the_working_directory(tmp_path, monkeypatch):
+    """A path given with --set is typed on the command line: it is relative to the
+    working directory, while the recipe file's own paths are relative to its folder."""
+    rdir, work = tmp_path / "recipes", tmp_path / "work"
+    rdir.mkdir()
+    work.mkdir()
+    (work / "ids.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    rp = rdir / "r.yaml"
+    rp.write_text("quantize:\n  scheme: w4a16\n  calibrate: {dataset: default}\n")
+    monkeypatch.chdir(work)
+    r = load_recipe(
+        rp, ["quantize.calibrate.dataset=ids.jsonl", "quantize.calibrate.offload_dir=od"]
+    )
+    assert r.quantize.calibrate.dataset == str(work / "ids.jsonl")
+    assert r.quantize.calibrate.offload_dir == str(work / "od")
+    # a dataset name stays a name; the recipe's own relative offload_dir is its folder's
+    rp.write_text("quantize:\n  scheme: w4a16\n  calibrate: {dataset: default, offload_dir: od}\n")
+    r = load_recipe(rp)
+    assert r.quantize.calibrate.dataset == "default"
+    assert r.quantize.calibrate.offload_dir == str(rdir / "od")
+
+
+@pytest.mark.parametrize("key", ["layout.pp", "layout.tp", "layout.redundant_experts"])
+def test_absurd_layout_degrees_fail_at_once(tmp_path, key):
+    rp = tmp_path / "r.yaml"
+    rp.write_text("quantize: {scheme: fp8-dynamic}\n")
+    with pytest.raises(ConfigError, match=f"{key}=100000000 is beyond any cluster"):
+        load_recipe(rp, [f"{key}=100000000"])
+    with pytest.raises(ConfigError, match="empty key path"):
+        load_recipe(rp, [".=3"])

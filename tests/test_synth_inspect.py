@@ -279,6 +279,16 @@ def test_demo_runs(tmp_path):
     assert (tmp_path / "demo" / "report.html").read_text().startswith("<!doctype html>")
 
 
+def test_demo_never_replaces_a_directory_it_did_not_write(tmp_path):
+    """--out DIR with a DIR/model the demo did not write: refused, nothing deleted."""
+    notes = tmp_path / "d" / "model" / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("mine")
+    r = _cli("demo", "--out", tmp_path / "d", "--no-progress")
+    assert r.returncode == 2 and "was not written by `k3convert demo`" in r.stderr
+    assert notes.read_text() == "mine"
+
+
 def test_inspect_stream_directory(tmp_path, tiny_models):
     """A shard output is reported with its layout, not mistaken for a bare config."""
     from k3convert.shard import shard

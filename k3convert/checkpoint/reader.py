@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -243,6 +244,7 @@ class Checkpoint:
         self._files: list[Path] = files
         self._sha: dict[Path, str] = {}
         self._bin_cache: dict[Path, dict] = {}
+        self._bin_lock = threading.Lock()
         #: (tensor, format config.json claims) for 2-D weights config.json says are
         #: quantized but the files store plain; they are read as stored (plain)
         self.claimed_plain: list[tuple[str, str]] = list(claimed_plain or [])
@@ -324,9 +326,12 @@ class Checkpoint:
         return self._bin(p.file)[p.name]
 
     def _bin(self, path: Path) -> dict:
-        if path not in self._bin_cache:
-            self._bin_cache = {path: load_bin(path)}  # keep one file mapped at a time
-        return self._bin_cache[path]
+        with self._bin_lock:  # units / tensors are read on several threads
+            got = self._bin_cache.get(path)
+            if got is None:
+                got = load_bin(path)
+                self._bin_cache = {path: got}  # keep one file mapped at a time
+            return got
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.root)!r}, {len(self)} tensors, {len(self._files)} files)"

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
+#: the largest parallel degree a layout may ask for (world = tp * pp is bounded by its
+#: square): values past it are typos, and planning them would take hours
+MAX_DEGREE = 1 << 16
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -38,6 +42,11 @@ class Layout:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"layout: {k} must be a positive integer, got {v!r}.")
+            if v > MAX_DEGREE:
+                raise ConfigError(
+                    f"layout: {k}={v} is beyond any cluster (at most {MAX_DEGREE}); check "
+                    f"the value."
+                )
         if self.moe_tp is None:
             if self.tp % self.moe_ep:
                 raise ConfigError(

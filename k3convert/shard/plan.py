@@ -23,7 +23,7 @@ from ..arch import resolve, validate_source
 from ..arch.base import Role
 from ..checkpoint import Checkpoint, TensorMeta
 from ..checkpoint.safetensors_io import TORCH_TO_ST
-from ..errors import ConfigError
+from ..errors import ConfigError, short_list
 from ..stream.format import SplitError, build_header, unit_file
 from .layout import Layout, partition_layers, place_experts
 from .split import PartSlice, Piece, split_tensor, whole
@@ -302,7 +302,8 @@ def build_plan(
         if not us:
             raise ConfigError(
                 f"pipeline stage {s} of pp={layout.pp} would hold nothing (layers per stage "
-                f"{[b - a for a, b in ranges]}); use pp <= {num_layers} or set pp_layers."
+                f"{short_list([b - a for a, b in ranges])}); use pp <= {num_layers} or set "
+                f"pp_layers."
             )
 
     experts = _place(cfg, roles, layout, load_expert_load(expert_load), redundant_experts)

@@ -7,8 +7,9 @@ Where the time goes, and how it is overlapped (the format requires every byte to
 read, hashed and made durable; sha256 is the bottleneck on CPU, the disk on I/O):
 
 * source provenance hashes start first, on their own threads (one per file, up to
-  ``workers``), while the plan is still being built: hashing one big file is serial
-  and would otherwise become the tail;
+  ``workers``), as soon as OUT is prepared and alongside the units: hashing one big file
+  is serial and would otherwise become the tail (under torchrun each process hashes its
+  share of the files, balanced by bytes);
 * units are written in parallel (threads: hashing, zstd and file I/O release the GIL);
   each unit is hashed from the very buffers that are written, in cache-sized chunks, so
   nothing is read twice;
@@ -216,7 +217,8 @@ def write_stream(
     units, or whole layers with ``share_by_layer``), process 0 prepares OUT before and
     writes the manifest after the others have reported. on_unit(unit): called as each
     unit starts (progress displays). ``data.expect(units)``, when ``data`` has it, is told
-    which units this process writes before the first one.
+    which units this process writes before the first one, ``data.skip(unit)`` of each
+    one a rerun finds intact.
     """
     t0 = time.perf_counter()
     workers = check_write_options(compress, unit_hash, workers)
@@ -274,7 +276,7 @@ def write_stream(
         if identity is not None:
             source_id.append({"identity": identity})
         syncer = Syncer()
-        expect = getattr(data, "expect", None)
+        expect, skip = getattr(data, "expect", None), getattr(data, "skip", None)
         if expect is not None:
             expect(mine)
 
@@ -285,6 +287,8 @@ def write_stream(
             key = plan_key(up, compress, source_id, unit_hash)
             rec = resumable(out, up, key)
             if rec is not None:
+                if skip is not None:
+                    skip(up)
                 tick(rec["raw_bytes"])
                 with lock:
                     skipped += 1
@@ -391,6 +395,10 @@ def carried_files(ck: Checkpoint) -> list[tuple[str, Path | bytes]]:
 
 def _carry(carry: list[tuple[str, Path | bytes]], out: Path) -> list[dict]:
     """Copy (or write) the carried non-weight files next to the manifest; hash them."""
+    names = [n for n, _ in carry]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:  # the manifest would list one name twice with two hashes
+        raise AssertionError(f"carried files named twice: {dup}")
     files = []
     for name, what in carry:
         dst = out / name
