@@ -21,14 +21,19 @@ one untimed startup run; dirty pages are synced before every run):
 - convert 1 proc:   ``python WRAP convert SRC OUT -r R.yaml --no-progress``;
 - convert 2 procs:  ``python -m torch.distributed.run --standalone --nproc-per-node 2 WRAP
                     convert ...`` (the processes share the layers' units, balanced by bytes,
-                    and the source files' sha256).
+                    and the source files' sha256);
+- convert 1 proc 1 core: ``taskset -c 0 env OMP_NUM_THREADS=1 python WRAP convert ...
+                    --set output.workers=1``: one process on what each torchrun process has
+                    here (one core), so "2 procs" against it is the scaling one more core or
+                    node gives; on a 2-core machine "1 proc" already uses both cores.
 
 WRAP is ``k3convert.cli.main`` (what ``k3convert`` runs) plus one stderr line per process
 at exit with its own peak RSS (``ru_maxrss`` of RUSAGE_SELF), its rank and torch's thread
 count; the table's peak RSS per process is the largest of those over runs and ranks. The
 threads are what convert does by default: nothing is set here, so one process has torch's
-default threads and ``output.workers`` = the CPU count; torchrun sets OMP_NUM_THREADS=1
-in each process unless the environment already has it (both are printed). "in-process s"
+default threads and ``output.workers`` = its cores; torchrun sets OMP_NUM_THREADS=1 in
+each process unless the environment already has it, and convert's default workers are
+then the node's cores divided by its processes (both are printed). "in-process s"
 is convert's own total from OUT/report.json (no interpreter start or torch import; under
 torchrun process 0's, which waits for the other).
 
@@ -87,6 +92,9 @@ os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
 """
 _LINE = re.compile(r"K3BENCH rank=(\d+) maxrss_kib=(\d+) threads=(\d+) omp=(\S+)")
 ONE, TWO = "convert 1 proc", "convert 2 procs"
+#: one process on one core (taskset, one worker, one thread): what each torchrun process
+#: gets here, so TWO against it is the scaling a second core / node brings
+CORE = "convert 1 proc 1 core"
 
 
 def model_bytes(layers: int) -> tuple[int, int]:
@@ -133,17 +141,21 @@ def run_size(root: Path, layers: int, a, wrap: Path, recipe: Path) -> dict:
     src = root / f"{PRESET}-{layers}L"
     total, largest = build(src, layers, a.file_mb)
     files = len(list(src.glob("*.safetensors")))
-    outs = {n: root / "out" / n.replace(" ", "_") for n in ("cp -r", ONE, TWO)}
+    outs = {n: root / "out" / n.replace(" ", "_") for n in ("cp -r", ONE, TWO, CORE)}
     conv = ["convert", "-r", str(recipe), "--no-progress"]
+    pin = shutil.which("taskset")
+    core = [pin, "-c", "0", "env", "OMP_NUM_THREADS=1", PY, str(wrap), conv[0], str(src),
+            str(outs[CORE]), *conv[1:], "--set", "output.workers=1"] if pin else None  # fmt: skip
     stages = [
         ("startup", STARTUP, ""),
         ("torchrun startup", [*TORCHRUN, "--no-python", *STARTUP], ""),
         ("cp -r", ["cp", "-r", str(src), str(outs["cp -r"])], ""),
         (ONE, [PY, str(wrap), conv[0], str(src), str(outs[ONE]), *conv[1:]], ""),
         (TWO, [*TORCHRUN, str(wrap), conv[0], str(src), str(outs[TWO]), *conv[1:]], ""),
+        (CORE, core, "taskset is not installed"),
     ]
-    procs: dict[str, list[dict]] = {ONE: [], TWO: []}
-    inproc: dict[str, list[float]] = {ONE: [], TWO: []}
+    procs: dict[str, list[dict]] = {ONE: [], TWO: [], CORE: []}
+    inproc: dict[str, list[float]] = {ONE: [], TWO: [], CORE: []}
     problems: list[str] = []
 
     def reset(name: str) -> None:
@@ -222,7 +234,7 @@ def print_size(row: dict) -> None:
         r = [name, f"{row['size_gb']:.2f}", f"{m:.2f}", f"{s['min_s']:.2f}"]
         r += ["-" if name.endswith("startup") else f"{row['source_bytes'] / m / 1e9:.3f}"]
         r += [f"{m / cp:.2f}" if cp else "-"]
-        r += [f"{one / m:.2f}x" if one and name in (ONE, TWO) else "-"]
+        r += [f"{one / m:.2f}x" if one and name in (ONE, TWO, CORE) else "-"]
         ip = s.get("in_process_median_s")
         r += [f"{ip:.2f}" if ip else "-", f"{one_in / ip:.2f}x" if ip and one_in else "-"]
         rss = s.get("rss_per_process_mib", s.get("rss_mib"))
@@ -241,7 +253,7 @@ def print_size(row: dict) -> None:
     print("-" * len(fmt(cols)))
     for r in rows:
         print(fmt(r) if len(r) > 2 else f"{r[0]:<{widths[0]}}  {r[1]}")
-    for name in (ONE, TWO):
+    for name in (ONE, TWO, CORE):
         if "processes" in st.get(name, {}):
             last = st[name]["processes"][-1]
             each = ", ".join(f"rank {p['rank']} {p['rss_mib']:.0f} MiB threads {p['threads']} "
@@ -317,6 +329,15 @@ def main() -> None:
         met = min(speedups) >= 1.6
         print(f"goal 2 procs >= 1.6x one: {', '.join(f'{s:.2f}x' for s in speedups)} "
               f"({'met' if met else 'NOT met'})")  # fmt: skip
+    pinned = [r["stages"] for r in rows if all("median_s" in r["stages"].get(n, {})
+                                               for n in (CORE, TWO))]  # fmt: skip
+    if pinned:
+        per_core = [s[CORE]["median_s"] / s[TWO]["median_s"] for s in pinned]
+        inside = [s[CORE]["in_process_median_s"] / s[TWO]["in_process_median_s"] for s in pinned]
+        goals["speedup_2_procs_vs_1_core"] = per_core
+        print(f"2 procs (a core each) vs 1 proc pinned to 1 core: "
+              f"{', '.join(f'{x:.2f}x' for x in per_core)} wall, "
+              f"{', '.join(f'{x:.2f}x' for x in inside)} in-process")  # fmt: skip
     for name in (ONE, TWO):
         rss = [r["stages"][name].get("rss_per_process_mib") for r in rows]
         if len(rows) > 1 and all(rss):
