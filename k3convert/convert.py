@@ -155,7 +155,9 @@ class PlannedCheckpoint(Checkpoint):
         from .quant.writer import row_tensors
 
         p = self.prepared
-        cheap = r.as_stored or (r.kept and not r.encoded and self._stored_plain(r))
+        # mapped from the source as stored (not a tensor calibration's smoothing changed)
+        smoothed = p.calibrated is not None and r.name in p.calibrated.kept_rows
+        cheap = r.as_stored or (r.kept and not r.encoded and not smoothed and self._stored_plain(r))
         if cheap and r.name in self._checked:  # mapped again; checked by its first read
             parts = p.ckpt.get_parts(r.name)
             if r.as_stored:

@@ -341,3 +341,30 @@ def test_bad_html_path_fails_before_any_work(k25, tmp_path):
         convert(src=k25, out=tmp_path / "c", recipe=recipe, progress=False,
                 report_html=tmp_path / "no" / "such" / "r.html")  # fmt: skip
     assert not (tmp_path / "c").exists()
+
+
+def test_smoothed_kept_norms_reach_every_rank(k25, ids_file, tmp_path):
+    """SmoothQuant changes kept tensors (the norms); a norm replicated on both TP ranks
+    must be the smoothed one on each, as quantize + shard writes it (regression: a
+    second reader once got the source's norm)."""
+    doc = {
+        "quantize": {
+            "scheme": "w8a8",
+            "calibrate": {
+                "algorithm": "smoothquant",
+                "dataset": str(ids_file),
+                "num_samples": 8,
+                "seq_len": 32,
+            },
+        },
+        "layout": {"tp": 2},
+        "output": {"compression": "none"},
+        "verify": {"enabled": False},
+    }
+    recipe = parse_recipe(doc)
+    out = tmp_path / "c"
+    convert(src=k25, out=out, recipe=recipe, progress=False)
+    ref = _two_step(k25, tmp_path, doc)
+    want = _files(ref)
+    units = [k for k in want if k.startswith("rank")]
+    assert units and all(_files(out)[k] == want[k] for k in units)
