@@ -175,20 +175,8 @@ def test_interrupted_convert_resumes_to_identical_output(k25, tmp_path, monkeypa
 
 
 def test_calibrated_convert_resumes_without_recalibrating(k25, ids_file, tmp_path, monkeypatch):
-    doc = {
-        **RECIPE,
-        "quantize": {
-            **RECIPE["quantize"],
-            "calibrate": {
-                "algorithm": "gptq",
-                "dataset": str(ids_file),
-                "num_samples": 8,
-                "seq_len": 32,
-                "batch_size": 4,
-            },
-        },
-        "layout": {"tp": 2, "moe_ep": 2, "redundant_experts": 2, "expert_load": "calibration"},
-    }
+    lay = {"tp": 2, "moe_ep": 2, "redundant_experts": 2, "expert_load": "calibration"}
+    doc = {**_calibrated(ids_file, **lay), "verify": RECIPE["verify"]}
     recipe = parse_recipe(doc)
     full = tmp_path / "full"
     first = convert(src=k25, out=full, recipe=recipe, progress=False)
