@@ -433,8 +433,8 @@ def convert(
         else:
             data = ck
         with _key_path(r, "layout"):  # raises on a layout the model cannot take
-            build_plan(data, layout, expert_load=_even_load(data) if pending else load,
-                       **placement)  # fmt: skip
+            plan = build_plan(data, layout, expert_load=_even_load(data) if pending else load,
+                              **placement)  # fmt: skip
         vref = _verify_reference(r, ck)
         times["plan"] = time.perf_counter() - t
 
@@ -442,23 +442,27 @@ def convert(
         if done is not None:  # a complete stream of this recipe: verify it again
             stages = [s for s in stages if s != "calibrate"]
             ui.stages = stages
-        if r.quantize is not None and done is None:
+        if r.quantize is not None and done is None and _needs_data(r):
             t = time.perf_counter()
             prep = _prepare(r, ck, out, force, calib_dir, group, ui, say)
             data = PlannedCheckpoint(prep, cache_bytes)
-            if "calibrate" in stages:
-                times["calibrate"] = time.perf_counter() - t
-        if lay.expert_load == CALIBRATION and done is None:
-            counts = prep.calibrated.routing_counts if prep.calibrated is not None else {}
-            if not counts:
-                raise ConfigError(
-                    f"{r.origin}: layout.expert_load is 'calibration' but calibration routed "
-                    f"no tokens (the model has no MoE layer the runtime calibrates)."
-                )
-            load = counts
-        if pending and done is not None:
-            load = _even_load(data)  # (the manifest holds the real placement)
-        plan = build_plan(data, layout, expert_load=load, **placement)
+            times["calibrate"] = time.perf_counter() - t
+        elif r.quantize is not None and done is None:
+            from .quant.writer import fuse_scales
+
+            fuse_scales(prep)  # the plan-only preparation is complete: no data needed
+        if _needs_data(r) and done is None:  # calibration changed the checkpoint: re-plan
+            if pending:
+                counts = prep.calibrated.routing_counts if prep.calibrated is not None else {}
+                if not counts:
+                    raise ConfigError(
+                        f"{r.origin}: layout.expert_load is 'calibration' but calibration "
+                        f"routed no tokens (the model has no MoE layer the runtime calibrates)."
+                    )
+                load = counts
+            plan = build_plan(data, layout, expert_load=load, **placement)
+        # (else the plan of step 1 is the one to write: for a complete OUT with
+        # expert_load: calibration, its even counts; the manifest holds the real placement)
 
         # -- 3. write the stream ------------------------------------------------------
         t = time.perf_counter()
@@ -586,9 +590,10 @@ def _needs_data(r: Recipe) -> bool:
 
 
 def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, say):
-    """The full quantization preparation, every process together: the auto-keep scan on
-    process 0 (its choice shared), calibration with each layer's GPTQ solves split over
-    the processes (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
+    """The full quantization preparation of a recipe that needs data, every process
+    together: the auto-keep scan on process 0 (its choice shared), calibration with each
+    layer's GPTQ solves split over the processes
+    (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
     from .arch import resolve
     from .quant.writer import prepare_quantization
 
@@ -599,11 +604,9 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
         if say is not ui.write:
             say(line)
 
-    if _needs_data(r):
-        ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
+    ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
     return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out, force=force,
-                                log=log if _needs_data(r) and group.leader else None,
-                                group=group)  # fmt: skip
+                                log=log if group.leader else None, group=group)  # fmt: skip
 
 
 def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:

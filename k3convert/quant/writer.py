@@ -726,9 +726,16 @@ def prepare_quantization(
             )
             provenance["mappings"] = len(calibrated.smoothing)
         prepared.provenance = provenance
-    with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
-        prepared.shared = _shared_amax(ckpt, plan, workers)
+    fuse_scales(prepared, workers)
     return prepared
+
+
+def fuse_scales(prepared: Prepared, workers: int = 1) -> None:
+    """The last step of a preparation: the fused NVFP4 sets' shared largest |value|
+    (one pass over those tensors; nothing for other schemes). A ``plan_only`` preparation
+    that needs no calibration is complete after it (``convert`` uses it so)."""
+    with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
+        prepared.shared = _shared_amax(prepared.ckpt, prepared.plan, workers)
 
 
 def _check_input_scales(plan: Plan, input_scales: Mapping, calibrate) -> None:
