@@ -1111,6 +1111,7 @@ class Planner:
 def load_source(src: str | Path | None) -> Tensors:
     """A config.json, a model directory (its stored tensors when it has weights) or a
     bundled preset name."""
+    from .checkpoint.output import refuse_partial
     from .synth import PRESETS, preset_config
 
     if src is None:
@@ -1120,6 +1121,7 @@ def load_source(src: str | Path | None) -> Tensors:
         )
     p = Path(src)
     if p.exists():
+        refuse_partial(p)  # an unfinished output (a stream without its manifest, too)
         if p.is_dir() and (p / "manifest.json").is_file():
             raise ConfigError(
                 f"{p} is a stream directory (it has a manifest.json); plan from the "

@@ -213,6 +213,35 @@ def test_missing_manifest_is_an_incomplete_conversion(damaged, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(NotAStreamError):
         open_stream(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_stream_without_manifest_in_every_verb(damaged, tmp_path, capsys, journal):
+    """A stream whose manifest.json is gone (lost in a copy, or never written) is reported
+    as an incomplete stream by every verb that takes a source, exit 2, one line; never as
+    a checkpoint without weights."""
+    from k3convert.cli import main
+
+    out, _ = damaged()
+    (out / "manifest.json").unlink()
+    if journal:
+        (out / ".k3-journal").mkdir()
+    verbs = [
+        ["verify", out],
+        ["forward", out, "--ids", "1 2 3"],
+        ["inspect", out],
+        ["shard", out, tmp_path / "s", "--tp", "1"],
+        ["quantize", out, tmp_path / "q", "--scheme", "w8a8"],
+        ["plan", out],
+    ]
+    for argv in verbs:
+        rc = main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert rc == 2, (argv[0], rc, err)
+        assert "without its manifest.json" in err or "incomplete conversion" in err, (argv, err)
+        assert "no weights found" not in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "s").exists() and not (tmp_path / "q").exists()
     assert check(tmp_path / "empty").exit_code == 2
 
 

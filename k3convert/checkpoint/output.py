@@ -42,6 +42,7 @@ PARTIAL_MARKER = ".k3-partial.json"
 #: an interrupted ``shard`` keeps its journal in OUT until the manifest is written
 STREAM_JOURNAL = ".k3-journal"
 _PARTIAL_RX = re.compile(r"^\..+\.partial-\d+$")
+_RANK_DIR_RX = re.compile(r"rank\d{5}")  # a stream's per-rank folder (formats/musa-stream.md)
 
 
 def free_bytes(path: str | os.PathLike) -> int:
@@ -263,11 +264,23 @@ def refuse_partial(path: str | os.PathLike) -> None:
             f"'.OUT.partial-PID' directory), not a checkpoint; rerun the command that "
             f"wrote it (it removes the stale directory) and use its OUT."
         )
-    if (d / STREAM_JOURNAL).is_dir() and not (d / "manifest.json").is_file():
+    if is_unfinished_stream(d):
         raise CheckpointError(
-            f"{p}: is an interrupted `k3convert shard` output (no manifest.json yet), not a "
-            f"checkpoint; rerun the same shard command to finish it."
+            f"{p}: is a k3convert stream directory without its manifest.json (the commit "
+            f"marker, written last): an interrupted or damaged `shard` / `convert` output, "
+            f"not a checkpoint. Rerun the same shard / convert command to resume it, or copy "
+            f"the stream again if its manifest.json was lost."
         )
+
+
+def is_unfinished_stream(d: Path) -> bool:
+    """``d`` holds stream parts (the unit journal or ``rankNNNNN`` folders) but no
+    ``manifest.json``, the commit marker written last."""
+    if not d.is_dir() or (d / "manifest.json").is_file():
+        return False
+    return (d / STREAM_JOURNAL).is_dir() or any(
+        q.is_dir() and _RANK_DIR_RX.fullmatch(q.name) for q in d.glob("rank*")
+    )
 
 
 def check_output(

@@ -29,6 +29,7 @@ import zstandard
 
 from ..checkpoint import PartMeta, QuantParams, TensorMeta, load_json
 from ..checkpoint.encodings import ENCODINGS, FORMATS
+from ..checkpoint.output import is_unfinished_stream
 from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError, K3Error
 from . import hashing as unit_hashing
@@ -41,7 +42,6 @@ from .consistency import (
 )
 from .format import (
     FORMAT,
-    JOURNAL,
     MANIFEST,
     PAD_PREFIX,
     READ_VERSIONS,
@@ -100,11 +100,12 @@ def load_manifest(root: Path) -> dict:
         raise NotAStreamError(f"{root}: not a directory; expected a k3convert stream directory.")
     mp = root / MANIFEST
     if not mp.is_file():
-        if (root / JOURNAL).is_dir() or any(root.glob("rank[0-9]*")):
+        if is_unfinished_stream(root):
             raise IncompleteStreamError(
                 f"{root}: incomplete conversion - {MANIFEST} is missing (it is written last, "
-                f"as the commit marker), so the shard run was interrupted. Rerun `k3convert "
-                f"shard` with the same arguments to resume it."
+                f"as the commit marker): the shard / convert run was interrupted, or the "
+                f"manifest was lost. Rerun `k3convert shard` / `convert` with the same "
+                f"arguments to resume it, or copy the stream again."
             )
         raise NotAStreamError(
             f"{root}: not a stream directory (no {MANIFEST}); create one with `k3convert shard`."
