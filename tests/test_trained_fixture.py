@@ -5,6 +5,7 @@ second call is a cache hit. The first run on a machine trains both models (minut
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -19,8 +20,10 @@ import transformers
 from k3convert.arch import resolve, validate_source
 from k3convert.checkpoint.reader import open_checkpoint
 from tests.trained import (  # noqa: F401  (fixtures)
+    DETERMINISTIC_ENV,
     MARKER,
     RECIPES,
+    REFERENCE,
     VOCAB,
     corpus_documents,
     heldout_blocks,
@@ -32,6 +35,7 @@ from tests.trained import (  # noqa: F401  (fixtures)
     trained_llama,
     trained_model,
     unigram_perplexity,
+    versions_key,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,3 +145,45 @@ def test_concurrent_builds_train_once(tmp_path):
     assert built["recipe"] == dataclasses.asdict(
         dataclasses.replace(RECIPES["llama"], name="smoke", steps=3, warmup=1, batch=2)
     )
+
+
+def test_weights_are_the_reference_bytes(trained):
+    """Training is CPU-independent (tests/trained.py, DETERMINISTIC_ENV): with the library
+    versions of a reference entry, every machine builds exactly its bytes."""
+    name, d = trained
+    metrics = json.loads((d / MARKER).read_text())
+    for f, digest in metrics["sha256"].items():
+        assert hashlib.sha256((d / f).read_bytes()).hexdigest() == digest, f
+    refs = json.loads(REFERENCE.read_text())
+    key = versions_key()
+    if key not in refs:
+        pytest.skip(f"no reference digests for {key} in {REFERENCE.name} (add this machine's)")
+    assert metrics["sha256"] == refs[key][name], (name, key)
+
+
+def test_training_ignores_the_callers_cpu_settings(tmp_path):
+    """The trainer's environment overrides the caller's: a 3-step recipe trained from a
+    parent with ATen's AVX2 kernels and 2 threads, and from one with the portable kernels
+    and 1 thread, gives the same weights; build() refuses to run outside that environment."""
+    code = (
+        "import dataclasses; from tests.trained import RECIPES, trained_model; "
+        "r = dataclasses.replace(RECIPES['llama'], name='iso', steps=3, warmup=1, batch=2); "
+        "print(trained_model(r))"
+    )
+    digests = []
+    for i, (cap, threads) in enumerate((("avx2", "2"), ("default", "1"))):
+        env = dict(os.environ, K3_FIXTURE_CACHE=str(tmp_path / str(i)), PYTHONPATH=str(ROOT),
+                   ATEN_CPU_CAPABILITY=cap, OMP_NUM_THREADS=threads, MKL_CBWR="AUTO")  # fmt: skip
+        r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, check=True)  # fmt: skip
+        d = Path(r.stdout.strip())
+        digests.append(hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest())
+        assert json.loads((d / MARKER).read_text())["environment"] == DETERMINISTIC_ENV
+    assert digests[0] == digests[1]
+    env = {k: v for k, v in os.environ.items() if k not in DETERMINISTIC_ENV}
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.trained", json.dumps({"name": "x", "model_class": "x"}),
+         str(tmp_path / "x")], env=dict(env, PYTHONPATH=str(ROOT)), cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0 and "DETERMINISTIC_ENV" in r.stderr, r.stderr[-2000:]

@@ -6,6 +6,15 @@ transformers model (``LlamaForCausalLM``, ``DeepseekV3ForCausalLM``) trained for
 hundred AdamW steps on the CPython ``pydoc_data.topics`` corpus, with its own byte-level
 BPE tokenizer (vocab 1024, trained with ``tokenizers``).
 
+The trained weights are the same bytes on every x86-64 machine: training runs in a
+subprocess whose environment pins every CPU-dependent choice of the float arithmetic
+(:data:`DETERMINISTIC_ENV`: ATen's portable kernels instead of its AVX2 / AVX512 ones,
+MKL's conditional-numerical-reproducibility mode ``COMPATIBLE``, one thread), and
+``trained.json`` records the sha256 of the weights, which ``tests/test_trained_fixture.py``
+compares with the reference digests in ``tests/trained_reference.json`` (measured for
+the library versions named there). The quality figures measured on the fixtures then differ between
+machines only by what the code under test computes, never by the model it starts from.
+
 Each model is trained once per machine and cached in
 ``$K3_FIXTURE_CACHE/<name>-<key>`` (default root ``~/.cache/k3convert/fixtures``). The key
 hashes the recipe, the corpus text, the torch / transformers / tokenizers versions and
@@ -39,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,7 +82,31 @@ class Recipe:
     warmup: int = 20
     weight_decay: float = 0.0  # 0.1 measured flatter down_proj inputs (dsv3 2.8 vs 3.4)
     seed: int = 0
-    threads: int = 2
+    threads: int = 1  # part of DETERMINISTIC_ENV: one thread, one summation order
+
+
+#: The training subprocess's environment: what makes the weights independent of the CPU.
+#: ATen picks AVX512 / AVX2 / portable kernels at start-up, and they round differently
+#: (vectorised reductions sum in another order; Sleef's exp / tanh are not libm's): the
+#: portable ones run on every x86-64. MKL picks its GEMM code path by CPU, and only
+#: ``MKL_CBWR=COMPATIBLE`` (its SSE2 branch, "the same results on Intel and non-Intel
+#: processors") makes the products identical across vendors and generations. oneDNN is
+#: capped the same way in case an op reaches it. Threads are fixed (MKL's reproducibility
+#: holds for a fixed thread count; one thread also rules out OpenMP chunking). Measured on
+#: an AVX512 EPYC: 20 AdamW steps of the llama recipe give the same weights at 1 and 2
+#: threads and under ATEN_CPU_CAPABILITY=default / avx2 / avx512 in the parent, while
+#: without this environment the three capabilities give three different models.
+DETERMINISTIC_ENV = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "MKL_DYNAMIC": "FALSE",
+}
+
+#: sha256 of each fixture's files as trained in DETERMINISTIC_ENV, per library versions:
+#: a machine with those versions must build exactly these bytes (tested). Kept outside
+#: this file, whose source is part of the cache key.
+REFERENCE = Path(__file__).with_name("trained_reference.json")
 
 
 _COMMON = dict(
@@ -174,20 +208,30 @@ def recipe_key(recipe: Recipe, docs: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _recipe(recipe: str | Recipe) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise KeyError(f"no trained fixture {recipe!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[recipe]
+
+
 def trained_model(recipe: str | Recipe) -> Path:
     """The directory of the trained model ``recipe`` ("llama", "deepseek_v3" or a
     :class:`Recipe`), trained on the first call on this machine (minutes) and read from
     the cache afterwards."""
-    if isinstance(recipe, str):
-        if recipe not in RECIPES:
-            raise KeyError(f"no trained fixture {recipe!r}; choose one of {sorted(RECIPES)}")
-        recipe = RECIPES[recipe]
-    name = recipe.name
+    return trained_models([recipe])[0]
+
+
+def trained_models(recipes: list[str | Recipe]) -> list[Path]:
+    """:func:`trained_model` of several recipes; the missing ones train at the same time,
+    one single-threaded process each (the two fixtures take one core each instead of
+    one after the other)."""
     docs = corpus_documents()
     root = cache_root()
-    final = root / f"{name}-{recipe_key(recipe, docs)}"
-    if (final / MARKER).is_file():
-        return final
+    todo = [(r, root / f"{r.name}-{recipe_key(r, docs)}") for r in map(_recipe, recipes)]
+    if all((final / MARKER).is_file() for _, final in todo):
+        return [final for _, final in todo]
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -195,60 +239,77 @@ def trained_model(recipe: str | Recipe) -> Path:
             f"cannot create the fixture cache {root}: {e}. Set K3_FIXTURE_CACHE to a "
             "writable directory."
         ) from e
-    with open(final.with_name(final.name + ".lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then reuses
-        if (final / MARKER).is_file():
-            return final
-        if final.exists():
-            raise OutputError(
-                f"{final} exists but has no {MARKER} (an interrupted or foreign build); "
-                "delete that directory and rerun."
-            )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
-        try:
-            _build_in_subprocess(recipe, tmp)
+    with contextlib.ExitStack() as stack:
+        builds = []
+        for recipe, final in todo:
+            lock = stack.enter_context(open(final.with_name(final.name + ".lock"), "a+"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then reuses
+            if (final / MARKER).is_file() or any(f == final for _, f, _ in builds):
+                continue
+            if final.exists():
+                raise OutputError(
+                    f"{final} exists but has no {MARKER} (an interrupted or foreign build); "
+                    "delete that directory and rerun."
+                )
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+            stack.callback(shutil.rmtree, tmp, ignore_errors=True)  # no-op once renamed
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
+            proc, log = _start_build(recipe, tmp)
+            stack.callback(proc.kill)  # an interrupted wait leaves no trainer running
+            stack.callback(log.close)
+            builds.append((recipe, final, (proc, log, tmp)))
+        for recipe, final, (proc, log, tmp) in builds:
+            _finish_build(recipe, proc, log, tmp)
             os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+    return [final for _, final in todo]
 
 
-def _build_in_subprocess(recipe: Recipe, out: Path) -> None:
-    """:func:`build` in a fresh interpreter with ``OMP_WAIT_POLICY=PASSIVE``.
+def _start_build(recipe: Recipe, out: Path) -> tuple[subprocess.Popen, typing.IO[bytes]]:
+    """:func:`build` in a fresh interpreter with :data:`DETERMINISTIC_ENV` and
+    ``OMP_WAIT_POLICY=PASSIVE``.
 
-    On a shared 2-core machine, OpenMP's default spin-waiting makes a 2-thread step about
-    10x slower whenever another process holds a core (measured 5.0 s vs 0.6 s per step);
-    the policy is read once at start-up, so the training runs in its own process."""
+    Both are read once at start-up, hence the process. On a shared 2-core machine,
+    OpenMP's default spin-waiting makes a step about 10x slower whenever another process
+    holds a core (measured 5.0 s vs 0.6 s per 2-thread step)."""
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    env.update(DETERMINISTIC_ENV)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(recipe.threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     arg = json.dumps(dataclasses.asdict(recipe))
-    r = subprocess.run(
+    log = tempfile.TemporaryFile()  # noqa: SIM115  (closed by the caller's ExitStack)
+    # a file, not a pipe: two trainers never block on a full pipe
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tests.trained", arg, str(out)],
         env=env,
         cwd=root,
-        capture_output=True,
-        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
     )
-    if r.returncode != 0 or not (out / MARKER).is_file():
+    return proc, log
+
+
+def _finish_build(recipe: Recipe, proc: subprocess.Popen, log: typing.IO[bytes], out: Path):
+    proc.wait()
+    if proc.returncode != 0 or not (out / MARKER).is_file():
+        log.seek(0)
+        err = log.read().decode(errors="replace")
         raise RuntimeError(
-            f"training the {recipe.name} fixture into {out} failed (exit {r.returncode}):\n"
-            f"{r.stderr[-4000:]}"
+            f"training the {recipe.name} fixture into {out} failed (exit {proc.returncode}):"
+            f"\n{err[-4000:]}"
         )
 
 
 @pytest.fixture(scope="session")
 def trained_llama() -> Path:
     """Directory of the trained tiny LlamaForCausalLM (bf16 safetensors + tokenizer)."""
-    return trained_model("llama")
+    return trained_models(list(RECIPES))[0]  # both fixtures train at once on a new machine
 
 
 @pytest.fixture(scope="session")
 def trained_dsv3() -> Path:
     """Directory of the trained tiny DeepseekV3ForCausalLM (MLA, 8 experts top-2)."""
-    return trained_model("deepseek_v3")
+    return trained_models(list(RECIPES))[1]
 
 
 # -- tokenizer and data --------------------------------------------------------------------
@@ -364,6 +425,25 @@ def _threads(n: int):
         torch.set_num_threads(old)
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tokenizers_version() -> str:
+    import tokenizers
+
+    return tokenizers.__version__
+
+
+def versions_key() -> str:
+    """The key of :data:`REFERENCE` for this machine's libraries."""
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}, " + (
+        f"tokenizers {_tokenizers_version()}"
+    )
+
+
 # -- training --------------------------------------------------------------------------------
 def build(recipe: Recipe, docs: list[str], out: Path) -> dict:
     """Train ``recipe`` on ``docs`` (minus the held-out split) and save everything into
@@ -371,6 +451,14 @@ def build(recipe: Recipe, docs: list[str], out: Path) -> dict:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT" or any(
+        os.environ.get(k) != v for k, v in DETERMINISTIC_ENV.items()
+    ):
+        raise RuntimeError(
+            "build() must run in DETERMINISTIC_ENV (use trained_model(), which starts it in "
+            "a subprocess with that environment): the weights would depend on this CPU."
+        )
+    torch.use_deterministic_algorithms(True)
     t0 = time.perf_counter()
     train_docs, held_docs = split_corpus(docs)
     with open(out / "heldout.jsonl", "w", encoding="utf-8") as f:
@@ -446,6 +534,9 @@ def build(recipe: Recipe, docs: list[str], out: Path) -> dict:
             "build_seconds": time.perf_counter() - t0,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "tokenizers": _tokenizers_version(),
+            "environment": DETERMINISTIC_ENV,
+            "sha256": {f: _sha256(out / f) for f in ("model.safetensors", "tokenizer.json")},
         }
     (out / MARKER).write_text(json.dumps(metrics, indent=1) + "\n")
     return metrics
