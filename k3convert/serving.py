@@ -58,7 +58,12 @@ KERNELS: dict[str, dict[str, tuple[str, str]]] = {
     },
     "fp8-block": {  # fp8-block, fp8-block-ue8m0 (group-128 fp8 inputs), fp8-block-w
         "vllm-cuda": (LOADS, "CompressedTensorsW8A8Fp8, block-scaled GEMM"),
-        "vllm-cpu": (LOADS, "CPUFp8W8A8BlockScaledMMKernel (measured)"),
+        "vllm-cpu": (
+            NO_KERNEL,
+            "CPUFp8BlockScaledMMKernel needs AMX (Sapphire Rapids or newer); measured: "
+            "refused on an AVX-512 CPU without AMX, and a block shape problem is refused "
+            "before that",
+        ),
     },
     "fp8-w8a16": {  # fp8-tensor / fp8-channel weights, no input quantization
         "vllm-cuda": (LOADS, "CompressedTensorsW8A16Fp8 (Marlin)"),
