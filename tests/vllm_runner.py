@@ -6,7 +6,7 @@ of its own (``tools/vllm-venv.sh``), so the test runs it as a subprocess::
     $K3_VLLM_PYTHON tests/vllm_runner.py JOB.json RESULT.json
 
 JOB: ``{"prompts": [[ids], ...], "runs": [{"name", "model", "kv_cache_dtype"?,
-"no_tokenizer"?, "prompts"?}, ...],
+"no_tokenizer"?, "prompts"?, "tp"?}, ...],
 "max_model_len": N, "dtype": "bfloat16"}``. Every run loads its checkpoint in this one
 process (one Python + vLLM start-up for all), asks for the logprob of every prompt token
 given the ones before it, and is released before the next. RESULT: per run either
@@ -36,6 +36,8 @@ def _one(spec: dict, prompts: list[list[int]], job: dict) -> dict:
     kw = {}
     if spec.get("kv_cache_dtype"):
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = spec["tp"]
     bare = bool(spec.get("no_tokenizer"))  # a synthetic model without tokenizer files
     if bare:
         kw["skip_tokenizer_init"] = True
