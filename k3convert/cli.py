@@ -343,9 +343,25 @@ def quantize(
         Path | None,
         typer.Option(help="With --auto-keep: also draw the sensitivities as a PNG chart."),
     ] = None,
+    serving_tp: Annotated[
+        int,
+        typer.Option(help="Check that vLLM loads OUT at this tensor-parallel degree (warns)."),
+    ] = 1,
+    serving_device: Annotated[
+        str, typer.Option(help="Device class vLLM will serve OUT on: cuda or cpu.")
+    ] = "cuda",
+    strict_serving: Annotated[
+        bool,
+        typer.Option(
+            "--strict-serving",
+            help="Refuse (exit 2, nothing written) instead of warning when vLLM would not "
+            "load OUT at --serving-tp on --serving-device.",
+        ),
+    ] = False,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .quant import quantize as do_quantize
+    from .serving import ServingTarget
 
     if (scheme is None) == (recipe is None):
         raise typer.BadParameter("give exactly one of --scheme NAME or --recipe R.yaml.")
@@ -429,6 +445,7 @@ def quantize(
         sensitivity=sensitivity,
         plot=plot,
         sensitivity_data=scan_data,
+        serving=ServingTarget(tp=serving_tp, device=serving_device, strict=strict_serving),
     )
     if not _leader():  # under torchrun process 0 reports for the job
         return

@@ -49,6 +49,14 @@ def convert_cmd(
         bool, typer.Option("--force", help="Replace a complete OUT from an earlier run.")
     ] = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    strict_serving: Annotated[
+        bool,
+        typer.Option(
+            "--strict-serving",
+            help="Refuse (exit 2, before any work) when vLLM would not load the result at "
+            "the layout's tp (same as --set output.strict_serving=true).",
+        ),
+    ] = False,
 ):
     """Quantize (calibrating when the recipe asks) -> shard -> verify in one streaming pass.
 
@@ -62,7 +70,8 @@ def convert_cmd(
     if len(paths) not in (1, 2):
         raise typer.BadParameter("give SRC OUT (or OUT alone when the recipe names source.path).")
     src, out = (None, paths[0]) if len(paths) == 1 else paths
-    res = convert(src=src, out=out, recipe=recipe, overrides=list(set_ or ()),
+    overrides = list(set_ or ()) + (["output.strict_serving=true"] if strict_serving else [])
+    res = convert(src=src, out=out, recipe=recipe, overrides=overrides,
                   keep_intermediate=keep_intermediate, force=force, progress=not no_progress,
                   report_html=report_html)  # fmt: skip
     if not procs.current().leader:

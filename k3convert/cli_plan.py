@@ -80,6 +80,16 @@ def register(app: typer.Typer) -> None:
             bool,
             typer.Option("--fail-if-over", help="Exit 1 when a rank is over the budget."),
         ] = False,
+        serving_device: Annotated[
+            str, typer.Option(help="Check the planned scheme against vLLM on cuda or cpu.")
+        ] = "cuda",
+        strict_serving: Annotated[
+            bool,
+            typer.Option(
+                "--strict-serving",
+                help="Exit 2 when vLLM would not load the planned quantization at this tp.",
+            ),
+        ] = False,
     ):
         """Memory per rank for a layout and a workload: weights (as shard writes them),
         KV cache, KDA state, activations (an estimate) against a device's memory; lists
@@ -118,6 +128,8 @@ def register(app: typer.Typer) -> None:
             device_mem=device_mem,
             device=device,
             top=top,
+            serving_device=serving_device,
+            strict_serving=strict_serving,
         )
         typer.echo(res.table())
         if json_out is not None:

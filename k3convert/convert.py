@@ -429,6 +429,7 @@ def convert(
 
             with _key_path(r, "quantize"):
                 prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
+            _check_serving(r, prep, ck, say if group.leader else None)
             data: Checkpoint = PlannedCheckpoint(prep, cache_bytes)
         else:
             data = ck
@@ -587,6 +588,18 @@ def _even_load(ck) -> dict[int, list[float]]:
 def _needs_data(r: Recipe) -> bool:
     q = r.quantize
     return q is not None and (q.calibrate is not None or q.auto_keep is not None)
+
+
+def _check_serving(r: Recipe, prep, ck, log) -> None:
+    """vLLM's load-time rules at the recipe's layout (:mod:`k3convert.serving`): a
+    warning per problem through ``log``, or with ``output.strict_serving`` an error
+    before any work."""
+    from .serving import ServingTarget, report
+
+    lay = r.layout.layout()
+    target = ServingTarget(tp=lay.tp, moe_ep=lay.moe_ep, device=r.output.serving_device,
+                           strict=r.output.strict_serving)  # fmt: skip
+    report(target.check(prep.plan, ck.config), log=log, plan=prep.plan)
 
 
 def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, say):
@@ -807,6 +820,7 @@ def check_against(r: Recipe, model) -> str:
 
         with _key_path(r, "quantize"):
             prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
+        _check_serving(r, prep, ck, None)
         data = PlannedCheckpoint(prep)
     lay = r.layout
     load = None if lay.expert_load in (None, CALIBRATION) else lay.expert_load
@@ -817,7 +831,9 @@ def check_against(r: Recipe, model) -> str:
                           pp_layers=list(lay.pp_layers) or None, expert_load=load,
                           redundant_experts=lay.redundant_experts)  # fmt: skip
     total = sum(up.header()[2] for up in plan.units)
+    serving = [w for w in (prep.plan.warnings if r.quantize is not None else ())
+               if w.startswith("serving: ")]  # fmt: skip
     return (
         f"{ck.root}: {len(plan.units)} units over {plan.layout.world} ranks, "
         f"{total / 2**20:.1f} MiB before compression"
-    )
+    ) + "".join(f"\n# warning: {w}" for w in serving)  # recipe check prints it as comments

@@ -271,6 +271,7 @@ class Tensors:
     origin: str  # "config" (what synth would write) or "checkpoint"
     root: Path
     quantized: str | None = None  # the scheme / recipe applied, for the report
+    qplan: Any = None  # the quantize Plan applied (k3convert.serving checks it)
 
     def checkpoint(self) -> Checkpoint:
         """A metadata-only Checkpoint of these tensors (``shard.plan.build_plan`` runs on it)."""
@@ -418,8 +419,9 @@ def quantized_tensors(t: Tensors, *, scheme: str | None = None, recipe=None) -> 
 
         metas.append(maker.make(r.name, parts, r.shape, qparams))
     return Tensors(
-        t.arch, t.cfg, t.config, list(t.names), list(t.roles), metas, t.origin, t.root, label
-    )
+        t.arch, t.cfg, t.config, list(t.names), list(t.roles), metas, t.origin, t.root, label,
+        plan,
+    )  # fmt: skip
 
 
 # -- weights per rank ------------------------------------------------------------------
@@ -813,6 +815,8 @@ class MemoryPlan:
     search: list[LayoutFit] | None = None
     search_note: str = ""
     notes: list[str] = field(default_factory=list)
+    #: what vLLM would refuse at this layout (:mod:`k3convert.serving`), one line each
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def over(self) -> list[int]:
@@ -876,6 +880,7 @@ class MemoryPlan:
             else {"layouts": [f.to_json() for f in self.search], "note": self.search_note},
             "activations_are_estimates": True,
             "notes": self.notes,
+            "warnings": self.warnings,
         }
 
     def table(self) -> str:
@@ -972,6 +977,8 @@ class MemoryPlan:
                 lines.append(self.search_note)
         for n in self.notes:
             lines.append(f"note: {n}")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
         return "\n".join(lines)
 
 
@@ -1165,10 +1172,15 @@ def plan_memory(
     device: str | None = None,
     search: bool = True,
     top: int = 5,
+    serving_device: str = "cuda",
+    strict_serving: bool = False,
 ) -> MemoryPlan:
     """The memory budget of every rank (see the module doc). ``recipe`` (a path or a
     loaded Recipe): its ``source.path``, ``layout`` and ``quantize`` sections are the
-    defaults; explicit arguments win (``scheme`` replaces the recipe's quantize section)."""
+    defaults; explicit arguments win (``scheme`` replaces the recipe's quantize section).
+    A planned quantization is checked against vLLM on ``serving_device`` at the layout's
+    tp (:mod:`k3convert.serving`): ``warnings`` lists what it would refuse;
+    ``strict_serving`` (or the recipe's ``output.strict_serving``) raises instead."""
     rec = None
     if recipe is not None:
         from .recipe import load_recipe
@@ -1224,6 +1236,18 @@ def plan_memory(
             f"--pp-layers lists {len(pp_layers)} stage(s) but --pp is {layout.pp}; give one "
             f"layer count per stage."
         )
+    serving = []
+    if t.qplan is not None:
+        from .serving import ServingTarget
+
+        out_sec = getattr(rec, "output", None)
+        target = ServingTarget(
+            tp=layout.tp, moe_ep=layout.moe_ep,
+            device=serving_device if out_sec is None or serving_device != "cuda"
+            else out_sec.serving_device,
+            strict=strict_serving or bool(getattr(out_sec, "strict_serving", False)),
+        )  # fmt: skip
+        serving = [f"serving: {p.line()}" for p in target.check(t.qplan, t.config)]
     ranks, ranges = planner.ranks(layout, pp_layers)
     L = planner.layers
     model = {
@@ -1249,6 +1273,7 @@ def plan_memory(
         ranks=ranks,
         budget=budget,
         device=label,
+        warnings=serving,
     )
     if "mla" in L.kinds and layout.tp > 1:
         plan.notes.append("the MLA latent cache is replicated on every TP rank of a stage.")

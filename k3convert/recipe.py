@@ -152,11 +152,16 @@ class LayoutSection:
 @dataclass(frozen=True)
 class OutputSection:
     """How units are written: ``compression`` (none / zstd), ``workers`` (units and
-    tensors in flight; default: the CPUs), ``unit_hash`` (xxh3-128 / sha256)."""
+    tensors in flight; default: the CPUs), ``unit_hash`` (xxh3-128 / sha256). Where they
+    will be served: ``serving_device`` (vLLM on cuda / cpu) is checked at the layout's tp
+    (:mod:`k3convert.serving`: a warning per tensor it would refuse; ``strict_serving``:
+    an error before any work)."""
 
     compression: str = "none"
     workers: int | None = None
     unit_hash: str = "xxh3-128"
+    serving_device: str = "cuda"
+    strict_serving: bool = False
 
 
 @dataclass(frozen=True)
@@ -570,6 +575,9 @@ def _validate(r: Recipe) -> None:
 
     _choice(o.compression, COMPRESSIONS, f"{src}: output.compression")
     _choice(o.unit_hash, hashing.ALGORITHMS, f"{src}: output.unit_hash")
+    from .serving import DEVICES
+
+    _choice(o.serving_device, DEVICES, f"{src}: output.serving_device")
     if o.workers is not None and o.workers < 1:
         raise ConfigError(f"{src}: output.workers must be at least 1, got {o.workers}.")
     v = r.verify

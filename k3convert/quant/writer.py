@@ -438,6 +438,7 @@ def quantize(
     sensitivity: str = "layer",
     plot: str | os.PathLike | None = None,
     sensitivity_data=None,
+    serving=None,
 ) -> QuantizeResult:
     """Quantize ``src`` into a compressed-tensors Hugging Face directory ``out``.
 
@@ -468,6 +469,10 @@ def quantize(
     the report is written to ``OUT/sensitivity.json`` and, with ``plot``, as a PNG chart.
     sensitivity_data: SequentialOptions whose dataset options the scan uses when
     ``calibrate`` is not given.
+
+    serving: a :class:`k3convert.serving.ServingTarget` (engine device class, tp,
+    strict): every tensor vLLM would refuse is reported through ``log`` as a warning
+    (also in ``QuantizeResult.plan.warnings``), or, strict, raised before any work.
     """
     t0 = time.perf_counter()
     if workers is None:
@@ -487,9 +492,13 @@ def quantize(
         sensitivity_data=sensitivity_data, workers=workers, dry_run=dry_run,
         check_out=lambda need, root: check_output(out, force=force, need_bytes=need,
                                                   source=root),
-        journal=None, out=out, force=force, group=group,
+        journal=None, out=out, force=force, group=group, serving=serving,
     )  # fmt: skip
     plan, sens, sel = p.plan, p.sensitivity, p.selection
+    if p.serving and group.leader:
+        from ..serving import report
+
+        report(p.serving, log=None if dry_run else log, plan=plan)  # dry run: in the table
     if dry_run:
         if sens is not None and p.plot is not None:
             sens.plot(p.plot)
@@ -584,6 +593,8 @@ class Prepared:
     sensitivity: object | None = None
     selection: object | None = None
     plot: str | os.PathLike | None = None
+    #: what the serving target would refuse (:func:`k3convert.serving.check_plan`)
+    serving: list = dataclasses.field(default_factory=list)
 
     def output_config(self) -> dict:
         """config.json of the quantized checkpoint."""
@@ -619,6 +630,7 @@ def prepare_quantization(
     force: bool = False,
     plan_only: bool = False,
     group=None,
+    serving=None,
 ) -> Prepared:
     """:func:`quantize` up to its first output byte: the plan, the auto-keep scan, the
     calibration and the fused global scales. check_out(need_bytes): checks OUT before
@@ -627,7 +639,9 @@ def prepare_quantization(
     (``convert`` validates a recipe this way before any work). group: the torchrun job
     (every process calls this): the sensitivity scan runs on process 0 and its choice is
     shared; calibration runs on every process together
-    (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
+    (:func:`k3convert.calibrate.sequential.calibrate_sequential`). serving: a
+    :class:`k3convert.serving.ServingTarget`: the plan is checked against it before any
+    scan or calibration (``Prepared.serving`` holds the problems; strict raises)."""
     from ..parallel.procs import ProcessGroup
 
     group = group if group is not None else ProcessGroup()
@@ -679,6 +693,8 @@ def prepare_quantization(
         parse_budget(auto_keep)
     _check_input_scales(plan, input_scales, calibrate)
     prepared = Prepared(ckpt, plan, input_scales, {}, plot=plot)
+    if serving is not None:
+        prepared.serving = serving.check(plan, ckpt.config)  # strict: raises here
     if plan_only:
         return prepared
     sens = sel = scan_set = None
