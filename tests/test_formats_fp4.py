@@ -246,13 +246,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4a16"])
-def test_table_decode_is_the_reference_bit_for_bit(scheme, dtype):
+@pytest.mark.parametrize("chunk", [None, 3000])
+def test_table_decode_is_the_reference_bit_for_bit(scheme, dtype, chunk, monkeypatch):
     """The (scale code, byte) table decode against the elementwise reference it replaced:
     every byte under every scale code (E8M0 0 / 1 / 254 / 255, e4m3 NaN and subnormal
     codes included), then random tensors spanning several row chunks, odd row counts and
     a one-group-per-row width; NVFP4 also at global scales that overflow / underflow."""
     from k3convert.quant import fp4_decode
 
+    if chunk:  # many chunks and a partial last one, whichever thread count runs the test
+        monkeypatch.setattr(fp4_decode, "_CHUNK_BYTES", chunk)
+        monkeypatch.setattr(fp4_decode, "_CHUNK_BYTES_1T", chunk)
     mx = scheme == "mxfp4"
     grp = formats.MX_GROUP if mx else formats.NV_GROUP
     ref = formats.mxfp4_reference if mx else formats.nvfp4_reference

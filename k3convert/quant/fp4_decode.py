@@ -32,6 +32,8 @@ import torch
 #: OpenMP team waiting on a descheduled thread cost 10x (measured) - and the int32 index
 #: (4x this) stays in L2
 _CHUNK_BYTES = 32000
+#: with one torch thread there is no team to wait on: fewer, larger chunks (less Python)
+_CHUNK_BYTES_1T = 1 << 18
 
 #: the output dtype -> the integer dtype holding two of its values
 PAIR_WORD = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
@@ -57,7 +59,8 @@ def decode(
     per = group // 2  # bytes per scale
     ng = cols // per
     res = torch.empty(out, cols, dtype=PAIR_WORD[dtype])
-    rows = max(1, _CHUNK_BYTES // max(cols, 1))
+    chunk = _CHUNK_BYTES_1T if torch.get_num_threads() == 1 else _CHUNK_BYTES
+    rows = max(1, chunk // max(cols, 1))
     idx = torch.empty(min(rows, out), ng, per, dtype=torch.int32)
     shifted = torch.empty(min(rows, out), ng, 1, dtype=torch.int32)
     for r0 in range(0, out, rows):
