@@ -1,28 +1,39 @@
-"""Read throughput of an MXFP4-expert checkpoint, dequantized to bf16 one expert at a time,
-next to reading a bf16 checkpoint of the same logical size with safetensors' ``safe_open``.
+"""FP4 expert read and requantization rates against a raw read of the same bytes.
 
-Two synthetic checkpoints are written into a temporary directory (default: 64 experts x
-gate / up / down of [1024, 1536] / [1536, 1024], 302 M values: 604 MB as bf16, 160 MB as
-MXFP4): the MXFP4 one in the Kimi K3 release's layout (``weight_packed`` uint8 [out,
-in/2] + ``weight_scale`` uint8 [out, in/32], random E2M1 bytes and E8M0 exponents
-around 2**-7), the bf16 one with the same names and logical shapes. Stages, each run in
-a fresh process (``bench/_harness.measure``: peak RSS is the command's own, from
-``os.wait4``), interleaved (A B C A B C ...), median of ``--repeats`` (3):
+The K3 release holds ~1.4 TB of MXFP4 routed experts, so how fast they decode (and
+requantize) next to just reading their bytes decides the conversion's wall time.
 
-  k3convert mxfp4 -> bf16   open_checkpoint; get(name, torch.bfloat16) per expert; sum; drop
-  k3convert bf16            open_checkpoint; get(name) per tensor (a mapped view); sum; drop
-  safe_open bf16            safe_open(f); get_tensor(name) per tensor; sum; drop
+Three synthetic checkpoints are written into a temporary directory (default: 64 experts
+x gate / up / down of [1024, 1536] / [1536, 1024], 302 M values: 604 MB as bf16, 160 MB
+as MXFP4 / 170 MB as NVFP4): the MXFP4 one in the Kimi K3 release's layout
+(``weight_packed`` uint8 [out, in/2] + ``weight_scale`` uint8 [out, in/32], random E2M1
+bytes and E8M0 exponents around 2**-7), an NVFP4 one with the same bytes (e4m3 scales per
+16, a global scale), and a bf16 one with the same names and logical shapes. Stages, each
+in a fresh process (``bench/_harness.measure``: peak RSS is the command's own), interleaved
+(A B C ... A B C ...), median of ``--repeats`` (3), page cache warm:
 
-The page cache is warm (every file read once first). "read s" is the time the worker
-measures around its loop (no interpreter start, no imports); "stored GB/s" divides the
-bytes stored on disk by it, "bf16 GB/s" the bf16 bytes handed out (the same for all
-three). Usage: python bench/bench_fp4_read.py [--experts 64] [--repeats 3]
+  cp -r mxfp4              the MXFP4 files copied (whole process: no interpreter)
+  safe_open bf16           safe_open(f).get_tensor(name) per tensor of the bf16 copy; sum
+  safe_open mxfp4 (raw)    the same on the MXFP4 files: the raw read of the same bytes
+  k3convert mxfp4 -> bf16  open_checkpoint; get(name, bf16) per expert tensor; sum; drop
+  k3convert nvfp4 -> bf16  the same on the NVFP4 copy
+  mxfp4 -> nvfp4 requant   get(name, float32) -> nvfp4a16 scheme's quantize, per tensor
+  mxfp4 -> int4 requant    get(name, float32) -> w4a16 (int4, group 128), per tensor
+
+"read s" is the time the worker measures around its loop (no interpreter start, no
+imports; cp -r: the whole command); "stored GB/s" divides the bytes stored on disk by it;
+"x raw" is that rate over the raw read's. The python stages run torch with ``--threads``
+(1: as convert's workers do; on 2 cores shared with other jobs a 2-thread OpenMP team
+waiting on a descheduled thread was measured 10-50x slower). "RSS/expert" is the peak RSS
+above the bare interpreter + torch floor over one expert (gate + up + down) in bf16.
+Usage: python bench/bench_fp4_read.py [--experts 64] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -34,8 +45,14 @@ from _harness import PY, STARTUP, measure, warm
 _WORKER = """
 import json, sys, time, torch
 from pathlib import Path
-root, how = Path(sys.argv[1]), sys.argv[2]
+root, how, threads = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
 torch.zeros(4).sum()
+scheme = None
+if how.startswith("requant:"):
+    from k3convert.quant import get_scheme
+    scheme = get_scheme(how.partition(":")[2])
+    scheme.quantize(torch.randn(64, 256))
 t0 = time.perf_counter()
 n = 0
 if how == "safe_open":
@@ -45,53 +62,87 @@ if how == "safe_open":
             for k in sf.keys():
                 t = sf.get_tensor(k)
                 t.sum()
-                n += t.numel()
+                n += t.numel() * t.element_size()  # bytes: raw reads hand out what is stored
                 del t
 else:
     from k3convert.checkpoint import open_checkpoint
     ck = open_checkpoint(root)
     for k in ck.names():
-        t = ck.get(k, torch.bfloat16)
-        t.sum()
-        n += t.numel()
+        if scheme is None:
+            t = ck.get(k, torch.bfloat16)
+            t.sum()
+            n += t.numel()
+        else:
+            t = ck.get(k, torch.float32)
+            parts = scheme.quantize(t)
+            n += t.numel()
+            del parts
         del t
 print(json.dumps({"read_s": time.perf_counter() - t0, "values": n}))
 """
 
 
 def build(root: Path, experts: int, hidden: int, moe: int) -> dict:
-    """The two checkpoints (written by a child process: its RSS stays out of the runs)."""
+    """The three checkpoints (written by a child process: its RSS stays out of the runs)."""
     code = f"""
 import json, torch
 from pathlib import Path
 from safetensors.torch import save_file
 root = Path({str(root)!r})
 g = torch.Generator().manual_seed(0)
-fp4, bf = {{}}, {{}}
+dirs = ("mxfp4", "nvfp4", "bf16")
+out = {{d: {{}} for d in dirs}}
 def flush(i):
-    if fp4:
-        save_file(fp4, root / "mxfp4" / f"model-{{i:05d}}.safetensors", metadata={{"format": "pt"}})
-        save_file(bf, root / "bf16" / f"model-{{i:05d}}.safetensors", metadata={{"format": "pt"}})
-        fp4.clear(); bf.clear()
-(root / "mxfp4").mkdir(); (root / "bf16").mkdir()
+    for d in dirs:
+        if out[d]:
+            f = root / d / f"model-{{i:05d}}.safetensors"
+            save_file(out[d], f, metadata={{"format": "pt"}})
+            out[d].clear()
+for d in dirs:
+    (root / d).mkdir()
 for e in range({experts}):
     for w, (o, i) in (("w1", ({moe}, {hidden})), ("w3", ({moe}, {hidden})),
                       ("w2", ({hidden}, {moe}))):
         base = f"model.layers.0.experts.{{e}}.{{w}}"
-        fp4[base + ".weight_packed"] = torch.randint(0, 256, (o, i // 2), generator=g,
-                                                     dtype=torch.uint8)
-        fp4[base + ".weight_scale"] = torch.randint(117, 124, (o, i // 32), generator=g
-                                                    ).to(torch.uint8)
-        bf[base + ".weight"] = (torch.randn(o, i, generator=g) * 0.02).bfloat16()
+        packed = torch.randint(0, 256, (o, i // 2), generator=g, dtype=torch.uint8)
+        out["mxfp4"][base + ".weight_packed"] = packed
+        out["mxfp4"][base + ".weight_scale"] = torch.randint(117, 124, (o, i // 32), generator=g
+                                                             ).to(torch.uint8)
+        out["nvfp4"][base + ".weight_packed"] = packed
+        out["nvfp4"][base + ".weight_scale"] = (torch.rand(o, i // 16, generator=g) * 400 + 1
+                                                ).to(torch.float8_e4m3fn)
+        out["nvfp4"][base + ".weight_global_scale"] = torch.tensor([2688.0 / 0.05])
+        out["bf16"][base + ".weight"] = (torch.randn(o, i, generator=g) * 0.02).bfloat16()
     if (e + 1) % 16 == 0:
         flush(e // 16)
 flush({experts})
 size = lambda d: sum(p.stat().st_size for p in (root / d).glob("*.safetensors"))
-print(json.dumps({{"mxfp4": size("mxfp4"), "bf16": size("bf16"),
-                  "values": {experts} * 3 * {hidden} * {moe}}}))
+print(json.dumps({{**{{d: size(d) for d in dirs}}, "values": {experts} * 3 * {hidden} * {moe}}}))
 """
     _, _, out, _ = measure([PY, "-c", code])
     return json.loads(out.strip().splitlines()[-1])
+
+
+def stages(tmp: Path, info: dict, threads: int) -> list[tuple[str, list[str], int, bool]]:
+    """(name, argv, stored bytes it reads, whether it hands out every value)."""
+    t = str(threads)
+
+    def w(d, how):
+        return [PY, "-c", _WORKER, str(tmp / d), how, t]
+
+    mx, nv = info["mxfp4"], info["nvfp4"]
+    return [
+        ("cp -r mxfp4", ["cp", "-r", str(tmp / "mxfp4"), str(tmp / "copy")], mx, False),
+        ("safe_open bf16", w("bf16", "safe_open"), info["bf16"], False),
+        (RAW, w("mxfp4", "safe_open"), mx, False),
+        ("k3convert mxfp4 -> bf16", w("mxfp4", "decode"), mx, True),
+        ("k3convert nvfp4 -> bf16", w("nvfp4", "decode"), nv, True),
+        ("mxfp4 -> nvfp4 requant", w("mxfp4", "requant:nvfp4a16"), mx, True),
+        ("mxfp4 -> int4 requant", w("mxfp4", "requant:w4a16"), mx, True),
+    ]
+
+
+RAW = "safe_open mxfp4 (raw)"
 
 
 def main() -> None:
@@ -100,48 +151,54 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--moe", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of python stages")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="k3fp4_"))
+    tmp = Path(tempfile.mkdtemp(prefix="k3fp4_", dir=os.environ.get("TMPDIR")))
     try:
         info = build(tmp, args.experts, args.hidden, args.moe)
         print(
             f"{info['values'] / 1e6:.0f} M values: mxfp4 {info['mxfp4'] / 1e6:.0f} MB, "
-            f"bf16 {info['bf16'] / 1e6:.0f} MB, at {tmp}",
+            f"nvfp4 {info['nvfp4'] / 1e6:.0f} MB, bf16 {info['bf16'] / 1e6:.0f} MB, at {tmp}",
             flush=True,
         )
-        stages = [
-            ("k3convert mxfp4 -> bf16", tmp / "mxfp4", "k3convert", info["mxfp4"]),
-            ("k3convert bf16", tmp / "bf16", "k3convert", info["bf16"]),
-            ("safe_open bf16", tmp / "bf16", "safe_open", info["bf16"]),
-        ]
-        warm(p for d in ("mxfp4", "bf16") for p in (tmp / d).glob("*.safetensors"))
+        st = stages(tmp, info, args.threads)
+        warm(p for d in ("mxfp4", "nvfp4", "bf16") for p in (tmp / d).glob("*.safetensors"))
         _, floor, _, _ = measure(STARTUP)
-        runs: dict[str, list[tuple[float, float]]] = {s[0]: [] for s in stages}
+        runs: dict[str, list[tuple[float, float]]] = {s[0]: [] for s in st}
+        loads = [os.getloadavg()]
         for r in range(args.repeats):
-            for name, root, how, _ in stages:
-                _, rss, out, _ = measure([PY, "-c", _WORKER, str(root), how])
-                res = json.loads(out.strip().splitlines()[-1])
-                assert res["values"] == info["values"], (name, res)
-                runs[name].append((res["read_s"], rss))
-                print(f"  round {r + 1}/{args.repeats}  {name:<24} {res['read_s']:7.3f} s "
+            for name, argv, _, every in st:
+                shutil.rmtree(tmp / "copy", ignore_errors=True)
+                wall, rss, out, _ = measure(argv)
+                if argv[0] == "cp":
+                    sec = wall
+                else:
+                    res = json.loads(out.strip().splitlines()[-1])
+                    assert not every or res["values"] == info["values"], (name, res)
+                    sec = res["read_s"]
+                runs[name].append((sec, rss))
+                print(f"  round {r + 1}/{args.repeats}  {name:<24} {sec:7.3f} s "
                       f"{rss:6.0f} MiB", flush=True)  # fmt: skip
-        table(stages, runs, info, floor)
+            loads.append(os.getloadavg())
+        expert = 3 * args.hidden * args.moe * 2
+        table(st, runs, floor, expert, args.threads, loads)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def table(stages, runs, info, floor: float) -> None:
-    ref = statistics.median(w for w, _ in runs["safe_open bf16"])
-    bf16_bytes = 2 * info["values"]
-    cols = ["stage", "stored MB", "read s", "stored GB/s", "bf16 GB/s", "x safe_open",
-            "peak RSS MiB"]  # fmt: skip
+def table(st, runs, floor: float, expert: int, threads: int, loads) -> None:
+    raw = statistics.median(w for w, _ in runs[RAW])
+    raw_rate = next(b for n, _, b, _ in st if n == RAW) / raw
+    cols = ["stage", "stored MB", "read s", "stored GB/s", "x raw", "peak RSS MiB",
+            "RSS/expert"]  # fmt: skip
     rows = []
-    for name, _, _, stored in stages:
+    for name, _, stored, _ in st:
         m = statistics.median(w for w, _ in runs[name])
         rss = max(r for _, r in runs[name])
+        above = max(0.0, rss - floor) if name != "cp -r mxfp4" else rss
         rows.append([
             name, f"{stored / 1e6:.0f}", f"{m:.3f}", f"{stored / m / 1e9:.2f}",
-            f"{bf16_bytes / m / 1e9:.2f}", f"{ref / m:.2f}", f"{rss:.0f}",
+            f"{stored / m / raw_rate:.2f}", f"{rss:.0f}", f"{above * 2**20 / expert:.1f}",
         ])  # fmt: skip
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
@@ -153,10 +210,13 @@ def table(stages, runs, info, floor: float) -> None:
     print(line(cols))
     for r in rows:
         print(line(r))
+    la = " | ".join(" ".join(f"{x:.2f}" for x in ld) for ld in loads)
     print(
-        f"\nmedian of {len(runs['safe_open bf16'])} interleaved runs, warm page cache; "
-        f"x safe_open > 1: faster than safe_open reading the bf16 copy; peak RSS is each "
-        f"process's own (interpreter + torch import alone: {floor:.0f} MiB)."
+        f"\nmedian of {len(runs[RAW])} interleaved runs, warm page cache, torch threads "
+        f"{threads}; x raw: stored GB/s over the raw read's ({RAW}); RSS/expert: peak RSS "
+        f"above the interpreter + torch floor ({floor:.0f} MiB; cp -r: its whole RSS) over "
+        f"one expert's 3 tensors in bf16 ({expert / 2**20:.1f} MiB). Load average (1 5 15 "
+        f"min) before and after each round: {la}; {os.cpu_count()} cores."
     )
 
 

@@ -502,7 +502,17 @@ def _fp4_groups(
     """E2M1 values of ``weight_packed`` as ``dtype`` [out, in / group, group]."""
     from .quant.packing import unpack_fp4
 
+    out, inp = _check_fp4_groups(p, group)
+    return unpack_fp4(p["weight_packed"], dtype).view(out, inp // group, group), out, inp
+
+
+def _check_fp4_groups(p: Mapping[str, torch.Tensor], group: int) -> tuple[int, int]:
+    """(out, in) of an FP4 weight whose ``weight_scale`` holds one scale per ``group``."""
     packed, scale = p["weight_packed"], p["weight_scale"]
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        raise ValueError(
+            f"FP4 data must be uint8 [rows, cols], got {packed.dtype}{list(packed.shape)}"
+        )
     out, cols = packed.shape
     inp = 2 * cols
     if inp % group or tuple(scale.shape) != (out, inp // group):
@@ -510,7 +520,7 @@ def _fp4_groups(
             f"weight_scale {list(scale.shape)} does not hold one scale per {group} values "
             f"of the {out} x {inp} weight (expected {[out, inp // group]})"
         )
-    return unpack_fp4(packed, dtype).view(out, inp // group, group), out, inp
+    return out, inp
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -523,22 +533,86 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _deq_mxfp4(
+def mxfp4_reference(
     p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """E2M1 x 2**(e - 127): a value of at most 2 significant bits times a power of two,
     exact in float32 and in bfloat16 (same exponent range), so either is computed
-    directly."""
+    directly. The reference the lookup table of :func:`_deq_mxfp4` is built from."""
     vals, out, inp = _fp4_groups(p, MX_GROUP, dtype)
     scale = e8m0_to_float(p["weight_scale"]).to(dtype)
     return vals.mul_(scale.unsqueeze(-1)).view(out, inp)
 
 
-def _deq_nvfp4(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
+def nvfp4_reference(
+    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """E2M1 x (scale / global_scale) in float32 (as compressed-tensors computes it),
+    rounded to ``dtype`` last. The reference the tables of :func:`_deq_nvfp4` are built
+    from."""
     vals, out, inp = _fp4_groups(p, NV_GROUP)
     g = p["weight_global_scale"].to(torch.float32).reshape(1, 1)
     eff = p["weight_scale"].to(torch.float32) / g  # compressed-tensors: scale / global
-    return vals.mul_(eff.unsqueeze(-1)).view(out, inp)
+    return vals.mul_(eff.unsqueeze(-1)).view(out, inp).to(dtype)
+
+
+#: (dtype) -> the MXFP4 pair table: the reference on every (E8M0 code, byte) pair
+_MX_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _all_pairs(scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Parts of a [256, 512] FP4 weight whose row s holds every byte under scale code s
+    (one scale per 16 bytes: each byte appears in its own group when viewed [256, 256, 2])."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat_interleave(16).repeat(256, 1)
+    per = 32 if scale_dtype == torch.uint8 else 16  # values per scale
+    codes = torch.arange(256, dtype=torch.uint8).unsqueeze(1).expand(256, 512 * 16 // per)
+    return {"weight_packed": packed, "weight_scale": codes.contiguous().view(scale_dtype)}
+
+
+def _pair_values(vals: torch.Tensor) -> torch.Tensor:
+    """[256, 256 * 16 * 2] reference output of :func:`_all_pairs` -> [256, 256, 2]."""
+    return vals.view(256, 256, 16, 2)[:, :, 0, :].contiguous()
+
+
+def _deq_mxfp4(
+    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """:func:`mxfp4_reference` bit for bit, through one (E8M0 code, byte) table gather
+    (:mod:`k3convert.quant.fp4_decode`)."""
+    from .quant import fp4_decode
+
+    if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
+        return mxfp4_reference(p, q, dtype)
+    _check_fp4_groups(p, MX_GROUP)
+    table = _MX_TABLES.get(dtype)
+    if table is None:
+        ref = mxfp4_reference(_all_pairs(torch.uint8), q, dtype)
+        table = _MX_TABLES[dtype] = fp4_decode.pair_table(_pair_values(ref), dtype)
+    return fp4_decode.decode(p["weight_packed"], p["weight_scale"], MX_GROUP, table, dtype)
+
+
+def _deq_nvfp4(
+    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """:func:`nvfp4_reference` bit for bit, through a (e4m3 code, byte) table built for
+    this tensor's global scale: the reference's own float32 ops (scale / global, times
+    E2M1, rounded to ``dtype``) on each of the 65536 pairs, small next to an expert."""
+    from .quant import fp4_decode
+
+    if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
+        return nvfp4_reference(p, q, dtype)
+    _check_fp4_groups(p, NV_GROUP)
+    from .quant.packing import _BYTE_LUT
+
+    g = p["weight_global_scale"].to(torch.float32).reshape(1, 1)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    eff = codes.to(torch.float32).reshape(256, 1, 1) / g  # the reference's eff, per code
+    vals = torch.empty(256, 256, 2, dtype=dtype)
+    for c in range(0, 256, 32):  # 16384 products per op: each runs on this thread
+        torch.mul(_BYTE_LUT.view(1, 256, 2), eff[c : c + 32], out=vals[c : c + 32])
+    table = fp4_decode.pair_table(vals, dtype)
+    codes = p["weight_scale"].view(torch.uint8)
+    return fp4_decode.decode(p["weight_packed"], codes, NV_GROUP, table, dtype)
 
 
 def _deq_plain(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
@@ -663,6 +737,7 @@ FORMATS: dict[str, Encoding] = {
             detect_dtypes=("weight_packed",),
             storage_label="nvfp4",
             weight_args=_NV_ARGS,
+            direct_dtypes=(torch.float32, torch.bfloat16),
         ),
     )
 }

@@ -240,6 +240,62 @@ def test_dequantize_equals_decompress(scheme):
         assert torch.equal(_bytes(ours), _bytes(d))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4a16"])
+@pytest.mark.parametrize("chunk", [None, 3000])
+def test_table_decode_is_the_reference_bit_for_bit(scheme, dtype, chunk, monkeypatch):
+    """The (scale code, byte) table decode against the elementwise reference it replaced:
+    every byte under every scale code (E8M0 0 / 1 / 254 / 255, e4m3 NaN and subnormal
+    codes included), then random tensors spanning several row chunks, odd row counts and
+    a one-group-per-row width; NVFP4 also at global scales that overflow / underflow."""
+    from k3convert.quant import fp4_decode
+
+    if chunk:  # many chunks and a partial last one, whichever thread count runs the test
+        monkeypatch.setattr(fp4_decode, "_CHUNK_BYTES", chunk)
+        monkeypatch.setattr(fp4_decode, "_CHUNK_BYTES_1T", chunk)
+    mx = scheme == "mxfp4"
+    grp = formats.MX_GROUP if mx else formats.NV_GROUP
+    ref = formats.mxfp4_reference if mx else formats.nvfp4_reference
+    fast = formats.FORMATS[formats.MXFP4 if mx else formats.NVFP4]
+    g = torch.Generator().manual_seed(3)
+    every = torch.arange(256, dtype=torch.uint8).repeat_interleave(grp // 2)
+    cases = [(every.repeat(256, 1), torch.arange(256, dtype=torch.uint8).unsqueeze(1)
+              .expand(256, 256).contiguous())]  # fmt: skip
+    for out, inp in ((3, grp), (97, 1536), (fp4_decode._CHUNK_BYTES // 100 + 7, 200 * grp)):
+        cases.append((
+            torch.randint(0, 256, (out, inp // 2), generator=g, dtype=torch.uint8),
+            torch.randint(0, 256, (out, inp // grp), generator=g, dtype=torch.uint8),
+        ))  # fmt: skip
+    gscales = [1.0] if mx else [2688.0 / 3.7, 1e-30, 3e35, 0.0]
+    checked = 0
+    for packed, codes in cases:
+        for gs in gscales:
+            parts = {"weight_packed": packed, "weight_scale": codes}
+            if not mx:
+                parts["weight_scale"] = codes.view(torch.float8_e4m3fn)
+                parts["weight_global_scale"] = torch.tensor([gs])
+            got = fast.dequantize_to(parts, formats.QuantParams(), dtype)
+            want = ref(parts, formats.QuantParams(), dtype)
+            assert got.dtype == want.dtype == dtype and got.shape == want.shape
+            assert torch.equal(_bits(got), _bits(want)), (scheme, dtype, packed.shape, gs)
+            checked += got.numel()
+    assert checked >= 256 * 256 * grp  # the all-pairs case ran
+
+
+def test_table_decode_refuses_bad_geometry():
+    parts = {"weight_packed": torch.zeros(4, 16, dtype=torch.uint8),
+             "weight_scale": torch.zeros(4, 2, dtype=torch.uint8)}  # fmt: skip
+    with pytest.raises(ValueError, match="one scale per 32 values"):
+        formats.FORMATS[formats.MXFP4].dequantize_to(parts, formats.QuantParams())
+    parts["weight_packed"] = torch.zeros(4, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="FP4 data must be uint8"):
+        formats.FORMATS[formats.MXFP4].dequantize_to(parts, formats.QuantParams())
+
+
 # -- the reader: detection from what is stored ---------------------------------------------
 def _k3_like(tmp_path: Path, scale_cols: int | None = None, nv: bool = False):
     """A one-layer checkpoint laid out like the K3 release: experts mxfp4 (or nvfp4),

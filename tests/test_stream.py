@@ -287,6 +287,47 @@ def test_schema_violation_names_key_path(damaged):
     assert rep.exit_code == 1
 
 
+def test_opening_some_ranks_checks_the_others_when_used(damaged):
+    """open_stream(ranks=...) checks the header and those ranks' entries and files; a
+    damaged other rank fails when it is asked for, and a full open / check still fail."""
+    out, man = damaged()
+    j, u = max(enumerate(man["ranks"][1]["units"]), key=lambda x: len(x[1]["tensors"]))
+    assert len(u["tensors"]) > 1  # the last entry: not the one a rank left out still checks
+    del u["tensors"][-1]["split_dim"]
+    f = out / _unit(man, 3, "layer.1")["file"]
+    f.write_bytes(f.read_bytes()[:-100])
+    (out / "manifest.json").write_text(json.dumps(man))
+    st = open_stream(out, ranks=[0, 2])
+    assert len(list(st.rank(0).units())) == 2 and len(list(st.rank(2).units())) == 2
+    with pytest.raises(
+        ManifestError, match=rf"ranks\[1\]\.units\[{j}\]\.tensors\[\d+\].*split_dim"
+    ):
+        st.rank(1)
+    with pytest.raises(StreamCorruptError, match="truncated"):
+        open_stream(out, ranks=[2]).rank(3)
+    with pytest.raises(ManifestError, match="split_dim"):
+        open_stream(out)
+    with pytest.raises(ManifestError, match="split_dim"):
+        open_stream(out, ranks=[1])
+    with pytest.raises(StreamCorruptError, match="truncated"):
+        open_stream(out, ranks=[3])
+    assert check(out).exit_code == 1
+    with pytest.raises(StreamError, match="world of 4"):
+        open_stream(out, ranks=[4])
+
+
+def test_a_logical_in_two_units_is_caught_for_the_rank_opened_late(damaged):
+    out, man = damaged()
+    units = man["ranks"][2]["units"]
+    units[1]["tensors"][-1]["logical"] = units[0]["tensors"][-1]["logical"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    st = open_stream(out, ranks=[0])
+    with pytest.raises(StreamCorruptError, match="rank 2: logical tensor"):
+        st.rank(2)
+    with pytest.raises(StreamCorruptError, match="rank 2: logical tensor"):
+        open_stream(out)
+
+
 def test_check_intact(pristine):
     for out in pristine.values():
         rep = check(out)

@@ -55,7 +55,7 @@ from .format import (
     nbytes_of,
     parse_header,
 )
-from .schema import validate
+from .schema import validate, validate_rank_tensors
 
 
 # -- manifest -------------------------------------------------------------------------
@@ -94,8 +94,12 @@ def _one_hash_form(doc: dict, mp: Path) -> None:
         )
 
 
-def load_manifest(root: Path) -> dict:
-    """Parse and validate ``root/manifest.json`` (schema, version, numbering)."""
+def load_manifest(root: Path, ranks=None) -> dict:
+    """Parse and validate ``root/manifest.json`` (schema, version, numbering).
+
+    ``ranks``: check the tensor entries of these rank indices only (the header, every
+    rank's and unit's own fields and numbering are checked in full); :func:`check_rank`
+    checks another rank's when it is used. None: every rank (``shard --check``)."""
     if not root.is_dir():
         raise NotAStreamError(f"{root}: not a directory; expected a k3convert stream directory.")
     mp = root / MANIFEST
@@ -129,7 +133,7 @@ def load_manifest(root: Path) -> dict:
             f"or re-shard the model."
         )
     try:
-        errs = validate(doc)
+        errs = validate(doc, ranks=None if ranks is None else set(ranks))
     except RecursionError:
         errs = ["nested too deeply"]
     if errs:
@@ -159,7 +163,6 @@ def load_manifest(root: Path) -> dict:
             raise ManifestError(
                 f"{mp}: ranks[{i}] units differ from layout.stages[{r['pp_rank']}].units."
             )
-        owner: dict[str, str] = {}
         for j, u in enumerate(r["units"]):
             if u["index"] != j:
                 raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has index {u['index']}.")
@@ -170,15 +173,41 @@ def load_manifest(root: Path) -> dict:
                 raise ManifestError(
                     f"{mp}: ranks[{i}].units[{j}] ('{u['name']}') has layer {u['layer']}."
                 )
-            for e in u["tensors"]:
-                if owner.setdefault(e["logical"], u["name"]) != u["name"]:
-                    raise StreamCorruptError(
-                        f"{mp}: rank {i}: logical tensor '{e['logical']}' is in units "
-                        f"'{owner[e['logical']]}' and '{u['name']}'; one logical tensor lives "
-                        f"in one unit - the manifest is damaged or was edited."
-                    )
+        if ranks is None or i in ranks:
+            _check_owners(r, mp)
     check_paths(doc, mp)
     return doc
+
+
+def _check_owners(r: dict, mp: Path) -> None:
+    """One logical tensor of a rank lives in one unit."""
+    owner: dict[str, str] = {}
+    for u in r["units"]:
+        for e in u["tensors"]:
+            if owner.setdefault(e["logical"], u["name"]) != u["name"]:
+                raise StreamCorruptError(
+                    f"{mp}: rank {r['rank']}: logical tensor '{e['logical']}' is in units "
+                    f"'{owner[e['logical']]}' and '{u['name']}'; one logical tensor lives "
+                    f"in one unit - the manifest is damaged or was edited."
+                )
+
+
+def check_rank(root: Path, doc: dict, i: int, *, entries: bool = True) -> None:
+    """What opening rank ``i`` needs beyond :func:`load_manifest` ``(ranks=...)``: its
+    units' entries against the geometry rules and their files' sizes; with ``entries``,
+    first its tensor entries against the schema and the one-unit-per-logical rule (when
+    :func:`load_manifest` was given other ranks)."""
+    mp = root / MANIFEST
+    r = doc["ranks"][i]
+    if entries:
+        errs = validate_rank_tensors(doc, i)
+        if errs:
+            more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
+            raise ManifestError(f"{mp}: violates the manifest schema: {'; '.join(errs[:5])}{more}.")
+        _check_owners(r, mp)
+    for u in r["units"]:
+        check_unit_entries(u, manifest_where(root, i, u))
+        check_size(root, i, u)
 
 
 def manifest_where(root: Path, rank: int, u: dict) -> str:
@@ -531,7 +560,9 @@ class RankReader:
 class Stream:
     """An opened, validated stream directory. Build it with :func:`open_stream`."""
 
-    def __init__(self, root: Path, manifest: dict, verify_hashes: bool = True):
+    def __init__(
+        self, root: Path, manifest: dict, verify_hashes: bool = True, checked=None
+    ) -> None:
         from ..shard.layout import Layout
 
         self.root = root
@@ -545,6 +576,8 @@ class Stream:
         except K3Error as e:
             raise StreamCorruptError(f"{e} The stream's carried config.json is damaged.") from e
         self._ranks: dict[int, RankReader] = {}
+        #: ranks whose entries and unit files are checked (None: all of them)
+        self._checked: set[int] | None = None if checked is None else set(checked)
         self._names: list[str] | None = None
         self._name_set: set[str] = set()
 
@@ -563,6 +596,9 @@ class Stream:
     def rank(self, r: int) -> RankReader:
         if not 0 <= r < self.world:
             raise StreamError(f"{self.root}: rank {r} is outside the world of {self.world}.")
+        if self._checked is not None and r not in self._checked:
+            check_rank(self.root, self.manifest, r)  # opened for other ranks: check it now
+            self._checked.add(r)
         if r not in self._ranks:
             self._ranks[r] = RankReader(self, r)
         return self._ranks[r]
@@ -606,12 +642,20 @@ class Stream:
             yield n, self.get(n, dtype)
 
 
-def open_stream(path, *, verify_hashes: bool = True) -> Stream:
-    """Open and validate a stream directory (its manifest; units when used)."""
+def open_stream(path, *, verify_hashes: bool = True, ranks=None) -> Stream:
+    """Open and validate a stream directory (its manifest; units when used).
+
+    ``ranks``: the rank indices this process reads (None: all). Their entries and unit
+    files are checked now, with the manifest's header, numbering and unit fields; any
+    other rank is checked the first time ``rank(r)`` is asked for, so the work of opening
+    a rank does not grow with the world (only parsing the manifest's JSON still does)."""
     root = Path(path)
-    manifest = load_manifest(root)
-    for r in manifest["ranks"]:
-        for u in r["units"]:
-            check_unit_entries(u, manifest_where(root, r["rank"], u))
-            check_size(root, r["rank"], u)
-    return Stream(root, manifest, verify_hashes)
+    if ranks is not None:
+        ranks = sorted({int(r) for r in ranks})
+    manifest = load_manifest(root, ranks)
+    world = len(manifest["ranks"])
+    if ranks is not None and any(not 0 <= r < world for r in ranks):
+        raise StreamError(f"{root}: ranks {ranks} are not all inside the world of {world}.")
+    for i in range(world) if ranks is None else ranks:
+        check_rank(root, manifest, i, entries=False)
+    return Stream(root, manifest, verify_hashes, checked=ranks)

@@ -36,12 +36,64 @@ def _rx(p: str) -> re.Pattern:
     return re.compile(p)
 
 
-def validate(doc, schema: dict | None = None) -> list[str]:
-    """Every violation as 'path: message' (empty when valid)."""
+def validate(doc, schema: dict | None = None, *, ranks=None) -> list[str]:
+    """Every violation as 'path: message' (empty when valid).
+
+    ``ranks``: a set of rank indices whose tensor entries are checked; every other unit
+    keeps only its first tensor entry checked (the header and every rank and unit field
+    are still checked in full), so opening one rank of a wide stream does not check the
+    other ranks' entries - :func:`validate_rank_tensors` checks those when a rank is used.
+    """
     root = schema or manifest_schema()
     errors: list[str] = []
-    _compiled(root)(doc, ("manifest",), errors)
+    _compiled(root)(doc if ranks is None else _shell(doc, ranks), ("manifest",), errors)
     return errors
+
+
+def validate_rank_tensors(doc: dict, i: int, schema: dict | None = None) -> list[str]:
+    """The tensor entries of rank ``i``'s units (what ``validate(ranks=...)`` left out
+    when ``i`` was not among them), with the same error paths."""
+    root = schema or manifest_schema()
+    check = _compiled_def(root, "tensor")
+    errors: list[str] = []
+    base = ((("manifest",), "ranks"), i)
+    for j, u in enumerate(doc["ranks"][i]["units"]):
+        where = (((base, "units"), j), "tensors")
+        for k, t in enumerate(u["tensors"]):
+            check(t, (where, k), errors)
+    return errors
+
+
+def _shell(doc, ranks) -> object:
+    """``doc`` with the units of ranks not in ``ranks`` cut to their first tensor entry
+    (shallow copies: ``doc`` is not changed; anything malformed is left as it is, for the
+    schema to report)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("ranks"), list):
+        return doc
+    out = []
+    for i, r in enumerate(doc["ranks"]):
+        if i in ranks or not isinstance(r, dict) or not isinstance(r.get("units"), list):
+            out.append(r)
+            continue
+        units = [
+            {**u, "tensors": u["tensors"][:1]}
+            if isinstance(u, dict) and isinstance(u.get("tensors"), list)
+            else u
+            for u in r["units"]
+        ]
+        out.append({**r, "units": units})
+    return {**doc, "ranks": out}
+
+
+_COMPILED_DEFS: dict[tuple[int, str], object] = {}
+
+
+def _compiled_def(root: dict, name: str):
+    """The compiled ``$defs/name`` node of ``root`` (cached like :func:`_compiled`)."""
+    key = (id(root), name)
+    if key not in _COMPILED_DEFS or _COMPILED_DEFS[key][0] is not root:
+        _COMPILED_DEFS[key] = (root, _compile(root["$defs"][name], root, {}))
+    return _COMPILED_DEFS[key][1]
 
 
 # The schema is compiled once into nested closures (one per schema node, so a $ref'd
