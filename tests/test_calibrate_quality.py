@@ -43,7 +43,10 @@ from tests.trained import (  # noqa: F401  (fixtures)
 )
 
 HELD = 24  # held-out blocks of 128 tokens
-CAL = dict(num_samples=32, seq_len=128, smooth_tokens=1024, awq_grid=10)
+# smooth_tokens: AWQ's / SmoothQuant's losses over every calibration token (32 x 128). On
+# the MoE fixture a 1024-token loss overfits: AWQ 5.60e-3 vs RTN 5.68e-3 (0.99x), with
+# all 4096 tokens 5.40e-3 (0.95x)
+CAL = dict(num_samples=32, seq_len=128, smooth_tokens=4096, awq_grid=10)
 
 
 def _logits(path, ids: torch.Tensor) -> torch.Tensor:
@@ -158,15 +161,26 @@ def test_static_fp8_within_1_2x_of_dynamic(llama_q):
 def test_moe_fixture_gptq_and_awq(dsv3_q):
     """The MoE fixture (MLA, 8 routed experts, a shared expert): GPTQ well below RTN, AWQ
     (its post-attention norm shared by the router, every expert and the shared expert)
-    no worse than RTN. Group 32: its MLA / expert widths (32, 64) do not divide by 128."""
+    below RTN with a margin. Group 32: its MLA / expert widths (32, 64) do not divide by
+    128. Measured 0.951x (avx512); the 2 % margin covers the CPU-dependent rounding of
+    the calibration itself (the fixture is the same bytes everywhere)."""
     rtn, gptq = dsv3_q.kl("int4-g32", "rtn"), dsv3_q.kl("int4-g32", "gptq")
     assert gptq <= 0.7 * rtn, (gptq, rtn)
     rtn_a, awq = dsv3_q.kl("int4-g32-asym", "rtn"), dsv3_q.kl("int4-g32-asym", "awq")
-    assert awq <= rtn_a, (awq, rtn_a)
+    assert awq <= 0.98 * rtn_a, (awq, rtn_a)
     # the router read the smoothed norm: its columns were scaled to compensate
     src, q = open_checkpoint(dsv3_q.model), open_checkpoint(dsv3_q.out("int4-g32-asym", "awq"))
     router = "model.layers.1.mlp.gate.weight"
     assert not torch.equal(src.get(router), q.get(router))
+
+
+def test_moe_fixture_smoothquant_no_worse_than_plain_w8a8(dsv3_q):
+    """SmoothQuant (alpha 0.5) on the MoE fixture: a mapping is smoothed only where that
+    lowers its W8A8 error by SQ_MIN_GAIN, so it cannot lose to plain w8a8 the way alpha
+    0.5 everywhere did (7.0e-4 vs 3.9e-4). "No worse" with the rounding of the held-out
+    KL's own float32 sums: 0.5 %."""
+    plain, sq = dsv3_q.kl("w8a8", "rtn"), dsv3_q.kl("w8a8", "smoothquant")
+    assert sq <= 1.005 * plain, (sq, plain)
 
 
 # -- smoothing preserves the function ----------------------------------------------------
@@ -181,8 +195,14 @@ def _family(name: str, root: Path) -> Path:
     return save_model(name, root / name, **QUANT_FAMILIES.get(name, {}))
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["any-scale", "power-of-two"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"])
-def test_random_smoothing_preserves_logits(family, tmp_path):
+def test_random_smoothing_preserves_logits(family, pow2, tmp_path):
+    """Random scales on every mapping keep the logits (a missed reader, or a non-linear
+    one scaled, would not). Power-of-two scales keep them bit for bit, with every smoothed
+    tensor stored in the source's dtype (bf16 norms and routers included): each product
+    ``(x_j / s_j)(w_ij s_j)`` is then the same float, so any difference is a mapping bug,
+    not rounding."""
     model = _family(family, tmp_path)
     ckpt, plan = plan_quantization(src=model, scheme="w8a8")
     rows = {r.name: r for r in plan.rows}
@@ -197,14 +217,21 @@ def test_random_smoothing_preserves_logits(family, tmp_path):
             keys = {e.key: e.name for e in rt.plan.units[f"layer.{i}"].values()}
             for m in layer_mappings(rt.text, i, keys, rows, norms_only=False):
                 width = rows[m.balance[0]].shape[1]
-                sm.add(m, torch.exp(torch.empty(width).uniform_(-1.5, 1.5, generator=g)))
+                scale = torch.exp(torch.empty(width).uniform_(-1.5, 1.5, generator=g))
+                sm.add(m, torch.exp2(torch.log2(scale).round()) if pow2 else scale)
                 n_maps += 1
                 labels.append(m.label)
-        src.overrides = {n: sm.apply(n, ckpt.get(n).float()) for n in sm.touched()}
+        src.overrides = {
+            n: sm.apply(n, ckpt.get(n).float()).to(ckpt.meta(n).dtype if pow2 else torch.float32)
+            for n in sm.touched()
+        }
         rt.loader.release()
         got = rt.forward(ids)
     finally:
         rt.close()
     assert n_maps >= rt.num_layers, labels  # at least one site per layer
     assert any("post_attention_layernorm" in lb for lb in labels), labels
-    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+    if pow2:
+        assert torch.equal(got, ref), (got - ref).abs().max()
+    else:
+        assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()

@@ -65,12 +65,12 @@ from .data import CalibrationSet
 from .gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize
 from .observers import OBSERVERS, check_percentile, make_observer
 from .smooth import (
+    SQ_ALPHAS,
     Smoothing,
     Statistics,
     awq_scales,
     check_alpha,
     layer_mappings,
-    smoothquant_scales,
     smoothquant_search,
 )
 
@@ -676,8 +676,9 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         maps = layer_mappings(rt.text, i, keys, allrows, norms_only=False, cache_fixed=fixed)
     stats = Statistics(options.smooth_tokens, hidden.n)
     sources = {m.source for m in maps}
-    searched = kind == "awq" or options.alpha_search
-    sampled = (sources | {n for m in maps for n in m.routed}) if searched else set()
+    # every smoothing choice is judged on sampled rows (SmoothQuant's too: a mapping is
+    # smoothed only where it helps, see smooth.SQ_MIN_GAIN)
+    sampled = sources | {n for m in maps for n in m.routed}
     stat_names = sources | sampled
 
     def on_router(name, x, y):
@@ -1031,14 +1032,12 @@ def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options
             sm.chosen[m.label] = ratio
             if ratio is None:
                 continue
-        elif options.alpha_search:
-            s, alpha = smoothquant_search(m, weight, scheme_of, stats)
+        else:
+            alphas = SQ_ALPHAS if options.alpha_search else (float(options.alpha),)
+            s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas)
             sm.chosen[m.label] = alpha
             if alpha is None:
                 continue
-        else:
-            s = smoothquant_scales(m, weight, stats, float(options.alpha))
-            sm.chosen[m.label] = float(options.alpha)
         sm.add(m, s)
     return sm
 
