@@ -206,7 +206,8 @@ def test_interrupted_stream_is_not_a_checkpoint(llama, tmp_path, capsys):
     out = tmp_path / "s"
     (out / ".k3-journal").mkdir(parents=True)
     rc, _, err = run(capsys, "shard", out, tmp_path / "s2")
-    assert rc == 2 and "interrupted `k3convert shard`" in one_line_error(err)
+    msg = one_line_error(err)
+    assert rc == 2 and "without its manifest.json" in msg and "interrupted" in msg, msg
 
 
 # -- 5 / 18. read-only, full or failing disks -------------------------------------------
