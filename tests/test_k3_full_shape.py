@@ -15,22 +15,14 @@ import json
 from pathlib import Path
 
 import pytest
-from safetensors import safe_open
 
 from k3convert.convert import convert
 from k3convert.memplan import plan_memory
 from k3convert.stream import open_stream
 from k3convert.synth import synthesize
+from tests.test_memplan import _manifest_bytes
 
-ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "U8": 1, "F8_E4M3": 1}
 EXPERTS, LAYERS, VOCAB, HEADS = 896, 2, 163840, 96
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +63,9 @@ def test_day0_layout_converts_and_verifies(k3):
         assert len(slots) == EXPERTS + 64 and set(slots) == set(range(EXPERTS))
 
 
-def _stream_bytes(out: Path) -> tuple[list[int], list[int]]:
-    """Per rank: tensor bytes the manifest lists, and those its unit files hold."""
-    man = json.loads((out / "manifest.json").read_text())
-    listed, stored = [], []
-    for r in man["ranks"]:
-        a = b = 0
-        for u in r["units"]:
-            a += sum(ST_BYTES[t["dtype"]] * _prod(t["shape"]) for t in u["tensors"])
-            with safe_open(str(out / u["file"]), "pt") as f:
-                for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    if not k.startswith("__pad__"):
-                        s = f.get_slice(k)
-                        b += ST_BYTES[s.get_dtype()] * _prod(s.get_shape())
-        listed.append(a)
-        stored.append(b)
-    return listed, stored
-
-
 def test_plan_equals_the_stream_per_rank(k3):
     src, out, _ = k3
-    listed, stored = _stream_bytes(out)
+    listed, stored = _manifest_bytes(out)
     assert listed == stored and len(listed) == 8
     plan = plan_memory(src=src, recipe="kimi-k3-day0", expert_load=out / "routing_counts.json",
                        search=False)  # fmt: skip

@@ -18,6 +18,7 @@ bit-identical results.
 
 from __future__ import annotations
 
+import atexit
 import os
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
@@ -224,3 +225,14 @@ def init_distributed(device: torch.device) -> None:
     backend = "gloo" if device.type == "cpu" else None  # None: the device's default
     timeout = float(os.environ.get("K3_DIST_TIMEOUT_S", DIST_TIMEOUT_S))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout))
+    # a process that reaches interpreter teardown with gloo's threads still up is aborted
+    # ("terminate called without an active exception", SIGABRT after all work succeeded):
+    # leave the group first, whoever initialised it and however the process ends
+    atexit.register(_leave_distributed)
+
+
+def _leave_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
