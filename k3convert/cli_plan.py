@@ -81,8 +81,12 @@ def register(app: typer.Typer) -> None:
             typer.Option("--fail-if-over", help="Exit 1 when a rank is over the budget."),
         ] = False,
         serving_device: Annotated[
-            str, typer.Option(help="Check the planned scheme against vLLM on cuda or cpu.")
-        ] = "cuda",
+            str | None,
+            typer.Option(
+                help="Check the planned scheme against vLLM on cuda or cpu (default: the "
+                "recipe's output.serving_device, else cuda)."
+            ),
+        ] = None,
         strict_serving: Annotated[
             bool,
             typer.Option(

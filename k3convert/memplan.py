@@ -1172,13 +1172,14 @@ def plan_memory(
     device: str | None = None,
     search: bool = True,
     top: int = 5,
-    serving_device: str = "cuda",
+    serving_device: str | None = None,
     strict_serving: bool = False,
 ) -> MemoryPlan:
     """The memory budget of every rank (see the module doc). ``recipe`` (a path or a
     loaded Recipe): its ``source.path``, ``layout`` and ``quantize`` sections are the
     defaults; explicit arguments win (``scheme`` replaces the recipe's quantize section).
-    A planned quantization is checked against vLLM on ``serving_device`` at the layout's
+    A planned quantization is checked against vLLM on ``serving_device`` (None: the
+    recipe's ``output.serving_device``, else cuda) at the layout's
     tp (:mod:`k3convert.serving`): ``warnings`` lists what it would refuse;
     ``strict_serving`` (or the recipe's ``output.strict_serving``) raises instead."""
     rec = None
@@ -1243,8 +1244,7 @@ def plan_memory(
         out_sec = getattr(rec, "output", None)
         target = ServingTarget(
             tp=layout.tp, moe_ep=layout.moe_ep,
-            device=serving_device if out_sec is None or serving_device != "cuda"
-            else out_sec.serving_device,
+            device=serving_device or getattr(out_sec, "serving_device", "cuda"),
             strict=strict_serving or bool(getattr(out_sec, "strict_serving", False)),
         )  # fmt: skip
         serving = [f"serving: {p.line()}" for p in target.check(t.qplan, t.config)]
