@@ -3,9 +3,9 @@
 The K3 release holds ~1.4 TB of MXFP4 routed experts, so how fast they decode (and
 requantize) next to just reading their bytes decides the conversion's wall time.
 
-Three synthetic checkpoints are written into a temporary directory (default: 64 experts
-x gate / up / down of [1024, 1536] / [1536, 1024], 302 M values: 604 MB as bf16, 160 MB
-as MXFP4 / 170 MB as NVFP4): the MXFP4 one in the Kimi K3 release's layout
+Three synthetic checkpoints are written into a temporary directory (default: 16 experts of
+the Kimi K3 release's routed shape, gate / up [3072, 3584] and down [3584, 3072]: 528 M
+values, 1057 MB as bf16, 264 MB as MXFP4 / 280 MB as NVFP4): the MXFP4 one in the Kimi K3 release's layout
 (``weight_packed`` uint8 [out, in/2] + ``weight_scale`` uint8 [out, in/32], random E2M1
 bytes and E8M0 exponents around 2**-7), an NVFP4 one with the same bytes (e4m3 scales per
 16, a global scale), and a bf16 one with the same names and logical shapes. Stages, each
@@ -13,12 +13,17 @@ in a fresh process (``bench/_harness.measure``: peak RSS is the command's own), 
 (A B C ... A B C ...), median of ``--repeats`` (3), page cache warm:
 
   cp -r mxfp4              the MXFP4 files copied (whole process: no interpreter)
-  safe_open bf16           safe_open(f).get_tensor(name) per tensor of the bf16 copy; sum
+  safe_open bf16           safe_open(f).get_tensor(name).clone() per tensor of the bf16 copy
+                           (get_tensor hands out a view of its memory map: the clone is
+                           what reads every byte, once)
   safe_open mxfp4 (raw)    the same on the MXFP4 files: the raw read of the same bytes
-  k3convert mxfp4 -> bf16  open_checkpoint; get(name, bf16) per expert tensor; sum; drop
+  k3convert mxfp4 -> bf16  open_checkpoint; get(name, bf16) per expert tensor (a new tensor
+                           holding every value), dropped
   k3convert nvfp4 -> bf16  the same on the NVFP4 copy
-  mxfp4 -> nvfp4 requant   get(name, float32) -> nvfp4a16 scheme's quantize, per tensor
-  mxfp4 -> int4 requant    get(name, float32) -> w4a16 (int4, group 128), per tensor
+  mxfp4 -> nvfp4 requant   quantize_stored(ck, name, nvfp4a16): what `k3convert quantize`
+                           runs per tensor (the parts scheme.quantize gives for the float32
+                           decode, here straight from the bytes: k3convert.quant.fp4_requant)
+  mxfp4 -> int4 requant    the same with w4a16 (int4, group 128, bf16 scales)
 
 "read s" is the time the worker measures around its loop (no interpreter start, no
 imports; cp -r: the whole command); "stored GB/s" divides the bytes stored on disk by it;
@@ -26,7 +31,8 @@ imports; cp -r: the whole command); "stored GB/s" divides the bytes stored on di
 (1: as convert's workers do; on 2 cores shared with other jobs a 2-thread OpenMP team
 waiting on a descheduled thread was measured 10-50x slower). "RSS/expert" is the peak RSS
 above the bare interpreter + torch floor over one expert (gate + up + down) in bf16.
-Usage: python bench/bench_fp4_read.py [--experts 64] [--repeats 3] [--threads 1]
+Usage: python bench/bench_fp4_read.py [--experts 16] [--hidden 3584] [--moe 3072]
+       [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -48,9 +54,13 @@ from pathlib import Path
 root, how, threads = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(threads)
 torch.zeros(4).sum()
+if how != "safe_open":  # imports before the clock, as the requant stages' scheme warm-up
+    import k3convert.quant.fp4_decode, k3convert.native
+    k3convert.native.library()
 scheme = None
 if how.startswith("requant:"):
     from k3convert.quant import get_scheme
+    from k3convert.quant.writer import quantize_stored
     scheme = get_scheme(how.partition(":")[2])
     scheme.quantize(torch.randn(64, 256))
 t0 = time.perf_counter()
@@ -60,8 +70,7 @@ if how == "safe_open":
     for f in sorted(root.glob("*.safetensors")):
         with safe_open(f, "pt") as sf:
             for k in sf.keys():
-                t = sf.get_tensor(k)
-                t.sum()
+                t = sf.get_tensor(k).clone()  # get_tensor maps; the clone reads every byte
                 n += t.numel() * t.element_size()  # bytes: raw reads hand out what is stored
                 del t
 else:
@@ -70,13 +79,11 @@ else:
     for k in ck.names():
         if scheme is None:
             t = ck.get(k, torch.bfloat16)
-            t.sum()
             n += t.numel()
         else:
-            t = ck.get(k, torch.float32)
-            parts = scheme.quantize(t)
-            n += t.numel()
-            del parts
+            parts = quantize_stored(ck, k, scheme)
+            n += ck.meta(k).shape[0] * ck.meta(k).shape[1]
+            t = parts
         del t
 print(json.dumps({"read_s": time.perf_counter() - t0, "values": n}))
 """
@@ -113,8 +120,8 @@ for e in range({experts}):
                                                 ).to(torch.float8_e4m3fn)
         out["nvfp4"][base + ".weight_global_scale"] = torch.tensor([2688.0 / 0.05])
         out["bf16"][base + ".weight"] = (torch.randn(o, i, generator=g) * 0.02).bfloat16()
-    if (e + 1) % 16 == 0:
-        flush(e // 16)
+    if (e + 1) % 4 == 0:
+        flush(e // 4)
 flush({experts})
 size = lambda d: sum(p.stat().st_size for p in (root / d).glob("*.safetensors"))
 print(json.dumps({{**{{d: size(d) for d in dirs}}, "values": {experts} * 3 * {hidden} * {moe}}}))
@@ -147,9 +154,9 @@ RAW = "safe_open mxfp4 (raw)"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--moe", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=3584, help="the release's routed width")
+    ap.add_argument("--moe", type=int, default=3072, help="the release's expert width")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of python stages")
     args = ap.parse_args()

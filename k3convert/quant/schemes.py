@@ -535,14 +535,13 @@ class IntScheme(Scheme):
         fbuf = torch.empty(band * inp, dtype=torch.float32)
         ibuf = torch.empty(band * inp, dtype=itype)
         qbuf = torch.empty(band * inp, dtype=torch.int8) if self.packed else None
-        half = float(self.qmax - self.qmin) / 2
         span = torch.tensor(float(-self.qmin), dtype=sd)
         for r0 in range(0, out, band):
             r1 = min(out, r0 + band)
             n = (r1 - r0) * inp
             a = torch.bitwise_and(bits[r0:r1], mask, out=ibuf[:n].view(r1 - r0, inp))
             amax = a.view(r1 - r0, ng, gs).amax(-1).view(w.dtype).float()
-            sc = _finite_scale(amax / half, sd).to(sd)
+            sc = self.symmetric_scale(amax)
             if not bool(torch.isfinite(span * sc).all()):
                 return None  # NaN / Inf, or a range that needs the general path's fallback
             scale[r0:r1] = sc
@@ -557,6 +556,12 @@ class IntScheme(Scheme):
             return {"weight": result, "weight_scale": scale}
         shape = torch.tensor([out, inp], dtype=torch.int64)
         return {"weight_packed": result, "weight_scale": scale, "weight_shape": shape}
+
+    def symmetric_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The stored scale (scale dtype) of float32 group maxima ``amax``, as the symmetric
+        fast path computes it: amax / ((q_max - q_min) / 2), smallest normal at least."""
+        half = float(self.qmax - self.qmin) / 2
+        return _finite_scale(amax / half, self.sdtype).to(self.sdtype)
 
     def _quantize_general(self, w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
         out, inp = w.shape

@@ -53,6 +53,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .. import __version__ as _k3_version
+from .. import formats as fmt
 from ..arch import resolve as resolve_arch
 from ..arch import validate_source
 from ..checkpoint import open_checkpoint
@@ -68,6 +69,7 @@ from ..checkpoint.output import (
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
 from ..errors import ConfigError, OutputError
 from ..formats import ACTIVATION_PARTS
+from . import fp4_requant
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
 from .schemes import NonFiniteWeightError, get_scheme, known_schemes
 
@@ -284,6 +286,11 @@ def _shared_amax(ckpt, plan: Plan, workers: int) -> dict[str, torch.Tensor]:
         return {}
 
     def one(r: Decision) -> tuple[str, torch.Tensor]:
+        mx = ckpt.meta(r.name).encoding == fmt.MXFP4
+        if mx and fp4_requant.supported(r.scheme):  # from the group maxima: no decode
+            top = fp4_requant.abs_max(ckpt.get_parts(r.name))
+            if top is not None:
+                return r.name, top
         w = ckpt.get(r.name)
         try:
             return r.name, r.scheme.abs_max(w, name=r.name)
@@ -354,17 +361,28 @@ def _produce(
         return {r.name: t}
     parts = calibrated.weight_parts(r.name) if calibrated is not None else None
     if parts is None:
-        w = ckpt.get(r.name)
         kw = {"global_amax": shared[r.name]} if shared and r.name in shared else {}
         try:
-            parts = r.scheme.quantize(w, name=r.name, **kw)
+            parts = quantize_stored(ckpt, r.name, r.scheme, **kw)
         except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
             raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
-        del w
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     for k, v in r.scheme.act_values(input_scales.get(r.module)).items():
         out[f"{r.module}.{k}"] = v
     return out
+
+
+def quantize_stored(ckpt, name: str, scheme, *, global_amax=None) -> dict[str, torch.Tensor]:
+    """``scheme.quantize`` of source tensor ``name`` dequantized to float32; an MXFP4
+    source under a scheme :mod:`.fp4_requant` produces straight from its bytes takes
+    that path (the same bytes, without the float32 copy)."""
+    kw = {} if global_amax is None else {"global_amax": global_amax}
+    if ckpt.meta(name).encoding == fmt.MXFP4 and fp4_requant.supported(scheme):
+        got = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name, **kw)
+        if got is not None:
+            return got
+    w = ckpt.get(name)
+    return scheme.quantize(w, name=name, **kw)
 
 
 def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:

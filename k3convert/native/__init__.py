@@ -1,0 +1,248 @@
+"""Small C kernels for the byte loops torch has no fast op for, compiled on first use.
+
+``fp4_kernels.c`` (shipped with the package) holds table gathers keyed by (group key,
+stored byte) and the per-group maximum E2M1 code: the MXFP4 / NVFP4 decode and the
+MXFP4 requantization (:mod:`k3convert.quant.fp4_decode`, :mod:`k3convert.quant.fp4_requant`)
+run through them when they are available, and through torch ops giving the same bytes
+otherwise (tests/test_fp4_requant.py checks both paths against each other and against the
+reference).
+
+Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -shared -fPIC``, once per
+source / compiler pair, into ``$K3CONVERT_KERNEL_CACHE`` (default
+``$XDG_CACHE_HOME/k3convert/kernels``, i.e. ``~/.cache/k3convert/kernels``): a temporary
+name, then an atomic rename, so concurrent processes never load a half-written library.
+No compiler, a failing build or ``K3CONVERT_NATIVE=0``: the torch path, and
+:func:`status` says why. Only this package's own source is ever compiled or loaded;
+nothing comes from a model directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("fp4_kernels.c")
+ABI = 3
+_FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC"]
+
+#: False: every caller takes its torch path (tests compare the two)
+ENABLED = True
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None  # why there is no library (None: not tried yet, or loaded)
+_tried = False
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("K3CONVERT_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "k3convert" / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _build(cc: str) -> Path:
+    src = SOURCE.read_bytes()
+    ver = subprocess.run([cc, "--version"], capture_output=True, timeout=60).stdout
+    key = hashlib.sha256(src + ver + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / f"fp4_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".fp4_kernels-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if r.returncode != 0:
+            raise OSError(f"{cc} exited {r.returncode}: {r.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("k3_gather_u8", "k3_gather_u32", "k3_gather_u64"):
+        f = getattr(lib, name)
+        f.argtypes = [p, p, i64, i64, p, p]
+        f.restype = None
+    lib.k3_max_codes.argtypes = [p, i64, i64, p]
+    lib.k3_max_codes.restype = None
+    for name in ("k3_mxfp4_bf16", "k3_mxfp4_f32"):
+        getattr(lib, name).argtypes = [p, p, i64, p, p]
+        getattr(lib, name).restype = None
+    for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
+        getattr(lib, name).argtypes = [p, p, p, i64, p, p]
+        getattr(lib, name).restype = None
+    lib.k3_mx_keys.argtypes = [p, p, i64, i64, p, p]
+    lib.k3_mx_keys.restype = None
+    lib.k3_fp4_kernels_version.restype = ctypes.c_int
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on the first call; None where they cannot be had."""
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("K3CONVERT_NATIVE", "1") == "0":
+                raise OSError("disabled by K3CONVERT_NATIVE=0")
+            cc = _compiler()
+            if cc is None:
+                raise OSError("no C compiler (set CC, or install cc / gcc)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            _declare(lib)
+            if lib.k3_fp4_kernels_version() != ABI:
+                raise OSError("the cached library's ABI does not match this k3convert")
+            _lib = lib
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            _why = str(e)
+        _tried = True
+    return _lib
+
+
+def status() -> str:
+    """One line: whether the kernels are in use, and why not."""
+    lib = library()
+    return "native FP4 kernels: in use" if lib is not None else f"native FP4 kernels: off ({_why})"
+
+
+_WORDS = {1: "k3_gather_u8", 4: "k3_gather_u32", 8: "k3_gather_u64"}
+
+
+def gather(src: torch.Tensor, key: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out.view(-1)[g * per + j] = table[key[g] << 8 | src.view(-1)[g * per + j]]``:
+    uint8 ``src`` of ``groups * per`` bytes, int32 ``key`` [groups] (values in
+    ``[0, len(table) / 256)``), ``table`` and ``out`` of one 1-, 4- or 8-byte dtype, all
+    contiguous CPU tensors. False (nothing done) where the kernels are unavailable."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return False
+    size = table.element_size()
+    groups = key.numel()
+    if (
+        src.dtype != torch.uint8 or key.dtype != torch.int32 or out.dtype != table.dtype
+        or size not in _WORDS or not groups or src.numel() % groups
+        or out.numel() != src.numel() or table.numel() % 256
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (src, key, table, out))
+    ):  # fmt: skip
+        raise ValueError("native gather: arguments of the wrong dtype, size or layout")
+    lo, hi = torch.aminmax(key)
+    if int(lo) < 0 or (int(hi) + 1) * 256 > table.numel():
+        raise ValueError("native gather: a key outside the table")
+    getattr(lib, _WORDS[size])(
+        src.data_ptr(), key.data_ptr(), groups, src.numel() // groups,
+        table.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return True
+
+
+def max_codes(src: torch.Tensor, per: int, out: torch.Tensor) -> bool:
+    """``out[g]`` = the largest ``nibble & 7`` of bytes ``[g * per, (g + 1) * per)`` of
+    contiguous uint8 ``src``; False where the kernels are unavailable."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return False
+    if (
+        src.dtype != torch.uint8 or out.dtype != torch.uint8 or per < 1
+        or src.numel() != out.numel() * per
+        or not (src.is_contiguous() and out.is_contiguous())
+        or src.device.type != "cpu" or out.device.type != "cpu"
+    ):  # fmt: skip
+        raise ValueError("native max_codes: arguments of the wrong dtype, size or layout")
+    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr())
+    return True
+
+
+def mx_keys(codes: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int32 keys ``codes[g // ratio] * 8 + m[g]`` shaped like ``m``, int64 counts of each
+    of the 2048 keys) for uint8 E8M0 ``codes`` [rows, c] and max codes ``m`` [rows, c *
+    ratio]; None where the kernels are unavailable."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    if (
+        codes.dtype != torch.uint8 or m.dtype != torch.uint8 or codes.ndim != 2
+        or m.ndim != 2 or m.shape[0] != codes.shape[0] or not codes.numel()
+        or m.shape[1] % codes.shape[1]
+        or not (codes.is_contiguous() and m.is_contiguous())
+        or codes.device.type != "cpu" or m.device.type != "cpu"
+    ):  # fmt: skip
+        raise ValueError("native mx_keys: arguments of the wrong dtype, size or layout")
+    key = torch.empty(m.shape, dtype=torch.int32)
+    counts = torch.zeros(2048, dtype=torch.int64)
+    ratio = m.shape[1] // codes.shape[1]
+    lib.k3_mx_keys(codes.data_ptr(), m.data_ptr(), m.numel(), ratio, key.data_ptr(),
+                   counts.data_ptr())  # fmt: skip
+    return key, counts
+
+
+_OUT = {torch.bfloat16: (torch.int32, 2), torch.float32: (torch.int64, 4)}
+
+
+def _fp4_args(packed, codes, table, dtype, group):
+    word, _ = _OUT.get(dtype, (None, 0))
+    if (
+        word is None or packed.dtype != torch.uint8 or codes.dtype != torch.uint8
+        or packed.ndim != 2 or table.dtype != word or table.numel() != 65536
+        or codes.numel() * (group // 2) != packed.numel()
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (packed, codes, table))
+    ):  # fmt: skip
+        raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
+
+
+def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """MXFP4 uint8 ``packed`` [out, in/2] with E8M0 ``codes`` [out, in/32] -> [out, in]
+    ``dtype`` (bfloat16 / float32), bit for bit the values ``table`` (the reference's
+    (code, byte) pair table, int32 / int64 words) holds; None without the kernels."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    _fp4_args(packed, codes, table, dtype, 32)
+    out, cols = packed.shape
+    res = torch.empty(out, 2 * cols, dtype=dtype)
+    fn = lib.k3_mxfp4_bf16 if dtype == torch.bfloat16 else lib.k3_mxfp4_f32
+    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(), res.data_ptr())
+    return res
+
+
+def nvfp4_decode(packed: torch.Tensor, eff: torch.Tensor, codes: torch.Tensor,
+                 table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """NVFP4 uint8 ``packed`` [out, in/2] -> E2M1 x ``eff`` (float32 [out, in/16], the
+    effective scales) in float32, rounded to ``dtype``; groups whose ``eff`` is not finite
+    read ``table`` (the pair table by e4m3 ``codes``); None without the kernels."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    _fp4_args(packed, codes, table, dtype, 16)
+    if eff.dtype != torch.float32 or eff.shape != codes.shape or not eff.is_contiguous():
+        raise ValueError("native FP4 decode: effective scales of the wrong dtype or shape")
+    out, cols = packed.shape
+    res = torch.empty(out, 2 * cols, dtype=dtype)
+    fn = lib.k3_nvfp4_bf16 if dtype == torch.bfloat16 else lib.k3_nvfp4_f32
+    fn(packed.data_ptr(), eff.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(),
+       res.data_ptr())  # fmt: skip
+    return res

@@ -1,0 +1,249 @@
+"""FP4 decode kernels and MXFP4 -> NVFP4 / int4 requantization straight from the bytes.
+
+Every fast path is checked bit for bit against the slow one it replaces: the decode
+against ``mxfp4_reference`` / ``nvfp4_reference`` on every (scale code, byte) pair, the
+requantization against the scheme's own ``quantize`` of the float32 decode (which
+tests/test_formats_fp4.py and tests/test_quant_oracle.py check against compressed-tensors),
+and a whole ``quantize`` run from an MXFP4 checkpoint against compressed-tensors' NVFP4
+compressor. Each runs with the C kernels (:mod:`k3convert.native`) and with the torch
+path.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from k3convert import formats as fmt
+from k3convert import native
+from k3convert.checkpoint import open_checkpoint
+from k3convert.quant import fp4_requant, get_scheme, quantize
+from k3convert.quant.schemes import IntScheme, NonFiniteWeightError, WeightRangeError
+from k3convert.quant.writer import fused_groups, plan_quantization
+
+HAVE_CC = native._compiler() is not None
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """Both implementations: the C kernels (skipped without a compiler) and torch ops."""
+    if request.param == "native":
+        if not HAVE_CC:
+            pytest.skip("no C compiler: the kernels cannot be built here")
+        assert native.library() is not None, native.status()
+    monkeypatch.setattr(native, "ENABLED", request.param == "native")
+    return request.param
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a
+    )  # fmt: skip
+
+
+def _mx(rows: int, cols: int, lo: int, hi: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    codes = torch.randint(lo, hi + 1, (rows, cols // 32), generator=g).to(torch.uint8)
+    packed[1, :16] = 0  # an all-zero MX group
+    packed[2, :8] = 0x88  # an NVFP4 group of -0.0
+    packed[3, 8:16] = 0x11  # a group whose largest value is 0.5
+    return {"weight_packed": packed, "weight_scale": codes}
+
+
+def _decode32(p):
+    return fmt.mxfp4_reference(p, fmt.QuantParams(), torch.float32)
+
+
+# -- the kernels ---------------------------------------------------------------------------
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_kernels_build_and_load(tmp_path, monkeypatch):
+    """A fresh cache builds the library once (a temporary name renamed into place) and
+    every later load reuses it; K3CONVERT_NATIVE=0 turns it off with the reason."""
+    monkeypatch.setenv("K3CONVERT_KERNEL_CACHE", str(tmp_path / "k"))
+    built = native._build(native._compiler())
+    assert built.parent == tmp_path / "k" and built.is_file()
+    assert [p.name for p in (tmp_path / "k").iterdir()] == [built.name]  # no temporaries
+    assert native._build(native._compiler()) == built
+    monkeypatch.setenv("K3CONVERT_NATIVE", "0")
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.library() is None and "K3CONVERT_NATIVE=0" in native.status()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_kernel_wrappers_refuse_bad_arguments():
+    """The C loops trust their arguments; the wrappers check sizes and key ranges."""
+    src = torch.zeros(64, dtype=torch.uint8)
+    table = torch.zeros(256 * 2, dtype=torch.uint8)
+    out = torch.empty(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="outside the table"):
+        native.gather(src, torch.tensor([0, 2, 0, 0], dtype=torch.int32), table, out)
+    with pytest.raises(ValueError, match="outside the table"):
+        native.gather(src, torch.tensor([0, -1, 0, 0], dtype=torch.int32), table, out)
+    with pytest.raises(ValueError, match="wrong dtype, size or layout"):
+        native.gather(src, torch.zeros(3, dtype=torch.int32), table, out)  # 64 % 3
+    with pytest.raises(ValueError, match="wrong dtype, size or layout"):
+        native.max_codes(src, 8, torch.empty(7, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_decode_every_pair(path, dtype):
+    """Every (E8M0 code, byte) pair - the exponent-add kernel's range and the table's -
+    decodes to the reference's bits."""
+    p = fmt._all_pairs(torch.uint8)
+    got = fmt._deq_mxfp4(p, fmt.QuantParams(), dtype)
+    assert torch.equal(_bytes(got), _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gscale", [2688.0 / 0.05, 1.0, 1e-30, 3e38, float("inf")])
+def test_nvfp4_decode_every_pair(path, dtype, gscale):
+    """Every (e4m3 code, byte) pair, NaN codes and extreme global scales included (so the
+    products overflow, underflow to subnormals, and meet a non-finite scale)."""
+    p = fmt._all_pairs(torch.float8_e4m3fn)
+    p["weight_global_scale"] = torch.tensor([gscale])
+    got = fmt._deq_nvfp4(p, fmt.QuantParams(), dtype)
+    assert torch.equal(_bytes(got), _bytes(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype)))
+
+
+# -- requantization ------------------------------------------------------------------------
+SCHEMES = {
+    "nvfp4a16": get_scheme("nvfp4a16"),
+    "nvfp4": get_scheme("nvfp4"),
+    "w4a16": get_scheme("w4a16"),
+    "int4-g32-f32": IntScheme("t-g32", num_bits=4, group_size=32, scale_dtype="float32"),
+    "int4-g64": IntScheme("t-g64", num_bits=4, group_size=64),
+    "int4-channel": IntScheme("t-ch", num_bits=4, strategy="channel"),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("codes", [(117, 124), (16, 240), (100, 140)])
+def test_requant_equals_the_float_path(path, scheme, codes):
+    s = SCHEMES[scheme]
+    p = _mx(48, 512, *codes)
+    got = fp4_requant.requantize(p, s, name="t.weight")
+    assert got is not None
+    assert _same(got, s.quantize(_decode32(p), name="t.weight"))
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_requant_nvfp4_shared_global_amax_and_extreme_codes(path, scheme):
+    """A fused set's global amax (larger than this tensor's), and E8M0 codes at both ends
+    of the range: subnormal values (code 0..3) and huge ones (up to 2**122)."""
+    s = SCHEMES[scheme]
+    for lo, hi in ((0, 6), (236, 249), (0, 249)):
+        p = _mx(32, 256, lo, hi)
+        w = _decode32(p)
+        for amax in (None, float(w.abs().max()) * 3):
+            kw = {} if amax is None else {"global_amax": torch.tensor(amax)}
+            try:
+                want = s.quantize(w, name="t.weight", **kw)
+            except WeightRangeError:
+                assert fp4_requant.requantize(p, s, name="t.weight", **kw) is None
+                continue
+            got = fp4_requant.requantize(p, s, name="t.weight", **kw)
+            assert got is not None and _same(got, want), (lo, hi, amax)
+
+
+def test_requant_declines_what_it_cannot_do_exactly(path):
+    """None (the caller quantizes the float decode) for NaN codes, int codes outside
+    INT_CODES, asymmetric / float16-scale / non-4-bit int schemes and misshapen parts."""
+    nv, w4 = SCHEMES["nvfp4a16"], SCHEMES["w4a16"]
+    p = _mx(16, 256, 117, 124)
+    p["weight_scale"][3, 2] = 255  # E8M0 NaN
+    assert fp4_requant.requantize(p, nv) is None and fp4_requant.requantize(p, w4) is None
+    with pytest.raises(NonFiniteWeightError):
+        nv.quantize(_decode32(p))
+    lo, hi = fp4_requant.INT_CODES
+    for bad in (lo - 1, hi + 1):
+        q = _mx(16, 256, 117, 124)
+        q["weight_scale"][0, 0] = bad
+        assert fp4_requant.requantize(q, w4) is None
+        assert fp4_requant.requantize(q, nv) is not None  # NVFP4 is exact at every code
+    for s in (get_scheme("w4a16-asym"), get_scheme("w3a16"), get_scheme("int8-g128"),
+              IntScheme("t-f16", num_bits=4, scale_dtype="float16")):  # fmt: skip
+        assert not fp4_requant.supported(s) and fp4_requant.requantize(p, s) is None
+    assert fp4_requant.requantize({**p, "weight_scale": p["weight_scale"][:, :4]}, nv) is None
+
+
+def test_abs_max_from_group_maxima(path):
+    for lo, hi in ((117, 124), (0, 5), (200, 252)):
+        p = _mx(16, 512, lo, hi)
+        got = fp4_requant.abs_max(p)
+        assert torch.equal(got, _decode32(p).abs().max())
+    p["weight_scale"][0, 0] = 255
+    assert fp4_requant.abs_max(p) is None  # NaN: the float path raises with the name
+    assert torch.equal(fp4_requant.abs_max(_mx(4, 64, 0, 0) | {"weight_packed": torch.zeros(
+        4, 32, dtype=torch.uint8)}), torch.zeros(()))  # fmt: skip
+
+
+# -- a whole quantize run from an MXFP4 checkpoint -------------------------------------------
+@pytest.fixture(scope="module")
+def mx_src(tmp_path_factory):
+    from tests.models import save_model
+
+    root = tmp_path_factory.mktemp("mx_src")
+    bf16 = save_model("qwen3_moe", root / "bf16", dtype=torch.bfloat16)
+    quantize(src=bf16, out=root / "mxfp4", scheme="mxfp4", progress=False, workers=1)
+    return root / "mxfp4"
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "int4-g32"])
+def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch, scheme):
+    """`quantize` of an MXFP4 checkpoint writes the same files through the C kernels,
+    through fp4_requant's torch ops, and through the float32 decode + scheme.quantize;
+    NVFP4 parts equal compressed-tensors' compressor on the float32 decode (gate / up and
+    q / k / v with their fused global scale)."""
+    calls = []
+    real = fp4_requant.requantize
+
+    def counted(*a, **kw):
+        got = real(*a, **kw)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(fp4_requant, "requantize", counted)
+    outs = {}
+    for how in (["native"] if HAVE_CC else []) + ["torch", "float"]:
+        monkeypatch.setattr(native, "ENABLED", how == "native")
+        float_path = (lambda s: False) if how == "float" else fp4_requant._supported
+        monkeypatch.setattr(fp4_requant, "supported", float_path)
+        calls.clear()
+        out = tmp_path / how
+        quantize(src=mx_src, out=out, scheme=scheme, progress=False, workers=1)
+        if how != "float":
+            assert len(calls) >= 8 and all(calls), (how, calls)  # every expert: no fallback
+        else:
+            assert not calls
+        outs[how] = {
+            p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix == ".safetensors"
+        }
+    assert all(o == outs["float"] for o in outs.values())
+    if scheme != "nvfp4a16":
+        return
+    from tests.test_formats_fp4 import ct_compress
+
+    out = tmp_path / "float"
+    ck, src = open_checkpoint(out), open_checkpoint(mx_src)
+    plan = plan_quantization(src=mx_src, scheme=scheme)[1]
+    fused = {r.name: g for g in fused_groups(plan) for r in g}
+    experts = 0
+    for r in plan.quantized:
+        if src.meta(r.name).encoding != fmt.MXFP4:
+            continue
+        experts += ".experts." in r.name
+        partners = [src.get(x.name) for x in fused.get(r.name, [])]
+        theirs = ct_compress(src.get(r.name), "NVFP4A16", fused=partners)
+        mine = {k: v for k, v in ck.get_parts(r.name).items() if k.startswith("weight")}
+        assert _same(mine, theirs), r.name
+    assert experts >= 8
+    shutil.rmtree(tmp_path)
