@@ -5,11 +5,12 @@ requantize) next to just reading their bytes decides the conversion's wall time.
 
 Three synthetic checkpoints are written into a temporary directory (default: 16 experts of
 the Kimi K3 release's routed shape, gate / up [3072, 3584] and down [3584, 3072]: 528 M
-values, 1057 MB as bf16, 264 MB as MXFP4 / 280 MB as NVFP4): the MXFP4 one in the Kimi K3 release's layout
-(``weight_packed`` uint8 [out, in/2] + ``weight_scale`` uint8 [out, in/32], random E2M1
-bytes and E8M0 exponents around 2**-7), an NVFP4 one with the same bytes (e4m3 scales per
-16, a global scale), and a bf16 one with the same names and logical shapes. Stages, each
-in a fresh process (``bench/_harness.measure``: peak RSS is the command's own), interleaved
+values, 1057 MB as bf16, 264 MB as MXFP4 / 280 MB as NVFP4): the MXFP4 one in the
+release's layout (``weight_packed`` uint8 [out, in/2] + ``weight_scale`` uint8 [out,
+in/32], random E2M1 bytes and E8M0 exponents around 2**-7), an NVFP4 one with the same
+bytes (e4m3 scales per 16, a global scale), and a bf16 one with the same names and logical
+shapes. Stages, each in a fresh process (``bench/_harness.measure``: peak RSS is the
+command's own), interleaved
 (A B C ... A B C ...), median of ``--repeats`` (3), page cache warm:
 
   cp -r mxfp4              the MXFP4 files copied (whole process: no interpreter)

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 3
-_FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC"]
+ABI = 5
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
@@ -94,6 +94,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [p, p, p, i64, p, p]
         getattr(lib, name).restype = None
     lib.k3_mx_keys.argtypes = [p, p, i64, i64, p, p]
+    lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p]
+    lib.k3_nv_maxkeys.restype = None
+    lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p]
+    lib.k3_nv_requant.restype = None
     lib.k3_mx_keys.restype = None
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
 
@@ -246,3 +250,52 @@ def nvfp4_decode(packed: torch.Tensor, eff: torch.Tensor, codes: torch.Tensor,
     fn(packed.data_ptr(), eff.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(),
        res.data_ptr())  # fmt: skip
     return res
+
+
+def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
+    out, cols = packed.shape if packed.ndim == 2 else (0, 0)
+    if (
+        packed.dtype != torch.uint8 or codes.dtype != torch.uint8 or packed.ndim != 2
+        or cols % 16 or tuple(codes.shape) != (out, cols // 16)
+        or not (packed.is_contiguous() and codes.is_contiguous())
+        or packed.device.type != "cpu" or codes.device.type != "cpu"
+    ):  # fmt: skip
+        raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
+
+
+def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor):
+    """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, int64 [2048]
+    counts of each (E8M0 code, that code) key) of MXFP4 ``packed`` [out, cols] with
+    ``codes`` [out, cols / 16]; None without the kernels."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    _mx_pair(packed, codes)
+    m = torch.empty(packed.shape[0], packed.shape[1] // 8, dtype=torch.uint8)
+    counts = torch.zeros(2048, dtype=torch.int64)
+    lib.k3_nv_maxkeys(packed.data_ptr(), codes.data_ptr(), m.numel(), m.data_ptr(),
+                      counts.data_ptr())  # fmt: skip
+    return m, counts
+
+
+def nv_requant(packed, codes, m, table, scales):
+    """(NVFP4 bytes like ``packed``, e4m3 scale bytes like ``m``): ``table`` uint8 [2048 *
+    256] and ``scales`` uint8 [2048] indexed by key ``codes[g // 2] * 8 + m[g]`` (every
+    key < 2048 by construction); None without the kernels."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    _mx_pair(packed, codes)
+    if (
+        m.dtype != torch.uint8 or m.shape != (packed.shape[0], packed.shape[1] // 8)
+        or table.dtype != torch.uint8 or table.numel() != 2048 * 256
+        or scales.dtype != torch.uint8 or scales.numel() != 2048
+        or not all(t.is_contiguous() for t in (m, table, scales))
+    ):  # fmt: skip
+        raise ValueError("native MXFP4 -> NVFP4: tables of the wrong dtype or size")
+    out = torch.empty_like(packed)
+    sout = torch.empty_like(m)
+    ptrs = (t.data_ptr() for t in (packed, codes, m))
+    lib.k3_nv_requant(*ptrs, m.numel(), table.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                      sout.data_ptr())  # fmt: skip
+    return out, sout

@@ -100,6 +100,43 @@ void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
     }
 }
 
+/* MXFP4 -> NVFP4, pass 1: m[g] = the largest magnitude code of the 8 bytes of NVFP4 group
+ * g (half of MX group g / 2), and counts[codes[g / 2] * 8 + m[g]] += 1 (counts: 2048
+ * zeroed int64); groups even */
+void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   uint8_t *restrict m, int64_t *restrict counts) {
+    k3_max8(src, groups / 2, m);
+    /* four histograms, so that runs of one key do not serialise on one counter */
+    static _Thread_local int64_t h[4][2048];
+    memset(h, 0, sizeof h);
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+        h[0][(int64_t)codes[g >> 1] * 8 + m[g]]++;
+        h[1][(int64_t)codes[g >> 1] * 8 + m[g + 1]]++;
+        h[2][(int64_t)codes[(g + 2) >> 1] * 8 + m[g + 2]]++;
+        h[3][(int64_t)codes[(g + 2) >> 1] * 8 + m[g + 3]]++;
+    }
+    for (; g < groups; g++) h[0][(int64_t)codes[g >> 1] * 8 + m[g]]++;
+    for (int k = 0; k < 2048; k++) counts[k] += h[0][k] + h[1][k] + h[2][k] + h[3][k];
+}
+
+/* pass 2: key = codes[g / 2] * 8 + m[g] (< 2048); out[8 g + j] = table[key << 8 | src[8 g
+ * + j]] (table: 2048 x 256 output bytes) and sout[g] = stab[key] (the group's e4m3 scale) */
+void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
+                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict table,
+                   const uint8_t *restrict stab, uint8_t *restrict out,
+                   uint8_t *restrict sout) {
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t key = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
+        const uint8_t *t = table + (key << 8);
+        const uint8_t *s = src + 8 * g;
+        uint64_t w = 0;
+        for (int k = 0; k < 8; k++) w |= (uint64_t)t[s[k]] << (8 * k);
+        memcpy(out + 8 * g, &w, 8);
+        sout[g] = stab[key];
+    }
+}
+
 /* key[g] = codes[g / ratio] * 8 + m[g] (an (E8M0 code, max magnitude code) pair, < 2048)
  * for g < groups, and counts[k] += how often key k occurs (counts: 2048 zeroed int64) */
 void k3_mx_keys(const uint8_t *codes, const uint8_t *m, int64_t groups, int64_t ratio,
@@ -254,4 +291,4 @@ K3_CLONES void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 3; }
+int k3_fp4_kernels_version(void) { return 5; }

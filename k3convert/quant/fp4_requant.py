@@ -206,13 +206,14 @@ def requantize(
 def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
     out = packed.shape[0]
     per = fmt.NV_GROUP // 2  # bytes per NVFP4 group: half an MX group
-    m = _max_codes(packed, per)  # [out, ng16]
-    got = native.mx_keys(codes, m)
+    got = native.nv_maxkeys(packed, codes)
     if got is None:
+        m = _max_codes(packed, per)  # [out, ng16]
         key = codes.to(torch.int32).repeat_interleave(2, dim=1).mul_(8).add_(m)
         hit = _present(key)  # the (e, m) that occur, ascending
     else:
-        key, counts = got
+        m, counts = got
+        key = None
         hit = counts.nonzero().view(-1)
     vals = _values()
     if global_amax is None:
@@ -228,9 +229,16 @@ def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
     scales = torch.zeros(2048, dtype=torch.uint8)
     scales[hit] = ref["weight_scale"].view(torch.uint8).view(-1)
     res = dict(ref)
-    res["weight_packed"] = _gather_bytes(packed, key, table.view(-1))
-    res["weight_scale"] = scales.index_select(0, key.view(-1)).view(out, -1)
-    res["weight_scale"] = res["weight_scale"].view(torch.float8_e4m3fn)
+    if key is None:  # the fused kernel: output bytes and scales in one pass
+        got = native.nv_requant(packed, codes, m, table.view(-1), scales)
+        if got is None:
+            key = codes.to(torch.int32).repeat_interleave(2, dim=1).mul_(8).add_(m)
+        else:
+            res["weight_packed"], sc = got
+    if key is not None:
+        res["weight_packed"] = _gather_bytes(packed, key, table.view(-1))
+        sc = scales.index_select(0, key.view(-1)).view(out, -1)
+    res["weight_scale"] = sc.view(torch.float8_e4m3fn)
     return res
 
 
