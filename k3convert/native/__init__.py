@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 5
+ABI = 6
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 
 #: False: every caller takes its torch path (tests compare the two)
