@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -113,6 +114,8 @@ def library() -> ctypes.CDLL | None:
         try:
             if os.environ.get("K3CONVERT_NATIVE", "1") == "0":
                 raise OSError("disabled by K3CONVERT_NATIVE=0")
+            if sys.byteorder != "little":
+                raise OSError("a big-endian host (the kernels assemble little-endian words)")
             cc = _compiler()
             if cc is None:
                 raise OSError("no C compiler (set CC, or install cc / gcc)")
