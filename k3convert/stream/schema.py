@@ -3,8 +3,12 @@
 The schema (``manifest.schema.json``, identical to ``formats/musa-stream.schema.json``;
 a test pins that) uses a small subset of draft 2020-12, which :func:`validate`
 implements: type, const, enum, required, properties, additionalProperties,
-propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf and local
-``$ref``. Errors name the key path (``ranks[3].units[0].hash``).
+propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf,
+if / then / else and local ``$ref``. Errors name the key path (``ranks[3].units[0].hash``).
+
+Two entry points: the schema itself (``manifest.json``, every version) and its
+``$defs/rank_file`` (a version 3 rank file, ``rankNNNNN/units.json``):
+:func:`validate_rank_file`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,16 @@ def validate_rank_tensors(doc: dict, i: int, schema: dict | None = None) -> list
         where = (((base, "units"), j), "tensors")
         for k, t in enumerate(u["tensors"]):
             check(t, (where, k), errors)
+    return errors
+
+
+def validate_rank_file(rdoc, i: int, schema: dict | None = None) -> list[str]:
+    """Every violation of rank ``i``'s rank file ``rdoc`` against ``$defs/rank_file``;
+    unit paths read as in a version 1 / 2 manifest (``ranks[i].units[0].hash``), the
+    file's own keys as ``ranks[i].<key>`` of the rank file."""
+    root = schema or manifest_schema()
+    errors: list[str] = []
+    _compiled_def(root, "rank_file")(rdoc, ((("manifest",), "ranks"), i), errors)
     return errors
 
 
@@ -163,6 +177,20 @@ def _compile(s: dict, root: dict, memo: dict):
             return None
 
         checks.append(one_of)
+    if "if" in s:
+        cond = _compile(s["if"], root, memo)
+        then_f = _compile(s["then"], root, memo) if "then" in s else None
+        else_f = _compile(s["else"], root, memo) if "else" in s else None
+
+        def if_then_else(v, p, errs):
+            e: list[str] = []
+            cond(v, p, e)
+            branch = else_f if e else then_f
+            if branch is not None:
+                branch(v, p, errs)  # a stop inside a branch ends only that branch
+            return None
+
+        checks.append(if_then_else)
     if "const" in s:
         want = s["const"]
 
