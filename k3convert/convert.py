@@ -568,7 +568,6 @@ def _key_path(r: Recipe, section: str):
 def _from_manifest(out: Path):
     """The write stage's result for a complete stream found in OUT (nothing written)."""
     from .shard.writer import ShardResult
-
     from .stream import read_manifest_doc
 
     man = read_manifest_doc(out)  # the rank files too (version 3)

@@ -454,7 +454,7 @@ def test_damaged_stream_is_exit_1_everywhere(llama, tmp_path, capsys):
     s = tmp_path / "s"
     rc, _, err = run(capsys, "shard", llama, s)
     assert rc == 0, err
-    unit = sorted(next(s.glob("rank*")).iterdir())[-1]
+    unit = sorted(next(s.glob("rank*")).glob("*.safetensors"))[-1]  # a unit, not units.json
     data = bytearray(unit.read_bytes())
     data[-1] ^= 0xFF
     unit.write_bytes(bytes(data))
