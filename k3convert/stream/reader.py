@@ -1,13 +1,14 @@
 """Reading a MUSA stream directory: validation, read-ahead, zstd, hashes, zero-copy.
 
-``open_stream(OUT)`` validates manifest.json (JSON Schema, format version, rank / unit
-numbering) and that every unit file exists with the manifest's size, so a broken or
-half-written directory fails before a runtime starts. ``stream.rank(r).units()``
-yields one rank's units in execution order; the next ``prefetch`` units are read,
-hash-verified and (zstd) decompressed on a thread pool while the caller works on the
-current one. Uncompressed units are memory-mapped and their tensors are views of the
-mapping (zero-copy); each unit's safetensors header is validated against the manifest
-before any tensor is handed out.
+``open_stream(OUT)`` validates manifest.json and the rank files holding each rank's unit
+entries (JSON Schema, format version, rank / unit numbering) and that every unit file
+exists with the manifest's size, so a broken or half-written directory fails before a
+runtime starts; ``open_stream(OUT, ranks=[r])`` reads only rank r's rank file.
+``stream.rank(r).units()`` yields one rank's units in execution order; the next
+``prefetch`` units are read, hash-verified and (zstd) decompressed on a thread pool
+while the caller works on the current one. Uncompressed units are memory-mapped and
+their tensors are views of the mapping (zero-copy); each unit's safetensors header is
+validated against the manifest before any tensor is handed out.
 
 For a single-rank layout the :class:`Stream` itself is a runtime weight source with the
 checkpoint reader's interface (``config``, ``names()``, ``meta()``, ``get()``), returning
@@ -779,10 +780,12 @@ class Stream:
 def open_stream(path, *, verify_hashes: bool = True, ranks=None) -> Stream:
     """Open and validate a stream directory (its manifest; units when used).
 
-    ``ranks``: the rank indices this process reads (None: all). Their entries and unit
-    files are checked now, with the manifest's header, numbering and unit fields; any
-    other rank is checked the first time ``rank(r)`` is asked for, so the work of opening
-    a rank does not grow with the world (only parsing the manifest's JSON still does)."""
+    ``ranks``: the rank indices this process reads (None: all). Their unit entries (a
+    version 3 stream: their rank files; nothing else of another rank is read) and unit
+    files are checked now, with the manifest's header and numbering; any other rank is
+    loaded and checked the first time ``rank(r)`` is asked for, so the work of opening a
+    rank is proportional to the ranks opened, not to the world (a version 1 / 2 stream
+    still has every rank's units in the one manifest.json to parse)."""
     root = Path(path)
     if ranks is not None:
         ranks = sorted({int(r) for r in ranks})

@@ -49,9 +49,9 @@ def validate(doc, schema: dict | None = None, *, ranks=None) -> list[str]:
     other ranks' entries - :func:`validate_rank_tensors` checks those when a rank is used.
     """
     root = schema or manifest_schema()
-    errors: list[str] = []
+    errors: list = []
     _compiled(root)(doc if ranks is None else _shell(doc, ranks), ("manifest",), errors)
-    return errors
+    return _render(errors)
 
 
 def validate_rank_tensors(doc: dict, i: int, schema: dict | None = None) -> list[str]:
@@ -59,13 +59,13 @@ def validate_rank_tensors(doc: dict, i: int, schema: dict | None = None) -> list
     when ``i`` was not among them), with the same error paths."""
     root = schema or manifest_schema()
     check = _compiled_def(root, "tensor")
-    errors: list[str] = []
+    errors: list = []
     base = ((("manifest",), "ranks"), i)
     for j, u in enumerate(doc["ranks"][i]["units"]):
         where = (((base, "units"), j), "tensors")
         for k, t in enumerate(u["tensors"]):
             check(t, (where, k), errors)
-    return errors
+    return _render(errors)
 
 
 def validate_rank_file(rdoc, i: int, schema: dict | None = None) -> list[str]:
@@ -73,9 +73,9 @@ def validate_rank_file(rdoc, i: int, schema: dict | None = None) -> list[str]:
     unit paths read as in a version 1 / 2 manifest (``ranks[i].units[0].hash``), the
     file's own keys as ``ranks[i].<key>`` of the rank file."""
     root = schema or manifest_schema()
-    errors: list[str] = []
+    errors: list = []
     _compiled_def(root, "rank_file")(rdoc, ((("manifest",), "ranks"), i), errors)
-    return errors
+    return _render(errors)
 
 
 def _shell(doc, ranks) -> object:
@@ -126,6 +126,12 @@ def _compiled(root: dict):
     return _COMPILED[id(root)][1]
 
 
+def _render(errors: list) -> list[str]:
+    """(path, message) pairs as 'path: message' (paths are rendered only here: a oneOf
+    branch that does not match records errors that are counted, never shown)."""
+    return [f"{_where(p)}: {m}" for p, m in errors]
+
+
 def _where(p: tuple) -> str:
     keys = []
     while len(p) == 2:
@@ -172,7 +178,7 @@ def _compile(s: dict, root: dict, memo: dict):
                 sub(v, p, e)
                 ok += not e
             if ok != 1:
-                errs.append(f"{_where(p)}: matches {ok} of the allowed forms (need exactly one)")
+                errs.append((p, f"matches {ok} of the allowed forms (need exactly one)"))
                 return False
             return None
 
@@ -196,7 +202,7 @@ def _compile(s: dict, root: dict, memo: dict):
 
         def const(v, p, errs):
             if v != want:
-                errs.append(f"{_where(p)}: must be {want!r}, got {v!r}")
+                errs.append((p, f"must be {want!r}, got {v!r}"))
 
         checks.append(const)
     if "enum" in s:
@@ -204,7 +210,7 @@ def _compile(s: dict, root: dict, memo: dict):
 
         def enum(v, p, errs):
             if v not in allowed:
-                errs.append(f"{_where(p)}: must be one of {allowed}, got {v!r}")
+                errs.append((p, f"must be one of {allowed}, got {v!r}"))
 
         checks.append(enum)
     if "type" in s:
@@ -215,7 +221,7 @@ def _compile(s: dict, root: dict, memo: dict):
             for pred in preds:
                 if pred(v):
                     return None
-            errs.append(f"{_where(p)}: must be {' or '.join(types)}, got {type(v).__name__}")
+            errs.append((p, f"must be {' or '.join(types)}, got {type(v).__name__}"))
             return False
 
         checks.append(typed)
@@ -232,15 +238,15 @@ def _compile(s: dict, root: dict, memo: dict):
                 return None
             for k in required:
                 if k not in v:
-                    errs.append(f"{_where(p)}: missing required key '{k}'")
+                    errs.append((p, f"missing required key '{k}'"))
             for k, x in v.items():
                 if names is not None and not names.search(k):
-                    errs.append(f"{_where(p)}: key '{k}' does not match {pn['pattern']}")
+                    errs.append((p, f"key '{k}' does not match {pn['pattern']}"))
                 f = props.get(k)
                 if f is not None:
                     f(x, (p, k), errs)
                 elif extra is False:
-                    errs.append(f"{_where(p)}: unknown key '{k}'")
+                    errs.append((p, f"unknown key '{k}'"))
                 elif extra_f is not None:
                     extra_f(x, (p, k), errs)
             return None
@@ -254,9 +260,9 @@ def _compile(s: dict, root: dict, memo: dict):
             if not isinstance(v, list):
                 return None
             if lo is not None and len(v) < lo:
-                errs.append(f"{_where(p)}: needs at least {lo} items")
+                errs.append((p, f"needs at least {lo} items"))
             if hi is not None and len(v) > hi:
-                errs.append(f"{_where(p)}: allows at most {hi} items")
+                errs.append((p, f"allows at most {hi} items"))
             if item is not None:
                 for i, x in enumerate(v):
                     item(x, (p, i), errs)
@@ -271,9 +277,9 @@ def _compile(s: dict, root: dict, memo: dict):
             if not isinstance(v, str):
                 return None
             if min_len is not None and len(v) < min_len:
-                errs.append(f"{_where(p)}: must not be empty")
+                errs.append((p, "must not be empty"))
             if rx is not None and not rx.search(v):
-                errs.append(f"{_where(p)}: {v!r} does not match {s['pattern']}")
+                errs.append((p, f"{v!r} does not match {s['pattern']}"))
             return None
 
         checks.append(string)
@@ -282,7 +288,7 @@ def _compile(s: dict, root: dict, memo: dict):
 
         def at_least(v, p, errs):
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < minimum:
-                errs.append(f"{_where(p)}: must be >= {minimum}, got {v}")
+                errs.append((p, f"must be >= {minimum}, got {v}"))
 
         checks.append(at_least)
     return run
