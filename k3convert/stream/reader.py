@@ -334,16 +334,6 @@ def check_rank(root: Path, doc: dict, i: int, *, entries: bool = True) -> None:
         check_size(root, i, u)
 
 
-def load_all_ranks(root: Path, doc: dict) -> dict:
-    """``doc`` (from :func:`load_manifest` with ``ranks``) with every rank's units loaded
-    and checked as :func:`load_manifest` without ``ranks`` would have (tensor entries
-    included); returns ``doc``."""
-    for i, r in enumerate(doc["ranks"]):
-        if "units" not in r:
-            _load_rank_units(root, doc, i)
-    return doc
-
-
 def manifest_where(root: Path, rank: int, u: dict) -> str:
     src = rank_units_file(rank) if u.get("_version", VERSION) >= SPLIT_VERSION else MANIFEST
     return f"{root / src} (rank {rank}, unit '{u['name']}', file {u['file']})"

@@ -43,10 +43,12 @@ def _rx(p: str) -> re.Pattern:
 def validate(doc, schema: dict | None = None, *, ranks=None) -> list[str]:
     """Every violation as 'path: message' (empty when valid).
 
-    ``ranks``: a set of rank indices whose tensor entries are checked; every other unit
-    keeps only its first tensor entry checked (the header and every rank and unit field
-    are still checked in full), so opening one rank of a wide stream does not check the
-    other ranks' entries - :func:`validate_rank_tensors` checks those when a rank is used.
+    ``ranks`` (versions 1 and 2, whose units are inline): a set of rank indices whose
+    tensor entries are checked; every other unit keeps only its first tensor entry
+    checked (the header and every rank and unit field are still checked in full), so
+    opening one rank of a wide stream does not check the other ranks' entries -
+    :func:`validate_rank_tensors` checks those when a rank is used. A version 3 manifest
+    holds no units: each rank file is checked by :func:`validate_rank_file`.
     """
     root = schema or manifest_schema()
     errors: list = []
