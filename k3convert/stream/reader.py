@@ -17,6 +17,8 @@ bit-identical tensors (dequantized through the same encodings when asked).
 
 from __future__ import annotations
 
+import functools
+import gc
 import mmap
 import struct
 from collections import OrderedDict, deque
@@ -64,6 +66,24 @@ from .schema import validate, validate_rank_file, validate_rank_tensors
 
 
 # -- manifest -------------------------------------------------------------------------
+def _gc_paused(fn):
+    """Run ``fn`` with the cyclic garbage collector paused: loading a manifest makes
+    millions of containers (JSON, validation), none in a cycle, and the collector's
+    full passes over them, as they pile up rank after rank, cost more than the work."""
+
+    @functools.wraps(fn)
+    def paused(*a, **k):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*a, **k)
+        finally:
+            if collecting:
+                gc.enable()
+
+    return paused
+
+
 def _manifest_json(text: str, mp: Path):
     """Strict JSON (the shared loader): no key twice, no NaN / Infinity, finite numbers."""
     return strict_json_loads(text, f"{mp}: key", ManifestError, finite=True)
@@ -184,6 +204,7 @@ def _schema_error(where: Path, errs: list[str], what: str = "manifest") -> Manif
     return ManifestError(f"{where}: violates the {what} schema: {'; '.join(errs[:5])}{more}.")
 
 
+@_gc_paused
 def load_manifest(root: Path, ranks=None) -> dict:
     """Parse and validate ``root/manifest.json`` (schema, version, numbering) and the
     unit entries of ``ranks`` (None: every rank, as ``shard --check`` does).
@@ -314,6 +335,7 @@ def _check_owners(r: dict, mp: Path) -> None:
                 )
 
 
+@_gc_paused
 def check_rank(root: Path, doc: dict, i: int, *, entries: bool = True) -> None:
     """What opening rank ``i`` needs beyond :func:`load_manifest` ``(ranks=...)``: its
     units' entries against the geometry rules and their files' sizes; with ``entries``
