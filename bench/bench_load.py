@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from k3convert.arch import resolve
 from k3convert.quant.packing import pack_int32
 from k3convert.shard import shard
-from k3convert.stream import open_stream
+from k3convert.stream import open_stream, read_manifest_doc
 
 QUANT = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 
@@ -277,7 +277,7 @@ def bench_zstd(srcs: dict, tmp: Path) -> None:
             t0 = time.perf_counter()
             shard(src=src, out=outs[c], compress=c, force=True, workers=2, progress=False)
             outs[c, "w"] = time.perf_counter() - t0
-        man = json.loads((outs["zstd"] / "manifest.json").read_text())
+        man = read_manifest_doc(outs["zstd"])
         us = [u for r in man["ranks"] for u in r["units"]]
         raw, stored = sum(u["raw_bytes"] for u in us), sum(u["bytes"] for u in us)
         times = {}

@@ -53,6 +53,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 import k3convert  # noqa: E402
 from k3convert.errors import K3Error  # noqa: E402
+from k3convert.stream import read_manifest_doc, write_manifest_doc  # noqa: E402
 
 PKG = str(Path(k3convert.__file__).resolve().parent)
 
@@ -864,27 +865,52 @@ def _short(v) -> str:
     return s if len(s) < 60 else s[:57] + "..."
 
 
+def _save_doc(root: Path, doc: dict) -> None:
+    """Write a mutated document back as the writer lays it out (version 3: rank files
+    with their sizes recorded, then manifest.json); a document the mutation made
+    unsplittable is written as manifest.json alone, as given."""
+    try:
+        write_manifest_doc(root, doc, fsync=False)
+    except (TypeError, KeyError, ValueError, AttributeError):
+        (root / "manifest.json").write_text(json.dumps(doc))
+
+
 def mutate_stream(root: Path, template: Path, rng: random.Random) -> str:
     mp = root / "manifest.json"
-    doc = json.loads(mp.read_text())
+    doc = read_manifest_doc(root)
     r = rng.random()
-    if r < 0.08:  # manifest bytes
-        text = mp.read_bytes()
+    if r < 0.08:  # manifest bytes: manifest.json or one rank file
+        rank_files = sorted(root.glob("rank*/units.json"))
+        target = mp if not rank_files or rng.random() < 0.5 else rng.choice(rank_files)
+        name = str(target.relative_to(root))
+        text = target.read_bytes()
         if rng.random() < 0.3:
-            mp.write_text(deep_json(rng))
-            return "manifest: deeply nested JSON"
+            target.write_text(deep_json(rng))
+            return f"{name}: deeply nested JSON"
         if rng.random() < 0.5:
             cut = rng.randrange(len(text))
-            mp.write_bytes(text[:cut])
-            return f"manifest: truncate to {cut}"
+            target.write_bytes(text[:cut])
+            return f"{name}: truncate to {cut}"
         b = bytearray(text)
         i = rng.randrange(len(b))
         b[i] ^= 1 << rng.randrange(8)
-        mp.write_bytes(bytes(b))
-        return f"manifest: flip a bit at {i}"
+        target.write_bytes(bytes(b))
+        return f"{name}: flip a bit at {i}"
+    if r < 0.1 and doc.get("version") == 3:  # the split itself: units_file / units_bytes
+        top = json.loads(mp.read_text())
+        rank = rng.randrange(len(top["ranks"]))
+        k = rng.choice(["units_file", "units_bytes"])
+        old = top["ranks"][rank].get(k)
+        new = odd_value(rng, old)
+        if k == "units_file" and rng.random() < 0.6:
+            new = rng.choice([str(template / old), "../" + old, "rank00000/units.json",
+                              old.replace("rank", "rank0"), "manifest.json"])  # fmt: skip
+        top["ranks"][rank][k] = new
+        mp.write_text(json.dumps(top))
+        return f"ranks[{rank}].{k} {old!r} -> {new!r}"
     if r < 0.4:
         what = mutate_manifest(doc, root, template, rng)
-        mp.write_text(json.dumps(doc))
+        _save_doc(root, doc)
         return what
     rank = rng.randrange(len(doc["ranks"]))
     units = doc["ranks"][rank]["units"]
@@ -929,7 +955,7 @@ def mutate_stream(root: Path, template: Path, rng: random.Random) -> str:
         (root / u["file"]).write_bytes(
             raw if u["compression"] == "none" else zstandard.ZstdCompressor().compress(raw)
         )
-    mp.write_text(json.dumps(doc))
+    _save_doc(root, doc)
     return f"{where}: {what}"
 
 
@@ -1045,8 +1071,11 @@ class StreamFuzzer:
 
 def _check_files_inside(root: Path) -> None:
     """An intact check() must not have hashed files outside the stream directory."""
-    doc = json.loads((root / "manifest.json").read_text())
+    doc = read_manifest_doc(root)
     real = root.resolve()
+    for r in json.loads((root / "manifest.json").read_text())["ranks"]:
+        if "units_file" in r and not (root / r["units_file"]).resolve().is_relative_to(real):
+            raise Mismatch(f"check() read outside the stream directory: {r['units_file']}")
     for f in doc["files"]:
         if not (root / f["name"]).resolve().is_relative_to(real):
             raise Mismatch(f"check() read outside the stream directory: {f['name']}")

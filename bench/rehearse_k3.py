@@ -52,6 +52,9 @@ from pathlib import Path
 from safetensors import safe_open
 root = Path(sys.argv[1])
 m = json.loads((root / "manifest.json").read_text())
+for r in m["ranks"]:  # version 3: a rank's units are in its rank file
+    if "units" not in r:
+        r["units"] = json.loads((root / r["units_file"]).read_text())["units"]
 size = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
         "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 def prod(s):
@@ -161,6 +164,9 @@ def report(a, res: dict, out: Path) -> None:
         print(f"verify: passed={rep['passed']}  sizes: {rep['sizes']}")
         assert rep["passed"], "verify failed"
     print(f"manifest: {man.stat().st_size / 1e6:.1f} MB")
+    sizes = [f.stat().st_size / 1e6 for f in sorted(out.glob("rank*/units.json"))]
+    if sizes:  # version 3: each rank's units in its own rank file
+        print(f"rank files: {min(sizes):.1f} .. {max(sizes):.1f} MB each, {sum(sizes):.1f} MB")
     _, _, o, _ = measure([PY, "-c", _BYTES, str(out)])
     b = json.loads(o.strip().splitlines()[-1])
     print(f"units: {b['units']} ({b['units'] // world} per rank)")

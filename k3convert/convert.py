@@ -568,8 +568,9 @@ def _key_path(r: Recipe, section: str):
 def _from_manifest(out: Path):
     """The write stage's result for a complete stream found in OUT (nothing written)."""
     from .shard.writer import ShardResult
+    from .stream import read_manifest_doc
 
-    man = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    man = read_manifest_doc(out)  # the rank files too (version 3)
     units = [u for rk in man["ranks"] for u in rk["units"]]
     return ShardResult(out, out / MANIFEST, 0, len(units), sum(u["bytes"] for u in units), 0.0)
 

@@ -21,6 +21,7 @@ from k3convert.calibrate.sequential import (
 from k3convert.cli import main
 from k3convert.errors import ConfigError
 from k3convert.quant.writer import plan_quantization
+from k3convert.stream import read_manifest_doc
 from tests.models import build_model, save_model
 from tests.test_calibrate_sequential import _ids_file, k3_calibration
 
@@ -90,7 +91,7 @@ def test_routing_counts_match_transformers_and_feed_shard(work):
     rc, text = _cli(["shard", out, root / "st", "--tp", 2, "--ep", 2, "--redundant-experts", 2])
     assert rc == 0, text
     assert f"expert load: {path}" in text
-    man = json.loads((root / "st" / "manifest.json").read_text())
+    man = read_manifest_doc(root / "st")
     ex = man["layout"]["experts"]
     assert ex["policy"] == "load" and ex["redundant"] == 2
     for L, counts in want.items():
@@ -109,7 +110,7 @@ def test_routing_counts_match_transformers_and_feed_shard(work):
     # the explicit flag gives the same placement; no file and no flag: contiguous refused
     rc, _ = _cli(["shard", out, root / "st2", "--tp", 2, "--ep", 2, "--redundant-experts", 2,
                   "--expert-load", path])  # fmt: skip
-    man2 = json.loads((root / "st2" / "manifest.json").read_text())
+    man2 = read_manifest_doc(root / "st2")
     assert rc == 0 and man2["layout"]["experts"] == ex
     with pytest.raises(ConfigError, match="redundant"):
         from k3convert.shard import shard

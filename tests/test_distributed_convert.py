@@ -33,6 +33,7 @@ from k3convert.shard.layout import Layout
 from k3convert.shard.plan import build_plan
 from k3convert.shard.unit_io import journal_path
 from k3convert.shard.writer import _my_units
+from k3convert.stream import read_manifest_doc
 from k3convert.stream.format import JOURNAL, MANIFEST
 from k3convert.synth import synthesize
 
@@ -233,12 +234,13 @@ def _job_ok(two: dict) -> None:
 def test_shard_two_processes_byte_identical(srcs, one_proc, two_proc):
     _job_ok(two_proc)
     files = _assert_same_tree(one_proc["shard"], two_proc["shard"])
-    man = json.loads(files[MANIFEST])
+    man = read_manifest_doc(two_proc["shard"])
     units = [u for rk in man["ranks"] for u in rk["units"]]
     assert man["layout"]["world"] == 4 and len(units) == 12
     assert {u["compression"] for u in units} == {"zstd"}
+    rank_files = [f"rank{r:05d}/units.json" for r in range(4)]  # the leader wrote them
     assert sorted(files) == sorted(
-        [MANIFEST, "config.json", *AUX, *(u["file"] for u in units)]
+        [MANIFEST, "config.json", *AUX, *rank_files, *(u["file"] for u in units)]
     )  # no journal, no temp file left
     for name, data in AUX.items():  # carried files: the source's bytes
         assert files[name] == data
@@ -291,7 +293,7 @@ def test_convert_gptq_two_processes_identical(one_proc, two_proc):
     # through the journal: the same quantized weights as one process solving them all
     one, two = rep["calibrated_rows_per_process"]
     assert len(one) == 1 and len(two) == 2 and min(two) > 0 and sum(two) == one[0], (one, two)
-    man = json.loads((two_proc["gptq"] / MANIFEST).read_text())
+    man = read_manifest_doc(two_proc["gptq"])
     assert man["source"]["recipe"]["quantize"]["calibrate"]["algorithm"] == "gptq"
 
 

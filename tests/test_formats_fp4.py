@@ -37,6 +37,7 @@ from k3convert.quant import ActivationSpec, fake_quant_activation, get_scheme, q
 from k3convert.quant.schemes import GroupSizeError, WeightRangeError, quantize_mxfp4
 from k3convert.quant.writer import fused_groups, plan_quantization
 from k3convert.shard import SplitError, legal_degrees, split_tensor
+from k3convert.stream import read_manifest_doc
 from tests.models import save_model
 
 PRESET = {"mxfp4": "MXFP4A16", "nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
@@ -592,7 +593,7 @@ def test_shard_fp4_stream_is_lossless_and_readable(fp4_out, tmp_path):
     shard(src=src, out=out, tp=2, progress=False)  # experts' down_proj cut at 16 columns
     assert check(out).status == "intact"
     assert_lossless(src, out)
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     down = [e for r in man["ranks"] for u in r["units"] for e in u["tensors"]
             if e["logical"].endswith("experts.0.down_proj.weight")]  # fmt: skip
     assert {e["encoding"] for e in down} == {formats.NVFP4}

@@ -18,7 +18,7 @@ import pytest
 
 from k3convert.convert import convert
 from k3convert.memplan import plan_memory
-from k3convert.stream import open_stream
+from k3convert.stream import open_stream, read_manifest_doc
 from k3convert.synth import synthesize
 from tests.test_memplan import _manifest_bytes
 
@@ -55,7 +55,7 @@ def test_day0_layout_converts_and_verifies(k3):
     assert res.passed is True
     lay = res.report["layout"]
     assert (lay["tp"], lay["moe_ep"], lay["redundant_experts"], lay["world"]) == (8, 8, 64, 8)
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     placed = man["layout"]["experts"]["layers"]
     assert len(placed) == LAYERS - 1  # the first layer is dense
     for lp in placed.values() if isinstance(placed, dict) else placed:

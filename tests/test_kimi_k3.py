@@ -18,6 +18,7 @@ from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import ConfigError
 from k3convert.inspect import inspect_path
 from k3convert.shard import shard as reshard
+from k3convert.stream import read_manifest_doc
 from k3convert.stream.format import SplitError
 from k3convert.synth import preset_config, synthesize
 from tests.test_shard_support import _bytes_equal, reassemble
@@ -149,7 +150,7 @@ def test_k3_shards_reassemble_bit_exact(k3_synth, tmp_path, tp, ep):
     for name, t in src.items():
         want = t[:heads] if name.endswith("A_log") else t  # the unused padding is dropped
         assert _bytes_equal(glob[name], want), name
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     entries = [e for r in man["ranks"] for u in r["units"] for e in u["tensors"]]
     q = [e for e in entries if e["name"].endswith("layers.0.self_attn.q_proj.weight")]
     assert len(q) == tp and {e["shape"][0] for e in q} == {64 // tp}
@@ -306,7 +307,7 @@ def test_kimi_linear_stream_from_transformers_checkpoint(model_factory, tmp_path
     source = _source_tensors(src)
     assert sorted(glob) == sorted(source)
     assert all(_bytes_equal(glob[n], t) for n, t in source.items())
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     a_log = [e for r in man["ranks"] for u in r["units"] for e in u["tensors"]
              if e["name"].endswith("layers.0.self_attn.A_log")]  # fmt: skip
     assert [e["split_dim"] for e in a_log] == [2, 2] and a_log[1]["offset"] > 0

@@ -32,6 +32,7 @@ from k3convert.quant.writer import plan_quantization
 from k3convert.recipe import load_recipe
 from k3convert.shard import shard
 from k3convert.shard.layout import Layout
+from k3convert.stream import read_manifest_doc
 from k3convert.synth import preset_config, synthesize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -75,7 +76,7 @@ def tiny(tmp_path_factory):
 def _manifest_bytes(stream) -> tuple[list[int], list[int]]:
     """Per rank: the tensor bytes the manifest lists, and those the unit files hold
     (read back with safetensors, alignment padding tensors left out)."""
-    m = json.loads((stream / "manifest.json").read_text())
+    m = read_manifest_doc(stream)
     listed, stored = [], []
     for r in m["ranks"]:
         a = b = 0

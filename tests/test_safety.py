@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from k3convert.checkpoint.output import PARTIAL_MARKER
 from k3convert.cli import main
+from k3convert.stream import read_manifest_doc, write_manifest_doc
 from tests.test_runtime import IMG, image_inputs
 
 CLI = [sys.executable, "-m", "k3convert.cli"]
@@ -453,7 +454,7 @@ def test_damaged_stream_is_exit_1_everywhere(llama, tmp_path, capsys):
     s = tmp_path / "s"
     rc, _, err = run(capsys, "shard", llama, s)
     assert rc == 0, err
-    unit = sorted(next(s.glob("rank*")).iterdir())[-1]
+    unit = sorted(next(s.glob("rank*")).glob("*.safetensors"))[-1]  # a unit, not units.json
     data = bytearray(unit.read_bytes())
     data[-1] ^= 0xFF
     unit.write_bytes(bytes(data))
@@ -547,11 +548,11 @@ def test_unit_name_with_a_huge_layer_number(llama, tmp_path, capsys):
     s = tmp_path / "s"
     rc, _, err = run(capsys, "shard", llama, s)
     assert rc == 0, err
-    m = json.loads((s / "manifest.json").read_text())
+    m = read_manifest_doc(s)
     huge = "layer." + "9" * 5000
     m["layout"]["stages"][0]["units"][-1] = huge
     m["ranks"][0]["units"][-1]["name"] = huge
-    (s / "manifest.json").write_text(json.dumps(m))
+    write_manifest_doc(s, m)
     for args in (["inspect", s], ["shard", "--check", s]):
         rc, out, err = run(capsys, *args)
         assert rc in (1, 2), out[-300:]
@@ -562,9 +563,9 @@ def test_damaged_manifest_is_exit_1_in_forward_and_check(llama, tmp_path, capsys
     s = tmp_path / "s"
     rc, _, err = run(capsys, "shard", llama, s)
     assert rc == 0, err
-    m = json.loads((s / "manifest.json").read_text())
+    m = read_manifest_doc(s)
     m["files"][0]["name"] = "../outside.json"
-    (s / "manifest.json").write_text(json.dumps(m))
+    write_manifest_doc(s, m)
     rc, _, _ = run(capsys, "shard", "--check", s)
     assert rc == 1
     rc, _, err = run(capsys, "forward", s, "--ids", "1 2")

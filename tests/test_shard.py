@@ -9,6 +9,7 @@ import pytest
 
 from k3convert.errors import ConfigError, OutputError
 from k3convert.shard import Layout, SplitError, partition_layers, place_experts, shard
+from k3convert.stream import read_manifest_doc
 from tests.test_shard_support import add_mtp, assert_lossless, fp8_block, int4_group
 
 SCHEMA = json.loads(
@@ -21,8 +22,12 @@ SCHEMA = json.loads(
 def run(src, out, **kw):
     kw.setdefault("progress", False)
     r = shard(src=src, out=out, **kw)
-    man = json.loads(r.manifest.read_text())
-    jsonschema.validate(man, SCHEMA)
+    top = json.loads(r.manifest.read_text())
+    jsonschema.validate(top, SCHEMA)
+    rank_schema = {"$ref": "#/$defs/rank_file", "$defs": SCHEMA["$defs"]}
+    for rk in top["ranks"]:
+        jsonschema.validate(json.loads((r.out / rk["units_file"]).read_text()), rank_schema)
+    man = read_manifest_doc(r.out)  # every rank's units inline
     return r, man
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load, load_file, save_file
 
 from k3convert.arch import resolve
 from k3convert.quant.packing import pack_int32
+from k3convert.stream import read_manifest_doc
 from tests.models import unit_hash
 
 QUANT_COMPONENTS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
@@ -140,7 +141,7 @@ def unit_state(out: Path, u: dict) -> dict[str, torch.Tensor]:
 
 def reassemble(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(global tensors by physical name, tied copies by name) from all ranks' units."""
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     glob: dict[str, torch.Tensor] = {}
     cover: dict[str, torch.Tensor] = {}
     tied: dict[str, torch.Tensor] = {}
@@ -202,7 +203,7 @@ def assert_lossless(src: Path, out: Path) -> dict:
     for n, t in source.items():
         assert _bytes_equal(glob[n], t), f"{n} differs after reassembly"
     for n, t in tied.items():
-        man = json.loads((out / "manifest.json").read_text())
+        man = read_manifest_doc(out)
         src_name = next(
             e["tied_to"]
             for r in man["ranks"]
@@ -211,7 +212,7 @@ def assert_lossless(src: Path, out: Path) -> dict:
             if e["name"] == n
         )
         assert _bytes_equal(t, source[src_name])
-    return json.loads((out / "manifest.json").read_text())
+    return read_manifest_doc(out)
 
 
 def tree_hashes(root: Path) -> dict[str, str]:

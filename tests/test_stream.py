@@ -28,19 +28,26 @@ from k3convert.stream import (
     StreamError,
     StreamVersionError,
     open_stream,
+    read_manifest_doc,
     validate,
+    validate_rank_file,
+    write_manifest_doc,
 )
 from tests.models import unit_hash
 from tests.test_shard_support import fp8_block, int4_group, reassemble, tree_hashes
 
 ROOT = Path(__file__).parents[1]
 SCHEMA = json.loads((ROOT / "formats/musa-stream.schema.json").read_text())
+RANK_SCHEMA = {"$ref": "#/$defs/rank_file", "$defs": SCHEMA["$defs"]}  # second entry point
 
 
 def make(src, out, **kw):
     kw.setdefault("progress", False)
     r = shard(src=src, out=out, **kw)
-    jsonschema.validate(json.loads(r.manifest.read_text()), SCHEMA)
+    man = json.loads(r.manifest.read_text())
+    jsonschema.validate(man, SCHEMA)
+    for rk in man["ranks"]:  # version 3: each rank file against the second entry point
+        jsonschema.validate(json.loads((r.out / rk["units_file"]).read_text()), RANK_SCHEMA)
     return r.out
 
 
@@ -130,7 +137,7 @@ def test_units_in_order_with_readahead(tiny_models, tmp_path, compress):
 
 def test_units_are_aligned_valid_safetensors(tiny_models, tmp_path):
     out = make(tiny_models["deepseek_v3"], tmp_path / "o", tp=2, ep=2)
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     for rk in man["ranks"]:
         for u in rk["units"]:
             f = out / u["file"]
@@ -159,7 +166,7 @@ def damaged(pristine, tmp_path):
     def copy(compress="none"):
         dst = tmp_path / f"copy-{compress}"
         shutil.copytree(pristine[compress], dst)
-        man = json.loads((dst / "manifest.json").read_text())
+        man = read_manifest_doc(dst)
         return dst, man
 
     return copy
@@ -247,9 +254,9 @@ def test_stream_without_manifest_in_every_verb(damaged, tmp_path, capsys, journa
 
 def test_unknown_version(damaged):
     out, man = damaged()
-    man["version"] = 3
-    (out / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(StreamVersionError, match="version 3 is not supported"):
+    man["version"] = 4
+    write_manifest_doc(out, man)
+    with pytest.raises(StreamVersionError, match="version 4 is not supported"):
         open_stream(out)
     assert check(out).exit_code == 2
 
@@ -259,7 +266,7 @@ def test_header_disagreeing_with_manifest(damaged):
     u = _unit(man, 0, "layer.0")
     e = next(e for e in u["tensors"] if e["dtype"] == "F32")
     e["dtype"] = "I32"  # same size, schema-valid, but not what the header says
-    (out / "manifest.json").write_text(json.dumps(man))
+    write_manifest_doc(out, man)
     st = open_stream(out)
     with pytest.raises(StreamCorruptError, match=f"header disagrees.*'{e['name']}'"):
         list(st.rank(0).units())
@@ -272,7 +279,7 @@ def test_unit_swapped_for_another_is_caught_by_header(damaged):
     shutil.copyfile(out / a["file"], out / b["file"])
     b.update(bytes=a["bytes"], hash=a["hash"], raw_bytes=a["raw_bytes"])
     b["raw_hash"] = a["raw_hash"]
-    (out / "manifest.json").write_text(json.dumps(man))
+    write_manifest_doc(out, man)
     with pytest.raises(StreamCorruptError, match=r"metadata .* disagrees"):
         list(open_stream(out).rank(1).units())
 
@@ -280,7 +287,7 @@ def test_unit_swapped_for_another_is_caught_by_header(damaged):
 def test_schema_violation_names_key_path(damaged):
     out, man = damaged()
     del man["ranks"][1]["units"][0]["tensors"][0]["split_dim"]
-    (out / "manifest.json").write_text(json.dumps(man))
+    write_manifest_doc(out, man)
     with pytest.raises(ManifestError, match=r"ranks\[1\]\.units\[0\]\.tensors\[0\].*split_dim"):
         open_stream(out)
     rep = check(out)
@@ -296,7 +303,7 @@ def test_opening_some_ranks_checks_the_others_when_used(damaged):
     del u["tensors"][-1]["split_dim"]
     f = out / _unit(man, 3, "layer.1")["file"]
     f.write_bytes(f.read_bytes()[:-100])
-    (out / "manifest.json").write_text(json.dumps(man))
+    write_manifest_doc(out, man)
     st = open_stream(out, ranks=[0, 2])
     assert len(list(st.rank(0).units())) == 2 and len(list(st.rank(2).units())) == 2
     with pytest.raises(
@@ -320,7 +327,7 @@ def test_a_logical_in_two_units_is_caught_for_the_rank_opened_late(damaged):
     out, man = damaged()
     units = man["ranks"][2]["units"]
     units[1]["tensors"][-1]["logical"] = units[0]["tensors"][-1]["logical"]
-    (out / "manifest.json").write_text(json.dumps(man))
+    write_manifest_doc(out, man)
     st = open_stream(out, ranks=[0])
     with pytest.raises(StreamCorruptError, match="rank 2: logical tensor"):
         st.rank(2)
@@ -391,51 +398,92 @@ def test_packaged_schema_is_the_published_one():
 
 
 def test_builtin_validator_agrees_with_jsonschema(pristine):
-    man = json.loads((pristine["none"] / "manifest.json").read_text())
-    assert validate(man) == []
+    man = json.loads((pristine["none"] / "manifest.json").read_text())  # version 3: split
+    rank0 = json.loads((pristine["none"] / "rank00000/units.json").read_text())
+    inline = read_manifest_doc(pristine["none"])
+    inline["version"] = 2  # the same document as a version 2 manifest: units inline
+    assert validate(man) == [] and validate(inline) == [] and validate_rank_file(rank0, 0) == []
+    jsonschema.validate(man, SCHEMA)
+    jsonschema.validate(inline, SCHEMA)
+    jsonschema.validate(rank0, RANK_SCHEMA)
     bad = [
         lambda m: m.update(version="1"),
         lambda m: m["layout"].update(tp=0),
-        lambda m: m["ranks"][0]["units"][0].update(hash="xyz"),
-        lambda m: m["ranks"][0]["units"][0].update(hash="sha256:" + "0" * 32),
-        lambda m: m["ranks"][0]["units"][0].update(sha256="0" * 64, raw_sha256="0" * 64),
-        lambda m: m["ranks"][0]["units"][0].update(compression="lz4"),
-        lambda m: m["ranks"][0]["units"][0]["tensors"][0].update(extra=1),
-        lambda m: m["ranks"][0]["units"][0].update(name="layer"),
         lambda m: m["layout"].update(experts={"policy": "x"}),
         lambda m: m["source"].pop("files"),
+        lambda m: m["ranks"][0].pop("units_bytes"),
+        lambda m: m["ranks"][0].update(units_file="../rank00000/units.json"),
+        lambda m: m["ranks"][0].update(units_file="/abs/rank00000/units.json"),
+        lambda m: m["ranks"][0].update(units_bytes="12"),
+        lambda m: m["ranks"][0].update(units=rank0["units"]),  # version 3: no inline units
+        lambda m: m["ranks"][0].update(extra=1),
+        lambda m: m.update(version=2),  # a version 2 rank holds its units inline
     ]
-    for mutate in bad:
-        m = json.loads(json.dumps(man))
-        mutate(m)
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(m, SCHEMA)
-        assert validate(m), mutate
+    bad_inline = [  # versions 1 and 2: units inline, no rank files
+        lambda m: m["ranks"][0]["units"][0].update(hash="xyz"),
+        lambda m: m["ranks"][0].update(units_file="rank00000/units.json", units_bytes=9),
+        lambda m: m["ranks"][0].pop("units"),
+    ]
+    bad_rank = [
+        lambda m: m["units"][0].update(hash="xyz"),
+        lambda m: m["units"][0].update(hash="sha256:" + "0" * 32),
+        lambda m: m["units"][0].update(sha256="0" * 64, raw_sha256="0" * 64),
+        lambda m: m["units"][0].update(compression="lz4"),
+        lambda m: m["units"][0]["tensors"][0].update(extra=1),
+        lambda m: m["units"][0].update(name="layer"),
+        lambda m: m.update(format="musa-stream"),
+        lambda m: m.update(version=2),
+        lambda m: m.update(rank=-1),
+        lambda m: m.update(units=[]),
+        lambda m: m.update(extra=1),
+        lambda m: m.pop("rank"),
+    ]
+    for doc, schema, check_it, muts in (
+        (man, SCHEMA, validate, bad),
+        (inline, SCHEMA, validate, bad_inline),
+        (rank0, RANK_SCHEMA, lambda m: validate_rank_file(m, 0), bad_rank),
+    ):
+        for mutate in muts:
+            m = json.loads(json.dumps(doc))
+            mutate(m)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(m, schema)
+            assert check_it(m), mutate
 
 
-def _as_version_1(out: Path) -> None:
-    """Rewrite a version 2 stream as version 1 would have written it (spec 3.2), by hand:
-    "1" in every unit's metadata (same length, so no offset moves) and bare sha256 unit
-    hashes computed with hashlib."""
-    man = json.loads((out / "manifest.json").read_text())
-    man["version"] = 1
+def _as_version(out: Path, version: int) -> None:
+    """Rewrite a version 3 stream as version 1 or 2 would have written it (spec 3.2, 4),
+    by hand: every rank's units inline in manifest.json (no rank files), the version in
+    every unit's metadata (same length, so no offset moves) and the unit hashes computed
+    with hashlib / xxhash: bare sha256 fields for version 1, the stream's algorithm as
+    ``ALGO:HEX`` for version 2."""
+    man = read_manifest_doc(out)
+    man["version"] = version
     for r in man["ranks"]:
         for u in r["units"]:
             p = out / u["file"]
             raw = p.read_bytes()
             if u["compression"] == "zstd":
                 raw = zstandard.ZstdDecompressor().decompress(raw)
-            old = b'"format":"musa-stream","version":"2"'
+            old = b'"format":"musa-stream","version":"3"'
             assert raw.count(old) == 1
-            raw = raw.replace(old, b'"format":"musa-stream","version":"1"')
+            raw = raw.replace(old, b'"format":"musa-stream","version":"%d"' % version)
             stored = raw
             if u["compression"] == "zstd":
                 stored = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
             p.write_bytes(stored)
-            del u["hash"], u["raw_hash"]
-            u.update(bytes=len(stored), sha256=hashlib.sha256(stored).hexdigest())
-            u.update(raw_bytes=len(raw), raw_sha256=hashlib.sha256(raw).hexdigest())
-    (out / "manifest.json").write_text(json.dumps(man))
+            algo = u.pop("hash").split(":")[0]
+            del u["raw_hash"]
+            u.update(bytes=len(stored), raw_bytes=len(raw))
+            if version == 1:
+                u.update(sha256=hashlib.sha256(stored).hexdigest())
+                u.update(raw_sha256=hashlib.sha256(raw).hexdigest())
+            else:
+                u.update(hash=unit_hash(stored, algo), raw_hash=unit_hash(raw, algo))
+        (out / f"rank{r['rank']:05d}/units.json").unlink()
+    text = json.dumps(man, indent=1)
+    assert '"units_file"' not in text
+    (out / "manifest.json").write_text(text)
 
 
 @pytest.mark.parametrize("comp", ["none", "zstd"])
@@ -444,13 +492,13 @@ def test_version_1_streams_are_still_read(pristine, tmp_path, comp):
     and a damaged unit in it is still caught, by its sha256."""
     out = tmp_path / "v1"
     shutil.copytree(pristine[comp], out)
-    _as_version_1(out)
+    _as_version(out, 1)
     assert check(out).exit_code == 0
     want = {n: t for u in open_stream(pristine[comp]).rank(0).units() for n, t in u.tensors.items()}
     got = {n: t for u in open_stream(out).rank(0).units() for n, t in u.tensors.items()}
     assert want.keys() == got.keys()
     assert all(torch.equal(want[n], got[n]) for n in want)
-    man = json.loads((out / "manifest.json").read_text())
+    man = read_manifest_doc(out)
     u = man["ranks"][0]["units"][0]
     data = bytearray((out / u["file"]).read_bytes())
     data[-1] ^= 1
@@ -462,16 +510,16 @@ def test_version_1_streams_are_still_read(pristine, tmp_path, comp):
 def test_a_unit_with_both_hash_forms_is_refused(damaged):
     out, man = damaged()
     man["ranks"][0]["units"][0]["sha256"] = "0" * 64  # beside hash / raw_hash
-    (out / "manifest.json").write_text(json.dumps(man))
+    write_manifest_doc(out, man)
     with pytest.raises(ManifestError, match="must record only hash and raw_hash, found hash, "):
         open_stream(out)
 
 
 def test_a_float_version_is_refused(damaged):
     out, man = damaged()
-    man["version"] = 2.0  # equal to 2 in JSON Schema, but not a version this reader knows
-    (out / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(StreamVersionError, match=r"version 2\.0 is not supported"):
+    man["version"] = 3.0  # equal to 3 in JSON Schema, but not a version this reader knows
+    write_manifest_doc(out, man)
+    with pytest.raises(StreamVersionError, match=r"version 3\.0 is not supported"):
         open_stream(out)
 
 
@@ -485,7 +533,10 @@ GOLDEN_CONFIG = {
     "num_key_value_heads": 1,
     "tie_word_embeddings": False,
 }
-GOLDEN_HEAD_SHA256 = "deaeae6f2763585c0ab54f911288ba14840725b902453893b0f3a8fe22eda355"
+# version 3 (the unit metadata says "3"; version 2 was deaeae6f...eda355, the same bytes
+# with "2"), and the rank file: units.json as the writer renders it
+GOLDEN_HEAD_SHA256 = "ac4ac66fbc3dde6e9ec19e768ea3e2937cf893cd8cd455d35d6391de7d81593f"
+GOLDEN_RANK_FILE_SHA256 = "5336a34184eaae71af3400bfed4fb1f12853f33d4918802a8fa1cd9328c0a718"
 
 
 def test_golden_unit_byte_layout(tmp_path):
@@ -507,7 +558,7 @@ def test_golden_unit_byte_layout(tmp_path):
     out = make(src, tmp_path / "out")
     unit = (out / "rank00000/0002-head.safetensors").read_bytes()
     header = (
-        b'{"__metadata__":{"format":"musa-stream","version":"2","rank":"0","unit":"head"},'
+        b'{"__metadata__":{"format":"musa-stream","version":"3","rank":"0","unit":"head"},'
         b'"lm_head.weight":{"dtype":"F32","shape":[4,2],"data_offsets":[0,32]},'
         b'"__pad__.1":{"dtype":"U8","shape":[4064],"data_offsets":[32,4096]},'
         b'"model.norm.weight":{"dtype":"F32","shape":[2],"data_offsets":[4096,4104]}}'
@@ -518,3 +569,16 @@ def test_golden_unit_byte_layout(tmp_path):
     assert len(unit) == 8200
     assert unit == want
     assert hashlib.sha256(unit).hexdigest() == GOLDEN_HEAD_SHA256
+    man = json.loads((out / "manifest.json").read_text())
+    rank_file = (out / "rank00000/units.json").read_bytes()
+    assert man["version"] == 3
+    assert man["ranks"] == [
+        {"rank": 0, "pp_rank": 0, "tp_rank": 0, "ep_rank": 0, "moe_tp_rank": 0,
+         "units_file": "rank00000/units.json", "units_bytes": len(rank_file)}
+    ]  # fmt: skip
+    assert rank_file.startswith(
+        b'{\n "format": "musa-stream-rank",\n "version": 3,\n "rank": 0,\n "units": [\n  {\n'
+        b'   "index": 0,\n   "name": "embed",\n   "layer": null,\n'
+        b'   "file": "rank00000/0000-embed.safetensors",\n   "compression": "none",\n'
+    )
+    assert hashlib.sha256(rank_file).hexdigest() == GOLDEN_RANK_FILE_SHA256

@@ -21,7 +21,14 @@ import zstandard
 from k3convert.cli import main
 from k3convert.errors import ConfigError
 from k3convert.shard import check, shard
-from k3convert.stream import ManifestError, StreamCorruptError, StreamError, open_stream
+from k3convert.stream import (
+    ManifestError,
+    StreamCorruptError,
+    StreamError,
+    open_stream,
+    read_manifest_doc,
+    write_manifest_doc,
+)
 from k3convert.stream.format import dump_manifest
 from tests.models import unit_hash
 from tests.test_shard_support import fp8_block, int4_group
@@ -33,11 +40,11 @@ def make(src, out, **kw):
 
 
 def _load(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())
+    return read_manifest_doc(out)
 
 
 def _save(out: Path, man: dict) -> None:
-    (out / "manifest.json").write_text(json.dumps(man, indent=1))
+    write_manifest_doc(out, man)
 
 
 def _sha(b: bytes) -> str:
@@ -317,7 +324,9 @@ def test_manifest_writer_refuses_nan():
 def test_manifest_loader_refuses_nan_and_infinity(copy, token):
     out, man = copy("llama-tp2")
     man["source"]["recipe"] = {"alpha": "@"}  # recipe: any object (schema)
-    (out / "manifest.json").write_text(json.dumps(man).replace('"@"', token))
+    _save(out, man)
+    text = (out / "manifest.json").read_text()
+    (out / "manifest.json").write_text(text.replace('"@"', token))
     with pytest.raises(ManifestError, match=r"not JSON|out of range"):
         open_stream(out)
     assert check(out).exit_code == 1

@@ -25,6 +25,7 @@ import torch
 
 from k3convert.cli import main
 from k3convert.shard.writer import shard
+from k3convert.stream import read_manifest_doc, write_manifest_doc
 from k3convert.verify.run import run_verify
 from tests.models import unit_hash
 
@@ -48,11 +49,11 @@ def _one_error_line(err: str, *needles: str) -> None:
 
 
 def _manifest(out: Path) -> dict:
-    return json.loads((out / "manifest.json").read_text())
+    return read_manifest_doc(out)
 
 
 def _save_manifest(out: Path, man: dict) -> None:
-    (out / "manifest.json").write_text(json.dumps(man, indent=1))
+    write_manifest_doc(out, man)
 
 
 def _sha(b: bytes) -> str:

@@ -12,6 +12,7 @@ Reads are zero-copy and lazy (pages are faulted in on first use).
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import mmap
@@ -137,12 +138,14 @@ def strict_json_loads(text: str, what: str, error: type[Exception], *, finite: b
     """
 
     def hook(pairs):
-        seen: dict = {}
-        for k, v in pairs:
-            if k in seen:
-                raise error(f"{what} '{k}' is listed twice.")
-            seen[k] = v
-        return seen
+        d = dict(pairs)  # in C; only an object with a repeated key is walked in Python
+        if len(d) != len(pairs):
+            seen: set = set()
+            for k, _ in pairs:
+                if k in seen:
+                    raise error(f"{what} '{k}' is listed twice.")
+                seen.add(k)
+        return d
 
     def constant(name: str):
         raise error(f"{what.rsplit(':', 1)[0]}: holds {name}, which is not JSON.")
@@ -154,6 +157,10 @@ def strict_json_loads(text: str, what: str, error: type[Exception], *, finite: b
         return x
 
     extra = dict(parse_constant=constant, parse_float=number) if finite else {}
+    # the parser makes millions of containers for a big manifest, none of them in a
+    # cycle: the cyclic collector's passes over them cost more than the parse itself
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return json.loads(text, object_pairs_hook=hook, **extra)
     except RecursionError:
@@ -162,6 +169,9 @@ def strict_json_loads(text: str, what: str, error: type[Exception], *, finite: b
         raise
     except ValueError as e:  # e.g. an integer beyond int()'s digit limit
         raise JSONNestingError(text, str(e).split(";")[0][:120]) from None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def parse_header_json(

@@ -21,8 +21,9 @@ After each unit a journal entry (``.k3-journal/``) records its plan key and hash
 rerun skips units whose key and on-disk hash still match, so an interrupted conversion
 resumes. Journal entries are not fsynced: a lost entry only means a unit is rewritten,
 and an entry that outlives its unit's bytes fails the hash check. Every unit (and every
-carried file and rank directory) is fsynced before the manifest, which is written last,
-atomically: it is the commit marker.
+carried file and rank directory) is fsynced before the rank files (each rank's unit
+entries, ``rankNNNNN/units.json``, written atomically and fsynced), and those before
+the manifest, which is written last, atomically: it is the commit marker.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ from ..stream.format import (
     JOURNAL,
     MANIFEST,
     VERSION,
+    rank_units_file,
 )
+from ..stream.manifest_doc import write_manifest_doc
 from .layout import Layout
 from .plan import ROUTING_COUNTS, Plan, UnitPlan, build_plan
 from .unit_io import (
@@ -65,11 +68,9 @@ from .unit_io import (
     Syncer,
     atomic_json,
     file_sha256,
-    fsync_dir,
     fsync_path,
     journal_path,
     plan_key,
-    render,
     resumable,
     write_unit,
 )
@@ -342,13 +343,11 @@ def write_stream(
     if group.leader:
         try:
             files = _carry(carry, out)
-            manifest = render(
-                _manifest(plan, source, all_results, all_sha, files, compress, recipe)
-            )
+            doc = _manifest(plan, source, all_results, all_sha, files, compress, recipe)
             with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
                 list(pool.map(fsync_path, [out / f["name"] for f in files]))
-            atomic_json(manifest_path, manifest)
-            fsync_dir(out)
+            # the rank files (each rank's units), fsynced, then manifest.json: the commit
+            write_manifest_doc(out, doc)
             _cleanup(out, plan)
             err = None
         except BaseException as e:
@@ -461,9 +460,11 @@ def _manifest(plan: Plan, ck: Checkpoint, results, sha, files, compress, recipe)
 
 
 def _cleanup(out: Path, plan: Plan) -> None:
-    """Drop the journal and any unit file the plan does not name (stale from a crash)."""
+    """Drop the journal and any file in a rank directory that is neither a unit the plan
+    names nor the rank's units file (stale from a crash: old units, temporary names)."""
     shutil.rmtree(out / JOURNAL, ignore_errors=True)
     keep = {out / up.file for up in plan.units}
+    keep |= {out / rank_units_file(r) for r in range(plan.layout.world)}
     dirs = {p.parent for p in keep}
     for d in out.glob("rank*"):
         if d.is_dir() and d not in dirs:

@@ -77,14 +77,22 @@ def check_paths(doc: dict, mp: Path) -> None:
                 f"{_FIX}."
             )
     for r in doc["ranks"]:
-        for u in r["units"]:
-            want = unit_file(r["rank"], u["index"], u["name"], u["compression"])
-            if u["file"] != want:
-                raise ManifestError(
-                    f"{mp}: rank {r['rank']}, unit '{u['name']}': file {u['file']!r} is not "
-                    f"the format's name for it ({want!r}); the manifest is damaged or was "
-                    f"edited, {_FIX}."
-                )
+        if "units" in r:  # version 3: only the ranks loaded so far
+            check_unit_paths(r, mp)
+
+
+def check_unit_paths(r: dict, where: Path) -> None:
+    """Refuse a unit of rank entry ``r`` whose file is not the format's name for it (so
+    relative, inside its rank directory; no I/O). ``where``: the file listing ``r``'s
+    units (manifest.json, or the version 3 rank file)."""
+    for u in r["units"]:
+        want = unit_file(r["rank"], u["index"], u["name"], u["compression"])
+        if u["file"] != want:
+            raise ManifestError(
+                f"{where}: rank {r['rank']}, unit '{u['name']}': file {u['file']!r} is not "
+                f"the format's name for it ({want!r}); the manifest is damaged or was "
+                f"edited, {_FIX}."
+            )
 
 
 def inside(root: Path, rel: str, what: str) -> Path:

@@ -1,4 +1,4 @@
-"""The MUSA streaming format, version 2: constants, errors and the unit byte layout.
+"""The MUSA streaming format, version 3: constants, errors and the unit byte layout.
 
 Spec: ``formats/musa-stream.md``. A unit is a plain safetensors file whose data
 region starts at a multiple of :data:`ALIGN` and whose every tensor starts at a
@@ -21,10 +21,15 @@ from ..checkpoint.safetensors_io import ST_DTYPES, RawTensorInfo, parse_header_j
 from ..errors import K3Error, SafetensorsFormatError
 
 FORMAT = "musa-stream"
-VERSION = 2  # what shard writes
-READ_VERSIONS = (1, 2)  # what the reader takes (1: sha256 unit hashes; see the spec)
+VERSION = 3  # what shard writes
+#: what the reader takes (1: sha256 unit hashes; 1 and 2: every rank's units inline in
+#: manifest.json; 3: each rank's units in its own rank file - see the spec)
+READ_VERSIONS = (1, 2, 3)
+#: the first version whose ranks' units live in rank files, not in manifest.json
+SPLIT_VERSION = 3
 ALIGN = 4096
 MANIFEST = "manifest.json"
+RANK_FORMAT = "musa-stream-rank"
 JOURNAL = ".k3-journal"
 PAD_PREFIX = "__pad__."
 COMPRESSIONS = ("none", "zstd")
@@ -167,6 +172,11 @@ def parse_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Raw
 
 def unit_metadata(rank: int, unit: str) -> dict[str, str]:
     return {"format": FORMAT, "version": str(VERSION), "rank": str(rank), "unit": unit}
+
+
+def rank_units_file(rank: int) -> str:
+    """The rank file holding rank ``rank``'s units (version 3 on), relative to the root."""
+    return f"rank{rank:05d}/units.json"
 
 
 def unit_file(rank: int, index: int, unit: str, compression: str) -> str:

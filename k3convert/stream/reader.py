@@ -1,13 +1,14 @@
 """Reading a MUSA stream directory: validation, read-ahead, zstd, hashes, zero-copy.
 
-``open_stream(OUT)`` validates manifest.json (JSON Schema, format version, rank / unit
-numbering) and that every unit file exists with the manifest's size, so a broken or
-half-written directory fails before a runtime starts. ``stream.rank(r).units()``
-yields one rank's units in execution order; the next ``prefetch`` units are read,
-hash-verified and (zstd) decompressed on a thread pool while the caller works on the
-current one. Uncompressed units are memory-mapped and their tensors are views of the
-mapping (zero-copy); each unit's safetensors header is validated against the manifest
-before any tensor is handed out.
+``open_stream(OUT)`` validates manifest.json and the rank files holding each rank's unit
+entries (JSON Schema, format version, rank / unit numbering) and that every unit file
+exists with the manifest's size, so a broken or half-written directory fails before a
+runtime starts; ``open_stream(OUT, ranks=[r])`` reads only rank r's rank file.
+``stream.rank(r).units()`` yields one rank's units in execution order; the next
+``prefetch`` units are read, hash-verified and (zstd) decompressed on a thread pool
+while the caller works on the current one. Uncompressed units are memory-mapped and
+their tensors are views of the mapping (zero-copy); each unit's safetensors header is
+validated against the manifest before any tensor is handed out.
 
 For a single-rank layout the :class:`Stream` itself is a runtime weight source with the
 checkpoint reader's interface (``config``, ``names()``, ``meta()``, ``get()``), returning
@@ -16,6 +17,8 @@ bit-identical tensors (dequantized through the same encodings when asked).
 
 from __future__ import annotations
 
+import functools
+import gc
 import mmap
 import struct
 from collections import OrderedDict, deque
@@ -37,6 +40,7 @@ from .consistency import (
     check_header_layout,
     check_paths,
     check_unit_entries,
+    check_unit_paths,
     inside,
     zstd_content_size,
 )
@@ -44,7 +48,9 @@ from .format import (
     FORMAT,
     MANIFEST,
     PAD_PREFIX,
+    RANK_FORMAT,
     READ_VERSIONS,
+    SPLIT_VERSION,
     VERSION,
     IncompleteStreamError,
     ManifestError,
@@ -54,52 +60,110 @@ from .format import (
     StreamVersionError,
     nbytes_of,
     parse_header,
+    rank_units_file,
 )
-from .schema import validate, validate_rank_tensors
+from .schema import validate, validate_rank_file, validate_rank_tensors
 
 
 # -- manifest -------------------------------------------------------------------------
+def _gc_paused(fn):
+    """Run ``fn`` with the cyclic garbage collector paused: loading a manifest makes
+    millions of containers (JSON, validation), none in a cycle, and the collector's
+    full passes over them, as they pile up rank after rank, cost more than the work."""
+
+    @functools.wraps(fn)
+    def paused(*a, **k):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*a, **k)
+        finally:
+            if collecting:
+                gc.enable()
+
+    return paused
+
+
 def _manifest_json(text: str, mp: Path):
     """Strict JSON (the shared loader): no key twice, no NaN / Infinity, finite numbers."""
     return strict_json_loads(text, f"{mp}: key", ManifestError, finite=True)
 
 
-def _one_hash_form(doc: dict, mp: Path) -> None:
-    """Give every unit ``hash`` / ``raw_hash`` as ``ALGO:HEX`` and its format version, so
-    that nothing past this point depends on the version: version 1 units carry bare
-    sha256 fields (``sha256``, ``raw_sha256``), version 2 units tagged ones."""
+def _read_json(path: Path, what: str, expect_bytes: int | None = None):
+    """``path`` parsed as strict JSON; ManifestError naming it when it is missing,
+    unreadable, of another size than ``expect_bytes`` or not valid JSON."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{path}: {what} is missing while {MANIFEST} (written after it) is present; the "
+            f"stream is damaged - copy it again or re-create it with `k3convert shard --force`."
+        ) from None
+    except OSError as e:
+        raise ManifestError(f"{path}: {what} cannot be read ({e}); the stream is damaged.") from e
+    if expect_bytes is not None and len(data) != expect_bytes:
+        raise ManifestError(
+            f"{path}: {what} is {len(data)} bytes but {MANIFEST} says {expect_bytes}; it is "
+            f"{'truncated' if len(data) < expect_bytes else 'damaged'} - copy the stream "
+            f"again or re-create it with `k3convert shard --force`."
+        )
+    try:
+        return _manifest_json(data.decode("utf-8"), path)
+    except ManifestError:
+        raise
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ManifestError(f"{path}: not valid JSON ({e}); the {what} is damaged.") from e
+    except RecursionError:
+        raise ManifestError(
+            f"{path}: not valid JSON (nested too deeply); the {what} is damaged."
+        ) from None
+
+
+def units_source(root: Path, doc: dict, i: int) -> Path:
+    """The file that holds rank ``i``'s unit entries: its rank file (version 3 on), or
+    manifest.json itself (versions 1 and 2)."""
+    if doc["version"] >= SPLIT_VERSION:
+        return root / rank_units_file(i)
+    return root / MANIFEST
+
+
+def _one_hash_form(doc: dict, i: int, where: Path) -> None:
+    """Give every unit of rank ``i`` ``hash`` / ``raw_hash`` as ``ALGO:HEX`` and its format
+    version, so that nothing past this point depends on the version: version 1 units
+    carry bare sha256 fields (``sha256``, ``raw_sha256``), later versions tagged ones.
+    A stream uses one hash algorithm: checked against every other rank loaded so far."""
     v = doc["version"]
     algos: set[str] = set()
-    for i, r in enumerate(doc["ranks"]):
-        for j, u in enumerate(r["units"]):
-            v1 = "sha256" in u or "raw_sha256" in u
-            v2 = "hash" in u or "raw_hash" in u
-            if (v == 1 and (v2 or not v1)) or (v == 2 and (v1 or not v2)):
-                want = "sha256 and raw_sha256" if v == 1 else "hash and raw_hash"
-                found = sorted(k for k in ("hash", "raw_hash", "sha256", "raw_sha256") if k in u)
-                raise ManifestError(
-                    f"{mp}: ranks[{i}].units[{j}]: a version {v} unit must record only {want}, "
-                    f"found {', '.join(found) or 'none'}; the manifest is damaged or was "
-                    f"edited by hand."
-                )
-            if v == 1:
-                u["hash"] = unit_hashing.tag("sha256", u.pop("sha256"))
-                u["raw_hash"] = unit_hashing.tag("sha256", u.pop("raw_sha256"))
-            u["_version"] = v
-            algos.update(h.split(":", 1)[0] for h in (u["hash"], u["raw_hash"]))
+    for j, u in enumerate(doc["ranks"][i]["units"]):
+        v1 = "sha256" in u or "raw_sha256" in u
+        v2 = "hash" in u or "raw_hash" in u
+        if (v == 1 and (v2 or not v1)) or (v >= 2 and (v1 or not v2)):
+            want = "sha256 and raw_sha256" if v == 1 else "hash and raw_hash"
+            found = sorted(k for k in ("hash", "raw_hash", "sha256", "raw_sha256") if k in u)
+            raise ManifestError(
+                f"{where}: ranks[{i}].units[{j}]: a version {v} unit must record only {want}, "
+                f"found {', '.join(found) or 'none'}; the manifest is damaged or was "
+                f"edited by hand."
+            )
+        if v == 1:
+            u["hash"] = unit_hashing.tag("sha256", u.pop("sha256"))
+            u["raw_hash"] = unit_hashing.tag("sha256", u.pop("raw_sha256"))
+        u["_version"] = v
+        algos.update(h.split(":", 1)[0] for h in (u["hash"], u["raw_hash"]))
+    for k, r in enumerate(doc["ranks"]):  # the units of every rank loaded before this one
+        if len(algos) > 1:
+            break
+        if k != i and r.get("units") and "_version" in r["units"][0]:
+            algos.add(r["units"][0]["hash"].split(":", 1)[0])
     if len(algos) > 1:
         raise ManifestError(
-            f"{mp}: units use more than one hash algorithm ({', '.join(sorted(algos))}); a "
+            f"{where}: units use more than one hash algorithm ({', '.join(sorted(algos))}); a "
             f"stream uses one - the manifest is damaged or was edited by hand."
         )
 
 
-def load_manifest(root: Path, ranks=None) -> dict:
-    """Parse and validate ``root/manifest.json`` (schema, version, numbering).
-
-    ``ranks``: check the tensor entries of these rank indices only (the header, every
-    rank's and unit's own fields and numbering are checked in full); :func:`check_rank`
-    checks another rank's when it is used. None: every rank (``shard --check``)."""
+def _read_manifest(root: Path) -> tuple[Path, dict]:
+    """``root/manifest.json`` parsed, with its format and version checked."""
     if not root.is_dir():
         raise NotAStreamError(f"{root}: not a directory; expected a k3convert stream directory.")
     mp = root / MANIFEST
@@ -132,14 +196,32 @@ def load_manifest(root: Path, ranks=None) -> dict:
             f"reads versions {', '.join(map(str, READ_VERSIONS))}. Use a matching k3convert "
             f"or re-shard the model."
         )
+    return mp, doc
+
+
+def _schema_error(where: Path, errs: list[str], what: str = "manifest") -> ManifestError:
+    more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
+    return ManifestError(f"{where}: violates the {what} schema: {'; '.join(errs[:5])}{more}.")
+
+
+@_gc_paused
+def load_manifest(root: Path, ranks=None) -> dict:
+    """Parse and validate ``root/manifest.json`` (schema, version, numbering) and the
+    unit entries of ``ranks`` (None: every rank, as ``shard --check`` does).
+
+    Version 3: each rank's units are in its rank file (``rankNNNNN/units.json``); only
+    the files of ``ranks`` are read here, and the rank entries of the others get no
+    ``units`` until :func:`check_rank` loads them. Versions 1 and 2 (units inline): every
+    rank's and unit's own fields and numbering are checked, the tensor entries of
+    ``ranks`` only. Either way, once loaded, a rank has ``units`` (the same entries in
+    every version) and has passed the same checks."""
+    mp, doc = _read_manifest(root)
     try:
         errs = validate(doc, ranks=None if ranks is None else set(ranks))
     except RecursionError:
         errs = ["nested too deeply"]
     if errs:
-        more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
-        raise ManifestError(f"{mp}: violates the manifest schema: {'; '.join(errs[:5])}{more}.")
-    _one_hash_form(doc, mp)
+        raise _schema_error(mp, errs)
     lay = doc["layout"]
     if lay["tp"] * lay["pp"] != lay["world"] or len(doc["ranks"]) != lay["world"]:
         raise ManifestError(f"{mp}: layout.world / ranks disagree with tp * pp.")
@@ -150,6 +232,7 @@ def load_manifest(root: Path, ranks=None) -> dict:
         raise ManifestError(
             f"{mp}: layout.stages must list pp_rank 0 .. {lay['pp'] - 1} once each."
         )
+    split = doc["version"] >= SPLIT_VERSION
     for i, r in enumerate(doc["ranks"]):
         if (
             r["rank"] != i
@@ -159,24 +242,84 @@ def load_manifest(root: Path, ranks=None) -> dict:
             or r["moe_tp_rank"] >= lay["moe_tp"]
         ):
             raise ManifestError(f"{mp}: ranks[{i}] is numbered {r['rank']} / inconsistent.")
-        if [u["name"] for u in r["units"]] != stages[r["pp_rank"]]:
+        if split and r["units_file"] != rank_units_file(i):
             raise ManifestError(
-                f"{mp}: ranks[{i}] units differ from layout.stages[{r['pp_rank']}].units."
+                f"{mp}: ranks[{i}].units_file {r['units_file']!r} is not the format's name "
+                f"for it ({rank_units_file(i)!r}); the manifest is damaged or was edited, "
+                f"re-create the stream with `k3convert shard --force`."
             )
-        for j, u in enumerate(r["units"]):
-            if u["index"] != j:
-                raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has index {u['index']}.")
-            num = u["name"].partition(".")[2]
-            if len(num) > 9:
-                raise ManifestError(f"{mp}: ranks[{i}].units[{j}] has a unit name too long.")
-            if u["layer"] != (int(num) if num else None):
-                raise ManifestError(
-                    f"{mp}: ranks[{i}].units[{j}] ('{u['name']}') has layer {u['layer']}."
-                )
-        if ranks is None or i in ranks:
-            _check_owners(r, mp)
-    check_paths(doc, mp)
+    check_paths(doc, mp)  # carried files
+    if split:
+        for i in range(len(doc["ranks"])) if ranks is None else ranks:
+            if 0 <= i < len(doc["ranks"]):
+                _load_rank_units(root, doc, i)
+    else:
+        for i in range(len(doc["ranks"])):
+            _check_rank_units(doc, i, mp, owners=ranks is None or i in ranks)
     return doc
+
+
+def _load_rank_units(root: Path, doc: dict, i: int) -> None:
+    """Version 3: read rank ``i``'s rank file into ``doc["ranks"][i]["units"]``, after
+    checking its path, size, JSON, format, version, rank, schema and numbering."""
+    r = doc["ranks"][i]
+    path = inside(root, r["units_file"], f"rank {i}'s units file")  # before it is opened
+    rdoc = _read_json(path, "rank file", r["units_bytes"])
+    if not isinstance(rdoc, dict) or rdoc.get("format") != RANK_FORMAT:
+        raise ManifestError(
+            f"{path}: not a {RANK_FORMAT} file (format key is missing or wrong); the stream "
+            f"is damaged - re-create it with `k3convert shard --force`."
+        )
+    if type(rdoc.get("version")) is not int or rdoc["version"] != doc["version"]:
+        raise ManifestError(
+            f"{path}: rank file version {rdoc.get('version')!r} differs from {MANIFEST}'s "
+            f"{doc['version']}; the stream is damaged or mixes two conversions - re-create "
+            f"it with `k3convert shard --force`."
+        )
+    if type(rdoc.get("rank")) is not int or rdoc["rank"] != i:
+        raise ManifestError(
+            f"{path}: rank file is for rank {rdoc.get('rank')!r}, not {i}; the stream is "
+            f"damaged - re-create it with `k3convert shard --force`."
+        )
+    try:
+        errs = validate_rank_file(rdoc, i)
+    except RecursionError:
+        errs = ["nested too deeply"]
+    if errs:
+        raise _schema_error(path, errs, "rank file")
+    units = rdoc["units"]
+    r["units"] = units
+    try:
+        _check_rank_units(doc, i, path, owners=True)
+    except BaseException:
+        del r["units"]  # not loaded: a later use reports it again
+        raise
+
+
+def _check_rank_units(doc: dict, i: int, where: Path, *, owners: bool) -> None:
+    """Rank ``i``'s units: hash form, names against its stage, numbering, file names;
+    with ``owners``, the one-unit-per-logical rule (its tensor entries are checked)."""
+    _one_hash_form(doc, i, where)
+    lay = doc["layout"]
+    stages = {s["pp_rank"]: s["units"] for s in lay["stages"]}
+    r = doc["ranks"][i]
+    if [u["name"] for u in r["units"]] != stages[r["pp_rank"]]:
+        raise ManifestError(
+            f"{where}: ranks[{i}] units differ from layout.stages[{r['pp_rank']}].units."
+        )
+    for j, u in enumerate(r["units"]):
+        if u["index"] != j:
+            raise ManifestError(f"{where}: ranks[{i}].units[{j}] has index {u['index']}.")
+        num = u["name"].partition(".")[2]
+        if len(num) > 9:
+            raise ManifestError(f"{where}: ranks[{i}].units[{j}] has a unit name too long.")
+        if u["layer"] != (int(num) if num else None):
+            raise ManifestError(
+                f"{where}: ranks[{i}].units[{j}] ('{u['name']}') has layer {u['layer']}."
+            )
+    check_unit_paths(r, where)
+    if owners:
+        _check_owners(r, where)
 
 
 def _check_owners(r: dict, mp: Path) -> None:
@@ -192,26 +335,30 @@ def _check_owners(r: dict, mp: Path) -> None:
                 )
 
 
+@_gc_paused
 def check_rank(root: Path, doc: dict, i: int, *, entries: bool = True) -> None:
     """What opening rank ``i`` needs beyond :func:`load_manifest` ``(ranks=...)``: its
-    units' entries against the geometry rules and their files' sizes; with ``entries``,
-    first its tensor entries against the schema and the one-unit-per-logical rule (when
-    :func:`load_manifest` was given other ranks)."""
-    mp = root / MANIFEST
+    units' entries against the geometry rules and their files' sizes; with ``entries``
+    (when :func:`load_manifest` was given other ranks), first its unit entries: a
+    version 3 rank file is read and checked in full now, inline entries have their
+    tensor entries checked against the schema and the one-unit-per-logical rule."""
     r = doc["ranks"][i]
     if entries:
-        errs = validate_rank_tensors(doc, i)
-        if errs:
-            more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
-            raise ManifestError(f"{mp}: violates the manifest schema: {'; '.join(errs[:5])}{more}.")
-        _check_owners(r, mp)
+        if "units" not in r:
+            _load_rank_units(root, doc, i)
+        else:
+            errs = validate_rank_tensors(doc, i)
+            if errs:
+                raise _schema_error(root / MANIFEST, errs)
+            _check_owners(r, root / MANIFEST)
     for u in r["units"]:
         check_unit_entries(u, manifest_where(root, i, u))
         check_size(root, i, u)
 
 
 def manifest_where(root: Path, rank: int, u: dict) -> str:
-    return f"{root / MANIFEST} (rank {rank}, unit '{u['name']}', file {u['file']})"
+    src = rank_units_file(rank) if u.get("_version", VERSION) >= SPLIT_VERSION else MANIFEST
+    return f"{root / src} (rank {rank}, unit '{u['name']}', file {u['file']})"
 
 
 # -- units ----------------------------------------------------------------------------
@@ -645,10 +792,12 @@ class Stream:
 def open_stream(path, *, verify_hashes: bool = True, ranks=None) -> Stream:
     """Open and validate a stream directory (its manifest; units when used).
 
-    ``ranks``: the rank indices this process reads (None: all). Their entries and unit
-    files are checked now, with the manifest's header, numbering and unit fields; any
-    other rank is checked the first time ``rank(r)`` is asked for, so the work of opening
-    a rank does not grow with the world (only parsing the manifest's JSON still does)."""
+    ``ranks``: the rank indices this process reads (None: all). Their unit entries (a
+    version 3 stream: their rank files; nothing else of another rank is read) and unit
+    files are checked now, with the manifest's header and numbering; any other rank is
+    loaded and checked the first time ``rank(r)`` is asked for, so the work of opening a
+    rank is proportional to the ranks opened, not to the world (a version 1 / 2 stream
+    still has every rank's units in the one manifest.json to parse)."""
     root = Path(path)
     if ranks is not None:
         ranks = sorted({int(r) for r in ranks})

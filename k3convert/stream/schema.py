@@ -3,8 +3,12 @@
 The schema (``manifest.schema.json``, identical to ``formats/musa-stream.schema.json``;
 a test pins that) uses a small subset of draft 2020-12, which :func:`validate`
 implements: type, const, enum, required, properties, additionalProperties,
-propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf and local
-``$ref``. Errors name the key path (``ranks[3].units[0].hash``).
+propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf,
+if / then / else and local ``$ref``. Errors name the key path (``ranks[3].units[0].hash``).
+
+Two entry points: the schema itself (``manifest.json``, every version) and its
+``$defs/rank_file`` (a version 3 rank file, ``rankNNNNN/units.json``):
+:func:`validate_rank_file`.
 """
 
 from __future__ import annotations
@@ -39,15 +43,17 @@ def _rx(p: str) -> re.Pattern:
 def validate(doc, schema: dict | None = None, *, ranks=None) -> list[str]:
     """Every violation as 'path: message' (empty when valid).
 
-    ``ranks``: a set of rank indices whose tensor entries are checked; every other unit
-    keeps only its first tensor entry checked (the header and every rank and unit field
-    are still checked in full), so opening one rank of a wide stream does not check the
-    other ranks' entries - :func:`validate_rank_tensors` checks those when a rank is used.
+    ``ranks`` (versions 1 and 2, whose units are inline): a set of rank indices whose
+    tensor entries are checked; every other unit keeps only its first tensor entry
+    checked (the header and every rank and unit field are still checked in full), so
+    opening one rank of a wide stream does not check the other ranks' entries -
+    :func:`validate_rank_tensors` checks those when a rank is used. A version 3 manifest
+    holds no units: each rank file is checked by :func:`validate_rank_file`.
     """
     root = schema or manifest_schema()
-    errors: list[str] = []
+    errors: list = []
     _compiled(root)(doc if ranks is None else _shell(doc, ranks), ("manifest",), errors)
-    return errors
+    return _render(errors)
 
 
 def validate_rank_tensors(doc: dict, i: int, schema: dict | None = None) -> list[str]:
@@ -55,13 +61,23 @@ def validate_rank_tensors(doc: dict, i: int, schema: dict | None = None) -> list
     when ``i`` was not among them), with the same error paths."""
     root = schema or manifest_schema()
     check = _compiled_def(root, "tensor")
-    errors: list[str] = []
+    errors: list = []
     base = ((("manifest",), "ranks"), i)
     for j, u in enumerate(doc["ranks"][i]["units"]):
         where = (((base, "units"), j), "tensors")
         for k, t in enumerate(u["tensors"]):
             check(t, (where, k), errors)
-    return errors
+    return _render(errors)
+
+
+def validate_rank_file(rdoc, i: int, schema: dict | None = None) -> list[str]:
+    """Every violation of rank ``i``'s rank file ``rdoc`` against ``$defs/rank_file``;
+    unit paths read as in a version 1 / 2 manifest (``ranks[i].units[0].hash``), the
+    file's own keys as ``ranks[i].<key>`` of the rank file."""
+    root = schema or manifest_schema()
+    errors: list = []
+    _compiled_def(root, "rank_file")(rdoc, ((("manifest",), "ranks"), i), errors)
+    return _render(errors)
 
 
 def _shell(doc, ranks) -> object:
@@ -112,6 +128,12 @@ def _compiled(root: dict):
     return _COMPILED[id(root)][1]
 
 
+def _render(errors: list) -> list[str]:
+    """(path, message) pairs as 'path: message' (paths are rendered only here: a oneOf
+    branch that does not match records errors that are counted, never shown)."""
+    return [f"{_where(p)}: {m}" for p, m in errors]
+
+
 def _where(p: tuple) -> str:
     keys = []
     while len(p) == 2:
@@ -158,17 +180,31 @@ def _compile(s: dict, root: dict, memo: dict):
                 sub(v, p, e)
                 ok += not e
             if ok != 1:
-                errs.append(f"{_where(p)}: matches {ok} of the allowed forms (need exactly one)")
+                errs.append((p, f"matches {ok} of the allowed forms (need exactly one)"))
                 return False
             return None
 
         checks.append(one_of)
+    if "if" in s:
+        cond = _compile(s["if"], root, memo)
+        then_f = _compile(s["then"], root, memo) if "then" in s else None
+        else_f = _compile(s["else"], root, memo) if "else" in s else None
+
+        def if_then_else(v, p, errs):
+            e: list[str] = []
+            cond(v, p, e)
+            branch = else_f if e else then_f
+            if branch is not None:
+                branch(v, p, errs)  # a stop inside a branch ends only that branch
+            return None
+
+        checks.append(if_then_else)
     if "const" in s:
         want = s["const"]
 
         def const(v, p, errs):
             if v != want:
-                errs.append(f"{_where(p)}: must be {want!r}, got {v!r}")
+                errs.append((p, f"must be {want!r}, got {v!r}"))
 
         checks.append(const)
     if "enum" in s:
@@ -176,7 +212,7 @@ def _compile(s: dict, root: dict, memo: dict):
 
         def enum(v, p, errs):
             if v not in allowed:
-                errs.append(f"{_where(p)}: must be one of {allowed}, got {v!r}")
+                errs.append((p, f"must be one of {allowed}, got {v!r}"))
 
         checks.append(enum)
     if "type" in s:
@@ -187,7 +223,7 @@ def _compile(s: dict, root: dict, memo: dict):
             for pred in preds:
                 if pred(v):
                     return None
-            errs.append(f"{_where(p)}: must be {' or '.join(types)}, got {type(v).__name__}")
+            errs.append((p, f"must be {' or '.join(types)}, got {type(v).__name__}"))
             return False
 
         checks.append(typed)
@@ -204,15 +240,15 @@ def _compile(s: dict, root: dict, memo: dict):
                 return None
             for k in required:
                 if k not in v:
-                    errs.append(f"{_where(p)}: missing required key '{k}'")
+                    errs.append((p, f"missing required key '{k}'"))
             for k, x in v.items():
                 if names is not None and not names.search(k):
-                    errs.append(f"{_where(p)}: key '{k}' does not match {pn['pattern']}")
+                    errs.append((p, f"key '{k}' does not match {pn['pattern']}"))
                 f = props.get(k)
                 if f is not None:
                     f(x, (p, k), errs)
                 elif extra is False:
-                    errs.append(f"{_where(p)}: unknown key '{k}'")
+                    errs.append((p, f"unknown key '{k}'"))
                 elif extra_f is not None:
                     extra_f(x, (p, k), errs)
             return None
@@ -226,9 +262,9 @@ def _compile(s: dict, root: dict, memo: dict):
             if not isinstance(v, list):
                 return None
             if lo is not None and len(v) < lo:
-                errs.append(f"{_where(p)}: needs at least {lo} items")
+                errs.append((p, f"needs at least {lo} items"))
             if hi is not None and len(v) > hi:
-                errs.append(f"{_where(p)}: allows at most {hi} items")
+                errs.append((p, f"allows at most {hi} items"))
             if item is not None:
                 for i, x in enumerate(v):
                     item(x, (p, i), errs)
@@ -243,9 +279,9 @@ def _compile(s: dict, root: dict, memo: dict):
             if not isinstance(v, str):
                 return None
             if min_len is not None and len(v) < min_len:
-                errs.append(f"{_where(p)}: must not be empty")
+                errs.append((p, "must not be empty"))
             if rx is not None and not rx.search(v):
-                errs.append(f"{_where(p)}: {v!r} does not match {s['pattern']}")
+                errs.append((p, f"{v!r} does not match {s['pattern']}"))
             return None
 
         checks.append(string)
@@ -254,7 +290,7 @@ def _compile(s: dict, root: dict, memo: dict):
 
         def at_least(v, p, errs):
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < minimum:
-                errs.append(f"{_where(p)}: must be >= {minimum}, got {v}")
+                errs.append((p, f"must be >= {minimum}, got {v}"))
 
         checks.append(at_least)
     return run

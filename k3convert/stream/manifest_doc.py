@@ -1,0 +1,84 @@
+"""A stream's whole manifest as one document, in every format version.
+
+Version 3 keeps each rank's unit entries in its rank file (``rankNNNNN/units.json``) and
+only the rank's coordinates, ``units_file`` and ``units_bytes`` in ``manifest.json``
+(spec section 4). Tools and tests that want every rank's units in one dict use
+:func:`read_manifest_doc` (units inline, as in versions 1 and 2; no validation beyond
+JSON) and :func:`write_manifest_doc` (the inverse: a version 3 document is split again,
+rank files first, manifest.json last; a version 1 / 2 one is written as given). The
+writer (``k3convert shard`` / ``convert``) commits through :func:`write_manifest_doc`
+too, so what a test writes back is laid out exactly as a conversion lays it out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .format import MANIFEST, RANK_FORMAT, SPLIT_VERSION, dump_manifest, rank_units_file
+
+_SPLIT_KEYS = ("units", "units_file", "units_bytes")
+
+
+def read_manifest_doc(root) -> dict:
+    """``root/manifest.json`` with every rank's ``units`` inline (read from the rank files
+    of a version 3 stream, whose rank entries then lose ``units_file`` / ``units_bytes``).
+    Plain JSON, no validation: for tools and tests, not for loading a stream (that is
+    :func:`k3convert.stream.open_stream`)."""
+    root = Path(root)
+    doc = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    for r in doc.get("ranks", []):
+        if "units_file" in r and "units" not in r:
+            rdoc = json.loads((root / r["units_file"]).read_text(encoding="utf-8"))
+            del r["units_file"]
+            r.pop("units_bytes", None)
+            r["units"] = rdoc["units"]
+    return doc
+
+
+def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
+    """A manifest document with inline units -> (what manifest.json holds, [(rank file
+    path, its text)]). Versions before 3 are returned as they are, with no rank files.
+    A rank entry keeps its own ``units_file`` when it has one (the file is still written
+    at the format's name for it); ``units_bytes`` is always the rank file's size."""
+    if type(doc.get("version")) is not int or doc["version"] < SPLIT_VERSION:
+        return doc, []
+    ranks, files = [], []
+    for i, r in enumerate(doc["ranks"]):
+        if "units" not in r:
+            ranks.append(r)
+            continue
+        rdoc = {"format": RANK_FORMAT, "version": doc["version"], "rank": i, "units": r["units"]}
+        text = dump_manifest(rdoc)
+        rel = rank_units_file(i)
+        entry = {k: v for k, v in r.items() if k not in _SPLIT_KEYS}
+        entry["units_file"] = r.get("units_file", rel)
+        entry["units_bytes"] = len(text.encode("utf-8"))
+        ranks.append(entry)
+        files.append((rel, text))
+    return {**doc, "ranks": ranks}, files
+
+
+def write_manifest_doc(root, doc: dict, *, fsync: bool = True) -> Path:
+    """Write ``doc`` (units inline) into stream directory ``root``: a version 3 document
+    as its rank files (each atomically: temporary name, fsync, rename), their
+    directories fsynced, then manifest.json, the commit marker, last; a version 1 / 2
+    document as manifest.json alone. Rendering is deterministic (same document, same
+    bytes). Returns the manifest's path."""
+    from ..shard.unit_io import atomic_json, fsync_dir
+
+    root = Path(root)
+    top, files = split_manifest(doc)
+    top_text = dump_manifest(top)  # everything rendered (or refused) before a write
+    for rel, text in files:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_json(path, text, fsync=fsync)
+    if fsync:
+        for d in sorted({(root / rel).parent for rel, _ in files}):
+            fsync_dir(d)
+    mp = root / MANIFEST
+    atomic_json(mp, top_text, fsync=fsync)
+    if fsync:
+        fsync_dir(root)
+    return mp
