@@ -103,6 +103,20 @@ def test_mxfp4_decode_every_pair(path, dtype):
     assert torch.equal(_bytes(got), _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)))
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_mxfp4_bf16_portable_loop_equals_the_simd_one():
+    """The AVX2 loop (chosen at run time where the CPU has it) and the portable one give
+    the reference's bits on every pair."""
+    p = fmt._all_pairs(torch.uint8)
+    fmt._deq_mxfp4(p, fmt.QuantParams(), torch.bfloat16)  # builds the table
+    table = fmt._MX_TABLES[torch.bfloat16]
+    want = _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), torch.bfloat16))
+    for generic in (False, True):
+        got = native.mxfp4_decode(p["weight_packed"], p["weight_scale"], table, torch.bfloat16,
+                                  generic=generic)  # fmt: skip
+        assert torch.equal(_bytes(got), want), generic
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gscale", [2688.0 / 0.05, 1.0, 1e-30, 3e38, float("inf")])
 def test_nvfp4_decode_every_pair(path, dtype, gscale):

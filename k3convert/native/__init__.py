@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 6
+ABI = 7
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -88,7 +88,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         f.restype = None
     lib.k3_max_codes.argtypes = [p, i64, i64, p]
     lib.k3_max_codes.restype = None
-    for name in ("k3_mxfp4_bf16", "k3_mxfp4_f32"):
+    for name in ("k3_mxfp4_bf16", "k3_mxfp4_bf16_generic", "k3_mxfp4_f32"):
         getattr(lib, name).argtypes = [p, p, i64, p, p]
         getattr(lib, name).restype = None
     for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
@@ -221,7 +221,7 @@ def _fp4_args(packed, codes, table, dtype, group):
 
 
 def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+                 dtype: torch.dtype, *, generic: bool = False) -> torch.Tensor | None:  # fmt: skip
     """MXFP4 uint8 ``packed`` [out, in/2] with E8M0 ``codes`` [out, in/32] -> [out, in]
     ``dtype`` (bfloat16 / float32), bit for bit the values ``table`` (the reference's
     (code, byte) pair table, int32 / int64 words) holds; None without the kernels."""
@@ -232,6 +232,8 @@ def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
     out, cols = packed.shape
     res = torch.empty(out, 2 * cols, dtype=dtype)
     fn = lib.k3_mxfp4_bf16 if dtype == torch.bfloat16 else lib.k3_mxfp4_f32
+    if generic and dtype == torch.bfloat16:  # the portable loop, not the AVX2 one (tests)
+        fn = lib.k3_mxfp4_bf16_generic
     fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(), res.data_ptr())
     return res
 
