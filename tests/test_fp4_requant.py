@@ -128,6 +128,29 @@ def test_nvfp4_decode_every_pair(path, dtype, gscale):
     assert torch.equal(_bytes(got), _bytes(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype)))
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_nibble_map_kernels_portable_equals_simd():
+    """The requantization's byte kernels, AVX2 and portable, against torch's table path."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (64, 256), generator=g, dtype=torch.uint8)
+    maps = torch.randint(0, 16, (40, 16), generator=g, dtype=torch.uint8)
+    key = torch.randint(0, 40, (64, 16), generator=g, dtype=torch.int32)
+    want = fp4_requant._gather_bytes(src, key, fp4_requant._byte_table(maps))
+    for simd in (True, False):
+        out = torch.empty_like(src)
+        assert native.gather_nib(src, key.view(-1), maps.view(-1), out, simd=simd)
+        assert torch.equal(out, want), simd
+    codes = torch.randint(0, 256, (64, 16), generator=g, dtype=torch.uint8)
+    m = torch.randint(0, 8, (64, 32), generator=g, dtype=torch.uint8)
+    full = torch.randint(0, 16, (2048, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (2048,), generator=g, dtype=torch.uint8)
+    nkey = codes.to(torch.int32).repeat_interleave(2, dim=1) * 8 + m
+    want = fp4_requant._gather_bytes(src, nkey, fp4_requant._byte_table(full))
+    for simd in (True, False):
+        got, sc = native.nv_requant(src, codes, m, full.view(-1), scales, simd=simd)
+        assert torch.equal(got, want) and torch.equal(sc, scales[nkey.long()]), simd
+
+
 # -- requantization ------------------------------------------------------------------------
 SCHEMES = {
     "nvfp4a16": get_scheme("nvfp4a16"),

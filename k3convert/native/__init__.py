@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 7
+ABI = 9
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -97,8 +97,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.k3_mx_keys.argtypes = [p, p, i64, i64, p, p]
     lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p]
     lib.k3_nv_maxkeys.restype = None
-    lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p]
+    lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p, ctypes.c_int]
     lib.k3_nv_requant.restype = None
+    lib.k3_gather_nib.argtypes = [p, p, i64, p, p, ctypes.c_int]
+    lib.k3_gather_nib.restype = None
     lib.k3_mx_keys.restype = None
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
 
@@ -283,17 +285,18 @@ def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor):
     return m, counts
 
 
-def nv_requant(packed, codes, m, table, scales):
+def nv_requant(packed, codes, m, table, scales, *, simd: bool = True):
     """(NVFP4 bytes like ``packed``, e4m3 scale bytes like ``m``): ``table`` uint8 [2048 *
-    256] and ``scales`` uint8 [2048] indexed by key ``codes[g // 2] * 8 + m[g]`` (every
-    key < 2048 by construction); None without the kernels."""
+    16], the output nibble of each input nibble, and ``scales`` uint8 [2048], both indexed
+    by key ``codes[g // 2] * 8 + m[g]`` (every key < 2048 by construction); None without
+    the kernels."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
     _mx_pair(packed, codes)
     if (
         m.dtype != torch.uint8 or m.shape != (packed.shape[0], packed.shape[1] // 8)
-        or table.dtype != torch.uint8 or table.numel() != 2048 * 256
+        or table.dtype != torch.uint8 or table.numel() != 2048 * 16
         or scales.dtype != torch.uint8 or scales.numel() != 2048
         or not all(t.is_contiguous() for t in (m, table, scales))
     ):  # fmt: skip
@@ -302,5 +305,29 @@ def nv_requant(packed, codes, m, table, scales):
     sout = torch.empty_like(m)
     ptrs = (t.data_ptr() for t in (packed, codes, m))
     lib.k3_nv_requant(*ptrs, m.numel(), table.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                      sout.data_ptr())  # fmt: skip
+                      sout.data_ptr(), int(simd))  # fmt: skip
     return out, sout
+
+
+def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: torch.Tensor,
+               *, simd: bool = True) -> bool:  # fmt: skip
+    """``out`` = each byte of uint8 ``src`` (groups of 16 bytes, one int32 ``key`` each)
+    through the 16-entry nibble map ``nibmap[key]`` (uint8 [rows * 16]): low and high
+    nibble mapped on their own. False where the kernels are unavailable."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return False
+    groups = key.numel()
+    if (
+        src.dtype != torch.uint8 or out.dtype != torch.uint8 or key.dtype != torch.int32
+        or nibmap.dtype != torch.uint8 or nibmap.numel() % 16 or not groups
+        or src.numel() != 16 * groups or out.numel() != src.numel()
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (src, key, nibmap, out))
+    ):  # fmt: skip
+        raise ValueError("native gather_nib: arguments of the wrong dtype, size or layout")
+    lo, hi = torch.aminmax(key)
+    if int(lo) < 0 or (int(hi) + 1) * 16 > nibmap.numel():
+        raise ValueError("native gather_nib: a key outside the map")
+    lib.k3_gather_nib(src.data_ptr(), key.data_ptr(), groups, nibmap.data_ptr(),
+                      out.data_ptr(), int(simd))  # fmt: skip
+    return True

@@ -120,21 +120,92 @@ void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, i
     for (int k = 0; k < 2048; k++) counts[k] += h[0][k] + h[1][k] + h[2][k] + h[3][k];
 }
 
-/* pass 2: key = codes[g / 2] * 8 + m[g] (< 2048); out[8 g + j] = table[key << 8 | src[8 g
- * + j]] (table: 2048 x 256 output bytes) and sout[g] = stab[key] (the group's e4m3 scale) */
-void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
-                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict table,
-                   const uint8_t *restrict stab, uint8_t *restrict out,
-                   uint8_t *restrict sout) {
-    for (int64_t g = 0; g < groups; g++) {
+/* Requantization output through nibble maps: map[key * 16 + n] is the output nibble of
+ * input nibble n under the key, so a byte b becomes map[b & 15] | map[b >> 4] << 4. */
+static inline uint8_t k3_nib(const uint8_t *map, uint8_t b) {
+    return (uint8_t)(map[b & 15] | (map[b >> 4] << 4));
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define K3_HAVE_NIB_SIMD 1
+/* 16 bytes through one map (or two: bytes 0..7 and 8..15), by two byte shuffles */
+__attribute__((target("avx2"))) static inline __m128i k3_nib16(__m128i v, __m128i m0,
+                                                               __m128i m1) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(v, m4);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    __m128i a = _mm_blend_epi16(_mm_shuffle_epi8(m0, lo), _mm_shuffle_epi8(m1, lo), 0xF0);
+    __m128i c = _mm_blend_epi16(_mm_shuffle_epi8(m0, hi), _mm_shuffle_epi8(m1, hi), 0xF0);
+    return _mm_or_si128(a, _mm_slli_epi16(c, 4)); /* c's bytes are < 16: no carry */
+}
+
+__attribute__((target("avx2"))) static void k3_nv_requant_avx2(
+    const uint8_t *restrict src, const uint8_t *restrict codes, const uint8_t *restrict m,
+    int64_t groups, const uint8_t *restrict map, const uint8_t *restrict stab,
+    uint8_t *restrict out, uint8_t *restrict sout) {
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        int64_t k0 = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
+        int64_t k1 = (int64_t)codes[g >> 1] * 8 + (m[g + 1] & 7);
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + 8 * g));
+        __m128i m0 = _mm_loadu_si128((const __m128i *)(map + 16 * k0));
+        __m128i m1 = _mm_loadu_si128((const __m128i *)(map + 16 * k1));
+        _mm_storeu_si128((__m128i *)(out + 8 * g), k3_nib16(v, m0, m1));
+        sout[g] = stab[k0];
+        sout[g + 1] = stab[k1];
+    }
+    for (; g < groups; g++) { /* never taken: NVFP4 groups come in pairs per MX group */
         int64_t key = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
-        const uint8_t *t = table + (key << 8);
-        const uint8_t *s = src + 8 * g;
-        uint64_t w = 0;
-        for (int k = 0; k < 8; k++) w |= (uint64_t)t[s[k]] << (8 * k);
-        memcpy(out + 8 * g, &w, 8);
+        for (int k = 0; k < 8; k++) out[8 * g + k] = k3_nib(map + 16 * key, src[8 * g + k]);
         sout[g] = stab[key];
     }
+}
+
+__attribute__((target("avx2"))) static void k3_gather_nib_avx2(
+    const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
+    const uint8_t *restrict map, uint8_t *restrict out) {
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i mm = _mm_loadu_si128((const __m128i *)(map + 16 * (int64_t)key[g]));
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + 16 * g));
+        _mm_storeu_si128((__m128i *)(out + 16 * g), k3_nib16(v, mm, mm));
+    }
+}
+#endif
+
+/* MXFP4 -> NVFP4, pass 2: key = codes[g / 2] * 8 + m[g] (< 2048 by construction); the
+ * output bytes through map (2048 x 16 nibbles) and sout[g] = stab[key], the group's e4m3
+ * scale byte */
+void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
+                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
+                   const uint8_t *restrict stab, uint8_t *restrict out,
+                   uint8_t *restrict sout, int simd) {
+#ifdef K3_HAVE_NIB_SIMD
+    if (simd && __builtin_cpu_supports("avx2")) {
+        k3_nv_requant_avx2(src, codes, m, groups, map, stab, out, sout);
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t key = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
+        for (int k = 0; k < 8; k++) out[8 * g + k] = k3_nib(map + 16 * key, src[8 * g + k]);
+        sout[g] = stab[key];
+    }
+}
+
+/* out[16 g + j] = the byte src[16 g + j] through map[key[g]] (groups of 16 bytes: one MX
+ * group); the caller bounds every key by the map's rows */
+void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
+                   const uint8_t *restrict map, uint8_t *restrict out, int simd) {
+#ifdef K3_HAVE_NIB_SIMD
+    if (simd && __builtin_cpu_supports("avx2")) {
+        k3_gather_nib_avx2(src, key, groups, map, out);
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < groups; g++)
+        for (int k = 0; k < 16; k++)
+            out[16 * g + k] = k3_nib(map + 16 * (int64_t)key[g], src[16 * g + k]);
 }
 
 /* key[g] = codes[g / ratio] * 8 + m[g] (an (E8M0 code, max magnitude code) pair, < 2048)
@@ -394,4 +465,4 @@ K3_CLONES void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 7; }
+int k3_fp4_kernels_version(void) { return 9; }

@@ -223,20 +223,19 @@ def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
     syn = vals[(hit // 8).unsqueeze(1), _CLAMPED[hit % 8]]  # [K, 16]: one group per (e, m)
     ref = scheme.quantize(syn, name=name, global_amax=global_amax)
     nib = torch.stack([ref["weight_packed"] & 15, ref["weight_packed"] >> 4], -1).view(-1, 16)
-    b = torch.arange(256)
-    table = torch.zeros(2048, 256, dtype=torch.uint8)  # rows of absent keys: never read
-    table[hit] = nib[:, b & 15] | (nib[:, b >> 4] << 4)
+    nibmap = torch.zeros(2048, 16, dtype=torch.uint8)  # rows of absent keys: never read
+    nibmap[hit] = nib
     scales = torch.zeros(2048, dtype=torch.uint8)
     scales[hit] = ref["weight_scale"].view(torch.uint8).view(-1)
     res = dict(ref)
     if key is None:  # the fused kernel: output bytes and scales in one pass
-        got = native.nv_requant(packed, codes, m, table.view(-1), scales)
+        got = native.nv_requant(packed, codes, m, nibmap.view(-1), scales)
         if got is None:
             key = codes.to(torch.int32).repeat_interleave(2, dim=1).mul_(8).add_(m)
         else:
             res["weight_packed"], sc = got
     if key is not None:
-        res["weight_packed"] = _gather_bytes(packed, key, table.view(-1))
+        res["weight_packed"] = _gather_bytes(packed, key, _byte_table(nibmap))
         sc = scales.index_select(0, key.view(-1)).view(out, -1)
     res["weight_scale"] = sc.view(torch.float8_e4m3fn)
     return res
@@ -269,7 +268,9 @@ def _to_int4(packed, codes, scheme: IntScheme, name: str):
     table = _int_table(scheme, "weight", span)  # data-independent: one per scheme
     if table is None:
         return None
-    qbytes = _gather_bytes(packed, rowkey, table)  # two nibbles per byte, low value first
+    qbytes = torch.empty_like(packed)  # two nibbles per byte, low value first
+    if not native.gather_nib(packed, rowkey.contiguous().view(-1), table.view(-1), qbytes):
+        qbytes = _gather_bytes(packed, rowkey, _byte_table(table))
     return {
         "weight_packed": qbytes.view(torch.int32),
         "weight_scale": scale,
@@ -279,8 +280,8 @@ def _to_int4(packed, codes, scheme: IntScheme, name: str):
 
 @functools.lru_cache(maxsize=16)
 def _int_table(scheme: IntScheme, name: str, span: int) -> torch.Tensor | None:
-    """uint8 [3 * span * 256]: for (amax significand 1 / 1.5 / zero group, d, byte) the
-    byte of the two stored nibbles, by the scheme's own quantize of one synthetic group
+    """uint8 [3 * span, 16]: for (amax significand 1 / 1.5 / zero group, d, nibble) the
+    stored int4 nibble, by the scheme's own quantize of one synthetic group
     per (significand, d): the largest value first, then the 16 nibbles' values times 2**d
     (clamped to it: larger ones never share a group with it), then zeros. None if the
     d = D_LO row is not all zeros (then lower d would not be the same row)."""
@@ -296,6 +297,11 @@ def _int_table(scheme: IntScheme, name: str, span: int) -> torch.Tensor | None:
     q = unpack_int32(parts["weight_packed"], scheme.num_bits, tuple(groups.shape))
     if bool(q.view(3, span, width)[:, 0, 1:].any()):
         return None
-    nib = (q[:, 1:17].to(torch.int32) + 8) & 15  # pack_int32's offset encoding
+    return ((q[:, 1:17].to(torch.int32) + 8) & 15).to(torch.uint8)  # pack_int32's offsets
+
+
+def _byte_table(nibmap: torch.Tensor) -> torch.Tensor:
+    """[rows, 16] nibble maps -> the [rows * 256] byte table of the torch path: byte b ->
+    map[b & 15] | map[b >> 4] << 4."""
     b = torch.arange(256)
-    return (nib[:, b & 15] | (nib[:, b >> 4] << 4)).to(torch.uint8).contiguous().view(-1)
+    return (nibmap[:, b & 15] | (nibmap[:, b >> 4] << 4)).contiguous().view(-1)
