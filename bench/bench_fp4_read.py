@@ -10,8 +10,7 @@ release's layout (``weight_packed`` uint8 [out, in/2] + ``weight_scale`` uint8 [
 in/32], random E2M1 bytes and E8M0 exponents around 2**-7), an NVFP4 one with the same
 bytes (e4m3 scales per 16, a global scale), and a bf16 one with the same names and logical
 shapes. Stages, each in a fresh process (``bench/_harness.measure``: peak RSS is the
-command's own), interleaved
-(A B C ... A B C ...), median of ``--repeats`` (3), page cache warm:
+command's own), interleaved (A B C ... A B C ...), median of ``--repeats`` (3), page cache warm:
 
   cp -r mxfp4              the MXFP4 files copied (whole process: no interpreter)
   safe_open bf16           safe_open(f).get_tensor(name).clone() per tensor of the bf16 copy
