@@ -117,24 +117,10 @@ def _max_codes(packed: torch.Tensor, per: int) -> torch.Tensor:
 
 def _gather_bytes(packed: torch.Tensor, rowkey: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """out[r, c] = table[rowkey[r, c // per] << 8 | packed[r, c]]: uint8 [out, cols]."""
-    out, cols = packed.shape
-    ng = rowkey.shape[1]
-    per = cols // ng
-    res = torch.empty(out, cols, dtype=torch.uint8)
+    res = torch.empty(packed.shape, dtype=torch.uint8)
     if native.gather(packed.contiguous(), rowkey.contiguous().view(-1), table, res):
         return res
-    rows = max(1, _CHUNK // max(cols, 1))
-    idx = torch.empty(min(rows, out), ng, per, dtype=torch.int32)
-    sh = torch.empty(min(rows, out), ng, 1, dtype=torch.int32)
-    for r0 in range(0, out, rows):
-        r1 = min(out, r0 + rows)
-        n = r1 - r0
-        s = sh[:n]
-        s.copy_(rowkey[r0:r1].unsqueeze(-1)).bitwise_left_shift_(8)
-        ix = idx[:n]
-        ix.copy_(packed[r0:r1].view(n, ng, per)).bitwise_or_(s)
-        torch.index_select(table, 0, ix.view(-1), out=res[r0:r1].view(-1))
-    return res
+    return fp4_decode.keyed_gather(packed, rowkey, table, res)
 
 
 def _values() -> torch.Tensor:
