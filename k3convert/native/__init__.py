@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 9
+ABI = 10
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -56,28 +56,49 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def _build(cc: str) -> Path:
+def _private_dir(d: Path) -> Path:
+    """``d``, created 0700 if missing, refused unless this user owns it and nobody else
+    may write to it: a library found there is loaded, so it must be ours."""
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(
+            f"kernel cache {d} is not private to this user (owner uid {st.st_uid}, mode "
+            f"{st.st_mode & 0o777:o}); set K3CONVERT_KERNEL_CACHE to a directory of your own"
+        )
+    return d
+
+
+def _build(cc: str, *, rebuild: bool = False) -> Path:
     src = SOURCE.read_bytes()
     ver = subprocess.run([cc, "--version"], capture_output=True, timeout=60).stdout
     key = hashlib.sha256(src + ver + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"fp4_kernels-{key}.so"
-    if out.is_file():
+    out = _private_dir(cache_dir()) / f"fp4_kernels-{key}.so"
+    if out.is_file() and not rebuild:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".fp4_kernels-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
-        )
+        r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, timeout=300)
         if r.returncode != 0:
-            raise OSError(f"{cc} exited {r.returncode}: {r.stderr.strip()[-500:]}")
+            err = r.stderr.decode(errors="replace").strip()[-500:]
+            raise OSError(f"{cc} exited {r.returncode}: {err}")
         os.chmod(tmp, 0o755)
+        with open(tmp, "rb") as f:  # durable before it is named: no empty library survives
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _load(cc: str) -> ctypes.CDLL:
+    """The cached library, rebuilt once when the cached file does not load."""
+    try:
+        return ctypes.CDLL(str(_build(cc)))
+    except OSError:
+        return ctypes.CDLL(str(_build(cc, rebuild=True)))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -94,14 +115,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
         getattr(lib, name).argtypes = [p, p, p, i64, p, p]
         getattr(lib, name).restype = None
-    lib.k3_mx_keys.argtypes = [p, p, i64, i64, p, p]
     lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p]
     lib.k3_nv_maxkeys.restype = None
     lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p, ctypes.c_int]
     lib.k3_nv_requant.restype = None
     lib.k3_gather_nib.argtypes = [p, p, i64, p, p, ctypes.c_int]
     lib.k3_gather_nib.restype = None
-    lib.k3_mx_keys.restype = None
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
 
 
@@ -121,13 +140,13 @@ def library() -> ctypes.CDLL | None:
             cc = _compiler()
             if cc is None:
                 raise OSError("no C compiler (set CC, or install cc / gcc)")
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = _load(cc)
             _declare(lib)
             if lib.k3_fp4_kernels_version() != ABI:
                 raise OSError("the cached library's ABI does not match this k3convert")
             _lib = lib
-        except (OSError, subprocess.SubprocessError, AttributeError) as e:
-            _why = str(e)
+        except Exception as e:  # any failure to build or load: the torch path, and why
+            _why = f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
         _tried = True
     return _lib
 
@@ -185,29 +204,6 @@ def max_codes(src: torch.Tensor, per: int, out: torch.Tensor) -> bool:
     return True
 
 
-def mx_keys(codes: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int32 keys ``codes[g // ratio] * 8 + m[g]`` shaped like ``m``, int64 counts of each
-    of the 2048 keys) for uint8 E8M0 ``codes`` [rows, c] and max codes ``m`` [rows, c *
-    ratio]; None where the kernels are unavailable."""
-    lib = library() if ENABLED else None
-    if lib is None:
-        return None
-    if (
-        codes.dtype != torch.uint8 or m.dtype != torch.uint8 or codes.ndim != 2
-        or m.ndim != 2 or m.shape[0] != codes.shape[0] or not codes.numel()
-        or m.shape[1] % codes.shape[1]
-        or not (codes.is_contiguous() and m.is_contiguous())
-        or codes.device.type != "cpu" or m.device.type != "cpu"
-    ):  # fmt: skip
-        raise ValueError("native mx_keys: arguments of the wrong dtype, size or layout")
-    key = torch.empty(m.shape, dtype=torch.int32)
-    counts = torch.zeros(2048, dtype=torch.int64)
-    ratio = m.shape[1] // codes.shape[1]
-    lib.k3_mx_keys(codes.data_ptr(), m.data_ptr(), m.numel(), ratio, key.data_ptr(),
-                   counts.data_ptr())  # fmt: skip
-    return key, counts
-
-
 _OUT = {torch.bfloat16: (torch.int32, 2), torch.float32: (torch.int64, 4)}
 
 
@@ -249,7 +245,10 @@ def nvfp4_decode(packed: torch.Tensor, eff: torch.Tensor, codes: torch.Tensor,
     if lib is None:
         return None
     _fp4_args(packed, codes, table, dtype, 16)
-    if eff.dtype != torch.float32 or eff.shape != codes.shape or not eff.is_contiguous():
+    if (
+        eff.dtype != torch.float32 or eff.shape != codes.shape or not eff.is_contiguous()
+        or eff.device.type != "cpu"
+    ):  # fmt: skip
         raise ValueError("native FP4 decode: effective scales of the wrong dtype or shape")
     out, cols = packed.shape
     res = torch.empty(out, 2 * cols, dtype=dtype)
@@ -298,7 +297,7 @@ def nv_requant(packed, codes, m, table, scales, *, simd: bool = True):
         m.dtype != torch.uint8 or m.shape != (packed.shape[0], packed.shape[1] // 8)
         or table.dtype != torch.uint8 or table.numel() != 2048 * 16
         or scales.dtype != torch.uint8 or scales.numel() != 2048
-        or not all(t.is_contiguous() for t in (m, table, scales))
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (m, table, scales))
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> NVFP4: tables of the wrong dtype or size")
     out = torch.empty_like(packed)

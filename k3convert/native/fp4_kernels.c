@@ -1,5 +1,5 @@
 /* k3convert's FP4 byte kernels: table gathers keyed by (group key, stored byte), and the
- * largest E2M1 magnitude code of each group. Plain C99, one thread, no allocation; the
+ * largest E2M1 magnitude code of each group. Plain C11, one thread, no allocation; the
  * Python side (k3convert/native/__init__.py) checks every size and key range before a
  * call, so these loops trust their arguments.
  *
@@ -206,17 +206,6 @@ void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int
     for (int64_t g = 0; g < groups; g++)
         for (int k = 0; k < 16; k++)
             out[16 * g + k] = k3_nib(map + 16 * (int64_t)key[g], src[16 * g + k]);
-}
-
-/* key[g] = codes[g / ratio] * 8 + m[g] (an (E8M0 code, max magnitude code) pair, < 2048)
- * for g < groups, and counts[k] += how often key k occurs (counts: 2048 zeroed int64) */
-void k3_mx_keys(const uint8_t *codes, const uint8_t *m, int64_t groups, int64_t ratio,
-                int32_t *key, int64_t *counts) {
-    for (int64_t g = 0; g < groups; g++) {
-        int32_t k = (int32_t)codes[g / ratio] * 8 + (m[g] & 7);
-        key[g] = k;
-        counts[k]++;
-    }
 }
 
 /* -- FP4 -> bfloat16 / float32 by bit arithmetic ------------------------------------
@@ -465,4 +454,4 @@ K3_CLONES void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 9; }
+int k3_fp4_kernels_version(void) { return 10; }

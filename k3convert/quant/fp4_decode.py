@@ -89,5 +89,5 @@ def keyed_gather(packed: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
         ix = idx[:n]
         ix.copy_(packed[r0:r1].reshape(n, ng, per)).bitwise_or_(sh)  # measured 20 % faster
         # than one bitwise_or promoting the bytes
-        torch.index_select(table, 0, ix.view(-1), out=res[r0:r1].reshape(-1))
+        torch.index_select(table, 0, ix.view(-1), out=res[r0:r1].view(-1))
     return res
