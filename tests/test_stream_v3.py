@@ -281,7 +281,7 @@ DAMAGE = {
     "index": (ManifestError, r"ranks\[1\]\.units\[0\] has index 1"),
     "unit_file": (ManifestError, "violates the rank file schema|is not the format's name"),
     "hash_form": (ManifestError, "must record only hash and raw_hash"),
-    "directory": (ManifestError, "rank file cannot be read"),
+    "directory": (ManifestError, "rank file is not a regular file"),
 }
 
 

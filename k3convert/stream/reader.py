@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import mmap
+import stat
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -93,6 +94,16 @@ def _read_json(path: Path, what: str, expect_bytes: int | None = None):
     """``path`` parsed as strict JSON; ManifestError naming it when it is missing,
     unreadable, of another size than ``expect_bytes`` or not valid JSON."""
     try:
+        if expect_bytes is not None:  # a regular file of the recorded size, before reading
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(f"{path}: {what} is not a regular file; the stream is damaged.")
+            if st.st_size != expect_bytes:
+                raise ManifestError(
+                    f"{path}: {what} is {st.st_size} bytes but {MANIFEST} says {expect_bytes}; "
+                    f"it is {'truncated' if st.st_size < expect_bytes else 'damaged'} - copy "
+                    f"the stream again or re-create it with `k3convert shard --force`."
+                )
         data = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(
@@ -117,14 +128,6 @@ def _read_json(path: Path, what: str, expect_bytes: int | None = None):
         raise ManifestError(
             f"{path}: not valid JSON (nested too deeply); the {what} is damaged."
         ) from None
-
-
-def units_source(root: Path, doc: dict, i: int) -> Path:
-    """The file that holds rank ``i``'s unit entries: its rank file (version 3 on), or
-    manifest.json itself (versions 1 and 2)."""
-    if doc["version"] >= SPLIT_VERSION:
-        return root / rank_units_file(i)
-    return root / MANIFEST
 
 
 def _one_hash_form(doc: dict, i: int, where: Path) -> None:
