@@ -20,7 +20,7 @@ from k3convert import formats as fmt
 from k3convert import native
 from k3convert.checkpoint import open_checkpoint
 from k3convert.quant import fp4_requant, get_scheme, quantize
-from k3convert.quant.schemes import IntScheme, NonFiniteWeightError, WeightRangeError
+from k3convert.quant.schemes import FP4Scheme, IntScheme, NonFiniteWeightError, WeightRangeError
 from k3convert.quant.writer import fused_groups, plan_quantization
 
 HAVE_CC = native._compiler() is not None
@@ -72,10 +72,29 @@ def test_kernels_build_and_load(tmp_path, monkeypatch):
     assert built.parent == tmp_path / "k" and built.is_file()
     assert [p.name for p in (tmp_path / "k").iterdir()] == [built.name]  # no temporaries
     assert native._build(native._compiler()) == built
+    built.write_bytes(b"")  # a library that does not load (an interrupted copy): rebuilt
+    lib = native._load(native._compiler())
+    assert lib.k3_fp4_kernels_version() == native.ABI and built.stat().st_size > 0
     monkeypatch.setenv("K3CONVERT_NATIVE", "0")
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
     assert native.library() is None and "K3CONVERT_NATIVE=0" in native.status()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_kernel_cache_must_be_private(tmp_path, monkeypatch):
+    """A library found in the cache is loaded, so a cache others may write to is refused
+    (and the torch path runs, saying why)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("K3CONVERT_KERNEL_CACHE", str(shared))
+    with pytest.raises(OSError, match="not private to this user"):
+        native._build(native._compiler())
+    assert list(shared.iterdir()) == []
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.library() is None and "not private" in native.status()
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
@@ -164,9 +183,13 @@ SCHEMES = {
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 @pytest.mark.parametrize("codes", [(117, 124), (16, 240), (100, 140)])
-def test_requant_equals_the_float_path(path, scheme, codes):
+@pytest.mark.parametrize("shape", [(48, 512), (5, 96)])  # (5, 96): group counts that are
+def test_requant_equals_the_float_path(path, scheme, codes, shape):  # no kernel block's multiple
     s = SCHEMES[scheme]
-    p = _mx(48, 512, *codes)
+    group = s.group if isinstance(s, FP4Scheme) else (s.group_size or fmt.MX_GROUP)
+    if shape[1] % group:
+        pytest.skip(f"groups of {group} do not tile {shape[1]} columns")
+    p = _mx(*shape, *codes)
     got = fp4_requant.requantize(p, s, name="t.weight")
     assert got is not None
     assert _same(got, s.quantize(_decode32(p), name="t.weight"))
@@ -205,7 +228,8 @@ def test_requant_declines_what_it_cannot_do_exactly(path):
         q = _mx(16, 256, 117, 124)
         q["weight_scale"][0, 0] = bad
         assert fp4_requant.requantize(q, w4) is None
-        assert fp4_requant.requantize(q, nv) is not None  # NVFP4 is exact at every code
+        got = fp4_requant.requantize(q, nv)  # NVFP4 is exact at every code
+        assert got is not None and _same(got, nv.quantize(_decode32(q)))
     for s in (get_scheme("w4a16-asym"), get_scheme("w3a16"), get_scheme("int8-g128"),
               IntScheme("t-f16", num_bits=4, scale_dtype="float16")):  # fmt: skip
         assert not fp4_requant.supported(s) and fp4_requant.requantize(p, s) is None
