@@ -568,9 +568,9 @@ def _key_path(r: Recipe, section: str):
 def _from_manifest(out: Path):
     """The write stage's result for a complete stream found in OUT (nothing written)."""
     from .shard.writer import ShardResult
-    from .stream import read_manifest_doc
+    from .stream.reader import load_manifest
 
-    man = read_manifest_doc(out)  # the rank files too (version 3)
+    man = load_manifest(out)  # validated, the rank files too: damage is a clean error
     units = [u for rk in man["ranks"] for u in rk["units"]]
     return ShardResult(out, out / MANIFEST, 0, len(units), sum(u["bytes"] for u in units), 0.0)
 

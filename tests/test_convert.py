@@ -244,6 +244,12 @@ def test_cli_convert_exit_codes(k25, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "0 written, 12 already done" in r.stdout and "verify      PASS" in r.stdout
     assert _files(out) == before
+    # the same rerun over a stream whose rank file was damaged: exit 1, the file named
+    rank1 = out / "rank00001" / "units.json"
+    rank1.write_bytes(rank1.read_bytes()[:100])
+    r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "verify.decode=0")
+    assert r.returncode == 1 and "rank00001/units.json" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
     # a bad override: exit 2, key path, nothing created
     r = _cli("convert", k25, tmp_path / "d", "-r", rp, "--set", "layout.tq=2")
     assert r.returncode == 2 and "layout.tq" in r.stderr and "did you mean 'tp'" in r.stderr
