@@ -214,13 +214,9 @@ def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
     scales = torch.zeros(2048, dtype=torch.uint8)
     scales[hit] = ref["weight_scale"].view(torch.uint8).view(-1)
     res = dict(ref)
-    if key is None:  # the fused kernel: output bytes and scales in one pass
-        got = native.nv_requant(packed, codes, m, nibmap.view(-1), scales)
-        if got is None:
-            key = codes.to(torch.int32).repeat_interleave(2, dim=1).mul_(8).add_(m)
-        else:
-            res["weight_packed"], sc = got
-    if key is not None:
+    if key is None:  # the kernels found the keys: output bytes and scales in one pass
+        res["weight_packed"], sc = native.nv_requant(packed, codes, m, nibmap.view(-1), scales)
+    else:
         res["weight_packed"] = _gather_bytes(packed, key, _byte_table(nibmap))
         sc = scales.index_select(0, key.view(-1)).view(out, -1)
     res["weight_scale"] = sc.view(torch.float8_e4m3fn)
