@@ -287,6 +287,13 @@ def quantize(
         float | None,
         typer.Option(help="With --observer percentile: the percentile of |x| (default 99.99)."),
     ] = None,
+    weight_observer: Annotated[
+        str | None,
+        typer.Option(
+            help="Integer schemes' weight scales: minmax (full range, default) or mse (each "
+            "group's clip ratio searched for the smallest rounding error; RTN, GPTQ and AWQ).",
+        ),
+    ] = None,
     alpha: Annotated[
         float | None,
         typer.Option(help="With --algorithm smoothquant[+gptq]: migration strength (0.5)."),
@@ -305,6 +312,14 @@ def quantize(
             "--no-act-order",
             help="With GPTQ: sweep columns in their stored order, not by descending "
             "Hessian diagonal (act-order, the default, as llm-compressor's).",
+        ),
+    ] = False,
+    no_awq_clip: Annotated[
+        bool,
+        typer.Option(
+            "--no-awq-clip",
+            help="With --algorithm awq: skip AWQ's clip step (each int Linear's group "
+            "ranges searched for the smallest output error over the calibration tokens).",
         ),
     ] = False,
     kv_cache: Annotated[
@@ -370,7 +385,8 @@ def quantize(
     given = [n for n, v in (("--algorithm", algorithm), ("--offload-dir", offload_dir),
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
              ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache),
-             ("--alpha-search", alpha_search or None), ("--no-act-order", no_act_order or None))
+             ("--alpha-search", alpha_search or None), ("--no-act-order", no_act_order or None),
+             ("--no-awq-clip", no_awq_clip or None))
              if v is not None]  # fmt: skip
     if auto_keep is None:
         extra = [n for n, v in (("--auto-keep-scheme", auto_keep_scheme), ("--plot", plot),
@@ -409,8 +425,10 @@ def quantize(
             moe_all_experts=moe_all_experts, observer=observer or "minmax",
             percentile=percentile if percentile is not None else 99.99,
             alpha=alpha if alpha is not None else 0.5, kv_cache=kv_cache,
-            alpha_search=alpha_search, act_order=not no_act_order,
+            alpha_search=alpha_search, act_order=not no_act_order, awq_clip=not no_awq_clip,
         )  # fmt: skip
+        if no_awq_clip and (algorithm or "gptq") != "awq":
+            raise typer.BadParameter("--no-awq-clip only applies with --algorithm awq.")
         if (alpha is not None or alpha_search) and not (algorithm or "").startswith("smoothquant"):
             raise typer.BadParameter(
                 "--alpha / --alpha-search only apply with --algorithm smoothquant[+gptq]."
@@ -446,6 +464,7 @@ def quantize(
         plot=plot,
         sensitivity_data=scan_data,
         serving=ServingTarget(tp=serving_tp, device=serving_device, strict=strict_serving),
+        weight_observer=weight_observer,
     )
     if not _leader():  # under torchrun process 0 reports for the job
         return

@@ -118,6 +118,16 @@ def test_awq_w4a16_asym_beats_rtn(llama_q):
     assert awq <= 0.95 * rtn, (awq, rtn)
 
 
+def test_awq_clip_step_lowers_kl(llama_q):
+    """AWQ's clip step (on by default: each int Linear's group ranges searched on its
+    output error over the calibration tokens) against AWQ's scales alone, and against
+    the data-free range search (the mse weight observer) after them."""
+    clip = llama_q.kl("w4a16-asym", "awq")
+    plain = llama_q.kl("w4a16-asym", "awq", awq_clip=False)
+    print(f"AWQ w4a16-asym KL: clip step {clip:.3e}, without {plain:.3e}")
+    assert clip <= 0.85 * plain, (clip, plain)
+
+
 def _tf_logits(path, ids, **kw) -> torch.Tensor:
     m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     with torch.no_grad():

@@ -350,6 +350,28 @@ def test_cli_calibrate_gptq_prints_layers(work, capsys):
     assert "calibration (gptq): 2 layer(s)" in cap.out and "calibrated layer 1" in cap.err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["k3convert"]["calibration"]["dataset"]["num_samples"] == 4
+    # GPTQ's activation order is recorded as compressed-tensors' "static" (= weight):
+    # no g_idx, the plain format, which compressed-tensors 0.20 parses and loads
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = cfg["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert group["weights"]["actorder"] == "static"
+    assert group["weights"]["observer"] == "minmax"
+    from compressed_tensors.quantization.quant_args import ActivationOrdering
+
+    parsed = QuantizationConfig.model_validate(qc)
+    order = next(iter(parsed.config_groups.values())).weights.actorder
+    assert ActivationOrdering.get_aliases()[order] == ActivationOrdering.WEIGHT
+    assert not any(".weight_g_idx" in n for n in open_checkpoint(out).names())
+    out2 = root / "cli-gptq-noorder"
+    assert main(["quantize", str(llama), str(out2), "--scheme", "w4a16", "--calibrate",
+                 "--dataset", str(data), "--num-samples", "4", "--seq-len", "16",
+                 "--no-act-order", "--weight-observer", "mse"]) == 0  # fmt: skip
+    (group,) = json.loads((out2 / "config.json").read_text())["quantization_config"][
+        "config_groups"
+    ].values()
+    assert group["weights"]["actorder"] is None and group["weights"]["observer"] == "mse"
 
 
 @pytest.mark.filterwarnings("ignore::k3convert.calibrate.sequential.ExpertFallbackWarning")

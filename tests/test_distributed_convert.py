@@ -169,12 +169,13 @@ def launched(srcs) -> dict:
     root = srcs["root"] / "two"
     root.mkdir()
     outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize"}  # fmt: skip
+            "quantize": root / "quantize", "awq": root / "awq"}  # fmt: skip
     jobs = [
         ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
         ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
         ["convert", srcs["ds"], outs["gptq"], "-r", srcs["gptq"], "--no-progress"],
         ["quantize", srcs["ds"], outs["quantize"], *quantize_args(srcs)],
+        ["quantize", srcs["ds"], outs["awq"], *awq_args(srcs)],
     ]
     (root / "jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
     clean = _Torchrun([TESTS / "dist_jobs.py", root / "jobs.json", root / "rc"], root / "log")
@@ -202,8 +203,9 @@ def one_proc(srcs, launched) -> dict[str, Path]:
     from k3convert.cli import main
 
     assert main(["quantize", str(srcs["ds"]), str(root / "quantize"), *quantize_args(srcs)]) == 0
+    assert main(["quantize", str(srcs["ds"]), str(root / "awq"), *awq_args(srcs)]) == 0
     return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize"}  # fmt: skip
+            "quantize": root / "quantize", "awq": root / "awq"}  # fmt: skip
 
 
 def quantize_args(srcs) -> list[str]:
@@ -211,6 +213,13 @@ def quantize_args(srcs) -> list[str]:
     return ["--scheme", "int4-g32", "--keep", "re:.*kv_b_proj.*", "--calibrate", "--dataset",
             str(srcs["root"] / "ids.jsonl"),
             "--num-samples", "8", "--seq-len", "32", "--shard-size-gb", "0.00005"]  # fmt: skip
+
+
+def awq_args(srcs) -> list[str]:
+    """AWQ-calibrated asymmetric int4: its clip searches split over the processes."""
+    return ["--scheme", "int4-g32-asym", "--keep", "re:.*kv_b_proj.*", "--calibrate",
+            "--algorithm", "awq", "--dataset", str(srcs["root"] / "ids.jsonl"),
+            "--num-samples", "8", "--seq-len", "32"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +232,7 @@ def two_proc(launched, one_proc) -> dict:
 
 
 def _job_ok(two: dict) -> None:
-    assert two["rc"] == 0 and two["codes"] == [[0, 0, 0, 0], [0, 0, 0, 0]], (
+    assert two["rc"] == 0 and two["codes"] == [[0] * 5, [0] * 5], (
         f"torchrun rc {two['rc']}, per-process exit codes {two['codes']}:\n"
         f"{two['out'][-3000:]}\n{two['err'][-5000:]}"
     )
@@ -308,6 +317,18 @@ def test_quantize_gptq_two_processes_identical(one_proc, two_proc):
     cfg = json.loads(files["config.json"])
     assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
     assert not (two_proc["quantize"].parent / "quantize.calib").exists()
+
+
+@needs_gloo
+def test_quantize_awq_two_processes_identical(one_proc, two_proc):
+    """AWQ under torchrun: the clip step's searches (every int Linear's, on its output
+    error) are shared out like GPTQ's solves and exchanged through the journal; the
+    output is the one-process run's, file for file."""
+    _job_ok(two_proc)
+    files = _assert_same_tree(one_proc["awq"], two_proc["awq"])
+    cfg = json.loads(files["config.json"])
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "awq"
+    assert cfg["k3convert"]["calibration"]["options"]["awq_clip"] is True
 
 
 # -- 3. a process that dies -------------------------------------------------------------

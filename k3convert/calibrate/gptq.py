@@ -9,9 +9,14 @@ instead of round-to-nearest. The arithmetic is llm-compressor 0.14's
 the one llm-compressor computes (tests/test_gptq.py checks it):
 
 - scales and zero points are the scheme's round-to-nearest ones, taken once on the
-  original weight: llm-compressor 0.14's weight observer (min-max) runs on the module
-  weight before ``quantize_weight``, which only rounds against those fixed parameters
-  (older GPTQ code re-observed each group when the sweep reached it; 0.14 does not);
+  original weight: llm-compressor 0.14's weight observer runs on the module weight
+  before ``quantize_weight``, which only rounds against those fixed parameters (older
+  GPTQ code re-observed each group when the sweep reached it; 0.14 does not). The
+  observer is the scheme's: ``minmax`` (the full range), or ``mse``
+  (:mod:`k3convert.quant.mse_observer`: each group's range searched, as llm-compressor's
+  ``observer="mse"``), so GPTQ rounds against the searched scales;
+- ``act_order=True`` is recorded in config.json as ``actorder: static``
+  (:func:`k3convert.quant.writer._mark_actorder`);
 - dampening: dead columns (``H[j, j] == 0``) get ``H[j, j] = 1`` and a zero weight
   column, then ``dampening * mean(diag H)`` is added to the diagonal; ``H^-1`` comes from
   a Cholesky factorisation and is used as its upper Cholesky factor. A Hessian that is

@@ -59,6 +59,8 @@ from safetensors.torch import save_file
 
 from .. import __version__ as _k3_version
 from ..errors import ConfigError
+from ..quant import mse_observer
+from ..quant.mse_observer import GroupGram
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
 from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp, layer_output
 from .data import CalibrationSet
@@ -101,7 +103,12 @@ class SequentialOptions:
     ``<out>.calib/``; dtype: compute dtype of the runtime; moe_all_experts: routed experts'
     statistics over all calibration tokens (see the module doc); observer / percentile:
     how static input scales are chosen (:mod:`.observers`: ``minmax``, ``percentile`` of
-    |x|, ``mse``-optimal clipping).
+    |x|, ``mse``-optimal clipping). AWQ: awq_grid / awq_duo_scaling its scale search;
+    awq_clip (default on, as the original AWQ's ``auto_clip``): after smoothing, each
+    integer Linear's group ranges are searched for the smallest output error over the
+    calibration tokens (:func:`k3convert.quant.mse_observer.quantize` with the group
+    blocks of its inputs' Gram matrix; the scheme's ``mse_grid`` / ``mse_maxshrink``
+    set the grid).
     """
 
     dataset: str | os.PathLike = "default"
@@ -122,6 +129,7 @@ class SequentialOptions:
     alpha_search: bool = False
     awq_grid: int = 20
     awq_duo_scaling: bool = True
+    awq_clip: bool = True
     smooth_tokens: int = 4096
     kv_cache: str | None = None
 
@@ -155,6 +163,10 @@ class SequentialOptions:
             raise ConfigError(
                 f"calibration option alpha_search must be True or False, got {self.alpha_search!r}."
             )
+        if not isinstance(self.awq_clip, bool):
+            raise ConfigError(
+                f"calibration option awq_clip must be True or False, got {self.awq_clip!r}."
+            )
         if not isinstance(self.awq_duo_scaling, bool):
             raise ConfigError(
                 f"calibration option awq_duo_scaling must be True or False, "
@@ -178,7 +190,8 @@ class SequentialOptions:
             out["alpha"] = None if self.alpha_search else float(self.alpha)
             out["alpha_search"] = self.alpha_search
         if kind in ("awq", "all"):
-            out.update(awq_grid=self.awq_grid, awq_duo_scaling=self.awq_duo_scaling)
+            out.update(awq_grid=self.awq_grid, awq_duo_scaling=self.awq_duo_scaling,
+                       awq_clip=self.awq_clip)  # fmt: skip
         if kind is not None:
             out["smooth_tokens"] = self.smooth_tokens
         return out
@@ -292,6 +305,11 @@ def _qmax(scheme: Scheme) -> float:
 
 def gptq_supported(scheme: Scheme) -> bool:
     return isinstance(scheme, (IntScheme, FP8Scheme))
+
+
+def _group_of(scheme: IntScheme, shape) -> int:
+    """Input channels per scale group of an integer scheme on a weight of ``shape``."""
+    return int(shape[1]) // scheme._ngroups(int(shape[1]))
 
 
 def _static(scheme: Scheme) -> bool:
@@ -633,6 +651,10 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     by_name = {e.name: e for e in entries.values()}
     mine = {n: rows[n] for n in by_name if n in rows}
     gptq = {n for n, r in mine.items() if algorithm in _GPTQ and gptq_supported(r.scheme)}
+    # AWQ's clip step: every integer Linear's group ranges searched on its output error
+    clip = set()
+    if algorithm == "awq" and options.awq_clip:
+        clip = {n for n, r in mine.items() if isinstance(r.scheme, IntScheme)}
     static = {n for n, r in mine.items() if _static(r.scheme)}
     # under torchrun each process solves (and accumulates the Hessians of) its share of
     # the GPTQ Linears, balanced by the solve's cost; the others' come from the journal
@@ -644,9 +666,11 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             o, k = mine[n].shape
             return int(k) * int(k) * (int(k) + int(o))
 
-        order = sorted(gptq)
+        order = sorted(gptq | clip)
         others = set(order) - set(balance(order, cost, group.world)[group.rank])
     acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq if n not in others}
+    gram = {n: GroupGram(int(mine[n].shape[1]), _group_of(mine[n].scheme, mine[n].shape), n)
+            for n in clip if n not in others}  # fmt: skip
     # static input scales' observers; capacity: real tokens x input width bounds what
     # any Linear of the layer sees (a token reaches an expert at most once)
     real = sum(int(m.sum()) for m in masks)
@@ -744,6 +768,8 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             observer(i, name, x, m)
         if name in acc:
             acc[name].add(x, m)
+        if name in gram:
+            gram[name].add(x, m)
         n = int(m.sum())
         seen[name] += n
         if e.role.expert is not None and not all_experts:
@@ -826,8 +852,12 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             rec["parts"].append(n)
             parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
             del acc[n]  # [in, in] float32 each: freed as soon as it is used
+        elif n in gram and gram[n].tokens:  # AWQ's clip step on the smoothed weight
+            parts = mse_observer.quantize(r.scheme, w, name=n, gram=gram.pop(n).blocks())
+            rec["parts"].append(n)
+            parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
         else:
-            if n in gptq or (n in static and not seen[n]):
+            if n in gptq or n in clip or (n in static and not seen[n]):
                 why = "saw no calibration token"
                 warnings.warn(
                     f"calibration: '{n}' {why}; rounded to nearest"

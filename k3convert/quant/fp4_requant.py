@@ -68,6 +68,7 @@ def _supported(scheme: Scheme) -> bool:
         and scheme.packed
         and scheme.symmetric
         and scheme.num_bits == 4
+        and scheme.observer == "minmax"
         and scheme.sdtype in (torch.bfloat16, torch.float32)
     )
 

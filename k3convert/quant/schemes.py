@@ -413,6 +413,10 @@ class IntScheme(Scheme):
 
     num_bits: 2..8; strategy: 'channel' (scale [out, 1]) | 'group' ([out, in/g]);
     symmetric: False adds a zero point; scale_dtype: 'float32' | 'bfloat16' | 'float16'.
+    observer: how each group's range is chosen - 'minmax' (its full range, the default)
+    or 'mse' (the range shrunk per group to the clip ratio with the smallest rounding
+    error, :mod:`.mse_observer`: ratios ``1 - i / mse_grid`` down to ``1 - mse_maxshrink``,
+    error ``sum |w - dq(w)| ** mse_norm``); the parts are the same tensors either way.
     Weight-only schemes are stored pack-quantized (int32 words, dense bits); schemes
     with activation quantization are stored int-quantized (one int8 per value), as
     compressed-tensors infers.
@@ -423,8 +427,28 @@ class IntScheme(Scheme):
     group_size: int | None = 128
     symmetric: bool = True
     scale_dtype: str = "bfloat16"
+    observer: str = "minmax"
+    mse_grid: int = 100
+    mse_maxshrink: float = 0.2
+    mse_norm: float = 2.4
 
     def __post_init__(self):
+        if not _one_of(self.observer, ("minmax", "mse")):
+            raise ConfigError(
+                f"weight observer must be minmax or mse, not {short_repr(self.observer)}."
+            )
+        if not _positive_int(self.mse_grid):
+            raise ConfigError(
+                f"mse_grid must be a positive integer, got {short_repr(self.mse_grid)}."
+            )
+        for key, lo, hi in (("mse_maxshrink", 0.0, 1.0), ("mse_norm", 0.5, 8.0)):
+            v = getattr(self, key)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v
+            if not (ok and (v < hi if key == "mse_maxshrink" else v <= hi)):
+                top = f"< {hi:g}" if key == "mse_maxshrink" else f"<= {hi:g}"
+                raise ConfigError(
+                    f"{key} must be a number >= {lo:g} and {top}, got {short_repr(v)}."
+                )
         if not (_positive_int(self.num_bits) and 2 <= self.num_bits <= 8):
             raise ConfigError(
                 f"num_bits must be an integer in 2..8, got {short_repr(self.num_bits)}."
@@ -504,7 +528,13 @@ class IntScheme(Scheme):
 
         Works on bands of rows so float32 temporaries stay cache-sized; symmetric
         schemes take the fused path (:meth:`_quantize_symmetric`) where it applies.
+        The ``mse`` observer searches each group's clip ratio first
+        (:func:`.mse_observer.quantize`).
         """
+        if self.observer == "mse":
+            from . import mse_observer
+
+            return mse_observer.quantize(self, w, name=name)
         fast = self._quantize_symmetric(w) if self.symmetric else None
         return fast if fast is not None else self._quantize_general(w, name)
 
@@ -563,7 +593,10 @@ class IntScheme(Scheme):
         half = float(self.qmax - self.qmin) / 2
         return _finite_scale(amax / half, self.sdtype).to(self.sdtype)
 
-    def _quantize_general(self, w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+    def _quantize_general(self, w: torch.Tensor, name: str, rows=None) -> dict[str, torch.Tensor]:
+        """Band by band: ``rows(g, name)`` (default :meth:`_quantize_rows`) gives each
+        band's codes, scales and zero points, then the parts are packed."""
+        rows = self._quantize_rows if rows is None else rows
         out, inp = w.shape
         ng = self._ngroups(inp)
         sd = self.sdtype
@@ -574,7 +607,7 @@ class IntScheme(Scheme):
         for r0 in range(0, out, band):
             r1 = min(out, r0 + band)
             g = w[r0:r1].float().view(r1 - r0, ng, inp // ng)
-            qs, ss, zs = self._quantize_rows(g, name)
+            qs, ss, zs = rows(g, name)
             q[r0:r1] = qs.view(r1 - r0, inp)
             scale[r0:r1] = ss
             if zp is not None:
@@ -698,9 +731,11 @@ class IntScheme(Scheme):
             "strategy": self.strategy,
             "dynamic": False,
             "actorder": None,
-            "observer": "minmax",
-            "observer_kwargs": {},
-        }
+            "observer": self.observer,
+            "observer_kwargs": {} if self.observer == "minmax" else {
+                "grid": self.mse_grid, "maxshrink": self.mse_maxshrink, "norm": self.mse_norm,
+            },
+        }  # fmt: skip
 
     @property
     def format(self):

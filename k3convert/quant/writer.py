@@ -67,11 +67,11 @@ from ..checkpoint.output import (
     write_index,
 )
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
-from ..errors import ConfigError, OutputError
+from ..errors import ConfigError, OutputError, short_repr
 from ..formats import ACTIVATION_PARTS
 from . import fp4_requant
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
-from .schemes import NonFiniteWeightError, get_scheme, known_schemes
+from .schemes import IntScheme, NonFiniteWeightError, get_scheme, known_schemes
 
 DEFAULT_SHARD_SIZE = 4 << 30
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -154,10 +154,13 @@ def plan_quantization(
     keep: Sequence[str] = (),
     default_keep: bool = True,
     kept_as_stored: bool = True,
+    weight_observer: str | None = None,
 ):
     """(checkpoint, plan): open the source and resolve every tensor; reads no data.
     kept_as_stored: kept encoded tensors stay in their release format when a scheme
-    describes it (False: written dequantized in the config dtype)."""
+    describes it (False: written dequantized in the config dtype). weight_observer:
+    ``minmax`` | ``mse``, set on every integer scheme of the plan (see
+    :class:`~.schemes.IntScheme`); None keeps the schemes' own."""
     if (scheme is None) == (recipe is None):
         raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
     rules: list[Rule] = []
@@ -186,7 +189,32 @@ def plan_quantization(
     )
     if kept_as_stored:
         plan.rows = [_keep_as_stored(ckpt, r) for r in plan.rows]
+    if weight_observer is not None:
+        plan.rows = _with_observer(plan, weight_observer)
     return ckpt, plan
+
+
+def _with_observer(plan: Plan, observer: str) -> list:
+    """The plan's rows with every integer scheme's weight observer set to ``observer``."""
+    if observer not in ("minmax", "mse"):
+        raise ConfigError(f"weight observer must be minmax or mse, not {short_repr(observer)}.")
+    ints = [r for r in plan.quantized if isinstance(r.scheme, IntScheme) and not r.as_stored]
+    if not ints:
+        used = sorted({r.scheme.name for r in plan.quantized}) or ["none: every tensor is kept"]
+        raise ConfigError(
+            f"the weight observer ({observer}) chooses integer scales; no tensor of this plan "
+            f"is quantized to an integer scheme (schemes: {', '.join(used)}). Use an int "
+            f"scheme (w4a16, w4a16-asym, w8a8, int4-g128, ...) or drop --weight-observer."
+        )
+    cache: dict = {}
+    rows = []
+    chosen = {id(r) for r in ints}
+    for r in plan.rows:
+        if id(r) in chosen:
+            new = cache.setdefault(r.scheme, dataclasses.replace(r.scheme, observer=observer))
+            r = dataclasses.replace(r, scheme=new)
+        rows.append(r)
+    return rows
 
 
 @functools.lru_cache(maxsize=1)
@@ -433,6 +461,29 @@ def _output_config(
     return cfg
 
 
+def _mark_actorder(cfg: dict, plan: Plan, calibrated, provenance: dict | None) -> None:
+    """``actorder: static`` (compressed-tensors' alias of ``weight``) on the weights of
+    every config group GPTQ solved with activation order: the columns were swept by
+    descending ``diag(H)`` while each keeps its own group's scale, so the stored format
+    is the plain one (no ``g_idx``) and compressed-tensors 0.20 and vLLM load it as
+    such; llm-compressor records its GPTQ runs the same way. Rows of such a group that
+    were rounded to nearest are listed in ``k3convert.calibration.rtn_fallbacks``."""
+    opts = (provenance or {}).get("options") or {}
+    algo = (provenance or {}).get("algorithm") or ""
+    if calibrated is None or "gptq" not in algo or not opts.get("act_order"):
+        return
+    groups = (cfg.get("quantization_config") or {}).get("config_groups") or {}
+    solved = set(calibrated.part_rows) - set(calibrated.fallbacks)
+    distinct: list = []
+    for r in plan.quantized:  # the order Plan.quantization_config numbers its groups in
+        if r.scheme not in distinct:
+            distinct.append(r.scheme)
+        if r.name in solved:
+            g = groups.get(f"group_{distinct.index(r.scheme)}")
+            if g is not None and isinstance(g.get("weights"), dict):
+                g["weights"]["actorder"] = "static"
+
+
 def quantize(
     *,
     src: str | os.PathLike,
@@ -457,6 +508,7 @@ def quantize(
     plot: str | os.PathLike | None = None,
     sensitivity_data=None,
     serving=None,
+    weight_observer: str | None = None,
 ) -> QuantizeResult:
     """Quantize ``src`` into a compressed-tensors Hugging Face directory ``out``.
 
@@ -491,6 +543,11 @@ def quantize(
     serving: a :class:`k3convert.serving.ServingTarget` (engine device class, tp,
     strict): every tensor vLLM would refuse is reported through ``log`` as a warning
     (also in ``QuantizeResult.plan.warnings``), or, strict, raised before any work.
+
+    weight_observer: ``mse`` searches each group's clip ratio for every integer scheme
+    of the plan (round to nearest, GPTQ's scales and AWQ's final rounding alike;
+    :mod:`.mse_observer`), ``minmax`` the full range; None: the schemes' own (a recipe
+    rule can set ``observer: mse`` in its options).
     """
     t0 = time.perf_counter()
     if workers is None:
@@ -511,6 +568,7 @@ def quantize(
         check_out=lambda need, root: check_output(out, force=force, need_bytes=need,
                                                   source=root),
         journal=None, out=out, force=force, group=group, serving=serving,
+        weight_observer=weight_observer,
     )  # fmt: skip
     plan, sens, sel = p.plan, p.sensitivity, p.selection
     if p.serving and group.leader:
@@ -618,6 +676,7 @@ class Prepared:
         """config.json of the quantized checkpoint."""
         cfg = _output_config(self.ckpt.config, self.plan, Path(self.ckpt.root),
                              self.provenance, self.kv_tensors)  # fmt: skip
+        _mark_actorder(cfg, self.plan, self.calibrated, self.provenance)
         if self.selection is not None:
             cfg["k3convert"]["auto_keep"] = self.selection.to_json()
         return cfg
@@ -649,6 +708,7 @@ def prepare_quantization(
     plan_only: bool = False,
     group=None,
     serving=None,
+    weight_observer: str | None = None,
 ) -> Prepared:
     """:func:`quantize` up to its first output byte: the plan, the auto-keep scan, the
     calibration and the fused global scales. check_out(need_bytes): checks OUT before
@@ -684,7 +744,7 @@ def prepare_quantization(
         )
     ckpt, plan = plan_quantization(
         src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
-        kept_as_stored=kept_as_stored,
+        kept_as_stored=kept_as_stored, weight_observer=weight_observer,
     )  # fmt: skip
     input_scales = dict(input_scales or {})
     if calibrate is None and algorithm != "rtn":
