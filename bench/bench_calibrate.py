@@ -28,9 +28,23 @@ default ``from_pretrained``: weights dequantized, activations fake-quantized as 
 checkpoint says, so static / dynamic input scales count); the "KLD w-only" column loads
 it with ``CompressedTensorsConfig(dequantize=True)`` (weights only). A row that does not
 load that way says so. Schemes x algorithms: w4a16 rtn/gptq/awq, w4a16-asym rtn/awq,
-w8a8 rtn/smoothquant/smoothquant+gptq, fp8 static, fp8-dynamic rtn; llm-compressor where
-it has the same scheme + algorithm: GPTQ W4A16, AWQ W4A16_ASYM, SmoothQuant+GPTQ W8A8,
-FP8 (static) via QuantizationModifier.
+w8a8 rtn/smoothquant/smoothquant+gptq, fp8 static, fp8-dynamic rtn, and "+mse" rows
+(``--weight-observer mse``: every group's range searched) of rtn / gptq (awq runs its
+clip step, the activation-aware form of that search, by default);
+llm-compressor where it has the same scheme + algorithm: GPTQ W4A16, AWQ W4A16_ASYM,
+SmoothQuant+GPTQ W8A8, FP8 (static) via QuantizationModifier, each with its default
+observer ("x llmc": a row's KLD over that llm-compressor row's, same seed; "s x llmc"
+the same for the wall time).
+
+Seeds and repeats: ``--seeds 0 1`` calibrates every row on each seed's windows (seed 0:
+the first 127-token windows of the training stream; another seed: windows drawn by
+``random.Random(seed)``), written once per seed to a jsonl both tools read;
+``--q-repeats 3`` runs each seed's rows interleaved three times, wall = the median
+(the KLD is the last run's: both tools are deterministic on CPU). ``--fixture llama
+deepseek_v3`` adds the MoE fixture (MLA, routed + shared experts; its widths need
+group 32, so its rows use the int4-g32 schemes, and llm-compressor W4A16 group 128 cannot
+run on it: its llm-compressor rows are the same modifiers with int4 group-32
+``config_groups``).
 
 Targets (issue 9): k3convert GPTQ time <= llm-compressor's on the same model; KLD <=
 llm-compressor's for the same scheme and algorithm; peak RSS flat as layers are added
@@ -40,16 +54,19 @@ Caveats: llm-compressor is optional, never a dependency (--llmc-python,
 $K3_BENCH_LLMC_PYTHON, or this interpreter; 0.14 needs ``accelerate`` installed beside it);
 it is given the fixture tokenizer as processor (it requires one; the data is already
 tokenized, so it only decides that). Random weights make the speed rows meaningful for
-time and memory only. The deepseek_v3 fixture is not in the quality table. On a shared
+time and memory only. On a shared
 2-core machine the per-layer time is dominated by torch's Cholesky calls (MKL/OpenMP
 under CPU contention: 10x slower than on an idle machine) and varies between runs; use
 --repeats >= 3 on a quiet machine. llm-compressor 0.14's GPTQModifier defaults to
-actorder="static", as k3convert's act_order (on by default); its AWQModifier fails on a CPU-only
-machine ("Cannot access accelerator device"), so AWQ has no llm-compressor row there.
+actorder="static", as k3convert's act_order (on by default). Its AWQModifier pins its cached
+activations for an accelerator copy, which raises "Cannot access accelerator device" on a
+CPU-only machine: without an accelerator the script makes that pinning a no-op (pinning
+only speeds a host-to-device copy up; no value changes).
 
     python bench/bench_calibrate.py [--repeats 3] [--samples 16] [--seq-len 256]
         [--quick] [--dir D] [--keep] [--llmc-python PY] [--skip-speed] [--skip-quality]
-        [--only "w8a8,fp8"] [--reuse] [--json FILE]
+        [--only "w8a8,fp8"] [--reuse] [--json FILE] [--fixture llama deepseek_v3]
+        [--seeds 0 1] [--q-repeats 3]
 """
 
 from __future__ import annotations
@@ -114,12 +131,35 @@ LLMC_RECIPES = {
     ),
 }
 
-#: quality rows: (k3convert scheme, algorithm, llm-compressor recipe key or None)
+
+def _g32(modifier: str, symmetric: bool) -> str:
+    """An llm-compressor modifier with int4 group-32 weights (the deepseek_v3 fixture's
+    widths, 32 and 64, do not divide by its presets' 128)."""
+    w = (f'{{"num_bits": 4, "type": "int", "symmetric": {symmetric}, "strategy": "group", '
+         f'"group_size": 32}}')  # fmt: skip
+    return (f'{modifier}(config_groups={{"group_0": {{"targets": ["Linear"], "weights": {w}}}}}, '
+            f'ignore=["lm_head"])')  # fmt: skip
+
+
+#: the deepseek_v3 fixture's recipes: the same algorithms at group 32
+LLMC_RECIPES_G32 = {
+    "GPTQ W4A16": (LLMC_RECIPES["GPTQ W4A16"][0], _g32("GPTQModifier", True)),
+    "AWQ W4A16_ASYM": (LLMC_RECIPES["AWQ W4A16_ASYM"][0], _g32("AWQModifier", False)),
+}
+#: k3convert's schemes on the deepseek_v3 fixture (group 32, as its llm-compressor rows)
+G32_SCHEMES = {"w4a16": "int4-g32", "w4a16-asym": "int4-g32-asym"}
+
+#: quality rows: (k3convert scheme, algorithm, llm-compressor recipe key or None); an
+#: algorithm "X+mse" is X with ``--weight-observer mse`` (the ratio column compares it
+#: with the same llm-compressor row)
 QUALITY = (
     ("w4a16", "rtn", None),
+    ("w4a16", "rtn+mse", None),
     ("w4a16", "gptq", "GPTQ W4A16"),
+    ("w4a16", "gptq+mse", "GPTQ W4A16"),
     ("w4a16", "awq", None),
     ("w4a16-asym", "rtn", None),
+    ("w4a16-asym", "rtn+mse", None),
     ("w4a16-asym", "awq", "AWQ W4A16_ASYM"),
     ("w8a8", "rtn", None),
     ("w8a8", "smoothquant", None),
@@ -135,6 +175,12 @@ src, out, data, n, s, proc, key = sys.argv[1:8]
 from datasets import Dataset
 from transformers import AutoTokenizer
 from llmcompressor import oneshot
+import torch
+if not torch.accelerator.is_available():  # 0.14 pins its cached activations for the copy
+    # to an accelerator, which raises on a CPU-only machine (AWQ): pinning only speeds
+    # that copy up, so without an accelerator it is skipped; the values are unchanged
+    from llmcompressor.pipelines import cache as _cache
+    _cache.IntermediatesCache.pin_memory = lambda self, *a, **k: None
 {imports}
 rows = [json.loads(line)["input_ids"] for line in open(data)]
 ds = Dataset.from_dict({{"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}})
@@ -146,14 +192,17 @@ print(f"K3BENCH oneshot_s {{time.perf_counter() - t0}}")
 """
 
 
-def llmc_argv(py, src, out, data, n, s, processor, key) -> list[str]:
-    imports, recipe = LLMC_RECIPES[key]
+def llmc_argv(py, src, out, data, n, s, processor, key, recipes=None) -> list[str]:
+    imports, recipe = (recipes or LLMC_RECIPES)[key]
     code = _LLMC.format(imports=imports, recipe=recipe)
     return [py, "-c", code, str(src), str(out), str(data), str(n), str(s), str(processor), key]
 
 
 def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list[str]:
     argv = [PY, "-m", "k3convert", "quantize", str(src), str(out), "--scheme", scheme]
+    if algorithm is not None and algorithm.endswith("+mse"):
+        algorithm = algorithm.removesuffix("+mse")
+        argv += ["--weight-observer", "mse"]
     if algorithm not in (None, "rtn"):
         argv += ["--calibrate", "--algorithm", algorithm, "--dataset", str(data)]
         argv += ["--num-samples", str(n), "--seq-len", str(s)]
@@ -186,8 +235,10 @@ def speed_rows(n: int, s: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(s - 1)] + [EOS] for _ in range(n)]
 
 
-def fixture_data(fixture: Path, n: int):
-    """(calibration rows from the training documents, held-out [B, 128] blocks)."""
+def fixture_data(fixture: Path, n: int, seed: int = 0):
+    """(calibration rows from the training documents, held-out [B, 128] blocks). The
+    training stream is cut into 127-token windows (+ EOS); seed 0 takes the first ``n``,
+    another seed ``n`` windows drawn by ``random.Random(seed)``, in stream order."""
     from transformers import AutoTokenizer
 
     from tests.trained import corpus_documents, heldout_blocks, split_corpus, token_stream
@@ -200,7 +251,9 @@ def fixture_data(fixture: Path, n: int):
     step = Q_SEQ - 1
     if len(stream) < n * step:
         raise ValueError(f"the training stream has {len(stream)} tokens, fewer than {n} rows")
-    rows = [[*stream[i * step : (i + 1) * step], EOS] for i in range(n)]
+    picks = range(n) if seed == 0 else sorted(random.Random(seed).sample(
+        range(len(stream) // step), n))  # fmt: skip
+    rows = [[*stream[i * step : (i + 1) * step], EOS] for i in picks]
     return rows, heldout_blocks(tok, held, Q_SEQ)
 
 
@@ -228,14 +281,18 @@ def metrics(ref: torch.Tensor, q: torch.Tensor, blocks: torch.Tensor) -> dict:
     }
 
 
-def evaluate(out: Path, ref, blocks) -> dict:
+_RUNTIME_REF: dict = {}
+
+
+def evaluate(out: Path, ref, blocks, src: Path | None = None) -> dict:
     from transformers import CompressedTensorsConfig
 
     row: dict = {}
     try:
         row.update(metrics(ref, logits_of(out, blocks), blocks), loaded="transformers + ct")
     except Exception as e:
-        row["loaded"] = f"default load failed: {type(e).__name__}: {str(e)[:80]}"
+        row["loaded"] = f"default load failed: {type(e).__name__}"
+        row["load_error"] = str(e)[:300]
     try:
         q = logits_of(out, blocks, quantization_config=CompressedTensorsConfig(dequantize=True))
         row["kld_wonly"] = metrics(ref, q, blocks)["kld_mean"]
@@ -243,76 +300,142 @@ def evaluate(out: Path, ref, blocks) -> dict:
             why = row["loaded"].removeprefix("default load failed: ")
             row.update(metrics(ref, q, blocks), loaded=f"transformers dequantize=True ({why})")
     except Exception as e:
-        row["loaded"] = row.get("loaded", "") + f"; dequantize=True failed: {str(e)[:80]}"
+        row["loaded"] = row.get("loaded", "") + f"; dequantize=True failed: {type(e).__name__}"
+    if "kld_mean" not in row and src is not None and (out / "config.json").is_file():
+        # transformers 5.24 cannot load an asymmetric int4 MoE (its fused experts meet
+        # the packed zero points): k3convert's runtime evaluates it, weights dequantized
+        # and activations fake-quantized as the checkpoint says (the agreement of the two
+        # evaluators on what both load: tests/test_quant_oracle.py)
+        try:  # against the runtime's own logits of the unquantized model
+            key = str(src)
+            if key not in _RUNTIME_REF:
+                _RUNTIME_REF[key] = runtime_logits(src, blocks)
+            row.update(metrics(_RUNTIME_REF[key], runtime_logits(out, blocks), blocks))
+            row["loaded"] = f"k3convert runtime ({row['loaded']})"
+        except Exception as e:
+            row["loaded"] += f"; runtime failed: {type(e).__name__}: {str(e)[:80]}"
     return row
 
 
+@torch.no_grad()
+def runtime_logits(path: Path, blocks: torch.Tensor) -> torch.Tensor:
+    from k3convert.checkpoint import open_checkpoint
+    from k3convert.runtime.runtime import Runtime
+
+    rt = Runtime(open_checkpoint(path), dtype="fp32", prefetch=False)
+    try:
+        return torch.cat([rt.forward(blocks[i : i + 16]) for i in range(0, len(blocks), 16)])
+    finally:
+        rt.close()
+
+
 def quality(
-    root: Path, llmc: str | None, n: int, only=None, reuse=False, save=None
+    root: Path,
+    llmc: str | None,
+    n: int,
+    only=None,
+    reuse=False,
+    save=None,
+    *,
+    fixture_kind: str = "llama",
+    seeds=(0,),
+    repeats: int = 1,
 ) -> tuple[list, str]:
+    """Every quality row for every seed: each seed's calibration rows written once and
+    given to both tools; the runs of one seed interleaved (A B C ... A B C ...)
+    ``repeats`` times, wall the median, the last repeat's output evaluated."""
     from tests.trained import trained_model
 
-    fixture = trained_model("llama")
-    rows, blocks = fixture_data(fixture, n)
-    data = root / "quality.jsonl"
-    write_rows(data, rows)
-    ref = logits_of(fixture, blocks)
-    runs = []
-    for scheme, algo, key in QUALITY:
-        runs.append(
-            (f"k3convert {scheme} {algo}", k3_argv(fixture, None, scheme, algo, data, n, Q_SEQ))
-        )
-        if key and llmc:
-            runs.append(
-                (
-                    f"llm-compressor {key}",
-                    llmc_argv(llmc, fixture, None, data, n, Q_SEQ, fixture, key),
-                )
-            )
-    if only:
-        runs = [r for r in runs if any(o in r[0] for o in only)]
+    fixture = trained_model(fixture_kind)
     table: list = []
-    for name, argv in runs:
-        out = root / "q" / name.replace(" ", "_").replace("+", "p")
-        argv[argv.index("None")] = str(out)
-        print(f"  quality: {name} ...", flush=True)
-        row = {"name": name}
-        if reuse and (out / "config.json").is_file():
-            row["reused"] = True  # written by an earlier run of this script: no wall / RSS
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.rmtree(Path(f"{out}.calib"), ignore_errors=True)
-            try:
-                wall, rss, _, _ = measure(argv)
-            except RuntimeError as e:
-                tail = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
-                table.append({"name": name, "loaded": f"failed: {tail[:120]}"})
-                continue
-            row.update(wall_s=wall, rss_mib=rss)
-        row.update(evaluate(out, ref, blocks))
-        table.append(row)
+    blocks = None
+    for seed in seeds:
+        rows, blocks = fixture_data(fixture, n, seed)
+        data = root / f"quality-{fixture_kind}-s{seed}.jsonl"
+        write_rows(data, rows)
+        ref = logits_of(fixture, blocks)
+        runs = []
+        moe = fixture_kind == "deepseek_v3"
+        recipes = LLMC_RECIPES_G32 if moe else LLMC_RECIPES
+        for scheme, algo, key in QUALITY:
+            if moe:
+                if scheme not in G32_SCHEMES:
+                    continue
+                scheme = G32_SCHEMES[scheme]
+            runs.append((f"k3convert {scheme} {algo}",
+                         k3_argv(fixture, None, scheme, algo, data, n, Q_SEQ), key))  # fmt: skip
+            if key and llmc and not any(r[0].startswith(f"llm-compressor {key}") for r in runs):
+                argv = llmc_argv(llmc, fixture, None, data, n, Q_SEQ, fixture, key, recipes)
+                runs.append((f"llm-compressor {key}" + (" g32" if moe else ""), argv, key))
+        if only:
+            runs = [r for r in runs if any(o in r[0] for o in only)]
+        got: dict[str, dict] = {}
+        for rep in range(repeats):
+            for name, argv, key in runs:
+                out = root / "q" / f"{fixture_kind}-s{seed}" / re.sub(r"[ +]", "_", name)
+                row = got.setdefault(name, {"name": name, "seed": seed, "key": key, "walls": []})
+                if "loaded" in row and row["loaded"].startswith("failed"):
+                    continue
+                print(f"  quality [{fixture_kind} seed {seed} run {rep + 1}/{repeats}]: "
+                      f"{name} ...", flush=True)  # fmt: skip
+                if reuse and (out / "config.json").is_file():
+                    row["reused"] = True  # an earlier run's output: no wall / RSS
+                    continue
+                shutil.rmtree(out, ignore_errors=True)
+                shutil.rmtree(Path(f"{out}.calib"), ignore_errors=True)
+                cmd = [str(out) if a == "None" else a for a in argv]
+                try:
+                    wall, rss, _, _ = measure(cmd)
+                except RuntimeError as e:
+                    tail = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
+                    row["loaded"] = f"failed: {tail[:120]}"
+                    continue
+                row["walls"].append(wall)
+                row["rss_mib"] = max(rss, row.get("rss_mib", 0))
+        for name, _argv, _key in runs:
+            row = got[name]
+            out = root / "q" / f"{fixture_kind}-s{seed}" / re.sub(r"[ +]", "_", name)
+            if row["walls"]:
+                row["wall_s"] = statistics.median(row["walls"])
+            if "loaded" not in row:
+                row.update(evaluate(out, ref, blocks, fixture))
+            table.append(row)
+        for row in table:  # KLD over llm-compressor's for the same recipe and seed
+            ref_row = next((r for r in table if r["seed"] == row["seed"] and r["key"]
+                            and r["name"].startswith(f"llm-compressor {r['key']}")
+                            and r["key"] == row["key"]), None)  # fmt: skip
+            if ref_row is not None and "kld_mean" in row and "kld_mean" in ref_row:
+                row["x_llmc"] = row["kld_mean"] / ref_row["kld_mean"]
+                if "wall_s" in row and "wall_s" in ref_row:
+                    row["t_x_llmc"] = row["wall_s"] / ref_row["wall_s"]
         if save:
             save(table)
     note = (
-        f"trained llama fixture {fixture.name}; calibration {n} x {Q_SEQ} training tokens; "
-        f"held-out {blocks.shape[0]} x {Q_SEQ} tokens"
+        f"trained {fixture_kind} fixture {fixture.name}; calibration {n} x {Q_SEQ} training "
+        f"tokens per seed (seed 0: the first windows; others: a random sample), the same "
+        f"rows file given to both tools; held-out {blocks.shape[0]} x {Q_SEQ} tokens; "
+        f"wall: median of {repeats} interleaved run(s)"
     )
     return table, note
 
 
 def print_quality(table: list, note: str) -> None:
     print(f"\n### Quality ({note})\n")
-    cols = ["output", "KLD mean", "KLD p99", "top-1", "ppl", "KLD w-only", "s", "loaded by"]
+    cols = ["output", "seed", "KLD mean", "x llmc", "KLD p99", "top-1", "ppl", "KLD w-only",
+            "s", "s x llmc", "loaded by"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in table:
         if "kld_mean" not in r:
-            print(f"| {r['name']} | - | - | - | - | - | - | {r['loaded']} |")
+            print(f"| {r['name']} | {r['seed']} |" + " - |" * 8 + f" {r.get('loaded', '-')} |")
             continue
         wonly = f"{r['kld_wonly']:.5f}" if "kld_wonly" in r else "-"
-        cells = [r["name"], f"{r['kld_mean']:.5f}", f"{r['kld_p99']:.4f}", f"{r['top1']:.4f}"]
+        ratio = f"{r['x_llmc']:.3f}" if "x_llmc" in r else "-"
+        cells = [r["name"], str(r["seed"]), f"{r['kld_mean']:.5f}", ratio, f"{r['kld_p99']:.4f}",
+                 f"{r['top1']:.4f}"]  # fmt: skip
         wall = f"{r['wall_s']:.1f}" if "wall_s" in r else "-"
-        cells += [f"{r['ppl']:.3f}", wonly, wall, r["loaded"]]
+        tx = f"{r['t_x_llmc']:.2f}" if "t_x_llmc" in r else "-"
+        cells += [f"{r['ppl']:.3f}", wonly, wall, tx, r["loaded"]]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -419,6 +542,26 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16, help="speed: calibration samples")
     ap.add_argument("--seq-len", type=int, default=256, help="speed: tokens per sample")
     ap.add_argument("--q-samples", type=int, default=32, help="quality: samples of 128 tokens")
+    ap.add_argument(
+        "--fixture",
+        nargs="+",
+        default=["llama"],
+        choices=["llama", "deepseek_v3"],
+        help="quality: the trained fixture(s)",
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="quality: calibration window seeds (0: the first windows)",
+    )
+    ap.add_argument(
+        "--q-repeats",
+        type=int,
+        default=1,
+        help="quality: interleaved runs per row (wall: their median)",
+    )
     ap.add_argument("--quick", action="store_true", help="1 repeat, 4 layers, 4 x 128 tokens")
     ap.add_argument("--llmc-both-depths", action="store_true", help="llm-compressor at both")
     ap.add_argument("--skip-speed", action="store_true")
@@ -455,15 +598,27 @@ def main() -> None:
         print_speed(results, per_layer, note)
     if not a.skip_quality:
 
-        def partial(rows: list) -> None:
-            report["quality"] = {"rows": rows}
+        def partial(rows: list) -> None:  # the fixture being measured, so far
+            report["quality_partial"] = {"rows": rows}
             save()
 
         only = [o.strip() for o in a.only.split(",")] if a.only else None
-        table, note = quality(root, llmc, a.q_samples, only, a.reuse, partial)
-        report["quality"] = {"note": note, "rows": table}
-        save()
-        print_quality(table, note)
+        report["quality"] = {}
+        for kind in a.fixture:
+            table, note = quality(
+                root,
+                llmc,
+                a.q_samples,
+                only,
+                a.reuse,
+                partial,
+                fixture_kind=kind,
+                seeds=a.seeds,
+                repeats=a.q_repeats,
+            )
+            report["quality"][kind] = {"note": note, "rows": table}
+            save()
+            print_quality(table, note)
     if a.dir is None and not a.keep:
         shutil.rmtree(root, ignore_errors=True)
     elif a.keep:
