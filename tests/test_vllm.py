@@ -69,7 +69,9 @@ LOADS = {
     "w4a16": dict(scheme="w4a16"),
     "w4a16-asym": dict(scheme="w4a16-asym"),
     "fp8-dynamic": dict(scheme="fp8-dynamic"),
-    "gptq-w4a16": dict(scheme="w4a16", algorithm="gptq"),
+    "gptq-w4a16": dict(scheme="w4a16", algorithm="gptq"),  # actorder: static in config
+    "gptq-mse-w4a16": dict(scheme="w4a16", algorithm="gptq", weight_observer="mse"),
+    "awq-mse-w4a16-asym": dict(scheme="w4a16-asym", algorithm="awq", weight_observer="mse"),
 }
 #: what vLLM CPU refuses: name -> (quantize() arguments, a piece of vLLM's error)
 REFUSED = {
@@ -91,7 +93,7 @@ REFUSED_WIDE = "requires AMX tile support"
 #: packed weight_zero_point [out/8, groups] meets an unpacked [out, groups] parameter,
 #: "size mismatch"); weight-only, so CompressedTensorsConfig(dequantize=True) is the same
 #: model and transformers runs that
-TF_DEQUANTIZE = {"w4a16-asym"}
+TF_DEQUANTIZE = {"w4a16-asym", "awq-mse-w4a16-asym"}
 #: the fp8 KV-cache checkpoint: weight-only, so the runtime's act_quant switch toggles
 #: nothing but the KV cache quantization
 KV = dict(scheme="w4a16", algorithm="rtn", kv_cache="fp8")
@@ -224,7 +226,8 @@ def served(vllm_python, trained_llama, tmp_path_factory):  # noqa: F811
         "".join(json.dumps({"text": t}) + "\n" for t in split_corpus(corpus_documents())[0])
     )
 
-    def make(name: str, scheme, algorithm="rtn", keep=(), kv_cache=None) -> Path:
+    def make(name: str, scheme, algorithm="rtn", keep=(), kv_cache=None,
+             weight_observer=None) -> Path:  # fmt: skip
         out = root / name
         opts = None
         if algorithm != "rtn" or kv_cache:
@@ -232,7 +235,8 @@ def served(vllm_python, trained_llama, tmp_path_factory):  # noqa: F811
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             quantize(src=trained_llama, out=out, scheme=scheme, keep=keep, calibrate=opts,
-                     algorithm=algorithm, progress=False)  # fmt: skip
+                     algorithm=algorithm, progress=False,
+                     weight_observer=weight_observer)  # fmt: skip
         return out
 
     outs = {n: make(n, **kw) for n, kw in LOADS.items()}
