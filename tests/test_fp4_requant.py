@@ -308,3 +308,111 @@ def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch
         assert _same(mine, theirs), r.name
     assert experts >= 8
     shutil.rmtree(tmp_path)
+
+
+# -- threads: every kernel's bytes at nthreads 1, 2 and 3 ------------------------------------
+THREADS = (1, 2, 3)
+#: (rows, bytes per row): tiny (fewer groups than threads), odd row counts and group
+#: counts no thread count divides, and one large enough to split into many blocks
+THREAD_SHAPES = [(1, 16), (3, 16), (7, 48), (33, 272), (301, 784)]
+
+
+def _rand(shape, seed, lo=0, hi=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.uint8)
+
+
+def _each_thread_count(run):
+    """run(nthreads) for 1, 2, 3 threads: every result byte for byte the one-thread one."""
+    first = None
+    for n in THREADS:
+        got = [_flat(t) for t in run(n)]
+        if first is None:
+            first = got
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True)), n
+    return first
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("rows,cols", THREAD_SHAPES)
+def test_kernels_same_bytes_at_any_thread_count(rows, cols):
+    """Each kernel at 1, 2, 3 threads on tensors from one group to several hundred rows of
+    group counts no thread count divides: the same bytes, and the reference's (so a range
+    the threads skip, overlap or misplace fails here)."""
+    packed, seed = _rand((rows, cols), rows * cols), rows + cols
+    mx = _rand((rows, cols // 16), seed, 0, 256)
+    # the gathers: one key per 16 bytes, tables of each word size
+    key = _rand((rows * cols // 16,), seed + 1, 0, 3).to(torch.int32)
+    for word in (torch.uint8, torch.int32, torch.int64):
+        table = torch.randint(-99, 99, (3 * 256,), generator=torch.Generator().manual_seed(4))
+        table = table.to(word)
+        want = table[(key.long().repeat_interleave(16) << 8) | packed.view(-1).long()]
+        got = _each_thread_count(lambda n, t=table: [_gather_out(packed, key, t, n)])
+        assert torch.equal(got[0], _flat(want)), word
+    # group maxima of 8 and 16 bytes
+    for per in (8, 16):
+        want = _max_codes_ref(packed, per)
+        got = _each_thread_count(lambda n, per=per: [_max_out(packed, per, n)])
+        assert torch.equal(got[0], _flat(want)), per
+    # MXFP4 decode, both loops and both dtypes, against the reference
+    p = {"weight_packed": packed, "weight_scale": mx}
+    for dtype in (torch.bfloat16, torch.float32):
+        fmt._deq_mxfp4(fmt._all_pairs(torch.uint8), fmt.QuantParams(), dtype)  # the table
+        table = fmt._MX_TABLES[dtype]
+        want = _flat(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
+        for generic in (False, True) if dtype == torch.bfloat16 else (False,):
+            got = _each_thread_count(lambda n, d=dtype, t=table, gen=generic: [
+                native.mxfp4_decode(packed, mx, t, d, generic=gen, nthreads=n)])  # fmt: skip
+            assert torch.equal(got[0], want), (dtype, generic)
+    # the nibble maps of the requantization, AVX2 and portable
+    maps = _rand((40, 16), seed + 2, 0, 16)
+    nkey = _rand((rows * cols // 16,), seed + 3, 0, 40).to(torch.int32)
+    want = fp4_requant._gather_bytes(packed, nkey.view(rows, -1), fp4_requant._byte_table(maps))
+    for simd in (True, False):
+        got = _each_thread_count(lambda n, s=simd: [_nib_out(packed, nkey, maps, s, n)])
+        assert torch.equal(got[0], _flat(want)), simd
+    # MXFP4 -> NVFP4: the maxima and key counts, then the output bytes and scales
+    codes = mx[:, : cols // 16]
+    m1, c1 = native.nv_maxkeys(packed, codes, nthreads=1)
+    assert torch.equal(m1, _max_codes_ref(packed, 8))
+    for n in THREADS:
+        m, counts = native.nv_maxkeys(packed, codes, nthreads=n)
+        assert torch.equal(m, m1) and torch.equal(counts, c1), n
+    nk = codes.to(torch.int32).repeat_interleave(2, dim=1) * 8 + m1
+    assert torch.equal(c1, torch.bincount(nk.view(-1), minlength=2048))
+    full = _rand((2048, 16), seed + 4, 0, 16)
+    scales = _rand((2048,), seed + 5)
+    want = fp4_requant._gather_bytes(packed, nk, fp4_requant._byte_table(full))
+    for simd in (True, False):
+        got = _each_thread_count(lambda n, s=simd: list(
+            native.nv_requant(packed, codes, m1, full.view(-1), scales, simd=s, nthreads=n)))
+        assert torch.equal(got[0], _flat(want)) and torch.equal(
+            got[1], scales[nk.long()].view(-1)), simd  # fmt: skip
+
+
+def _flat(t):
+    return _bytes(t).reshape(-1)
+
+
+def _max_codes_ref(packed, per):
+    b = packed.view(packed.shape[0], -1, per)
+    return torch.maximum(b & 7, (b >> 4) & 7).amax(-1)
+
+
+def _gather_out(packed, key, table, n):
+    out = torch.empty(packed.shape, dtype=table.dtype)
+    assert native.gather(packed, key, table, out, nthreads=n)
+    return out
+
+
+def _max_out(packed, per, n):
+    out = torch.empty(packed.numel() // per, dtype=torch.uint8)
+    assert native.max_codes(packed, per, out, nthreads=n)
+    return out
+
+
+def _nib_out(packed, key, maps, simd, n):
+    out = torch.empty_like(packed)
+    assert native.gather_nib(packed, key, maps.view(-1), out, simd=simd, nthreads=n)
+    return out

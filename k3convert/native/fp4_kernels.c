@@ -1,14 +1,68 @@
 /* k3convert's FP4 byte kernels: table gathers keyed by (group key, stored byte), and the
- * largest E2M1 magnitude code of each group. Plain C11, one thread, no allocation; the
+ * largest E2M1 magnitude code of each group. Plain C11 and pthreads, no allocation; the
  * Python side (k3convert/native/__init__.py) checks every size and key range before a
  * call, so these loops trust their arguments.
  *
  * Why C: one table load per stored byte is what the decode needs; torch's index_select
  * reaches about 1.3 GB/s of stored bytes on one core and needs an int32 index built per
- * byte first, against a 4 GB/s page-cache read of the same bytes. */
+ * byte first, against a 4 GB/s page-cache read of the same bytes.
+ *
+ * Threads: every exported kernel takes nthreads last. Its groups are split into nthreads
+ * contiguous ranges (whole units: pairs where a loop takes two groups at a time), each
+ * range is exactly the work the one-thread loop does on it, so the output does not
+ * depend on the count; nthreads <= 1 (or fewer units than threads) runs on the calling
+ * thread and creates none. The calling thread takes the first range. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#define K3_MAX_THREADS 64
+
+/* a range body: the kernel on groups [lo, hi); returns a count the caller sums */
+typedef int64_t (*k3_body)(const void *ctx, int64_t lo, int64_t hi);
+typedef struct {
+    k3_body fn;
+    const void *ctx;
+    int64_t lo, hi, ret;
+} k3_task;
+
+static void *k3_run_task(void *p) {
+    k3_task *t = (k3_task *)p;
+    t->ret = t->fn(t->ctx, t->lo, t->hi);
+    return NULL;
+}
+
+/* fn over [0, n) in min(nthreads, units) contiguous ranges of whole units of `unit`
+ * groups (the last range ends at n); a thread that cannot be created runs its range on
+ * the calling thread. The sum of the bodies' returns. */
+static int64_t k3_parallel(k3_body fn, const void *ctx, int64_t n, int64_t unit,
+                           int nthreads) {
+    int64_t units = (n + unit - 1) / unit;
+    if (nthreads > K3_MAX_THREADS) nthreads = K3_MAX_THREADS;
+    if ((int64_t)nthreads > units) nthreads = (int)units;
+    if (nthreads <= 1) return n > 0 ? fn(ctx, 0, n) : 0;
+    k3_task task[K3_MAX_THREADS];
+    pthread_t tid[K3_MAX_THREADS];
+    int started[K3_MAX_THREADS];
+    for (int t = 0; t < nthreads; t++) {
+        int64_t a = units * t / nthreads * unit, b = units * (t + 1) / nthreads * unit;
+        task[t] = (k3_task){fn, ctx, a, b < n ? b : n, 0};
+    }
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&tid[t], NULL, k3_run_task, &task[t]) == 0;
+    k3_run_task(&task[0]);
+    int64_t sum = task[0].ret;
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            k3_run_task(&task[t]);
+        sum += task[t].ret;
+    }
+    return sum;
+}
 
 #define K3_LOOP(T)                                                                      \
     for (int64_t g = 0; g < groups; g++) {                                              \
@@ -19,18 +73,18 @@
     }
 
 /* out[g * per + j] = table[(key[g] << 8) | src[g * per + j]] for every group g < groups */
-void k3_gather_u32(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
+static void k3_gather_u32_1(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
                    const uint32_t *table, uint32_t *out) {
     K3_LOOP(uint32_t)
 }
 
-void k3_gather_u64(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
+static void k3_gather_u64_1(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
                    const uint64_t *table, uint64_t *out) {
     K3_LOOP(uint64_t)
 }
 
 /* bytes: eight loads assembled into one 64-bit store (measured faster than byte stores) */
-void k3_gather_u8(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
+static void k3_gather_u8_1(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
                   const uint8_t *table, uint8_t *out) {
     if (per % 8) {
         K3_LOOP(uint8_t)
@@ -70,7 +124,7 @@ static void k3_max8(const uint8_t *restrict src, int64_t blocks, uint8_t *restri
     }
 }
 
-void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
+static void k3_max_codes_1(const uint8_t *restrict src, int64_t groups, int64_t per,
                   uint8_t *restrict out) {
     if (per == 8 && groups % 2 == 0) {
         k3_max8(src, groups / 2, out);
@@ -103,11 +157,11 @@ void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
 /* MXFP4 -> NVFP4, pass 1: m[g] = the largest magnitude code of the 8 bytes of NVFP4 group
  * g (half of MX group g / 2), and counts[codes[g / 2] * 8 + m[g]] += 1 (counts: 2048
  * zeroed int64); groups even */
-void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+static void k3_nv_maxkeys_1(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
                    uint8_t *restrict m, int64_t *restrict counts) {
     k3_max8(src, groups / 2, m);
     /* four histograms, so that runs of one key do not serialise on one counter */
-    static _Thread_local int64_t h[4][2048];
+    int64_t h[4][2048]; /* 64 KiB of this thread's stack */
     memset(h, 0, sizeof h);
     int64_t g = 0;
     for (; g + 4 <= groups; g += 4) {
@@ -117,7 +171,10 @@ void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, i
         h[3][(int64_t)codes[(g + 2) >> 1] * 8 + m[g + 3]]++;
     }
     for (; g < groups; g++) h[0][(int64_t)codes[g >> 1] * 8 + m[g]]++;
-    for (int k = 0; k < 2048; k++) counts[k] += h[0][k] + h[1][k] + h[2][k] + h[3][k];
+    for (int k = 0; k < 2048; k++) { /* atomic: the ranges of other threads add too */
+        int64_t c = h[0][k] + h[1][k] + h[2][k] + h[3][k];
+        if (c) __atomic_fetch_add(&counts[k], c, __ATOMIC_RELAXED);
+    }
 }
 
 /* Requantization output through nibble maps: map[key * 16 + n] is the output nibble of
@@ -176,7 +233,7 @@ __attribute__((target("avx2"))) static void k3_gather_nib_avx2(
 /* MXFP4 -> NVFP4, pass 2: key = codes[g / 2] * 8 + m[g] (< 2048 by construction); the
  * output bytes through map (2048 x 16 nibbles) and sout[g] = stab[key], the group's e4m3
  * scale byte */
-void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
+static void k3_nv_requant_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                    const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
                    const uint8_t *restrict stab, uint8_t *restrict out,
                    uint8_t *restrict sout, int simd) {
@@ -195,7 +252,7 @@ void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
 
 /* out[16 g + j] = the byte src[16 g + j] through map[key[g]] (groups of 16 bytes: one MX
  * group); the caller bounds every key by the map's rows */
-void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
+static void k3_gather_nib_1(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
                    const uint8_t *restrict map, uint8_t *restrict out, int simd) {
 #ifdef K3_HAVE_NIB_SIMD
     if (simd && __builtin_cpu_supports("avx2")) {
@@ -273,7 +330,7 @@ static inline uint32_t k3_e2m1_f32(uint32_t n, uint32_t add) {
 
 /* MXFP4 [groups x 16 bytes], one E8M0 code per 16 bytes -> bfloat16 bits [groups x 32];
  * table: the (code, byte) pair table of the reference (two bf16 in a uint32) */
-void k3_mxfp4_bf16_generic(const uint8_t *restrict src, const uint8_t *restrict codes,
+static void k3_mxfp4_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                            int64_t groups, const uint32_t *restrict table,
                                   uint16_t *restrict out) {
     int stream = k3_can_stream(out);
@@ -354,7 +411,7 @@ __attribute__((target("avx2"))) static void k3_mxfp4_bf16_avx2(
 
 /* MXFP4 [groups x 16 bytes], one E8M0 code per 16 bytes -> bfloat16 bits [groups x 32];
  * table: the (code, byte) pair table of the reference (two bf16 in a uint32) */
-void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+static void k3_mxfp4_bf16_1(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
                    const uint32_t *restrict table, uint16_t *restrict out) {
 #ifdef K3_HAVE_AVX2_PATH
     if (__builtin_cpu_supports("avx2")) {
@@ -362,11 +419,11 @@ void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, i
         return;
     }
 #endif
-    k3_mxfp4_bf16_generic(src, codes, groups, table, out);
+    k3_mxfp4_bf16_generic_1(src, codes, groups, table, out);
 }
 
 /* the same to float32 bits [groups x 32]; table: float32 pairs in a uint64 */
-K3_CLONES void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes,
+K3_CLONES static void k3_mxfp4_f32_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                             int64_t groups, const uint64_t *restrict table,
                             uint32_t *restrict out) {
     for (int64_t g = 0; g < groups; g++) {
@@ -409,7 +466,7 @@ static inline void k3_nv_block(const uint8_t *restrict s, const float *restrict 
     }
 }
 
-K3_CLONES void k3_nvfp4_f32(const uint8_t *restrict src, const float *restrict eff,
+K3_CLONES static void k3_nvfp4_f32_1(const uint8_t *restrict src, const float *restrict eff,
                             const uint8_t *restrict codes, int64_t groups,
                             const uint64_t *restrict table, float *restrict out) {
     k3_nv_buf buf;
@@ -434,7 +491,7 @@ static inline uint16_t k3_bf16_rne(uint32_t x) {
 }
 
 /* the same rounded to bfloat16 bits [groups x 16]; table: bf16 pairs in a uint32 */
-K3_CLONES void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict eff,
+K3_CLONES static void k3_nvfp4_bf16_1(const uint8_t *restrict src, const float *restrict eff,
                              const uint8_t *restrict codes, int64_t groups,
                              const uint32_t *restrict table, uint16_t *restrict out) {
     k3_nv_buf buf;
@@ -453,5 +510,144 @@ K3_CLONES void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict 
     }
 }
 
+/* -- the exported kernels: the loops above over nthreads contiguous ranges ----------- */
+typedef struct {
+    const void *src, *key, *aux, *table, *stab; /* as each kernel names them */
+    void *out, *sout;
+    int64_t per;
+    int flag;
+} k3_args;
+
+#define K3_GATHER(NAME, T)                                                              \
+    static int64_t NAME##_body(const void *c, int64_t lo, int64_t hi) {                 \
+        const k3_args *a = (const k3_args *)c;                                          \
+        NAME##_1((const uint8_t *)a->src + lo * a->per, (const int32_t *)a->key + lo,   \
+                 hi - lo, a->per, (const T *)a->table, (T *)a->out + lo * a->per);      \
+        return 0;                                                                       \
+    }                                                                                   \
+    void NAME(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,      \
+              const T *table, T *out, int nthreads) {                                   \
+        k3_args a = {src, key, NULL, table, NULL, out, NULL, per, 0};                   \
+        k3_parallel(NAME##_body, &a, groups, 1, nthreads);                              \
+    }
+K3_GATHER(k3_gather_u8, uint8_t)
+K3_GATHER(k3_gather_u32, uint32_t)
+K3_GATHER(k3_gather_u64, uint64_t)
+
+/* ranges of whole 256-group blocks: the loop's own blocking (and pairs at per 8) */
+static int64_t k3_max_codes_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_max_codes_1((const uint8_t *)a->src + lo * a->per, hi - lo, a->per,
+                   (uint8_t *)a->out + lo);
+    return 0;
+}
+void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
+                  uint8_t *restrict out, int nthreads) {
+    k3_args a = {src, NULL, NULL, NULL, NULL, out, NULL, per, 0};
+    k3_parallel(k3_max_codes_body, &a, groups, 256, nthreads);
+}
+
+static int64_t k3_nv_maxkeys_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_nv_maxkeys_1((const uint8_t *)a->src + 8 * lo, (const uint8_t *)a->key + lo / 2,
+                    hi - lo, (uint8_t *)a->out + lo, (int64_t *)a->sout);
+    return 0;
+}
+void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   uint8_t *restrict m, int64_t *restrict counts, int nthreads) {
+    k3_args a = {src, codes, NULL, NULL, NULL, m, counts, 8, 0};
+    k3_parallel(k3_nv_maxkeys_body, &a, groups, 2, nthreads);
+}
+
+static int64_t k3_nv_requant_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_nv_requant_1((const uint8_t *)a->src + 8 * lo, (const uint8_t *)a->key + lo / 2,
+                    (const uint8_t *)a->aux + lo, hi - lo, (const uint8_t *)a->table,
+                    (const uint8_t *)a->stab, (uint8_t *)a->out + 8 * lo,
+                    (uint8_t *)a->sout + lo, a->flag);
+    return 0;
+}
+void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
+                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
+                   const uint8_t *restrict stab, uint8_t *restrict out,
+                   uint8_t *restrict sout, int simd, int nthreads) {
+    k3_args a = {src, codes, m, map, stab, out, sout, 8, simd};
+    k3_parallel(k3_nv_requant_body, &a, groups, 2, nthreads);
+}
+
+static int64_t k3_gather_nib_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_gather_nib_1((const uint8_t *)a->src + 16 * lo, (const int32_t *)a->key + lo, hi - lo,
+                    (const uint8_t *)a->table, (uint8_t *)a->out + 16 * lo, a->flag);
+    return 0;
+}
+void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
+                   const uint8_t *restrict map, uint8_t *restrict out, int simd,
+                   int nthreads) {
+    k3_args a = {src, key, NULL, map, NULL, out, NULL, 16, simd};
+    k3_parallel(k3_gather_nib_body, &a, groups, 1, nthreads);
+}
+
+/* flag: 0 the AVX2 dispatch, 1 the portable loop */
+static int64_t k3_mxfp4_bf16_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    const uint8_t *s = (const uint8_t *)a->src + 16 * lo, *e = (const uint8_t *)a->key + lo;
+    uint16_t *o = (uint16_t *)a->out + 32 * lo;
+    if (a->flag)
+        k3_mxfp4_bf16_generic_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+    else
+        k3_mxfp4_bf16_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+    return 0;
+}
+void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   const uint32_t *restrict table, uint16_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 0};
+    k3_parallel(k3_mxfp4_bf16_body, &a, groups, 1, nthreads);
+}
+void k3_mxfp4_bf16_generic(const uint8_t *restrict src, const uint8_t *restrict codes,
+                           int64_t groups, const uint32_t *restrict table,
+                           uint16_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 1};
+    k3_parallel(k3_mxfp4_bf16_body, &a, groups, 1, nthreads);
+}
+
+static int64_t k3_mxfp4_f32_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_mxfp4_f32_1((const uint8_t *)a->src + 16 * lo, (const uint8_t *)a->key + lo, hi - lo,
+                   (const uint64_t *)a->table, (uint32_t *)a->out + 32 * lo);
+    return 0;
+}
+void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                  const uint64_t *restrict table, uint32_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 0};
+    k3_parallel(k3_mxfp4_f32_body, &a, groups, 1, nthreads);
+}
+
+/* flag: 0 float32 out, 1 bfloat16 out; aux: the float32 effective scales */
+static int64_t k3_nvfp4_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    const uint8_t *s = (const uint8_t *)a->src + 8 * lo, *e = (const uint8_t *)a->key + lo;
+    const float *eff = (const float *)a->aux + lo;
+    if (a->flag)
+        k3_nvfp4_bf16_1(s, eff, e, hi - lo, (const uint32_t *)a->table,
+                        (uint16_t *)a->out + 16 * lo);
+    else
+        k3_nvfp4_f32_1(s, eff, e, hi - lo, (const uint64_t *)a->table,
+                       (float *)a->out + 16 * lo);
+    return 0;
+}
+void k3_nvfp4_f32(const uint8_t *restrict src, const float *restrict eff,
+                  const uint8_t *restrict codes, int64_t groups,
+                  const uint64_t *restrict table, float *restrict out, int nthreads) {
+    k3_args a = {src, codes, eff, table, NULL, out, NULL, 8, 0};
+    k3_parallel(k3_nvfp4_body, &a, groups, K3_NV_BLOCK, nthreads);
+}
+void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict eff,
+                   const uint8_t *restrict codes, int64_t groups,
+                   const uint32_t *restrict table, uint16_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, eff, table, NULL, out, NULL, 8, 1};
+    k3_parallel(k3_nvfp4_body, &a, groups, K3_NV_BLOCK, nthreads);
+}
+
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 10; }
+int k3_fp4_kernels_version(void) { return 11; }
