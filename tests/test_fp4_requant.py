@@ -391,6 +391,29 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
             got[1], scales[nk.long()].view(-1)), simd  # fmt: skip
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("rows,cols", [(1, 8), (3, 24), (7, 48), (301, 776)])
+@pytest.mark.parametrize("gscale", [2688.0 / 0.05, 1e-30, 3e38, 0.0])
+def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscale):
+    """The NVFP4 nibble-table kernel, AVX2 and portable, bfloat16 and float32, at 1, 2, 3
+    threads, on odd group counts (a last group without its pair) and every e4m3 code (NaN
+    and subnormal scales, products that overflow or underflow): nvfp4_reference's bits."""
+    packed = _rand((rows, cols), rows * cols)
+    codes = _rand((rows, cols // 8), rows + cols)
+    codes.view(-1)[: min(256, codes.numel())] = torch.arange(256, dtype=torch.uint8)[
+        : codes.numel()]  # fmt: skip
+    p = {"weight_packed": packed, "weight_scale": codes.view(torch.float8_e4m3fn),
+         "weight_global_scale": torch.tensor([gscale])}  # fmt: skip
+    g = p["weight_global_scale"].reshape(1, 1)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype))
+        vals = fmt._nv_values(g, dtype)
+        for simd in (True, False):
+            got = _each_thread_count(lambda n, d=dtype, v=vals, s=simd: [
+                native.nvfp4_decode(packed, codes, v, d, simd=s, nthreads=n)])  # fmt: skip
+            assert torch.equal(got[0], want), (dtype, simd)
+
+
 def _flat(t):
     return _bytes(t).reshape(-1)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 11
+ABI = 12
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -121,7 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [p, p, i64, p, p, i32]
         getattr(lib, name).restype = None
     for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
-        getattr(lib, name).argtypes = [p, p, p, i64, p, p, i32]
+        getattr(lib, name).argtypes = [p, p, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
     lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p, i32]
     lib.k3_nv_maxkeys.restype = None
@@ -261,27 +261,36 @@ def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
     return res
 
 
-def nvfp4_decode(packed: torch.Tensor, eff: torch.Tensor, codes: torch.Tensor,
-                 table: torch.Tensor, dtype: torch.dtype, *,
+def nvfp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
+                 dtype: torch.dtype, *, simd: bool = True,
                  nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
-    """NVFP4 uint8 ``packed`` [out, in/2] -> E2M1 x ``eff`` (float32 [out, in/16], the
-    effective scales) in float32, rounded to ``dtype``; groups whose ``eff`` is not finite
-    read ``table`` (the pair table by e4m3 ``codes``); None without the kernels."""
+    """NVFP4 uint8 ``packed`` [out, in/2] with e4m3 scale bytes ``codes`` (uint8 [out,
+    in/16]) -> [out, in] ``dtype`` (bfloat16 / float32): value ``values[c, n]`` for nibble
+    ``n`` of a group with scale byte ``c``, ``values`` the tensor's [256, 16] nibble table
+    in ``dtype``; None without the kernels."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
-    _fp4_args(packed, codes, table, dtype, 16)
+    out, cols = packed.shape if packed.ndim == 2 else (0, 0)
     if (
-        eff.dtype != torch.float32 or eff.shape != codes.shape or not eff.is_contiguous()
-        or eff.device.type != "cpu"
+        dtype not in _OUT or packed.dtype != torch.uint8 or codes.dtype != torch.uint8
+        or packed.ndim != 2 or cols % 8 or tuple(codes.shape) != (out, cols // 8)
+        or values.dtype != dtype or tuple(values.shape) != (256, 16)
+        or not all(t.device.type == "cpu" for t in (packed, codes, values))
+        or not (packed.is_contiguous() and codes.is_contiguous())
     ):  # fmt: skip
-        raise ValueError("native FP4 decode: effective scales of the wrong dtype or shape")
-    out, cols = packed.shape
+        raise ValueError("native NVFP4 decode: arguments of the wrong dtype, size or layout")
     res = torch.empty(out, 2 * cols, dtype=dtype)
-    fn = lib.k3_nvfp4_bf16 if dtype == torch.bfloat16 else lib.k3_nvfp4_f32
+    if dtype == torch.bfloat16:  # per code its 16 values' low bytes, then their high bytes
+        lut = values.contiguous().view(torch.uint8).view(256, 16, 2).transpose(1, 2)
+        fn = lib.k3_nvfp4_bf16
+    else:
+        lut = values.contiguous().view(torch.int32)
+        fn = lib.k3_nvfp4_f32
+    lut = lut.contiguous()
     n = threads_for(res.numel() * res.element_size(), nthreads)
-    fn(packed.data_ptr(), eff.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(),
-       res.data_ptr(), n)  # fmt: skip
+    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), lut.data_ptr(), res.data_ptr(),
+       int(simd), n)  # fmt: skip
     return res
 
 

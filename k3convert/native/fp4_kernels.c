@@ -443,72 +443,107 @@ K3_CLONES static void k3_mxfp4_f32_1(const uint8_t *restrict src, const uint8_t 
     }
 }
 
-/* NVFP4 [groups x 8 bytes] with float32 effective scales eff[g] (scale / global, as the
- * reference computes them) -> E2M1 x eff in float32 [groups x 16]: 256 groups at a time,
- * the E2M1 values by bit arithmetic, then the products, each step a loop the compiler
- * vectorises; a group whose eff is not finite is then rewritten from the reference's pair
- * table (float32 pairs in a uint64) */
-#define K3_NV_BLOCK 256
-typedef union {
-    uint32_t u[16 * K3_NV_BLOCK];
-    float f[16 * K3_NV_BLOCK];
-} k3_nv_buf;
-
-static inline void k3_nv_block(const uint8_t *restrict s, const float *restrict eff,
-                               int64_t n, k3_nv_buf *restrict buf) {
-    for (int64_t i = 0; i < 8 * n; i++) {
-        buf->u[2 * i] = k3_e2m1_f32(s[i] & 15, 0);
-        buf->u[2 * i + 1] = k3_e2m1_f32(s[i] >> 4, 0);
-    }
-    for (int64_t g = 0; g < n; g++) {
-        float f = eff[g];
-        for (int k = 0; k < 16; k++) buf->f[16 * g + k] *= f;
+/* NVFP4 [groups x 8 bytes], one e4m3 scale byte per 8 bytes -> [groups x 16] values
+ * through the tensor's nibble table: lut row c holds the 16 outputs of the 16 E2M1
+ * nibbles under scale byte c (the reference's float32 E2M1 x (scale / global) rounded to
+ * the output dtype, computed by torch once per tensor), so each output is a copy of a
+ * table entry - the reference's bits whatever the scale (NaN, overflow, subnormal).
+ * bfloat16: per code 16 low bytes then 16 high bytes (two byte shuffles give 16 values);
+ * float32: per code 16 words (two 8-word permutes and a blend give 8). */
+static inline void k3_nvlut_bf16_group(const uint8_t *s, const uint8_t *t, uint16_t *o) {
+    for (int k = 0; k < 8; k++) {
+        uint8_t lo = s[k] & 15, hi = s[k] >> 4;
+        o[2 * k] = (uint16_t)(t[lo] | (t[16 + lo] << 8));
+        o[2 * k + 1] = (uint16_t)(t[hi] | (t[16 + hi] << 8));
     }
 }
 
-K3_CLONES static void k3_nvfp4_f32_1(const uint8_t *restrict src, const float *restrict eff,
-                            const uint8_t *restrict codes, int64_t groups,
-                            const uint64_t *restrict table, float *restrict out) {
-    k3_nv_buf buf;
-    for (int64_t g0 = 0; g0 < groups; g0 += K3_NV_BLOCK) {
-        int64_t n = groups - g0 < K3_NV_BLOCK ? groups - g0 : K3_NV_BLOCK;
-        k3_nv_block(src + 8 * g0, eff + g0, n, &buf);
-        memcpy(out + 16 * g0, buf.f, (size_t)(16 * n) * sizeof(float));
-    }
+static void k3_nvlut_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                    int64_t groups, const uint8_t *restrict lut,
+                                    uint16_t *restrict out) {
+    for (int64_t g = 0; g < groups; g++)
+        k3_nvlut_bf16_group(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
+}
+
+static void k3_nvlut_f32_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                   int64_t groups, const uint32_t *restrict lut,
+                                   uint32_t *restrict out) {
     for (int64_t g = 0; g < groups; g++) {
-        float f = eff[g];
-        if (!(f - f == 0.0f)) { /* NaN or infinite */
-            const uint64_t *t = table + ((int64_t)codes[g] << 8);
-            for (int k = 0; k < 8; k++) memcpy(out + 16 * g + 2 * k, &t[src[8 * g + k]], 8);
+        const uint8_t *s = src + 8 * g;
+        const uint32_t *t = lut + 16 * (int64_t)codes[g];
+        uint32_t *o = out + 16 * g;
+        for (int k = 0; k < 8; k++) {
+            o[2 * k] = t[s[k] & 15];
+            o[2 * k + 1] = t[s[k] >> 4];
         }
     }
 }
 
-/* float32 bits -> bfloat16 bits, round to nearest even (torch's rounding of finite
- * values and infinities; NaN products come only from non-finite eff, rewritten after) */
-static inline uint16_t k3_bf16_rne(uint32_t x) {
-    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
-
-/* the same rounded to bfloat16 bits [groups x 16]; table: bf16 pairs in a uint32 */
-K3_CLONES static void k3_nvfp4_bf16_1(const uint8_t *restrict src, const float *restrict eff,
-                             const uint8_t *restrict codes, int64_t groups,
-                             const uint32_t *restrict table, uint16_t *restrict out) {
-    k3_nv_buf buf;
-    for (int64_t g0 = 0; g0 < groups; g0 += K3_NV_BLOCK) {
-        int64_t n = groups - g0 < K3_NV_BLOCK ? groups - g0 : K3_NV_BLOCK;
-        k3_nv_block(src + 8 * g0, eff + g0, n, &buf);
-        uint16_t *o = out + 16 * g0;
-        for (int64_t i = 0; i < 16 * n; i++) o[i] = k3_bf16_rne(buf.u[i]);
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        float f = eff[g];
-        if (!(f - f == 0.0f)) {
-            const uint32_t *t = table + ((int64_t)codes[g] << 8);
-            for (int k = 0; k < 8; k++) memcpy(out + 16 * g + 2 * k, &t[src[8 * g + k]], 4);
+#ifdef K3_HAVE_AVX2_PATH
+/* two groups (16 bytes, 32 values, 64 output bytes) per step */
+__attribute__((target("avx2"))) static void k3_nvlut_bf16_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+    const uint8_t *restrict lut, uint16_t *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    int stream = ((uintptr_t)out & 31) == 0;
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        const uint8_t *ta = lut + 32 * (int64_t)codes[g], *tb = lut + 32 * (int64_t)codes[g + 1];
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + 8 * g));
+        __m128i lo = _mm_and_si128(v, m4);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        __m128i n0 = _mm_unpacklo_epi8(lo, hi); /* the nibbles of group g, value order */
+        __m128i n1 = _mm_unpackhi_epi8(lo, hi); /* group g + 1 */
+        __m128i l0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)ta), n0);
+        __m128i h0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(ta + 16)), n0);
+        __m128i l1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)tb), n1);
+        __m128i h1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(tb + 16)), n1);
+        __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi8(l0, h0), _mm_unpacklo_epi8(l0, h0));
+        __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi8(l1, h1), _mm_unpacklo_epi8(l1, h1));
+        __m256i *o = (__m256i *)(out + 16 * g);
+        if (stream) {
+            _mm256_stream_si256(o, w0);
+            _mm256_stream_si256(o + 1, w1);
+        } else {
+            _mm256_storeu_si256(o, w0);
+            _mm256_storeu_si256(o + 1, w1);
         }
     }
+    if (stream) _mm_sfence();
+    if (g < groups) k3_nvlut_bf16_group(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
 }
+
+__attribute__((target("avx2"))) static void k3_nvlut_f32_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+    const uint32_t *restrict lut, uint32_t *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    int stream = ((uintptr_t)out & 31) == 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint32_t *t = lut + 16 * (int64_t)codes[g];
+        __m256 tl = _mm256_loadu_ps((const float *)t), th = _mm256_loadu_ps((const float *)t + 8);
+        __m128i v = _mm_loadl_epi64((const __m128i *)(src + 8 * g));
+        __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, m4),
+                                      _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        __m256i i0 = _mm256_cvtepu8_epi32(n), i1 = _mm256_cvtepu8_epi32(_mm_srli_si128(n, 8));
+        /* entries 0..7 or 8..15 by bit 3 of the nibble (moved to the sign bit) */
+        __m256 r0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i0),
+                                     _mm256_permutevar8x32_ps(th, i0),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)));
+        __m256 r1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i1),
+                                     _mm256_permutevar8x32_ps(th, i1),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(i1, 28)));
+        float *o = (float *)(out + 16 * g);
+        if (stream) {
+            _mm256_stream_ps(o, r0);
+            _mm256_stream_ps(o + 8, r1);
+        } else {
+            _mm256_storeu_ps(o, r0);
+            _mm256_storeu_ps(o + 8, r1);
+        }
+    }
+    if (stream) _mm_sfence();
+}
+#endif
 
 /* -- the exported kernels: the loops above over nthreads contiguous ranges ----------- */
 typedef struct {
@@ -623,31 +658,51 @@ void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, in
     k3_parallel(k3_mxfp4_f32_body, &a, groups, 1, nthreads);
 }
 
-/* flag: 0 float32 out, 1 bfloat16 out; aux: the float32 effective scales */
+/* flag bit 0: bfloat16 out (else float32); bit 1: the portable loop (else AVX2 where the
+ * CPU has it) */
 static int64_t k3_nvfp4_body(const void *c, int64_t lo, int64_t hi) {
     const k3_args *a = (const k3_args *)c;
     const uint8_t *s = (const uint8_t *)a->src + 8 * lo, *e = (const uint8_t *)a->key + lo;
-    const float *eff = (const float *)a->aux + lo;
-    if (a->flag)
-        k3_nvfp4_bf16_1(s, eff, e, hi - lo, (const uint32_t *)a->table,
-                        (uint16_t *)a->out + 16 * lo);
-    else
-        k3_nvfp4_f32_1(s, eff, e, hi - lo, (const uint64_t *)a->table,
-                       (float *)a->out + 16 * lo);
+    int bf16 = a->flag & 1, simd = !(a->flag & 2);
+#ifdef K3_HAVE_AVX2_PATH
+    simd = simd && __builtin_cpu_supports("avx2");
+#else
+    simd = 0;
+#endif
+    if (bf16) {
+        uint16_t *o = (uint16_t *)a->out + 16 * lo;
+#ifdef K3_HAVE_AVX2_PATH
+        if (simd) {
+            k3_nvlut_bf16_avx2_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+            return 0;
+        }
+#endif
+        k3_nvlut_bf16_generic_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+    } else {
+        uint32_t *o = (uint32_t *)a->out + 16 * lo;
+#ifdef K3_HAVE_AVX2_PATH
+        if (simd) {
+            k3_nvlut_f32_avx2_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+            return 0;
+        }
+#endif
+        k3_nvlut_f32_generic_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+    }
     return 0;
 }
-void k3_nvfp4_f32(const uint8_t *restrict src, const float *restrict eff,
-                  const uint8_t *restrict codes, int64_t groups,
-                  const uint64_t *restrict table, float *restrict out, int nthreads) {
-    k3_args a = {src, codes, eff, table, NULL, out, NULL, 8, 0};
-    k3_parallel(k3_nvfp4_body, &a, groups, K3_NV_BLOCK, nthreads);
+/* lut: uint8 [256 x (16 low bytes, 16 high bytes)] of bfloat16 values */
+void k3_nvfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   const uint8_t *restrict lut, uint16_t *restrict out, int simd,
+                   int nthreads) {
+    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, 8, 1 | (simd ? 0 : 2)};
+    k3_parallel(k3_nvfp4_body, &a, groups, 2, nthreads);
 }
-void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict eff,
-                   const uint8_t *restrict codes, int64_t groups,
-                   const uint32_t *restrict table, uint16_t *restrict out, int nthreads) {
-    k3_args a = {src, codes, eff, table, NULL, out, NULL, 8, 1};
-    k3_parallel(k3_nvfp4_body, &a, groups, K3_NV_BLOCK, nthreads);
+/* lut: uint32 [256 x 16] float32 bits */
+void k3_nvfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                  const uint32_t *restrict lut, uint32_t *restrict out, int simd, int nthreads) {
+    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, 8, simd ? 0 : 2};
+    k3_parallel(k3_nvfp4_body, &a, groups, 2, nthreads);
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 11; }
+int k3_fp4_kernels_version(void) { return 12; }
