@@ -414,6 +414,39 @@ def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscal
             assert torch.equal(got[0], want), (dtype, simd)
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("scheme", ["w4a16", "int4-g32-f32", "int4-channel"])
+@pytest.mark.parametrize("rows,cols", [(4, 256), (5, 256), (7, 640), (37, 640)])
+def test_int4_kernel_every_loop_and_thread_count(scheme, rows, cols, monkeypatch):
+    """The one-pass MXFP4 -> int4 kernel, AVX2 and portable, at 1, 2, 3 threads (4 to 740
+    int groups, most counts odd): the torch path's bytes and the float path's
+    (scheme.quantize of the float32 decode); a code outside INT_CODES is counted."""
+    s = SCHEMES[scheme]
+    p = _mx(rows, cols, 100, 140, seed=rows)
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = fp4_requant.requantize(p, s, name="t.weight")
+    monkeypatch.setattr(native, "ENABLED", True)
+    assert want is not None and _same(want, s.quantize(_decode32(p), name="t.weight"))
+    g = cols if s.strategy == "channel" else s.group_size
+    args = (p["weight_packed"], p["weight_scale"], g // 32,
+            fp4_requant._values()[:, :8].reshape(-1).contiguous(),
+            fp4_requant._int_table(s, "weight", fp4_requant.D_HI - fp4_requant.D_LO + 1),
+            fp4_requant.INT_CODES, (fp4_requant.D_LO, fp4_requant.D_HI))  # fmt: skip
+    for simd in (True, False):
+        def run(n, simd=simd):
+            q, amax, bad = native.mx_int4(*args, simd=simd, nthreads=n)
+            assert bad == 0
+            return [q, s.symmetric_scale(amax)]
+
+        got = _each_thread_count(run)
+        assert torch.equal(got[0], _flat(want["weight_packed"])), simd
+        assert torch.equal(got[1], _flat(want["weight_scale"])), simd
+    codes = p["weight_scale"].clone()
+    codes.view(-1)[-1], codes.view(-1)[0] = fp4_requant.INT_CODES[1] + 1, 0
+    for n in THREADS:
+        assert native.mx_int4(args[0], codes, *args[2:], nthreads=n)[2] == 2, n
+
+
 def _flat(t):
     return _bytes(t).reshape(-1)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 12
+ABI = 13
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -129,6 +129,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.k3_nv_requant.restype = None
     lib.k3_gather_nib.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_gather_nib.restype = None
+    lib.k3_mx_int4.argtypes = [p, p, i64, i64, p, *[i32] * 5, p, p, p, i32, i32]
+    lib.k3_mx_int4.restype = i64
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
 
 
@@ -370,3 +372,39 @@ def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: 
     lib.k3_gather_nib(src.data_ptr(), key.data_ptr(), groups, nibmap.data_ptr(),
                       out.data_ptr(), int(simd), n)  # fmt: skip
     return True
+
+
+def mx_int4(packed: torch.Tensor, codes: torch.Tensor, sub: int, values: torch.Tensor,
+            nibmap: torch.Tensor, code_range: tuple[int, int], d_range: tuple[int, int], *,
+            simd: bool = True, nthreads: int | None = None):  # fmt: skip
+    """MXFP4 ``packed`` [out, cols] with E8M0 ``codes`` [out, cols / 16] -> symmetric int4 in
+    one pass: (uint8 bytes like ``packed``, each through nibble map row ``cls * span + d``
+    of ``nibmap`` (uint8 [3 * span, 16]); float32 [out, cols / (16 * sub)] group maxima
+    ``amax``; the number of codes outside ``code_range``, inclusive: the output is to be
+    dropped unless 0). An int group is ``sub`` MX groups; ``values`` float32 [2048] is the
+    value of each (E8M0 code * 8 + magnitude code); ``cls`` is 0 / 1 for a group maximum of
+    significand 1 / 1.5 and 2 for 0, ``d`` the MX group's code minus the maximum's exponent,
+    clamped to ``d_range`` and counted from its low end. None without the kernels."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    _mx_pair(packed, codes)
+    out, cols = packed.shape
+    d_lo, d_hi = d_range
+    span = d_hi - d_lo + 1
+    lo, hi = code_range
+    if (
+        sub < 1 or (cols // 16) % sub or span < 1 or not 0 <= lo <= hi <= 255
+        or values.dtype != torch.float32 or values.numel() != 2048
+        or nibmap.dtype != torch.uint8 or tuple(nibmap.shape) != (3 * span, 16)
+        or not (values.is_contiguous() and nibmap.is_contiguous())
+        or values.device.type != "cpu" or nibmap.device.type != "cpu"
+    ):  # fmt: skip
+        raise ValueError("native MXFP4 -> int4: tables or group size of the wrong shape")
+    res = torch.empty_like(packed)
+    amax = torch.empty(out, cols // (16 * sub), dtype=torch.float32)
+    n = threads_for(res.numel(), nthreads)
+    bad = lib.k3_mx_int4(packed.data_ptr(), codes.data_ptr(), amax.numel(), sub,
+                         values.data_ptr(), lo, hi, span, d_lo, d_hi, nibmap.data_ptr(),
+                         res.data_ptr(), amax.data_ptr(), int(simd), n)  # fmt: skip
+    return res, amax, int(bad)

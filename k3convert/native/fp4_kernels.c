@@ -265,6 +265,104 @@ static void k3_gather_nib_1(const uint8_t *restrict src, const int32_t *restrict
             out[16 * g + k] = k3_nib(map + 16 * (int64_t)key[g], src[16 * g + k]);
 }
 
+/* MXFP4 -> symmetric int4 in one pass per int group of `sub` MX groups (16 bytes each):
+ * m_j, the largest magnitude code of MX group j; amax = max_j vals[e_j * 8 + m_j] (vals:
+ * float32 [2048], the reference's value of magnitude code m under E8M0 code e - the
+ * group's largest |value|, exactly); then MX group j's map row, cls * span + clamp(e_j -
+ * exponent(amax), d_lo, d_hi) - d_lo with cls 0 / 1 for amax's significand 1 / 1.5 and 2
+ * for amax 0, and its 16 bytes through that row. amax[g] is written for the caller's
+ * scale; the return is the number of codes outside [lo, hi] (nonzero: the caller drops the
+ * output; every row stays inside the map whatever the codes). */
+typedef struct {
+    const uint8_t *src, *codes, *map;
+    const float *vals;
+    uint8_t *out;
+    float *amax;
+    int64_t sub;
+    int lo, hi, span, d_lo, d_hi, simd;
+} k3_int4_args;
+
+static inline int64_t k3_int4_row(const k3_int4_args *a, float amax, int e) {
+    uint32_t bits;
+    memcpy(&bits, &amax, 4);
+    int cls = bits == 0 ? 2 : (bits & 0x7FFFFFu) != 0;
+    int d = e - (int)(bits >> 23);
+    d = d < a->d_lo ? a->d_lo : d > a->d_hi ? a->d_hi : d;
+    return (int64_t)cls * a->span + (d - a->d_lo);
+}
+
+static int64_t k3_mx_int4_generic(const k3_int4_args *a, int64_t lo, int64_t hi) {
+    int64_t bad = 0, sub = a->sub;
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * sub * g, *e = a->codes + sub * g;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < sub; j++) {
+            uint8_t m = 0;
+            for (int k = 0; k < 16; k++) {
+                uint8_t l = s[16 * j + k] & 7, h = (s[16 * j + k] >> 4) & 7;
+                uint8_t b = l > h ? l : h;
+                m = b > m ? b : m;
+            }
+            float v = a->vals[(int64_t)e[j] * 8 + m];
+            amax = v > amax ? v : amax;
+            bad += (e[j] < a->lo) | (e[j] > a->hi);
+        }
+        a->amax[g] = amax;
+        for (int64_t j = 0; j < sub; j++) {
+            const uint8_t *map = a->map + 16 * k3_int4_row(a, amax, e[j]);
+            for (int k = 0; k < 16; k++) a->out[16 * (sub * g + j) + k] = k3_nib(map, s[16 * j + k]);
+        }
+    }
+    return bad;
+}
+
+#ifdef K3_HAVE_NIB_SIMD
+__attribute__((target("avx2"))) static int64_t k3_mx_int4_avx2(const k3_int4_args *a,
+                                                              int64_t lo, int64_t hi) {
+    const __m128i m7 = _mm_set1_epi8(7);
+    int64_t bad = 0, sub = a->sub;
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * sub * g, *e = a->codes + sub * g;
+        uint8_t *o = a->out + 16 * sub * g;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < sub; j++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(s + 16 * j));
+            __m128i x = _mm_max_epu8(_mm_and_si128(v, m7), _mm_and_si128(_mm_srli_epi16(v, 4), m7));
+            x = _mm_max_epu8(x, _mm_srli_si128(x, 8));
+            x = _mm_max_epu8(x, _mm_srli_si128(x, 4));
+            x = _mm_max_epu8(x, _mm_srli_si128(x, 2));
+            x = _mm_max_epu8(x, _mm_srli_si128(x, 1));
+            float f = a->vals[(int64_t)e[j] * 8 + (_mm_cvtsi128_si32(x) & 0xFF)];
+            amax = f > amax ? f : amax;
+            bad += (e[j] < a->lo) | (e[j] > a->hi);
+        }
+        a->amax[g] = amax;
+        for (int64_t j = 0; j < sub; j++) {
+            __m128i mm = _mm_loadu_si128((const __m128i *)(a->map + 16 * k3_int4_row(a, amax, e[j])));
+            __m128i v = _mm_loadu_si128((const __m128i *)(s + 16 * j));
+            _mm_storeu_si128((__m128i *)(o + 16 * j), k3_nib16(v, mm, mm));
+        }
+    }
+    return bad;
+}
+#endif
+
+static int64_t k3_mx_int4_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_int4_args *a = (const k3_int4_args *)c;
+#ifdef K3_HAVE_NIB_SIMD
+    if (a->simd && __builtin_cpu_supports("avx2")) return k3_mx_int4_avx2(a, lo, hi);
+#endif
+    return k3_mx_int4_generic(a, lo, hi);
+}
+
+/* groups int groups of sub MX groups; map: uint8 [3 * span x 16] nibble maps */
+int64_t k3_mx_int4(const uint8_t *src, const uint8_t *codes, int64_t groups, int64_t sub,
+                   const float *vals, int lo, int hi, int span, int d_lo, int d_hi,
+                   const uint8_t *map, uint8_t *out, float *amax, int simd, int nthreads) {
+    k3_int4_args a = {src, codes, map, vals, out, amax, sub, lo, hi, span, d_lo, d_hi, simd};
+    return k3_parallel(k3_mx_int4_body, &a, groups, 1, nthreads);
+}
+
 /* -- FP4 -> bfloat16 / float32 by bit arithmetic ------------------------------------
  * An E2M1 nibble n (sign n & 8, magnitude code m = n & 7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) is
  * 0 for m = 0, else 2**((m >> 1) - 1) * (1 + (m & 1) / 2 for m >= 2). Its float bits are
@@ -705,4 +803,4 @@ void k3_nvfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, in
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 12; }
+int k3_fp4_kernels_version(void) { return 13; }

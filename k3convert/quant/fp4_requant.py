@@ -26,6 +26,9 @@ integers only:
   (:data:`INT_CODES`), and for scale dtypes whose range is not float32's, :func:`requantize`
   returns None and the caller takes the float path.
 
+With :mod:`k3convert.native`'s kernels the int4 path is one pass over the bytes (group
+maxima, table rows and output nibbles per int group, in C); torch ops otherwise.
+
 tests/test_fp4_requant.py checks both against ``scheme.quantize`` of the float32 decode,
 bit for bit, on random and extreme tensors.
 """
@@ -229,10 +232,25 @@ def _to_int4(packed, codes, scheme: IntScheme, name: str):
     g = inp if scheme.strategy == "channel" else scheme.group_size
     if inp % g or g % fmt.MX_GROUP:
         return None
+    span = D_HI - D_LO + 1
+    table = _int_table(scheme, "weight", span)  # data-independent: one per scheme
+    if table is None:
+        return None
+    sub = g // fmt.MX_GROUP  # MX groups per int group
+    got = native.mx_int4(packed, codes, sub, _values()[:, :8].reshape(-1).contiguous(), table,
+                         INT_CODES, (D_LO, D_HI))  # fmt: skip
+    if got is not None:  # the kernel: maxima, rows and output bytes in one pass
+        qbytes, amax, bad = got
+        if bad:  # a code outside INT_CODES: the float path
+            return None
+        return {
+            "weight_packed": qbytes.view(torch.int32),
+            "weight_scale": scheme.symmetric_scale(amax),
+            "weight_shape": torch.tensor([out, inp], dtype=torch.int64),
+        }
     lo, hi = INT_CODES
     if bool(((codes < lo) | (codes > hi)).any()):
         return None
-    sub = g // fmt.MX_GROUP  # MX groups per int group
     m = _max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp/32]
     key = codes.to(torch.int32).mul_(8).add_(m)
     vals = _values()[:, :8].reshape(-1)  # (e, m) -> the value of magnitude code m under e
@@ -245,11 +263,7 @@ def _to_int4(packed, codes, scheme: IntScheme, name: str):
     cls = torch.where(bits == 0, 2, sig.to(torch.int32))  # [out, ng]
     d = codes.to(torch.int32).view(out, inp // g, sub) - k.unsqueeze(-1)
     d.clamp_(D_LO, D_HI).sub_(D_LO)
-    span = D_HI - D_LO + 1
     rowkey = (cls.unsqueeze(-1) * span + d).view(out, inp // fmt.MX_GROUP)
-    table = _int_table(scheme, "weight", span)  # data-independent: one per scheme
-    if table is None:
-        return None
     qbytes = torch.empty_like(packed)  # two nibbles per byte, low value first
     if not native.gather_nib(packed, rowkey.contiguous().view(-1), table.view(-1), qbytes):
         qbytes = _gather_bytes(packed, rowkey, _byte_table(table))
