@@ -472,3 +472,14 @@ def _nib_out(packed, key, maps, simd, n):
     out = torch.empty_like(packed)
     assert native.gather_nib(packed, key, maps.view(-1), out, simd=simd, nthreads=n)
     return out
+
+
+@pytest.mark.parametrize("grain", [5, 9])
+def test_int4_scales_by_row_blocks(path, grain, monkeypatch):
+    """The int4 scales computed a block of rows at a time (each op under torch's grain):
+    the float path's bytes with blocks of one row and of two rows with a partial last."""
+    monkeypatch.setattr(fp4_requant, "_GRAIN", grain)
+    s = SCHEMES["w4a16"]
+    p = _mx(47, 512, 117, 124)
+    got = fp4_requant.requantize(p, s, name="t.weight")
+    assert got is not None and _same(got, s.quantize(_decode32(p), name="t.weight"))
