@@ -483,3 +483,36 @@ def test_int4_scales_by_row_blocks(path, grain, monkeypatch):
     p = _mx(47, 512, 117, 124)
     got = fp4_requant.requantize(p, s, name="t.weight")
     assert got is not None and _same(got, s.quantize(_decode32(p), name="t.weight"))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_thread_policy_and_callers_at_torch_thread_counts(monkeypatch):
+    """threads_for: torch's count from PAR_MIN_BYTES of output, 1 below, an explicit count
+    as given (at least 1); and the callers (decode, requant) at torch threads 1, 2, 3 with
+    every tensor split: the references' bytes."""
+    assert native.threads_for(native.PAR_MIN_BYTES - 1) == 1
+    assert native.threads_for(native.PAR_MIN_BYTES) == torch.get_num_threads()
+    assert native.threads_for(0, 3) == 3 and native.threads_for(1 << 30, 0) == 1
+    with pytest.raises(ValueError, match="nthreads"):
+        native.threads_for(0, True)
+    monkeypatch.setattr(native, "PAR_MIN_BYTES", 0)
+    mx = _mx(37, 1536, 16, 240, seed=5)
+    nv = {"weight_packed": mx["weight_packed"],
+          "weight_scale": _rand((37, 1536 // 16), 6).view(torch.float8_e4m3fn),
+          "weight_global_scale": torch.tensor([448.0 * 6 / 3.5])}  # fmt: skip
+    q = fmt.QuantParams()
+    before = torch.get_num_threads()
+    try:
+        for n in THREADS:
+            torch.set_num_threads(n)
+            for dtype in (torch.bfloat16, torch.float32):
+                assert torch.equal(_flat(fmt._deq_mxfp4(mx, q, dtype)),
+                                   _flat(fmt.mxfp4_reference(mx, q, dtype)))  # fmt: skip
+                assert torch.equal(_flat(fmt._deq_nvfp4(nv, q, dtype)),
+                                   _flat(fmt.nvfp4_reference(nv, q, dtype)))  # fmt: skip
+            for s in ("nvfp4a16", "w4a16", "int4-channel"):
+                got = fp4_requant.requantize(mx, SCHEMES[s], name="t.weight")
+                want = SCHEMES[s].quantize(_decode32(mx), name="t.weight")
+                assert got is not None and _same(got, want), (n, s)
+    finally:
+        torch.set_num_threads(before)
