@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 13
+ABI = 14
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -115,7 +115,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         f = getattr(lib, name)
         f.argtypes = [p, p, i64, i64, p, p, i32]
         f.restype = None
-    lib.k3_max_codes.argtypes = [p, i64, i64, p, i32]
+    lib.k3_max_codes.argtypes = [p, i64, i64, p, i32, i32]
     lib.k3_max_codes.restype = None
     for name in ("k3_mxfp4_bf16", "k3_mxfp4_bf16_generic", "k3_mxfp4_f32"):
         getattr(lib, name).argtypes = [p, p, i64, p, p, i32]
@@ -123,7 +123,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
         getattr(lib, name).argtypes = [p, p, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
-    lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p, i32]
+    lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_nv_maxkeys.restype = None
     lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p, i32, i32]
     lib.k3_nv_requant.restype = None
@@ -210,7 +210,7 @@ def gather(src: torch.Tensor, key: torch.Tensor, table: torch.Tensor, out: torch
     return True
 
 
-def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *,
+def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *, simd: bool = True,
               nthreads: int | None = None) -> bool:  # fmt: skip
     """``out[g]`` = the largest ``nibble & 7`` of bytes ``[g * per, (g + 1) * per)`` of
     contiguous uint8 ``src``; False where the kernels are unavailable."""
@@ -225,7 +225,7 @@ def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *,
     ):  # fmt: skip
         raise ValueError("native max_codes: arguments of the wrong dtype, size or layout")
     n = threads_for(src.numel(), nthreads)  # the work is the bytes read
-    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr(), n)
+    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr(), int(simd), n)
     return True
 
 
@@ -307,20 +307,21 @@ def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
         raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
 
 
-def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, nthreads: int | None = None):
-    """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, int64 [2048]
-    counts of each (E8M0 code, that code) key) of MXFP4 ``packed`` [out, cols] with
-    ``codes`` [out, cols / 16]; None without the kernels."""
+def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, simd: bool = True,
+               nthreads: int | None = None):  # fmt: skip
+    """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, uint8 [2048]
+    1 where the (E8M0 code * 8 + that code) key occurs, else 0) of MXFP4 ``packed`` [out,
+    cols] with ``codes`` [out, cols / 16]; None without the kernels."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
     _mx_pair(packed, codes)
     m = torch.empty(packed.shape[0], packed.shape[1] // 8, dtype=torch.uint8)
-    counts = torch.zeros(2048, dtype=torch.int64)
+    seen = torch.zeros(2048, dtype=torch.uint8)
     n = threads_for(packed.numel(), nthreads)  # the work is the bytes read
     lib.k3_nv_maxkeys(packed.data_ptr(), codes.data_ptr(), m.numel(), m.data_ptr(),
-                      counts.data_ptr(), n)  # fmt: skip
-    return m, counts
+                      seen.data_ptr(), int(simd), n)  # fmt: skip
+    return m, seen
 
 
 def nv_requant(packed, codes, m, table, scales, *, simd: bool = True,

@@ -201,9 +201,9 @@ def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
         key = codes.to(torch.int32).repeat_interleave(2, dim=1).mul_(8).add_(m)
         hit = _present(key)  # the (e, m) that occur, ascending
     else:
-        m, counts = got
+        m, seen = got
         key = None
-        hit = counts.nonzero().view(-1)
+        hit = seen.nonzero().view(-1)
     vals = _values()
     if global_amax is None:
         global_amax = vals[hit // 8, hit % 8].amax()
