@@ -204,16 +204,20 @@ def table(st, runs, floor: float, expert: int, threads: list[int], loads) -> Non
     # x raw: over the raw read at the same thread count (cp -r: at the first count)
     raw_rate = {t: raw_stored / statistics.median(w for w, _ in runs[RAW, t]) for t in threads}
     raw_rate[None] = raw_rate[threads[0]]
-    cols = ["stage", "threads", "stored MB", "read s", "stored GB/s", "x raw", "peak RSS MiB",
-            "RSS/expert"]  # fmt: skip
+    several = len(threads) > 1  # then also against the raw read at the first count
+    first = f"x raw t{threads[0]}"
+    cols = ["stage", "threads", "stored MB", "read s", "stored GB/s", "x raw",
+            *([first] if several else []), "peak RSS MiB", "RSS/expert"]  # fmt: skip
     rows = []
     for name, t, _, stored, _ in st:
         m = statistics.median(w for w, _ in runs[name, t])
         rss = max(r for _, r in runs[name, t])
         above = max(0.0, rss - floor) if t is not None else rss
+        rate = stored / m
         rows.append([
             name, "-" if t is None else str(t), f"{stored / 1e6:.0f}", f"{m:.3f}",
-            f"{stored / m / 1e9:.2f}", f"{stored / m / raw_rate[t]:.2f}", f"{rss:.0f}",
+            f"{rate / 1e9:.2f}", f"{rate / raw_rate[t]:.2f}",
+            *([f"{rate / raw_rate[None]:.2f}"] if several else []), f"{rss:.0f}",
             f"{above * 2**20 / expert:.1f}",
         ])  # fmt: skip
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
@@ -230,9 +234,10 @@ def table(st, runs, floor: float, expert: int, threads: list[int], loads) -> Non
     print(
         f"\nmedian of {len(runs[RAW, threads[0]])} interleaved runs, warm page cache, torch "
         f"threads {' / '.join(map(str, threads))}; x raw: stored GB/s over the raw read's "
-        f"({RAW}) at the same threads (cp -r: {threads[0]}); RSS/expert: peak RSS "
-        f"above the interpreter + torch floor ({floor:.0f} MiB; cp -r: its whole RSS) over "
-        f"one expert's 3 tensors in bf16 ({expert / 2**20:.1f} MiB). Load average (1 5 15 "
+        f"({RAW}) at the same threads (cp -r: {threads[0]})"
+        f"{f'; {first}: over the raw read at {threads[0]}' if several else ''}; RSS/expert: "
+        f"peak RSS above the interpreter + torch floor ({floor:.0f} MiB; cp -r: its whole RSS) "
+        f"over one expert's 3 tensors in bf16 ({expert / 2**20:.1f} MiB). Load average (1 5 15 "
         f"min) before and after each round: {la}; {os.cpu_count()} cores."
     )
 
