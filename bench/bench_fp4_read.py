@@ -27,12 +27,16 @@ command's own), interleaved (A B C ... A B C ...), median of ``--repeats`` (3), 
 
 "read s" is the time the worker measures around its loop (no interpreter start, no
 imports; cp -r: the whole command); "stored GB/s" divides the bytes stored on disk by it;
-"x raw" is that rate over the raw read's. The python stages run torch with ``--threads``
-(1: as convert's workers do; on 2 cores shared with other jobs a 2-thread OpenMP team
-waiting on a descheduled thread was measured 10-50x slower). "RSS/expert" is the peak RSS
-above the bare interpreter + torch floor over one expert (gate + up + down) in bf16.
+"x raw" is that rate over the raw read's at the same thread count. The python stages run
+torch with each of ``--threads`` (default 1: as convert's workers do; on 2 cores shared
+with other jobs a 2-thread OpenMP team waiting on a descheduled thread was measured 10-50x
+slower), the k3convert kernels with as many pthreads (k3convert.native.threads_for); with
+several counts (``--threads 1 2``) every python stage runs at each, interleaved (A1 A2 B1
+B2 ...), raw read included, and the table has a row per (stage, threads). "RSS/expert" is
+the peak RSS above the bare interpreter + torch floor over one expert (gate + up + down)
+in bf16.
 Usage: python bench/bench_fp4_read.py [--experts 16] [--hidden 3584] [--moe 3072]
-       [--repeats 3] [--threads 1]
+       [--repeats 3] [--threads 1 [2 ...]]
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import json, sys, time, torch
 from pathlib import Path
 root, how, threads = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(threads)
-torch.zeros(4).sum()
+torch.ones(1 << 22).sum()  # large enough for a parallel region: a team starts before the clock
 if how != "safe_open":  # imports before the clock, as the requant stages' scheme warm-up
     import k3convert.quant.fp4_decode, k3convert.native
     k3convert.native.library()
@@ -130,23 +134,24 @@ print(json.dumps({{**{{d: size(d) for d in dirs}}, "values": {experts} * 3 * {hi
     return json.loads(out.strip().splitlines()[-1])
 
 
-def stages(tmp: Path, info: dict, threads: int) -> list[tuple[str, list[str], int, bool]]:
-    """(name, argv, stored bytes it reads, whether it hands out every value)."""
-    t = str(threads)
-
-    def w(d, how):
-        return [PY, "-c", _WORKER, str(tmp / d), how, t]
-
+def stages(tmp: Path, info: dict, threads: list[int]) -> list[tuple]:
+    """(name, threads (None: cp), argv, stored bytes it reads, whether it hands out every
+    value), each python stage once per thread count, next to each other."""
     mx, nv = info["mxfp4"], info["nvfp4"]
-    return [
-        ("cp -r mxfp4", ["cp", "-r", str(tmp / "mxfp4"), str(tmp / "copy")], mx, False),
-        ("safe_open bf16", w("bf16", "safe_open"), info["bf16"], False),
-        (RAW, w("mxfp4", "safe_open"), mx, False),
-        ("k3convert mxfp4 -> bf16", w("mxfp4", "decode"), mx, True),
-        ("k3convert nvfp4 -> bf16", w("nvfp4", "decode"), nv, True),
-        ("mxfp4 -> nvfp4 requant", w("mxfp4", "requant:nvfp4a16"), mx, True),
-        ("mxfp4 -> int4 requant", w("mxfp4", "requant:w4a16"), mx, True),
+    python = [
+        ("safe_open bf16", "bf16", "safe_open", info["bf16"], False),
+        (RAW, "mxfp4", "safe_open", mx, False),
+        ("k3convert mxfp4 -> bf16", "mxfp4", "decode", mx, True),
+        ("k3convert nvfp4 -> bf16", "nvfp4", "decode", nv, True),
+        ("mxfp4 -> nvfp4 requant", "mxfp4", "requant:nvfp4a16", mx, True),
+        ("mxfp4 -> int4 requant", "mxfp4", "requant:w4a16", mx, True),
     ]
+    st = [("cp -r mxfp4", None, ["cp", "-r", str(tmp / "mxfp4"), str(tmp / "copy")], mx, False)]
+    for name, d, how, stored, every in python:
+        for t in threads:
+            argv = [PY, "-c", _WORKER, str(tmp / d), how, str(t)]
+            st.append((name, t, argv, stored, every))
+    return st
 
 
 RAW = "safe_open mxfp4 (raw)"
@@ -158,7 +163,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=3584, help="the release's routed width")
     ap.add_argument("--moe", type=int, default=3072, help="the release's expert width")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of python stages")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1],
+                    help="torch (and kernel) threads of the python stages; several: a row each")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="k3fp4_", dir=os.environ.get("TMPDIR")))
     try:
@@ -171,10 +177,10 @@ def main() -> None:
         st = stages(tmp, info, args.threads)
         warm(p for d in ("mxfp4", "nvfp4", "bf16") for p in (tmp / d).glob("*.safetensors"))
         _, floor, _, _ = measure(STARTUP)
-        runs: dict[str, list[tuple[float, float]]] = {s[0]: [] for s in st}
+        runs: dict[tuple, list[tuple[float, float]]] = {s[:2]: [] for s in st}
         loads = [os.getloadavg()]
         for r in range(args.repeats):
-            for name, argv, _, every in st:
+            for name, t, argv, _, every in st:
                 shutil.rmtree(tmp / "copy", ignore_errors=True)
                 wall, rss, out, _ = measure(argv)
                 if argv[0] == "cp":
@@ -183,8 +189,8 @@ def main() -> None:
                     res = json.loads(out.strip().splitlines()[-1])
                     assert not every or res["values"] == info["values"], (name, res)
                     sec = res["read_s"]
-                runs[name].append((sec, rss))
-                print(f"  round {r + 1}/{args.repeats}  {name:<24} {sec:7.3f} s "
+                runs[name, t].append((sec, rss))
+                print(f"  round {r + 1}/{args.repeats}  {name:<24} t{t or '-'} {sec:7.3f} s "
                       f"{rss:6.0f} MiB", flush=True)  # fmt: skip
             loads.append(os.getloadavg())
         expert = 3 * args.hidden * args.moe * 2
@@ -193,19 +199,26 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def table(st, runs, floor: float, expert: int, threads: int, loads) -> None:
-    raw = statistics.median(w for w, _ in runs[RAW])
-    raw_rate = next(b for n, _, b, _ in st if n == RAW) / raw
-    cols = ["stage", "stored MB", "read s", "stored GB/s", "x raw", "peak RSS MiB",
-            "RSS/expert"]  # fmt: skip
+def table(st, runs, floor: float, expert: int, threads: list[int], loads) -> None:
+    raw_stored = next(s[3] for s in st if s[0] == RAW)
+    # x raw: over the raw read at the same thread count (cp -r: at the first count)
+    raw_rate = {t: raw_stored / statistics.median(w for w, _ in runs[RAW, t]) for t in threads}
+    raw_rate[None] = raw_rate[threads[0]]
+    several = len(threads) > 1  # then also against the raw read at the first count
+    first = f"x raw t{threads[0]}"
+    cols = ["stage", "threads", "stored MB", "read s", "stored GB/s", "x raw",
+            *([first] if several else []), "peak RSS MiB", "RSS/expert"]  # fmt: skip
     rows = []
-    for name, _, stored, _ in st:
-        m = statistics.median(w for w, _ in runs[name])
-        rss = max(r for _, r in runs[name])
-        above = max(0.0, rss - floor) if name != "cp -r mxfp4" else rss
+    for name, t, _, stored, _ in st:
+        m = statistics.median(w for w, _ in runs[name, t])
+        rss = max(r for _, r in runs[name, t])
+        above = max(0.0, rss - floor) if t is not None else rss
+        rate = stored / m
         rows.append([
-            name, f"{stored / 1e6:.0f}", f"{m:.3f}", f"{stored / m / 1e9:.2f}",
-            f"{stored / m / raw_rate:.2f}", f"{rss:.0f}", f"{above * 2**20 / expert:.1f}",
+            name, "-" if t is None else str(t), f"{stored / 1e6:.0f}", f"{m:.3f}",
+            f"{rate / 1e9:.2f}", f"{rate / raw_rate[t]:.2f}",
+            *([f"{rate / raw_rate[None]:.2f}"] if several else []), f"{rss:.0f}",
+            f"{above * 2**20 / expert:.1f}",
         ])  # fmt: skip
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
@@ -219,10 +232,12 @@ def table(st, runs, floor: float, expert: int, threads: int, loads) -> None:
         print(line(r))
     la = " | ".join(" ".join(f"{x:.2f}" for x in ld) for ld in loads)
     print(
-        f"\nmedian of {len(runs[RAW])} interleaved runs, warm page cache, torch threads "
-        f"{threads}; x raw: stored GB/s over the raw read's ({RAW}); RSS/expert: peak RSS "
-        f"above the interpreter + torch floor ({floor:.0f} MiB; cp -r: its whole RSS) over "
-        f"one expert's 3 tensors in bf16 ({expert / 2**20:.1f} MiB). Load average (1 5 15 "
+        f"\nmedian of {len(runs[RAW, threads[0]])} interleaved runs, warm page cache, torch "
+        f"threads {' / '.join(map(str, threads))}; x raw: stored GB/s over the raw read's "
+        f"({RAW}) at the same threads (cp -r: {threads[0]})"
+        f"{f'; {first}: over the raw read at {threads[0]}' if several else ''}; RSS/expert: "
+        f"peak RSS above the interpreter + torch floor ({floor:.0f} MiB; cp -r: its whole RSS) "
+        f"over one expert's 3 tensors in bf16 ({expert / 2**20:.1f} MiB). Load average (1 5 15 "
         f"min) before and after each round: {la}; {os.cpu_count()} cores."
     )
 

@@ -600,9 +600,11 @@ def _deq_mxfp4(
 def _deq_nvfp4(
     p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """:func:`nvfp4_reference` bit for bit, through a (e4m3 code, byte) table built for
-    this tensor's global scale: the reference's own float32 ops (scale / global, times
-    E2M1, rounded to ``dtype``) on each of the 65536 pairs, small next to an expert."""
+    """:func:`nvfp4_reference` bit for bit: the reference's own float32 ops (scale / global,
+    times E2M1, rounded to ``dtype``) on every (e4m3 code, nibble) pair of this tensor's
+    global scale, then each value a copy of its pair's: the nibble-table kernel of
+    :mod:`k3convert.native` (4096 values per tensor), else a (code, byte) pair-table gather
+    (65536 pairs, small next to an expert)."""
     from .quant import fp4_decode
 
     if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
@@ -612,22 +614,29 @@ def _deq_nvfp4(
 
     g = p["weight_global_scale"].to(torch.float32).reshape(1, 1)
     packed, stored = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
-    if native.library() is not None and native.ENABLED and packed.numel():
-        eff = stored.to(torch.float32) / g  # the reference's eff, per group
-        bad = not bool(torch.isfinite(eff).all())
-        table = _nv_table(g, dtype) if bad else _NV_UNUSED[dtype]
-        got = native.nvfp4_decode(packed, eff, stored.view(torch.uint8), table, dtype)
+    codes = stored.view(torch.uint8)
+    if packed.numel() and native.ENABLED and native.library() is not None:
+        got = native.nvfp4_decode(packed, codes, _nv_values(g, dtype), dtype)
         if got is not None:
             return got
-    return fp4_decode.decode(packed, stored.view(torch.uint8), NV_GROUP, _nv_table(g, dtype),
-                             dtype)  # fmt: skip
+    return fp4_decode.decode(packed, codes, NV_GROUP, _nv_table(g, dtype), dtype)
 
 
-#: a zero pair table for the NVFP4 kernel when no group needs one (never read)
-_NV_UNUSED = {
-    d: torch.zeros(65536, dtype=w)
-    for d, w in ((torch.bfloat16, torch.int32), (torch.float32, torch.int64))
-}
+def _nv_eff(g: torch.Tensor) -> torch.Tensor:
+    """float32 [256, 1, 1]: the reference's effective scale (scale / global) of each e4m3
+    scale byte under global scale ``g``."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return codes.to(torch.float32).reshape(256, 1, 1) / g
+
+
+def _nv_values(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[256 e4m3 codes, 16 nibbles] ``dtype``: the reference's value of each nibble under
+    each scale byte (the pair table's entries for the bytes 0..15, low nibble)."""
+    from .quant.packing import _BYTE_LUT
+
+    vals = torch.empty(256, 16, dtype=dtype)
+    torch.mul(_BYTE_LUT[:16, 0].reshape(1, 16), _nv_eff(g).view(256, 1), out=vals)
+    return vals
 
 
 def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -635,8 +644,7 @@ def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     from .quant import fp4_decode
     from .quant.packing import _BYTE_LUT
 
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    eff = codes.to(torch.float32).reshape(256, 1, 1) / g  # the reference's eff, per code
+    eff = _nv_eff(g)  # the reference's eff, per code
     vals = torch.empty(256, 256, 2, dtype=dtype)
     for c in range(0, 256, 32):  # 16384 products per op: each runs on this thread
         torch.mul(_BYTE_LUT.view(1, 256, 2), eff[c : c + 32], out=vals[c : c + 32])

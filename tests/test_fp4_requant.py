@@ -308,3 +308,213 @@ def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch
         assert _same(mine, theirs), r.name
     assert experts >= 8
     shutil.rmtree(tmp_path)
+
+
+# -- threads: every kernel's bytes at nthreads 1, 2 and 3 ------------------------------------
+THREADS = (1, 2, 3)
+#: (rows, bytes per row): tiny (fewer groups than threads), odd row counts and group
+#: counts no thread count divides, and one large enough to split into many blocks
+THREAD_SHAPES = [(1, 16), (3, 16), (7, 48), (33, 272), (301, 784)]
+
+
+def _rand(shape, seed, lo=0, hi=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.uint8)
+
+
+def _each_thread_count(run):
+    """run(nthreads) for 1, 2, 3 threads: every result byte for byte the one-thread one."""
+    first = None
+    for n in THREADS:
+        got = [_flat(t) for t in run(n)]
+        if first is None:
+            first = got
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True)), n
+    return first
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("rows,cols", THREAD_SHAPES)
+def test_kernels_same_bytes_at_any_thread_count(rows, cols):
+    """Each kernel at 1, 2, 3 threads on tensors from one group to several hundred rows of
+    group counts no thread count divides: the same bytes, and the reference's (so a range
+    the threads skip, overlap or misplace fails here)."""
+    packed, seed = _rand((rows, cols), rows * cols), rows + cols
+    mx = _rand((rows, cols // 16), seed, 0, 256)
+    # the gathers: one key per 16 bytes, tables of each word size
+    key = _rand((rows * cols // 16,), seed + 1, 0, 3).to(torch.int32)
+    for word in (torch.uint8, torch.int32, torch.int64):
+        table = torch.randint(-99, 99, (3 * 256,), generator=torch.Generator().manual_seed(4))
+        table = table.to(word)
+        want = table[(key.long().repeat_interleave(16) << 8) | packed.view(-1).long()]
+        got = _each_thread_count(lambda n, t=table: [_gather_out(packed, key, t, n)])
+        assert torch.equal(got[0], _flat(want)), word
+    # group maxima of 8 and 16 bytes, AVX2 and portable
+    for per in (8, 16):
+        want = _max_codes_ref(packed, per)
+        for simd in (True, False):
+            got = _each_thread_count(lambda n, per=per, s=simd: [_max_out(packed, per, n, s)])
+            assert torch.equal(got[0], _flat(want)), (per, simd)
+    # MXFP4 decode, both loops and both dtypes, against the reference
+    p = {"weight_packed": packed, "weight_scale": mx}
+    for dtype in (torch.bfloat16, torch.float32):
+        fmt._deq_mxfp4(fmt._all_pairs(torch.uint8), fmt.QuantParams(), dtype)  # the table
+        table = fmt._MX_TABLES[dtype]
+        want = _flat(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
+        for generic in (False, True) if dtype == torch.bfloat16 else (False,):
+            got = _each_thread_count(lambda n, d=dtype, t=table, gen=generic: [
+                native.mxfp4_decode(packed, mx, t, d, generic=gen, nthreads=n)])  # fmt: skip
+            assert torch.equal(got[0], want), (dtype, generic)
+    # the nibble maps of the requantization, AVX2 and portable
+    maps = _rand((40, 16), seed + 2, 0, 16)
+    nkey = _rand((rows * cols // 16,), seed + 3, 0, 40).to(torch.int32)
+    want = fp4_requant._gather_bytes(packed, nkey.view(rows, -1), fp4_requant._byte_table(maps))
+    for simd in (True, False):
+        got = _each_thread_count(lambda n, s=simd: [_nib_out(packed, nkey, maps, s, n)])
+        assert torch.equal(got[0], _flat(want)), simd
+    # MXFP4 -> NVFP4: the maxima and key counts, then the output bytes and scales
+    codes = mx[:, : cols // 16]
+    m1, c1 = native.nv_maxkeys(packed, codes, nthreads=1)
+    assert torch.equal(m1, _max_codes_ref(packed, 8))
+    for n in THREADS:
+        for simd in (True, False):
+            m, seen = native.nv_maxkeys(packed, codes, simd=simd, nthreads=n)
+            assert torch.equal(m, m1) and torch.equal(seen, c1), (n, simd)
+    nk = codes.to(torch.int32).repeat_interleave(2, dim=1) * 8 + m1
+    assert torch.equal(c1, (torch.bincount(nk.view(-1), minlength=2048) > 0).to(torch.uint8))
+    full = _rand((2048, 16), seed + 4, 0, 16)
+    scales = _rand((2048,), seed + 5)
+    want = fp4_requant._gather_bytes(packed, nk, fp4_requant._byte_table(full))
+    for simd in (True, False):
+        got = _each_thread_count(lambda n, s=simd: list(
+            native.nv_requant(packed, codes, m1, full.view(-1), scales, simd=s, nthreads=n)))
+        assert torch.equal(got[0], _flat(want)) and torch.equal(
+            got[1], scales[nk.long()].view(-1)), simd  # fmt: skip
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("rows,cols", [(1, 8), (3, 24), (7, 48), (301, 776)])
+@pytest.mark.parametrize("gscale", [2688.0 / 0.05, 1e-30, 3e38, 0.0])
+def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscale):
+    """The NVFP4 nibble-table kernel, AVX2 and portable, bfloat16 and float32, at 1, 2, 3
+    threads, on odd group counts (a last group without its pair) and every e4m3 code (NaN
+    and subnormal scales, products that overflow or underflow): nvfp4_reference's bits."""
+    packed = _rand((rows, cols), rows * cols)
+    codes = _rand((rows, cols // 8), rows + cols)
+    codes.view(-1)[: min(256, codes.numel())] = torch.arange(256, dtype=torch.uint8)[
+        : codes.numel()]  # fmt: skip
+    p = {"weight_packed": packed, "weight_scale": codes.view(torch.float8_e4m3fn),
+         "weight_global_scale": torch.tensor([gscale])}  # fmt: skip
+    g = p["weight_global_scale"].reshape(1, 1)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype))
+        vals = fmt._nv_values(g, dtype)
+        for simd in (True, False):
+            got = _each_thread_count(lambda n, d=dtype, v=vals, s=simd: [
+                native.nvfp4_decode(packed, codes, v, d, simd=s, nthreads=n)])  # fmt: skip
+            assert torch.equal(got[0], want), (dtype, simd)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("scheme", ["w4a16", "int4-g32-f32", "int4-channel"])
+@pytest.mark.parametrize("rows,cols", [(4, 256), (5, 256), (7, 640), (37, 640)])
+def test_int4_kernel_every_loop_and_thread_count(scheme, rows, cols, monkeypatch):
+    """The one-pass MXFP4 -> int4 kernel, AVX2 and portable, at 1, 2, 3 threads (4 to 740
+    int groups, most counts odd): the torch path's bytes and the float path's
+    (scheme.quantize of the float32 decode); a code outside INT_CODES is counted."""
+    s = SCHEMES[scheme]
+    p = _mx(rows, cols, 100, 140, seed=rows)
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = fp4_requant.requantize(p, s, name="t.weight")
+    monkeypatch.setattr(native, "ENABLED", True)
+    assert want is not None and _same(want, s.quantize(_decode32(p), name="t.weight"))
+    g = cols if s.strategy == "channel" else s.group_size
+    args = (p["weight_packed"], p["weight_scale"], g // 32,
+            fp4_requant._values()[:, :8].reshape(-1).contiguous(),
+            fp4_requant._int_table(s, "weight", fp4_requant.D_HI - fp4_requant.D_LO + 1),
+            fp4_requant.INT_CODES, (fp4_requant.D_LO, fp4_requant.D_HI))  # fmt: skip
+    for simd in (True, False):
+        def run(n, simd=simd):
+            q, amax, bad = native.mx_int4(*args, simd=simd, nthreads=n)
+            assert bad == 0
+            return [q, s.symmetric_scale(amax)]
+
+        got = _each_thread_count(run)
+        assert torch.equal(got[0], _flat(want["weight_packed"])), simd
+        assert torch.equal(got[1], _flat(want["weight_scale"])), simd
+    codes = p["weight_scale"].clone()
+    codes.view(-1)[-1], codes.view(-1)[0] = fp4_requant.INT_CODES[1] + 1, 0
+    for n in THREADS:
+        assert native.mx_int4(args[0], codes, *args[2:], nthreads=n)[2] == 2, n
+
+
+def _flat(t):
+    return _bytes(t).reshape(-1)
+
+
+def _max_codes_ref(packed, per):
+    b = packed.view(packed.shape[0], -1, per)
+    return torch.maximum(b & 7, (b >> 4) & 7).amax(-1)
+
+
+def _gather_out(packed, key, table, n):
+    out = torch.empty(packed.shape, dtype=table.dtype)
+    assert native.gather(packed, key, table, out, nthreads=n)
+    return out
+
+
+def _max_out(packed, per, n, simd=True):
+    out = torch.empty(packed.numel() // per, dtype=torch.uint8)
+    assert native.max_codes(packed, per, out, simd=simd, nthreads=n)
+    return out
+
+
+def _nib_out(packed, key, maps, simd, n):
+    out = torch.empty_like(packed)
+    assert native.gather_nib(packed, key, maps.view(-1), out, simd=simd, nthreads=n)
+    return out
+
+
+@pytest.mark.parametrize("grain", [5, 9])
+def test_int4_scales_by_row_blocks(path, grain, monkeypatch):
+    """The int4 scales computed a block of rows at a time (each op under torch's grain):
+    the float path's bytes with blocks of one row and of two rows with a partial last."""
+    monkeypatch.setattr(fp4_requant, "_GRAIN", grain)
+    s = SCHEMES["w4a16"]
+    p = _mx(47, 512, 117, 124)
+    got = fp4_requant.requantize(p, s, name="t.weight")
+    assert got is not None and _same(got, s.quantize(_decode32(p), name="t.weight"))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_thread_policy_and_callers_at_torch_thread_counts(monkeypatch):
+    """threads_for: torch's count from PAR_MIN_BYTES of output, 1 below, an explicit count
+    as given (at least 1); and the callers (decode, requant) at torch threads 1, 2, 3 with
+    every tensor split: the references' bytes."""
+    assert native.threads_for(native.PAR_MIN_BYTES - 1) == 1
+    assert native.threads_for(native.PAR_MIN_BYTES) == torch.get_num_threads()
+    assert native.threads_for(0, 3) == 3 and native.threads_for(1 << 30, 0) == 1
+    with pytest.raises(ValueError, match="nthreads"):
+        native.threads_for(0, True)
+    monkeypatch.setattr(native, "PAR_MIN_BYTES", 0)
+    mx = _mx(37, 1536, 16, 240, seed=5)
+    nv = {"weight_packed": mx["weight_packed"],
+          "weight_scale": _rand((37, 1536 // 16), 6).view(torch.float8_e4m3fn),
+          "weight_global_scale": torch.tensor([448.0 * 6 / 3.5])}  # fmt: skip
+    q = fmt.QuantParams()
+    before = torch.get_num_threads()
+    try:
+        for n in THREADS:
+            torch.set_num_threads(n)
+            for dtype in (torch.bfloat16, torch.float32):
+                assert torch.equal(_flat(fmt._deq_mxfp4(mx, q, dtype)),
+                                   _flat(fmt.mxfp4_reference(mx, q, dtype)))  # fmt: skip
+                assert torch.equal(_flat(fmt._deq_nvfp4(nv, q, dtype)),
+                                   _flat(fmt.nvfp4_reference(nv, q, dtype)))  # fmt: skip
+            for s in ("nvfp4a16", "w4a16", "int4-channel"):
+                got = fp4_requant.requantize(mx, SCHEMES[s], name="t.weight")
+                want = SCHEMES[s].quantize(_decode32(mx), name="t.weight")
+                assert got is not None and _same(got, want), (n, s)
+    finally:
+        torch.set_num_threads(before)

@@ -7,13 +7,18 @@ run through them when they are available, and through torch ops giving the same 
 otherwise (tests/test_fp4_requant.py checks both paths against each other and against the
 reference).
 
-Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -shared -fPIC``, once per
-source / compiler pair, into ``$K3CONVERT_KERNEL_CACHE`` (default
+Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -shared -fPIC -pthread``,
+once per source / compiler pair, into ``$K3CONVERT_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/k3convert/kernels``, i.e. ``~/.cache/k3convert/kernels``): a temporary
 name, then an atomic rename, so concurrent processes never load a half-written library.
 No compiler, a failing build or ``K3CONVERT_NATIVE=0``: the torch path, and
 :func:`status` says why. Only this package's own source is ever compiled or loaded;
 nothing comes from a model directory.
+
+Threads: every kernel takes a thread count (``nthreads=``; default :func:`threads_for`:
+torch's intra-op thread count, one thread below ~1 MiB of output) and splits its groups
+into that many contiguous ranges run by pthreads, the calling thread taking the first;
+the bytes written do not depend on the count (tests/test_fp4_requant.py checks 1, 2, 3).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 10
-_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
+ABI = 14
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
+#: output bytes below which a kernel runs on the calling thread alone: under ~1 MiB the
+#: threads' start and join (tens of microseconds each) cost more than they save
+PAR_MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -102,25 +110,27 @@ def _load(cc: str) -> ctypes.CDLL:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("k3_gather_u8", "k3_gather_u32", "k3_gather_u64"):
         f = getattr(lib, name)
-        f.argtypes = [p, p, i64, i64, p, p]
+        f.argtypes = [p, p, i64, i64, p, p, i32]
         f.restype = None
-    lib.k3_max_codes.argtypes = [p, i64, i64, p]
+    lib.k3_max_codes.argtypes = [p, i64, i64, p, i32, i32]
     lib.k3_max_codes.restype = None
     for name in ("k3_mxfp4_bf16", "k3_mxfp4_bf16_generic", "k3_mxfp4_f32"):
-        getattr(lib, name).argtypes = [p, p, i64, p, p]
+        getattr(lib, name).argtypes = [p, p, i64, p, p, i32]
         getattr(lib, name).restype = None
     for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
-        getattr(lib, name).argtypes = [p, p, p, i64, p, p]
+        getattr(lib, name).argtypes = [p, p, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
-    lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p]
+    lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_nv_maxkeys.restype = None
-    lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p, ctypes.c_int]
+    lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p, i32, i32]
     lib.k3_nv_requant.restype = None
-    lib.k3_gather_nib.argtypes = [p, p, i64, p, p, ctypes.c_int]
+    lib.k3_gather_nib.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_gather_nib.restype = None
+    lib.k3_mx_int4.argtypes = [p, p, i64, i64, p, *[i32] * 5, p, p, p, i32, i32]
+    lib.k3_mx_int4.restype = i64
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
 
 
@@ -157,10 +167,22 @@ def status() -> str:
     return "native FP4 kernels: in use" if lib is not None else f"native FP4 kernels: off ({_why})"
 
 
+def threads_for(out_bytes: int, nthreads: int | None = None) -> int:
+    """The thread count a kernel writing ``out_bytes`` runs with: ``nthreads`` where given
+    (at least 1), else torch's intra-op count (``torch.get_num_threads()``), or 1 below
+    :data:`PAR_MIN_BYTES` of output."""
+    if nthreads is not None:
+        if isinstance(nthreads, bool) or not isinstance(nthreads, int):
+            raise ValueError(f"native kernels: nthreads must be an int, got {nthreads!r}")
+        return max(1, nthreads)
+    return torch.get_num_threads() if out_bytes >= PAR_MIN_BYTES else 1
+
+
 _WORDS = {1: "k3_gather_u8", 4: "k3_gather_u32", 8: "k3_gather_u64"}
 
 
-def gather(src: torch.Tensor, key: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> bool:
+def gather(src: torch.Tensor, key: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+           *, nthreads: int | None = None) -> bool:  # fmt: skip
     """``out.view(-1)[g * per + j] = table[key[g] << 8 | src.view(-1)[g * per + j]]``:
     uint8 ``src`` of ``groups * per`` bytes, int32 ``key`` [groups] (values in
     ``[0, len(table) / 256)``), ``table`` and ``out`` of one 1-, 4- or 8-byte dtype, all
@@ -180,14 +202,16 @@ def gather(src: torch.Tensor, key: torch.Tensor, table: torch.Tensor, out: torch
     lo, hi = torch.aminmax(key)
     if int(lo) < 0 or (int(hi) + 1) * 256 > table.numel():
         raise ValueError("native gather: a key outside the table")
+    n = threads_for(out.numel() * size, nthreads)
     getattr(lib, _WORDS[size])(
         src.data_ptr(), key.data_ptr(), groups, src.numel() // groups,
-        table.data_ptr(), out.data_ptr(),
+        table.data_ptr(), out.data_ptr(), n,
     )  # fmt: skip
     return True
 
 
-def max_codes(src: torch.Tensor, per: int, out: torch.Tensor) -> bool:
+def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *, simd: bool = True,
+              nthreads: int | None = None) -> bool:  # fmt: skip
     """``out[g]`` = the largest ``nibble & 7`` of bytes ``[g * per, (g + 1) * per)`` of
     contiguous uint8 ``src``; False where the kernels are unavailable."""
     lib = library() if ENABLED else None
@@ -200,7 +224,8 @@ def max_codes(src: torch.Tensor, per: int, out: torch.Tensor) -> bool:
         or src.device.type != "cpu" or out.device.type != "cpu"
     ):  # fmt: skip
         raise ValueError("native max_codes: arguments of the wrong dtype, size or layout")
-    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr())
+    n = threads_for(src.numel(), nthreads)  # the work is the bytes read
+    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr(), int(simd), n)
     return True
 
 
@@ -219,7 +244,8 @@ def _fp4_args(packed, codes, table, dtype, group):
 
 
 def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
-                 dtype: torch.dtype, *, generic: bool = False) -> torch.Tensor | None:  # fmt: skip
+                 dtype: torch.dtype, *, generic: bool = False,
+                 nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
     """MXFP4 uint8 ``packed`` [out, in/2] with E8M0 ``codes`` [out, in/32] -> [out, in]
     ``dtype`` (bfloat16 / float32), bit for bit the values ``table`` (the reference's
     (code, byte) pair table, int32 / int64 words) holds; None without the kernels."""
@@ -232,29 +258,41 @@ def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
     fn = lib.k3_mxfp4_bf16 if dtype == torch.bfloat16 else lib.k3_mxfp4_f32
     if generic and dtype == torch.bfloat16:  # the portable loop, not the AVX2 one (tests)
         fn = lib.k3_mxfp4_bf16_generic
-    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(), res.data_ptr())
+    n = threads_for(res.numel() * res.element_size(), nthreads)
+    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(), res.data_ptr(), n)
     return res
 
 
-def nvfp4_decode(packed: torch.Tensor, eff: torch.Tensor, codes: torch.Tensor,
-                 table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
-    """NVFP4 uint8 ``packed`` [out, in/2] -> E2M1 x ``eff`` (float32 [out, in/16], the
-    effective scales) in float32, rounded to ``dtype``; groups whose ``eff`` is not finite
-    read ``table`` (the pair table by e4m3 ``codes``); None without the kernels."""
+def nvfp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
+                 dtype: torch.dtype, *, simd: bool = True,
+                 nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
+    """NVFP4 uint8 ``packed`` [out, in/2] with e4m3 scale bytes ``codes`` (uint8 [out,
+    in/16]) -> [out, in] ``dtype`` (bfloat16 / float32): value ``values[c, n]`` for nibble
+    ``n`` of a group with scale byte ``c``, ``values`` the tensor's [256, 16] nibble table
+    in ``dtype``; None without the kernels."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
-    _fp4_args(packed, codes, table, dtype, 16)
+    out, cols = packed.shape if packed.ndim == 2 else (0, 0)
     if (
-        eff.dtype != torch.float32 or eff.shape != codes.shape or not eff.is_contiguous()
-        or eff.device.type != "cpu"
+        dtype not in _OUT or packed.dtype != torch.uint8 or codes.dtype != torch.uint8
+        or packed.ndim != 2 or cols % 8 or tuple(codes.shape) != (out, cols // 8)
+        or values.dtype != dtype or tuple(values.shape) != (256, 16)
+        or not all(t.device.type == "cpu" for t in (packed, codes, values))
+        or not (packed.is_contiguous() and codes.is_contiguous())
     ):  # fmt: skip
-        raise ValueError("native FP4 decode: effective scales of the wrong dtype or shape")
-    out, cols = packed.shape
+        raise ValueError("native NVFP4 decode: arguments of the wrong dtype, size or layout")
     res = torch.empty(out, 2 * cols, dtype=dtype)
-    fn = lib.k3_nvfp4_bf16 if dtype == torch.bfloat16 else lib.k3_nvfp4_f32
-    fn(packed.data_ptr(), eff.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(),
-       res.data_ptr())  # fmt: skip
+    if dtype == torch.bfloat16:  # per code its 16 values' low bytes, then their high bytes
+        lut = values.contiguous().view(torch.uint8).view(256, 16, 2).transpose(1, 2)
+        fn = lib.k3_nvfp4_bf16
+    else:
+        lut = values.contiguous().view(torch.int32)
+        fn = lib.k3_nvfp4_f32
+    lut = lut.contiguous()
+    n = threads_for(res.numel() * res.element_size(), nthreads)
+    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), lut.data_ptr(), res.data_ptr(),
+       int(simd), n)  # fmt: skip
     return res
 
 
@@ -269,22 +307,25 @@ def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
         raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
 
 
-def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor):
-    """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, int64 [2048]
-    counts of each (E8M0 code, that code) key) of MXFP4 ``packed`` [out, cols] with
-    ``codes`` [out, cols / 16]; None without the kernels."""
+def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, simd: bool = True,
+               nthreads: int | None = None):  # fmt: skip
+    """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, uint8 [2048]
+    1 where the (E8M0 code * 8 + that code) key occurs, else 0) of MXFP4 ``packed`` [out,
+    cols] with ``codes`` [out, cols / 16]; None without the kernels."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
     _mx_pair(packed, codes)
     m = torch.empty(packed.shape[0], packed.shape[1] // 8, dtype=torch.uint8)
-    counts = torch.zeros(2048, dtype=torch.int64)
+    seen = torch.zeros(2048, dtype=torch.uint8)
+    n = threads_for(packed.numel(), nthreads)  # the work is the bytes read
     lib.k3_nv_maxkeys(packed.data_ptr(), codes.data_ptr(), m.numel(), m.data_ptr(),
-                      counts.data_ptr())  # fmt: skip
-    return m, counts
+                      seen.data_ptr(), int(simd), n)  # fmt: skip
+    return m, seen
 
 
-def nv_requant(packed, codes, m, table, scales, *, simd: bool = True):
+def nv_requant(packed, codes, m, table, scales, *, simd: bool = True,
+               nthreads: int | None = None):  # fmt: skip
     """(NVFP4 bytes like ``packed``, e4m3 scale bytes like ``m``): ``table`` uint8 [2048 *
     16], the output nibble of each input nibble, and ``scales`` uint8 [2048], both indexed
     by key ``codes[g // 2] * 8 + m[g]`` (every key < 2048 by construction); None without
@@ -303,13 +344,14 @@ def nv_requant(packed, codes, m, table, scales, *, simd: bool = True):
     out = torch.empty_like(packed)
     sout = torch.empty_like(m)
     ptrs = (t.data_ptr() for t in (packed, codes, m))
+    n = threads_for(out.numel(), nthreads)
     lib.k3_nv_requant(*ptrs, m.numel(), table.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                      sout.data_ptr(), int(simd))  # fmt: skip
+                      sout.data_ptr(), int(simd), n)  # fmt: skip
     return out, sout
 
 
 def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: torch.Tensor,
-               *, simd: bool = True) -> bool:  # fmt: skip
+               *, simd: bool = True, nthreads: int | None = None) -> bool:  # fmt: skip
     """``out`` = each byte of uint8 ``src`` (groups of 16 bytes, one int32 ``key`` each)
     through the 16-entry nibble map ``nibmap[key]`` (uint8 [rows * 16]): low and high
     nibble mapped on their own. False where the kernels are unavailable."""
@@ -327,6 +369,43 @@ def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: 
     lo, hi = torch.aminmax(key)
     if int(lo) < 0 or (int(hi) + 1) * 16 > nibmap.numel():
         raise ValueError("native gather_nib: a key outside the map")
+    n = threads_for(out.numel(), nthreads)
     lib.k3_gather_nib(src.data_ptr(), key.data_ptr(), groups, nibmap.data_ptr(),
-                      out.data_ptr(), int(simd))  # fmt: skip
+                      out.data_ptr(), int(simd), n)  # fmt: skip
     return True
+
+
+def mx_int4(packed: torch.Tensor, codes: torch.Tensor, sub: int, values: torch.Tensor,
+            nibmap: torch.Tensor, code_range: tuple[int, int], d_range: tuple[int, int], *,
+            simd: bool = True, nthreads: int | None = None):  # fmt: skip
+    """MXFP4 ``packed`` [out, cols] with E8M0 ``codes`` [out, cols / 16] -> symmetric int4 in
+    one pass: (uint8 bytes like ``packed``, each through nibble map row ``cls * span + d``
+    of ``nibmap`` (uint8 [3 * span, 16]); float32 [out, cols / (16 * sub)] group maxima
+    ``amax``; the number of codes outside ``code_range``, inclusive: the output is to be
+    dropped unless 0). An int group is ``sub`` MX groups; ``values`` float32 [2048] is the
+    value of each (E8M0 code * 8 + magnitude code); ``cls`` is 0 / 1 for a group maximum of
+    significand 1 / 1.5 and 2 for 0, ``d`` the MX group's code minus the maximum's exponent,
+    clamped to ``d_range`` and counted from its low end. None without the kernels."""
+    lib = library() if ENABLED else None
+    if lib is None:
+        return None
+    _mx_pair(packed, codes)
+    out, cols = packed.shape
+    d_lo, d_hi = d_range
+    span = d_hi - d_lo + 1
+    lo, hi = code_range
+    if (
+        sub < 1 or (cols // 16) % sub or span < 1 or not 0 <= lo <= hi <= 255
+        or values.dtype != torch.float32 or values.numel() != 2048
+        or nibmap.dtype != torch.uint8 or tuple(nibmap.shape) != (3 * span, 16)
+        or not (values.is_contiguous() and nibmap.is_contiguous())
+        or values.device.type != "cpu" or nibmap.device.type != "cpu"
+    ):  # fmt: skip
+        raise ValueError("native MXFP4 -> int4: tables or group size of the wrong shape")
+    res = torch.empty_like(packed)
+    amax = torch.empty(out, cols // (16 * sub), dtype=torch.float32)
+    n = threads_for(res.numel(), nthreads)
+    bad = lib.k3_mx_int4(packed.data_ptr(), codes.data_ptr(), amax.numel(), sub,
+                         values.data_ptr(), lo, hi, span, d_lo, d_hi, nibmap.data_ptr(),
+                         res.data_ptr(), amax.data_ptr(), int(simd), n)  # fmt: skip
+    return res, amax, int(bad)

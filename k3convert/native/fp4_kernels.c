@@ -1,14 +1,68 @@
 /* k3convert's FP4 byte kernels: table gathers keyed by (group key, stored byte), and the
- * largest E2M1 magnitude code of each group. Plain C11, one thread, no allocation; the
+ * largest E2M1 magnitude code of each group. Plain C11 and pthreads, no allocation; the
  * Python side (k3convert/native/__init__.py) checks every size and key range before a
  * call, so these loops trust their arguments.
  *
  * Why C: one table load per stored byte is what the decode needs; torch's index_select
  * reaches about 1.3 GB/s of stored bytes on one core and needs an int32 index built per
- * byte first, against a 4 GB/s page-cache read of the same bytes. */
+ * byte first, against a 4 GB/s page-cache read of the same bytes.
+ *
+ * Threads: every exported kernel takes nthreads last. Its groups are split into nthreads
+ * contiguous ranges (whole units: pairs where a loop takes two groups at a time), each
+ * range is exactly the work the one-thread loop does on it, so the output does not
+ * depend on the count; nthreads <= 1 (or fewer units than threads) runs on the calling
+ * thread and creates none. The calling thread takes the first range. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#define K3_MAX_THREADS 64
+
+/* a range body: the kernel on groups [lo, hi); returns a count the caller sums */
+typedef int64_t (*k3_body)(const void *ctx, int64_t lo, int64_t hi);
+typedef struct {
+    k3_body fn;
+    const void *ctx;
+    int64_t lo, hi, ret;
+} k3_task;
+
+static void *k3_run_task(void *p) {
+    k3_task *t = (k3_task *)p;
+    t->ret = t->fn(t->ctx, t->lo, t->hi);
+    return NULL;
+}
+
+/* fn over [0, n) in min(nthreads, units) contiguous ranges of whole units of `unit`
+ * groups (the last range ends at n); a thread that cannot be created runs its range on
+ * the calling thread. The sum of the bodies' returns. */
+static int64_t k3_parallel(k3_body fn, const void *ctx, int64_t n, int64_t unit,
+                           int nthreads) {
+    int64_t units = (n + unit - 1) / unit;
+    if (nthreads > K3_MAX_THREADS) nthreads = K3_MAX_THREADS;
+    if ((int64_t)nthreads > units) nthreads = (int)units;
+    if (nthreads <= 1) return n > 0 ? fn(ctx, 0, n) : 0;
+    k3_task task[K3_MAX_THREADS];
+    pthread_t tid[K3_MAX_THREADS];
+    int started[K3_MAX_THREADS];
+    for (int t = 0; t < nthreads; t++) {
+        int64_t a = units * t / nthreads * unit, b = units * (t + 1) / nthreads * unit;
+        task[t] = (k3_task){fn, ctx, a, b < n ? b : n, 0};
+    }
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&tid[t], NULL, k3_run_task, &task[t]) == 0;
+    k3_run_task(&task[0]);
+    int64_t sum = task[0].ret;
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            k3_run_task(&task[t]);
+        sum += task[t].ret;
+    }
+    return sum;
+}
 
 #define K3_LOOP(T)                                                                      \
     for (int64_t g = 0; g < groups; g++) {                                              \
@@ -19,18 +73,18 @@
     }
 
 /* out[g * per + j] = table[(key[g] << 8) | src[g * per + j]] for every group g < groups */
-void k3_gather_u32(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
+static void k3_gather_u32_1(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
                    const uint32_t *table, uint32_t *out) {
     K3_LOOP(uint32_t)
 }
 
-void k3_gather_u64(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
+static void k3_gather_u64_1(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
                    const uint64_t *table, uint64_t *out) {
     K3_LOOP(uint64_t)
 }
 
 /* bytes: eight loads assembled into one 64-bit store (measured faster than byte stores) */
-void k3_gather_u8(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
+static void k3_gather_u8_1(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,
                   const uint8_t *table, uint8_t *out) {
     if (per % 8) {
         K3_LOOP(uint8_t)
@@ -52,7 +106,7 @@ void k3_gather_u8(const uint8_t *src, const int32_t *key, int64_t groups, int64_
  * codes are ordered like their values, so this is the code of the group's largest |x|.
  * per 8 or 16: sixteen lane maxima of the two nibbles at a time (a loop the compiler
  * vectorises), then each group's half or whole; measured 5-10x the plain loop at per 8. */
-static void k3_max8(const uint8_t *restrict src, int64_t blocks, uint8_t *restrict out) {
+static void k3_max8_generic(const uint8_t *restrict src, int64_t blocks, uint8_t *restrict out) {
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *s = src + 16 * b;
         uint8_t v[16];
@@ -70,17 +124,60 @@ static void k3_max8(const uint8_t *restrict src, int64_t blocks, uint8_t *restri
     }
 }
 
-void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
-                  uint8_t *restrict out) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define K3_HAVE_MAX8_SIMD 1
+/* AVX2: 32 bytes (four 8-byte groups) at a time: each byte's larger nibble code, each
+ * 64-bit lane folded by 32, 16 and 8 bits (codes <= 7: whole bytes shift in as zeros) so
+ * its byte 0 holds the lane's maximum, those four bytes picked out; measured ~2x the
+ * vectorised portable loop */
+__attribute__((target("avx2"))) static void k3_max8_avx2(const uint8_t *restrict src,
+                                                         int64_t blocks,
+                                                         uint8_t *restrict out) {
+    const __m256i m7 = _mm256_set1_epi8(7);
+    const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1);
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(src + 16 * b));
+        __m256i x = _mm256_max_epu8(_mm256_and_si256(v, m7),
+                                    _mm256_and_si256(_mm256_srli_epi16(v, 4), m7));
+        x = _mm256_max_epu8(x, _mm256_srli_epi64(x, 32));
+        x = _mm256_max_epu8(x, _mm256_srli_epi64(x, 16));
+        x = _mm256_max_epu8(x, _mm256_srli_epi64(x, 8));
+        x = _mm256_shuffle_epi8(x, pick);
+        uint16_t lo = (uint16_t)_mm256_extract_epi16(x, 0), hi = (uint16_t)_mm256_extract_epi16(x, 8);
+        memcpy(out + 2 * b, &lo, 2);
+        memcpy(out + 2 * b + 2, &hi, 2);
+    }
+    if (b < blocks) k3_max8_generic(src + 16 * b, blocks - b, out + 2 * b);
+}
+#endif
+
+static void k3_max8(const uint8_t *restrict src, int64_t blocks, uint8_t *restrict out,
+                    int simd) {
+#ifdef K3_HAVE_MAX8_SIMD
+    if (simd && __builtin_cpu_supports("avx2")) {
+        k3_max8_avx2(src, blocks, out);
+        return;
+    }
+#endif
+    (void)simd;
+    k3_max8_generic(src, blocks, out);
+}
+
+static void k3_max_codes_1(const uint8_t *restrict src, int64_t groups, int64_t per,
+                           uint8_t *restrict out, int simd) {
     if (per == 8 && groups % 2 == 0) {
-        k3_max8(src, groups / 2, out);
+        k3_max8(src, groups / 2, out, simd);
         return;
     }
     if (per == 16) { /* the 8-byte maxima of 256 groups into a local buffer, then pairs */
         uint8_t tmp[512];
         for (int64_t g0 = 0; g0 < groups; g0 += 256) {
             int64_t n = groups - g0 < 256 ? groups - g0 : 256;
-            k3_max8(src + 16 * g0, n, tmp);
+            k3_max8(src + 16 * g0, n, tmp, simd);
             for (int64_t g = 0; g < n; g++) {
                 uint8_t a = tmp[2 * g], b = tmp[2 * g + 1];
                 out[g0 + g] = a > b ? a : b;
@@ -101,23 +198,22 @@ void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
 }
 
 /* MXFP4 -> NVFP4, pass 1: m[g] = the largest magnitude code of the 8 bytes of NVFP4 group
- * g (half of MX group g / 2), and counts[codes[g / 2] * 8 + m[g]] += 1 (counts: 2048
- * zeroed int64); groups even */
-void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                   uint8_t *restrict m, int64_t *restrict counts) {
-    k3_max8(src, groups / 2, m);
-    /* four histograms, so that runs of one key do not serialise on one counter */
-    static _Thread_local int64_t h[4][2048];
+ * g (half of MX group g / 2), and seen[codes[g / 2] * 8 + m[g]] = 1 (seen: 2048 zeroed
+ * bytes: which keys occur, the tables are built for those); groups even. A block of
+ * groups at a time, so its maxima are still in L1 when their keys are marked; marks are
+ * stores (no counter to read back), into this thread's own flags, then merged. */
+#define K3_KEY_BLOCK 2048
+static void k3_nv_maxkeys_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                            int64_t groups, uint8_t *restrict m, uint8_t *seen, int simd) {
+    uint8_t h[2048];
     memset(h, 0, sizeof h);
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-        h[0][(int64_t)codes[g >> 1] * 8 + m[g]]++;
-        h[1][(int64_t)codes[g >> 1] * 8 + m[g + 1]]++;
-        h[2][(int64_t)codes[(g + 2) >> 1] * 8 + m[g + 2]]++;
-        h[3][(int64_t)codes[(g + 2) >> 1] * 8 + m[g + 3]]++;
+    for (int64_t g0 = 0; g0 < groups; g0 += K3_KEY_BLOCK) {
+        int64_t n = groups - g0 < K3_KEY_BLOCK ? groups - g0 : K3_KEY_BLOCK;
+        k3_max8(src + 8 * g0, n / 2, m + g0, simd);
+        for (int64_t g = g0; g < g0 + n; g++) h[(int64_t)codes[g >> 1] * 8 + m[g]] = 1;
     }
-    for (; g < groups; g++) h[0][(int64_t)codes[g >> 1] * 8 + m[g]]++;
-    for (int k = 0; k < 2048; k++) counts[k] += h[0][k] + h[1][k] + h[2][k] + h[3][k];
+    for (int k = 0; k < 2048; k++) /* atomic: the ranges of other threads mark too */
+        if (h[k]) __atomic_store_n(&seen[k], (uint8_t)1, __ATOMIC_RELAXED);
 }
 
 /* Requantization output through nibble maps: map[key * 16 + n] is the output nibble of
@@ -176,7 +272,7 @@ __attribute__((target("avx2"))) static void k3_gather_nib_avx2(
 /* MXFP4 -> NVFP4, pass 2: key = codes[g / 2] * 8 + m[g] (< 2048 by construction); the
  * output bytes through map (2048 x 16 nibbles) and sout[g] = stab[key], the group's e4m3
  * scale byte */
-void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
+static void k3_nv_requant_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                    const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
                    const uint8_t *restrict stab, uint8_t *restrict out,
                    uint8_t *restrict sout, int simd) {
@@ -195,7 +291,7 @@ void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
 
 /* out[16 g + j] = the byte src[16 g + j] through map[key[g]] (groups of 16 bytes: one MX
  * group); the caller bounds every key by the map's rows */
-void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
+static void k3_gather_nib_1(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
                    const uint8_t *restrict map, uint8_t *restrict out, int simd) {
 #ifdef K3_HAVE_NIB_SIMD
     if (simd && __builtin_cpu_supports("avx2")) {
@@ -206,6 +302,151 @@ void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int
     for (int64_t g = 0; g < groups; g++)
         for (int k = 0; k < 16; k++)
             out[16 * g + k] = k3_nib(map + 16 * (int64_t)key[g], src[16 * g + k]);
+}
+
+/* MXFP4 -> symmetric int4 in one pass per int group of `sub` MX groups (16 bytes each):
+ * m_j, the largest magnitude code of MX group j; amax = max_j vals[e_j * 8 + m_j] (vals:
+ * float32 [2048], the reference's value of magnitude code m under E8M0 code e - the
+ * group's largest |value|, exactly); then MX group j's map row, cls * span + clamp(e_j -
+ * exponent(amax), d_lo, d_hi) - d_lo with cls 0 / 1 for amax's significand 1 / 1.5 and 2
+ * for amax 0, and its 16 bytes through that row. amax[g] is written for the caller's
+ * scale; the return is the number of codes outside [lo, hi] (nonzero: the caller drops the
+ * output; every row stays inside the map whatever the codes). */
+typedef struct {
+    const uint8_t *src, *codes, *map;
+    const float *vals;
+    uint8_t *out;
+    float *amax;
+    int64_t sub;
+    int lo, hi, span, d_lo, d_hi, simd;
+} k3_int4_args;
+
+static inline int64_t k3_int4_row(const k3_int4_args *a, float amax, int e) {
+    uint32_t bits;
+    memcpy(&bits, &amax, 4);
+    int cls = bits == 0 ? 2 : (bits & 0x7FFFFFu) != 0;
+    int d = e - (int)(bits >> 23);
+    d = d < a->d_lo ? a->d_lo : d > a->d_hi ? a->d_hi : d;
+    return (int64_t)cls * a->span + (d - a->d_lo);
+}
+
+static int64_t k3_mx_int4_generic(const k3_int4_args *a, int64_t lo, int64_t hi) {
+    int64_t bad = 0, sub = a->sub;
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * sub * g, *e = a->codes + sub * g;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < sub; j++) {
+            uint8_t m = 0;
+            for (int k = 0; k < 16; k++) {
+                uint8_t l = s[16 * j + k] & 7, h = (s[16 * j + k] >> 4) & 7;
+                uint8_t b = l > h ? l : h;
+                m = b > m ? b : m;
+            }
+            float v = a->vals[(int64_t)e[j] * 8 + m];
+            amax = v > amax ? v : amax;
+            bad += (e[j] < a->lo) | (e[j] > a->hi);
+        }
+        a->amax[g] = amax;
+        for (int64_t j = 0; j < sub; j++) {
+            const uint8_t *map = a->map + 16 * k3_int4_row(a, amax, e[j]);
+            for (int k = 0; k < 16; k++) a->out[16 * (sub * g + j) + k] = k3_nib(map, s[16 * j + k]);
+        }
+    }
+    return bad;
+}
+
+#ifdef K3_HAVE_NIB_SIMD
+/* the largest magnitude code of each of 4 MX groups (64 bytes) in bytes 0..3: each byte's
+ * larger nibble code, then halves folded pairwise until one byte per group is left */
+__attribute__((target("avx2"))) static inline uint32_t k3_max4x16(const uint8_t *s) {
+    const __m128i m7 = _mm_set1_epi8(7);
+    __m128i x[4];
+    for (int j = 0; j < 4; j++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(s + 16 * j));
+        x[j] = _mm_max_epu8(_mm_and_si128(v, m7), _mm_and_si128(_mm_srli_epi16(v, 4), m7));
+    }
+    /* 8 bytes per group: [x0 | x1], [x2 | x3] */
+    __m128i a = _mm_max_epu8(_mm_unpacklo_epi64(x[0], x[1]), _mm_unpackhi_epi64(x[0], x[1]));
+    __m128i b = _mm_max_epu8(_mm_unpacklo_epi64(x[2], x[3]), _mm_unpackhi_epi64(x[2], x[3]));
+    /* 4 bytes per group: one dword each */
+    __m128 af = _mm_castsi128_ps(a), bf = _mm_castsi128_ps(b);
+    __m128i c = _mm_max_epu8(_mm_castps_si128(_mm_shuffle_ps(af, bf, _MM_SHUFFLE(2, 0, 2, 0))),
+                             _mm_castps_si128(_mm_shuffle_ps(af, bf, _MM_SHUFFLE(3, 1, 3, 1))));
+    c = _mm_max_epu8(c, _mm_srli_epi32(c, 16));
+    c = _mm_max_epu8(c, _mm_srli_epi32(c, 8));
+    const __m128i pick = _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       -1);
+    return (uint32_t)_mm_cvtsi128_si32(_mm_shuffle_epi8(c, pick));
+}
+
+__attribute__((target("avx2"))) static inline uint32_t k3_max1x16(const uint8_t *s) {
+    const __m128i m7 = _mm_set1_epi8(7);
+    __m128i v = _mm_loadu_si128((const __m128i *)s);
+    __m128i x = _mm_max_epu8(_mm_and_si128(v, m7), _mm_and_si128(_mm_srli_epi16(v, 4), m7));
+    x = _mm_max_epu8(x, _mm_srli_si128(x, 8));
+    x = _mm_max_epu8(x, _mm_srli_si128(x, 4));
+    x = _mm_max_epu8(x, _mm_srli_si128(x, 2));
+    x = _mm_max_epu8(x, _mm_srli_si128(x, 1));
+    return (uint32_t)_mm_cvtsi128_si32(x) & 0xFF;
+}
+
+/* the portable loop's arithmetic: group maxima compared as float32 bits (all values are
+ * >= +0, where the bits order like the values), the row base and clamp once per group */
+__attribute__((target("avx2"))) static int64_t k3_mx_int4_avx2(const k3_int4_args *a,
+                                                              int64_t lo, int64_t hi) {
+    int64_t sub = a->sub;
+    const uint32_t *vb = (const uint32_t *)a->vals;
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * sub * g, *e = a->codes + sub * g;
+        uint8_t *o = a->out + 16 * sub * g;
+        uint32_t top = 0;
+        int64_t j = 0;
+        for (; j + 4 <= sub; j += 4) {
+            uint32_t m = k3_max4x16(s + 16 * j);
+            for (int k = 0; k < 4; k++) {
+                uint32_t f = vb[(int64_t)e[j + k] * 8 + ((m >> (8 * k)) & 0xFF)];
+                top = f > top ? f : top;
+            }
+        }
+        for (; j < sub; j++) {
+            uint32_t f = vb[(int64_t)e[j] * 8 + k3_max1x16(s + 16 * j)];
+            top = f > top ? f : top;
+        }
+        memcpy(&a->amax[g], &top, 4);
+        int cls = top == 0 ? 2 : (top & 0x7FFFFFu) != 0;
+        int k = (int)(top >> 23);
+        const uint8_t *base = a->map + 16 * ((int64_t)cls * a->span - a->d_lo);
+        for (j = 0; j < sub; j++) {
+            int d = (int)e[j] - k;
+            d = d < a->d_lo ? a->d_lo : d;
+            d = d > a->d_hi ? a->d_hi : d;
+            __m128i mm = _mm_loadu_si128((const __m128i *)(base + 16 * d));
+            __m128i v = _mm_loadu_si128((const __m128i *)(s + 16 * j));
+            _mm_storeu_si128((__m128i *)(o + 16 * j), k3_nib16(v, mm, mm));
+        }
+    }
+    /* the codes outside [lo, hi], counted apart (a loop the compiler vectorises) */
+    int64_t bad = 0;
+    const uint8_t *e = a->codes;
+    for (int64_t i = sub * lo; i < sub * hi; i++) bad += (e[i] < a->lo) | (e[i] > a->hi);
+    return bad;
+}
+#endif
+
+static int64_t k3_mx_int4_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_int4_args *a = (const k3_int4_args *)c;
+#ifdef K3_HAVE_NIB_SIMD
+    if (a->simd && __builtin_cpu_supports("avx2")) return k3_mx_int4_avx2(a, lo, hi);
+#endif
+    return k3_mx_int4_generic(a, lo, hi);
+}
+
+/* groups int groups of sub MX groups; map: uint8 [3 * span x 16] nibble maps */
+int64_t k3_mx_int4(const uint8_t *src, const uint8_t *codes, int64_t groups, int64_t sub,
+                   const float *vals, int lo, int hi, int span, int d_lo, int d_hi,
+                   const uint8_t *map, uint8_t *out, float *amax, int simd, int nthreads) {
+    k3_int4_args a = {src, codes, map, vals, out, amax, sub, lo, hi, span, d_lo, d_hi, simd};
+    return k3_parallel(k3_mx_int4_body, &a, groups, 1, nthreads);
 }
 
 /* -- FP4 -> bfloat16 / float32 by bit arithmetic ------------------------------------
@@ -273,7 +514,7 @@ static inline uint32_t k3_e2m1_f32(uint32_t n, uint32_t add) {
 
 /* MXFP4 [groups x 16 bytes], one E8M0 code per 16 bytes -> bfloat16 bits [groups x 32];
  * table: the (code, byte) pair table of the reference (two bf16 in a uint32) */
-void k3_mxfp4_bf16_generic(const uint8_t *restrict src, const uint8_t *restrict codes,
+static void k3_mxfp4_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                            int64_t groups, const uint32_t *restrict table,
                                   uint16_t *restrict out) {
     int stream = k3_can_stream(out);
@@ -354,7 +595,7 @@ __attribute__((target("avx2"))) static void k3_mxfp4_bf16_avx2(
 
 /* MXFP4 [groups x 16 bytes], one E8M0 code per 16 bytes -> bfloat16 bits [groups x 32];
  * table: the (code, byte) pair table of the reference (two bf16 in a uint32) */
-void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+static void k3_mxfp4_bf16_1(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
                    const uint32_t *restrict table, uint16_t *restrict out) {
 #ifdef K3_HAVE_AVX2_PATH
     if (__builtin_cpu_supports("avx2")) {
@@ -362,11 +603,11 @@ void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, i
         return;
     }
 #endif
-    k3_mxfp4_bf16_generic(src, codes, groups, table, out);
+    k3_mxfp4_bf16_generic_1(src, codes, groups, table, out);
 }
 
 /* the same to float32 bits [groups x 32]; table: float32 pairs in a uint64 */
-K3_CLONES void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes,
+K3_CLONES static void k3_mxfp4_f32_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                             int64_t groups, const uint64_t *restrict table,
                             uint32_t *restrict out) {
     for (int64_t g = 0; g < groups; g++) {
@@ -386,72 +627,266 @@ K3_CLONES void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict
     }
 }
 
-/* NVFP4 [groups x 8 bytes] with float32 effective scales eff[g] (scale / global, as the
- * reference computes them) -> E2M1 x eff in float32 [groups x 16]: 256 groups at a time,
- * the E2M1 values by bit arithmetic, then the products, each step a loop the compiler
- * vectorises; a group whose eff is not finite is then rewritten from the reference's pair
- * table (float32 pairs in a uint64) */
-#define K3_NV_BLOCK 256
-typedef union {
-    uint32_t u[16 * K3_NV_BLOCK];
-    float f[16 * K3_NV_BLOCK];
-} k3_nv_buf;
-
-static inline void k3_nv_block(const uint8_t *restrict s, const float *restrict eff,
-                               int64_t n, k3_nv_buf *restrict buf) {
-    for (int64_t i = 0; i < 8 * n; i++) {
-        buf->u[2 * i] = k3_e2m1_f32(s[i] & 15, 0);
-        buf->u[2 * i + 1] = k3_e2m1_f32(s[i] >> 4, 0);
-    }
-    for (int64_t g = 0; g < n; g++) {
-        float f = eff[g];
-        for (int k = 0; k < 16; k++) buf->f[16 * g + k] *= f;
+/* NVFP4 [groups x 8 bytes], one e4m3 scale byte per 8 bytes -> [groups x 16] values
+ * through the tensor's nibble table: lut row c holds the 16 outputs of the 16 E2M1
+ * nibbles under scale byte c (the reference's float32 E2M1 x (scale / global) rounded to
+ * the output dtype, computed by torch once per tensor), so each output is a copy of a
+ * table entry - the reference's bits whatever the scale (NaN, overflow, subnormal).
+ * bfloat16: per code 16 low bytes then 16 high bytes (two byte shuffles give 16 values);
+ * float32: per code 16 words (two 8-word permutes and a blend give 8). */
+static inline void k3_nvlut_bf16_group(const uint8_t *s, const uint8_t *t, uint16_t *o) {
+    for (int k = 0; k < 8; k++) {
+        uint8_t lo = s[k] & 15, hi = s[k] >> 4;
+        o[2 * k] = (uint16_t)(t[lo] | (t[16 + lo] << 8));
+        o[2 * k + 1] = (uint16_t)(t[hi] | (t[16 + hi] << 8));
     }
 }
 
-K3_CLONES void k3_nvfp4_f32(const uint8_t *restrict src, const float *restrict eff,
-                            const uint8_t *restrict codes, int64_t groups,
-                            const uint64_t *restrict table, float *restrict out) {
-    k3_nv_buf buf;
-    for (int64_t g0 = 0; g0 < groups; g0 += K3_NV_BLOCK) {
-        int64_t n = groups - g0 < K3_NV_BLOCK ? groups - g0 : K3_NV_BLOCK;
-        k3_nv_block(src + 8 * g0, eff + g0, n, &buf);
-        memcpy(out + 16 * g0, buf.f, (size_t)(16 * n) * sizeof(float));
-    }
+static void k3_nvlut_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                    int64_t groups, const uint8_t *restrict lut,
+                                    uint16_t *restrict out) {
+    for (int64_t g = 0; g < groups; g++)
+        k3_nvlut_bf16_group(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
+}
+
+static void k3_nvlut_f32_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                   int64_t groups, const uint32_t *restrict lut,
+                                   uint32_t *restrict out) {
     for (int64_t g = 0; g < groups; g++) {
-        float f = eff[g];
-        if (!(f - f == 0.0f)) { /* NaN or infinite */
-            const uint64_t *t = table + ((int64_t)codes[g] << 8);
-            for (int k = 0; k < 8; k++) memcpy(out + 16 * g + 2 * k, &t[src[8 * g + k]], 8);
+        const uint8_t *s = src + 8 * g;
+        const uint32_t *t = lut + 16 * (int64_t)codes[g];
+        uint32_t *o = out + 16 * g;
+        for (int k = 0; k < 8; k++) {
+            o[2 * k] = t[s[k] & 15];
+            o[2 * k + 1] = t[s[k] >> 4];
         }
     }
 }
 
-/* float32 bits -> bfloat16 bits, round to nearest even (torch's rounding of finite
- * values and infinities; NaN products come only from non-finite eff, rewritten after) */
-static inline uint16_t k3_bf16_rne(uint32_t x) {
-    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
-
-/* the same rounded to bfloat16 bits [groups x 16]; table: bf16 pairs in a uint32 */
-K3_CLONES void k3_nvfp4_bf16(const uint8_t *restrict src, const float *restrict eff,
-                             const uint8_t *restrict codes, int64_t groups,
-                             const uint32_t *restrict table, uint16_t *restrict out) {
-    k3_nv_buf buf;
-    for (int64_t g0 = 0; g0 < groups; g0 += K3_NV_BLOCK) {
-        int64_t n = groups - g0 < K3_NV_BLOCK ? groups - g0 : K3_NV_BLOCK;
-        k3_nv_block(src + 8 * g0, eff + g0, n, &buf);
-        uint16_t *o = out + 16 * g0;
-        for (int64_t i = 0; i < 16 * n; i++) o[i] = k3_bf16_rne(buf.u[i]);
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        float f = eff[g];
-        if (!(f - f == 0.0f)) {
-            const uint32_t *t = table + ((int64_t)codes[g] << 8);
-            for (int k = 0; k < 8; k++) memcpy(out + 16 * g + 2 * k, &t[src[8 * g + k]], 4);
+#ifdef K3_HAVE_AVX2_PATH
+/* two groups (16 bytes, 32 values, 64 output bytes) per step */
+__attribute__((target("avx2"))) static void k3_nvlut_bf16_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+    const uint8_t *restrict lut, uint16_t *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    int stream = ((uintptr_t)out & 31) == 0;
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        const uint8_t *ta = lut + 32 * (int64_t)codes[g], *tb = lut + 32 * (int64_t)codes[g + 1];
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + 8 * g));
+        __m128i lo = _mm_and_si128(v, m4);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        __m128i n0 = _mm_unpacklo_epi8(lo, hi); /* the nibbles of group g, value order */
+        __m128i n1 = _mm_unpackhi_epi8(lo, hi); /* group g + 1 */
+        __m128i l0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)ta), n0);
+        __m128i h0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(ta + 16)), n0);
+        __m128i l1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)tb), n1);
+        __m128i h1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(tb + 16)), n1);
+        __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi8(l0, h0), _mm_unpacklo_epi8(l0, h0));
+        __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi8(l1, h1), _mm_unpacklo_epi8(l1, h1));
+        __m256i *o = (__m256i *)(out + 16 * g);
+        if (stream) {
+            _mm256_stream_si256(o, w0);
+            _mm256_stream_si256(o + 1, w1);
+        } else {
+            _mm256_storeu_si256(o, w0);
+            _mm256_storeu_si256(o + 1, w1);
         }
     }
+    if (stream) _mm_sfence();
+    if (g < groups) k3_nvlut_bf16_group(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
+}
+
+__attribute__((target("avx2"))) static void k3_nvlut_f32_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+    const uint32_t *restrict lut, uint32_t *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    int stream = ((uintptr_t)out & 31) == 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint32_t *t = lut + 16 * (int64_t)codes[g];
+        __m256 tl = _mm256_loadu_ps((const float *)t), th = _mm256_loadu_ps((const float *)t + 8);
+        __m128i v = _mm_loadl_epi64((const __m128i *)(src + 8 * g));
+        __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, m4),
+                                      _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        __m256i i0 = _mm256_cvtepu8_epi32(n), i1 = _mm256_cvtepu8_epi32(_mm_srli_si128(n, 8));
+        /* entries 0..7 or 8..15 by bit 3 of the nibble (moved to the sign bit) */
+        __m256 r0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i0),
+                                     _mm256_permutevar8x32_ps(th, i0),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)));
+        __m256 r1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i1),
+                                     _mm256_permutevar8x32_ps(th, i1),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(i1, 28)));
+        float *o = (float *)(out + 16 * g);
+        if (stream) {
+            _mm256_stream_ps(o, r0);
+            _mm256_stream_ps(o + 8, r1);
+        } else {
+            _mm256_storeu_ps(o, r0);
+            _mm256_storeu_ps(o + 8, r1);
+        }
+    }
+    if (stream) _mm_sfence();
+}
+#endif
+
+/* -- the exported kernels: the loops above over nthreads contiguous ranges ----------- */
+typedef struct {
+    const void *src, *key, *aux, *table, *stab; /* as each kernel names them */
+    void *out, *sout;
+    int64_t per;
+    int flag;
+} k3_args;
+
+#define K3_GATHER(NAME, T)                                                              \
+    static int64_t NAME##_body(const void *c, int64_t lo, int64_t hi) {                 \
+        const k3_args *a = (const k3_args *)c;                                          \
+        NAME##_1((const uint8_t *)a->src + lo * a->per, (const int32_t *)a->key + lo,   \
+                 hi - lo, a->per, (const T *)a->table, (T *)a->out + lo * a->per);      \
+        return 0;                                                                       \
+    }                                                                                   \
+    void NAME(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,      \
+              const T *table, T *out, int nthreads) {                                   \
+        k3_args a = {src, key, NULL, table, NULL, out, NULL, per, 0};                   \
+        k3_parallel(NAME##_body, &a, groups, 1, nthreads);                              \
+    }
+K3_GATHER(k3_gather_u8, uint8_t)
+K3_GATHER(k3_gather_u32, uint32_t)
+K3_GATHER(k3_gather_u64, uint64_t)
+
+/* ranges of whole 256-group blocks: the loop's own blocking (and pairs at per 8) */
+static int64_t k3_max_codes_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_max_codes_1((const uint8_t *)a->src + lo * a->per, hi - lo, a->per,
+                   (uint8_t *)a->out + lo, a->flag);
+    return 0;
+}
+void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
+                  uint8_t *restrict out, int simd, int nthreads) {
+    k3_args a = {src, NULL, NULL, NULL, NULL, out, NULL, per, simd};
+    k3_parallel(k3_max_codes_body, &a, groups, 256, nthreads);
+}
+
+static int64_t k3_nv_maxkeys_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_nv_maxkeys_1((const uint8_t *)a->src + 8 * lo, (const uint8_t *)a->key + lo / 2,
+                    hi - lo, (uint8_t *)a->out + lo, (uint8_t *)a->sout, a->flag);
+    return 0;
+}
+void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   uint8_t *restrict m, uint8_t *seen, int simd, int nthreads) {
+    k3_args a = {src, codes, NULL, NULL, NULL, m, seen, 8, simd};
+    k3_parallel(k3_nv_maxkeys_body, &a, groups, 2, nthreads);
+}
+
+static int64_t k3_nv_requant_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_nv_requant_1((const uint8_t *)a->src + 8 * lo, (const uint8_t *)a->key + lo / 2,
+                    (const uint8_t *)a->aux + lo, hi - lo, (const uint8_t *)a->table,
+                    (const uint8_t *)a->stab, (uint8_t *)a->out + 8 * lo,
+                    (uint8_t *)a->sout + lo, a->flag);
+    return 0;
+}
+void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
+                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
+                   const uint8_t *restrict stab, uint8_t *restrict out,
+                   uint8_t *restrict sout, int simd, int nthreads) {
+    k3_args a = {src, codes, m, map, stab, out, sout, 8, simd};
+    k3_parallel(k3_nv_requant_body, &a, groups, 2, nthreads);
+}
+
+static int64_t k3_gather_nib_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_gather_nib_1((const uint8_t *)a->src + 16 * lo, (const int32_t *)a->key + lo, hi - lo,
+                    (const uint8_t *)a->table, (uint8_t *)a->out + 16 * lo, a->flag);
+    return 0;
+}
+void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
+                   const uint8_t *restrict map, uint8_t *restrict out, int simd,
+                   int nthreads) {
+    k3_args a = {src, key, NULL, map, NULL, out, NULL, 16, simd};
+    k3_parallel(k3_gather_nib_body, &a, groups, 1, nthreads);
+}
+
+/* flag: 0 the AVX2 dispatch, 1 the portable loop */
+static int64_t k3_mxfp4_bf16_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    const uint8_t *s = (const uint8_t *)a->src + 16 * lo, *e = (const uint8_t *)a->key + lo;
+    uint16_t *o = (uint16_t *)a->out + 32 * lo;
+    if (a->flag)
+        k3_mxfp4_bf16_generic_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+    else
+        k3_mxfp4_bf16_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+    return 0;
+}
+void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   const uint32_t *restrict table, uint16_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 0};
+    k3_parallel(k3_mxfp4_bf16_body, &a, groups, 1, nthreads);
+}
+void k3_mxfp4_bf16_generic(const uint8_t *restrict src, const uint8_t *restrict codes,
+                           int64_t groups, const uint32_t *restrict table,
+                           uint16_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 1};
+    k3_parallel(k3_mxfp4_bf16_body, &a, groups, 1, nthreads);
+}
+
+static int64_t k3_mxfp4_f32_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    k3_mxfp4_f32_1((const uint8_t *)a->src + 16 * lo, (const uint8_t *)a->key + lo, hi - lo,
+                   (const uint64_t *)a->table, (uint32_t *)a->out + 32 * lo);
+    return 0;
+}
+void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                  const uint64_t *restrict table, uint32_t *restrict out, int nthreads) {
+    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 0};
+    k3_parallel(k3_mxfp4_f32_body, &a, groups, 1, nthreads);
+}
+
+/* flag bit 0: bfloat16 out (else float32); bit 1: the portable loop (else AVX2 where the
+ * CPU has it) */
+static int64_t k3_nvfp4_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_args *a = (const k3_args *)c;
+    const uint8_t *s = (const uint8_t *)a->src + 8 * lo, *e = (const uint8_t *)a->key + lo;
+    int bf16 = a->flag & 1, simd = !(a->flag & 2);
+#ifdef K3_HAVE_AVX2_PATH
+    simd = simd && __builtin_cpu_supports("avx2");
+#else
+    simd = 0;
+#endif
+    if (bf16) {
+        uint16_t *o = (uint16_t *)a->out + 16 * lo;
+#ifdef K3_HAVE_AVX2_PATH
+        if (simd) {
+            k3_nvlut_bf16_avx2_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+            return 0;
+        }
+#endif
+        k3_nvlut_bf16_generic_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+    } else {
+        uint32_t *o = (uint32_t *)a->out + 16 * lo;
+#ifdef K3_HAVE_AVX2_PATH
+        if (simd) {
+            k3_nvlut_f32_avx2_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+            return 0;
+        }
+#endif
+        k3_nvlut_f32_generic_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+    }
+    return 0;
+}
+/* lut: uint8 [256 x (16 low bytes, 16 high bytes)] of bfloat16 values */
+void k3_nvfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                   const uint8_t *restrict lut, uint16_t *restrict out, int simd,
+                   int nthreads) {
+    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, 8, 1 | (simd ? 0 : 2)};
+    k3_parallel(k3_nvfp4_body, &a, groups, 2, nthreads);
+}
+/* lut: uint32 [256 x 16] float32 bits */
+void k3_nvfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                  const uint32_t *restrict lut, uint32_t *restrict out, int simd, int nthreads) {
+    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, 8, simd ? 0 : 2};
+    k3_parallel(k3_nvfp4_body, &a, groups, 2, nthreads);
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 10; }
+int k3_fp4_kernels_version(void) { return 14; }
