@@ -163,8 +163,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=3584, help="the release's routed width")
     ap.add_argument("--moe", type=int, default=3072, help="the release's expert width")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1],
-                    help="torch (and kernel) threads of the python stages; several: a row each")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="torch (and kernel) threads of the python stages; several: a row each",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="k3fp4_", dir=os.environ.get("TMPDIR")))
     try:

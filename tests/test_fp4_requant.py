@@ -387,8 +387,11 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
     scales = _rand((2048,), seed + 5)
     want = fp4_requant._gather_bytes(packed, nk, fp4_requant._byte_table(full))
     for simd in (True, False):
-        got = _each_thread_count(lambda n, s=simd: list(
-            native.nv_requant(packed, codes, m1, full.view(-1), scales, simd=s, nthreads=n)))
+        got = _each_thread_count(
+            lambda n, s=simd: list(
+                native.nv_requant(packed, codes, m1, full.view(-1), scales, simd=s, nthreads=n)
+            )
+        )
         assert torch.equal(got[0], _flat(want)) and torch.equal(
             got[1], scales[nk.long()].view(-1)), simd  # fmt: skip
 
@@ -435,6 +438,7 @@ def test_int4_kernel_every_loop_and_thread_count(scheme, rows, cols, monkeypatch
             fp4_requant._int_table(s, "weight", fp4_requant.D_HI - fp4_requant.D_LO + 1),
             fp4_requant.INT_CODES, (fp4_requant.D_LO, fp4_requant.D_HI))  # fmt: skip
     for simd in (True, False):
+
         def run(n, simd=simd):
             q, amax, bad = native.mx_int4(*args, simd=simd, nthreads=n)
             assert bad == 0
