@@ -534,3 +534,19 @@ def test_kimi_k25_images_reach_the_layers(tmp_path, capsys):
                "--seq-len", "20"])  # fmt: skip
     assert rc == 2 and "image processor" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("scheme, same", [("int8-channel", True), ("int4-g32-asym", False)])
+def test_awq_clip_step_only_on_group_schemes(work, scheme, same):
+    """AWQ's clip step searches group-wise int Linears on their output error; a
+    per-channel scheme keeps its own rounding (its Gram block would be the whole
+    [in, in] matrix), so with or without the step its parts are the same bytes."""
+    root, llama, _, data = work
+    got = {}
+    for clip in (True, False):
+        _, plan, _, res = _run(llama, data, scheme, "awq", root / f"j-awq-{scheme}-{clip}",
+                               awq_clip=clip)  # fmt: skip
+        got[clip] = {r.name: res.weight_parts(r.name) for r in plan.quantized}
+    diff = [n for n in got[True] if got[True][n] is not None and (got[False][n] is None or any(
+        not torch.equal(got[True][n][k], got[False][n][k]) for k in got[True][n]))]  # fmt: skip
+    assert (not diff) == same, diff

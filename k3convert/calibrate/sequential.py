@@ -105,7 +105,7 @@ class SequentialOptions:
     how static input scales are chosen (:mod:`.observers`: ``minmax``, ``percentile`` of
     |x|, ``mse``-optimal clipping). AWQ: awq_grid / awq_duo_scaling its scale search;
     awq_clip (default on, as the original AWQ's ``auto_clip``): after smoothing, each
-    integer Linear's group ranges are searched for the smallest output error over the
+    group-wise integer Linear's ranges are searched for the smallest output error over the
     calibration tokens (:func:`k3convert.quant.mse_observer.quantize` with the group
     blocks of its inputs' Gram matrix; the scheme's ``mse_grid`` / ``mse_maxshrink``
     set the grid).
@@ -651,10 +651,13 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     by_name = {e.name: e for e in entries.values()}
     mine = {n: rows[n] for n in by_name if n in rows}
     gptq = {n for n, r in mine.items() if algorithm in _GPTQ and gptq_supported(r.scheme)}
-    # AWQ's clip step: every integer Linear's group ranges searched on its output error
+    # AWQ's clip step: every group-wise integer Linear's ranges searched on its output
+    # error (per channel the Gram block would be the whole [in, in] matrix and each
+    # candidate a full quadratic form: those keep the scheme's own rounding)
     clip = set()
     if algorithm == "awq" and options.awq_clip:
-        clip = {n for n, r in mine.items() if isinstance(r.scheme, IntScheme)}
+        clip = {n for n, r in mine.items()
+                if isinstance(r.scheme, IntScheme) and r.scheme.strategy == "group"}  # fmt: skip
     static = {n for n, r in mine.items() if _static(r.scheme)}
     # under torchrun each process solves (and accumulates the Hessians of) its share of
     # the GPTQ Linears, balanced by the solve's cost; the others' come from the journal
