@@ -545,9 +545,10 @@ def quantize(
     (also in ``QuantizeResult.plan.warnings``), or, strict, raised before any work.
 
     weight_observer: ``mse`` searches each group's clip ratio for every integer scheme
-    of the plan (round to nearest, GPTQ's scales and AWQ's final rounding alike;
-    :mod:`.mse_observer`), ``minmax`` the full range; None: the schemes' own (a recipe
-    rule can set ``observer: mse`` in its options).
+    of the plan (round to nearest, GPTQ's fixed scales, and the AWQ rows its clip step
+    does not search: no tokens, per-channel schemes; :mod:`.mse_observer`), ``minmax``
+    the full range; None: the schemes' own (a recipe rule can set ``observer: mse`` in
+    its options).
     """
     t0 = time.perf_counter()
     if workers is None:
