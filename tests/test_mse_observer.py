@@ -141,8 +141,9 @@ def test_never_worse_than_round_to_nearest_per_group(name, dtype):
     la, lb = _group_loss(plain, w, a, mse.mse_norm), _group_loss(mse, w, b, mse.mse_norm)
     # never worse (float32 rounding of the search's own sums: 1e-5), much better in total
     assert bool((lb <= la * (1 + 1e-5)).all())
-    assert float(lb.sum()) < 0.95 * float(la.sum()) if mse.num_bits <= 4 else True
     assert float(lb.sum()) < float(la.sum())
+    if mse.num_bits <= 4:  # a coarse grid: clipping pays off by more than 5 %
+        assert float(lb.sum()) < 0.95 * float(la.sum())
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -261,7 +262,7 @@ def test_fast_search_equals_the_exact_one(name):
     for dtype in (torch.bfloat16, torch.float32):
         w = _weight(seed=3, dtype=dtype)
         exact = scheme._quantize_general(
-            w, "w", rows=lambda g, n: mse_observer._exact_rows(scheme, g, n)
+            w, "w", rows=lambda g, n: mse_observer._rows(scheme, g, n, exact=True)
         )
         fast = scheme.quantize(w)
         assert all(torch.equal(exact[k], fast[k]) for k in exact), (name, dtype)
@@ -276,8 +277,8 @@ def test_huge_and_non_finite_weights(monkeypatch):
     w = _weight(out=16, inp=256)
     w[3, 7], w[3, 8] = 6.0e4, -6.0e4  # (max - min) / 15 fits float16, 15 * scale does not
     calls = []
-    exact = mse_observer._exact_rows
-    monkeypatch.setattr(mse_observer, "_exact_rows", lambda *a: calls.append(1) or exact(*a))
+    exact = mse_observer._exact_candidate
+    monkeypatch.setattr(mse_observer, "_exact_candidate", lambda *a: calls.append(1) or exact(*a))
     parts = scheme.quantize(w)
     assert calls, "the band did not take the exact path"
     assert bool(torch.isfinite(scheme.dequantize(parts)).all())

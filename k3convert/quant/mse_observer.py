@@ -33,22 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from .schemes import _finite_scale
-
 __all__ = ["GroupGram", "candidates", "quantize"]
 
 
 def candidates(grid: int, maxshrink: float) -> list[float]:
     """The shrink ratios tried, widest first (at least the full range)."""
     return [1.0 - i / grid for i in range(max(1, int(maxshrink * grid + 1e-9)))]
-
-
-def _range(scheme, g: torch.Tensor):
-    """(lo, hi) of float32 groups [rows, ng, gs] as the scheme takes them (lo None for a
-    symmetric scheme: the range is +-amax)."""
-    if scheme.symmetric:
-        return None, g.abs().amax(-1)
-    return g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
 
 
 def _clamp(g: torch.Tensor, lo, hi, r: float) -> torch.Tensor:
@@ -84,27 +74,6 @@ class GroupGram:
         return self.sum / max(1, self.tokens)
 
 
-def _exact_rows(scheme, g: torch.Tensor, name: str, gram=None):
-    """:func:`_rows` through :meth:`IntScheme._quantize_rows` of each clamped candidate:
-    its error checks and overflow fallbacks included (NaN / Inf, |w| near the float max)."""
-    lo, hi = _range(scheme, g)
-    qmin, qmax = float(scheme.qmin), float(scheme.qmax)
-    best = None
-    for r in candidates(scheme.mse_grid, scheme.mse_maxshrink):
-        _, scale, zp = scheme._quantize_rows(_clamp(g, lo, hi, r), name)
-        q, loss = _round_and_loss(scheme, g, scale, zp, qmin, qmax, gram)
-        if best is None:
-            best = [loss, q, scale, zp]
-            continue
-        better = loss < best[0]
-        best[0] = torch.where(better, loss, best[0])
-        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
-        best[2] = torch.where(better, scale, best[2])
-        if zp is not None:
-            best[3] = torch.where(better, zp, best[3])
-    return best[1].to(torch.int8), best[2], best[3]
-
-
 def _round_and_loss(scheme, g, scale, zp, qmin, qmax, gram=None):
     """(codes float32, error per group) of groups ``g`` rounded against ``scale`` /
     ``zp`` (values beyond the range saturate), dequantized in the scale's dtype; the
@@ -125,33 +94,36 @@ def _round_and_loss(scheme, g, scale, zp, qmin, qmax, gram=None):
     return q, (err.square_() if norm == 2.0 else err.pow_(norm)).sum(-1)
 
 
-def _rows(scheme, g: torch.Tensor, name: str, gram=None):
+def _rows(scheme, g: torch.Tensor, name: str, gram=None, exact: bool = False):
     """(codes int8, scales, zero points float32 | None) of float32 groups [rows, ng, gs]:
     per group, those of the ratio with the smallest error (see the module doc).
 
-    Each candidate's scale and zero point are computed from the shrunk range alone (what
-    :meth:`IntScheme._quantize_rows` computes for a group clamped to it, without the
-    clamped copy); only the winners' codes are rounded at the end. A band where the
-    full range's extreme codes times its scale could overflow the scale dtype, or that
-    holds NaN / Inf, takes :func:`_exact_rows` (the scheme's checks and fallbacks)."""
-    lo, hi = _range(scheme, g)
+    Each candidate's scale and zero point come from the shrunk range by the scheme's
+    own :meth:`IntScheme._range_qparams`, without a clamped copy of the groups; the
+    winners' codes are rounded once at the end. A band that holds NaN / Inf, or where
+    the full range's extreme codes times its scale could overflow the scale dtype,
+    takes :meth:`IntScheme._quantize_rows` of each clamped candidate instead (its
+    checks and overflow fallbacks: :func:`_exact_candidate`); ``exact`` forces that."""
+    lo, hi = scheme._group_range(g)
     sd = scheme.sdtype
     span = float(scheme.qmax - scheme.qmin)
-    qmin, qmax = float(scheme.qmin), float(scheme.qmax)
-    ok = bool(torch.isfinite(hi).all()) and (lo is None or bool(torch.isfinite(lo).all()))
+    ok = (
+        not exact
+        and bool(torch.isfinite(hi).all())
+        and (lo is None or bool(torch.isfinite(lo).all()))
+    )
     if ok:  # every candidate's scale is at most the full range's
-        s = hi / (span / 2) if lo is None else (hi - lo) / span
-        ok = bool(torch.isfinite(torch.tensor(span).to(sd) * _finite_scale(s, sd).to(sd)).all())
-    if not ok:
-        return _exact_rows(scheme, g, name, gram)
+        _, raw, _ = scheme._range_qparams(lo, hi)
+        ok = bool(torch.isfinite(torch.tensor(span).to(sd) * raw.to(sd)).all())
+
+    def fast(r: float):
+        _, raw, zp = scheme._range_qparams(None if lo is None else lo * r, hi * r)
+        return raw.to(sd), zp
+
+    qmin, qmax = float(scheme.qmin), float(scheme.qmax)
     low = pick_s = pick_z = None
     for r in candidates(scheme.mse_grid, scheme.mse_maxshrink):
-        hr, lr = hi * r, None if lo is None else lo * r
-        raw = _finite_scale(hr / (span / 2) if lr is None else (hr - lr) / span, sd)
-        scale = raw.to(sd)
-        # the zero point from the scale before its rounding, as compressed-tensors'
-        # calculate_qparams (and IntScheme._round) take it
-        zp = None if lr is None else torch.round(torch.clamp(qmin - lr / raw, qmin, qmax))
+        scale, zp = fast(r) if ok else _exact_candidate(scheme, g, lo, hi, r, name)
         _, loss = _round_and_loss(scheme, g, scale, zp, qmin, qmax, gram)
         if low is None:
             low, pick_s, pick_z = loss, scale, zp
@@ -163,6 +135,14 @@ def _rows(scheme, g: torch.Tensor, name: str, gram=None):
             pick_z = torch.where(better, zp, pick_z)
     q, _ = _round_and_loss(scheme, g, pick_s, pick_z, qmin, qmax)
     return q.to(torch.int8), pick_s, pick_z
+
+
+def _exact_candidate(scheme, g, lo, hi, r: float, name: str):
+    """(scale, zp) the scheme's quantizer gives the groups clamped to ``r`` times their
+    range (a clamped group reads back exactly that range), with its checks and
+    overflow fallbacks."""
+    _, scale, zp = scheme._quantize_rows(_clamp(g, lo, hi, r), name)
+    return scale, zp
 
 
 def quantize(

@@ -626,37 +626,53 @@ class IntScheme(Scheme):
                 parts["weight_zero_point"] = zp.to(torch.int8)
         return parts
 
+    def _group_range(self, g: torch.Tensor):
+        """(lo, hi) of float32 groups [rows, ng, gs] as the formulas take them: lo None
+        and hi = max |x| for a symmetric scheme; else min <= 0 <= max."""
+        if self.symmetric:
+            return None, g.abs().amax(-1)
+        return g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+
+    def _range_qparams(self, lo, hi):
+        """(s, raw, zp) of group ranges (:meth:`_group_range`): ``s`` the float32 scale
+        formula, ``raw`` it clamped to the scale dtype's smallest normal (the stored scale
+        is ``raw.to(sdtype)``), ``zp`` the zero point from ``raw`` as compressed-tensors'
+        calculate_qparams takes it (float32; None when symmetric)."""
+        bit_range = float(self.qmax - self.qmin)
+        if lo is None:
+            s = hi / (bit_range / 2)
+        else:
+            s = (hi - lo) / bit_range
+            wide = torch.isinf(s)
+            if bool(wide.any()):  # max - min overflows float32: the same formula in float64
+                s = torch.where(wide, ((hi.double() - lo.double()) / bit_range).float(), s)
+        raw = _finite_scale(s, self.sdtype)
+        zp = None
+        if lo is not None:
+            zp = torch.round(torch.clamp(self.qmin - lo / raw, self.qmin, self.qmax))
+        return s, raw, zp
+
     def _quantize_rows(self, g: torch.Tensor, name: str = "weight"):
         """g: [rows, ng, group] fp32 -> (q int8, scale sd [rows, ng], zp fp32 | None).
 
         compressed-tensors' formulas in float32; a group where they overflow (see the
         module doc) takes a fallback, and what stays non-finite is refused.
         """
-        bit_range = float(self.qmax - self.qmin)
         sd = self.sdtype
-        if self.symmetric:
-            amax = g.abs().amax(-1)
-            if not bool(torch.isfinite(amax).all()):
-                raise _not_finite(self, name, amax)
-            s = amax / (bit_range / 2)
-            lo = None
-        else:
-            lo = g.amin(-1).clamp(max=0)
-            hi = g.amax(-1).clamp(min=0)
-            if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
-                raise _not_finite(self, name, hi - lo)
-            s = (hi - lo) / bit_range
-            wide = torch.isinf(s)
-            if bool(wide.any()):  # max - min overflows float32: the same formula in float64
-                s = torch.where(wide, ((hi.double() - lo.double()) / bit_range).float(), s)
-        scale = _finite_scale(s, sd).to(sd)
+        lo, hi = self._group_range(g)
+        if not bool(torch.isfinite(hi).all()) or (
+            lo is not None and not bool(torch.isfinite(lo).all())
+        ):
+            raise _not_finite(self, name, hi if lo is None else hi - lo)
+        s, raw, zp = self._range_qparams(lo, hi)
+        scale = raw.to(sd)
         if not bool(torch.isfinite(scale).all()):
             big = float(g.abs().amax())
             raise _out_of_range(self, name, big, f"scale of {float(s.max()):.4g}", sd)
         # the zero point from the scale before its rounding to the scale dtype, as
         # compressed-tensors' calculate_qparams does (then round(w / scale + zp) with the
         # stored scale)
-        q, zp = self._round(g, scale, lo, _finite_scale(s, sd) if lo is not None else None)
+        q = self._round(g, scale, zp)
         # (q - zp) * scale is what every loader computes, in the scale's dtype: a bound
         # per group first (cheap), then the values themselves where the bound overflows
         qmin = torch.tensor(float(-self.qmin))
@@ -684,23 +700,13 @@ class IntScheme(Scheme):
                 zp = torch.where(over, torch.zeros_like(zp), zp)
         return q, scale, zp
 
-    def _round(
-        self,
-        g: torch.Tensor,
-        scale: torch.Tensor,
-        lo: torch.Tensor | None,
-        raw: torch.Tensor | None = None,
-    ):
-        """(q int8, zp fp32 | None) of groups g under ``scale`` (compressed-tensors);
-        ``raw``: the float32 scale before rounding to the scale dtype (the zero point's)."""
-        s32 = scale.float()
-        if lo is None:
-            q = torch.round((g / s32[..., None]).clamp_(self.qmin, self.qmax))
-            return q.to(torch.int8), None
-        zs = s32 if raw is None else raw.float()
-        zp = torch.round(torch.clamp(self.qmin - lo / zs, self.qmin, self.qmax))
-        q = torch.round((g / s32[..., None] + zp[..., None]).clamp_(self.qmin, self.qmax))
-        return q.to(torch.int8), zp
+    def _round(self, g: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None):
+        """q int8 of groups g under ``scale`` and ``zp`` (compressed-tensors'
+        ``round(clamp(w / scale + zp))``)."""
+        x = g / scale.float()[..., None]
+        if zp is not None:
+            x = x + zp[..., None]
+        return torch.round(x.clamp_(self.qmin, self.qmax)).to(torch.int8)
 
     def dequantize(self, parts):
         """(q - zp) * scale computed in the scale's dtype (as compressed-tensors) -> fp32."""
