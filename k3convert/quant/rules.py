@@ -205,6 +205,15 @@ class Plan:
             out.setdefault(key, r.scheme)
         return out
 
+    def distinct_schemes(self) -> list[Scheme]:
+        """The quantized rows' schemes in first-use order: config group ``group_<i>`` of
+        :meth:`quantization_config` is the i-th."""
+        distinct: list[Scheme] = []
+        for r in self.quantized:
+            if r.scheme not in distinct:
+                distinct.append(r.scheme)
+        return distinct
+
     def totals(self) -> tuple[int, int]:
         return sum(r.src_bytes for r in self.rows), sum(r.out_bytes for r in self.rows)
 
@@ -224,10 +233,7 @@ class Plan:
         by_tpl: dict[str, list[Decision]] = {}
         for r in linear_rows:
             by_tpl.setdefault(_template(r.module), []).append(r)
-        distinct: list[Scheme] = []
-        for r in self.quantized:
-            if r.scheme not in distinct:
-                distinct.append(r.scheme)
+        distinct = self.distinct_schemes()
         targets: dict[int, list[str]] = {i: [] for i in range(len(distinct))}
         ignore: list[str] = []
         for tpl, rows in by_tpl.items():

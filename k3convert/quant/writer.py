@@ -474,14 +474,11 @@ def _mark_actorder(cfg: dict, plan: Plan, calibrated, provenance: dict | None) -
         return
     groups = (cfg.get("quantization_config") or {}).get("config_groups") or {}
     solved = set(calibrated.part_rows) - set(calibrated.fallbacks)
-    distinct: list = []
-    for r in plan.quantized:  # the order Plan.quantization_config numbers its groups in
-        if r.scheme not in distinct:
-            distinct.append(r.scheme)
-        if r.name in solved:
-            g = groups.get(f"group_{distinct.index(r.scheme)}")
-            if g is not None and isinstance(g.get("weights"), dict):
-                g["weights"]["actorder"] = "static"
+    used = {r.scheme for r in plan.quantized if r.name in solved}
+    for i, scheme in enumerate(plan.distinct_schemes()):
+        g = groups.get(f"group_{i}")
+        if scheme in used and g is not None and isinstance(g.get("weights"), dict):
+            g["weights"]["actorder"] = "static"
 
 
 def quantize(
