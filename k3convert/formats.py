@@ -556,7 +556,8 @@ def nvfp4_reference(
     return vals.mul_(eff.unsqueeze(-1)).view(out, inp).to(dtype)
 
 
-#: (dtype) -> the MXFP4 pair table: the reference on every (E8M0 code, byte) pair
+#: (dtype) -> the MXFP4 pair table: the reference on every (E8M0 code, byte) pair (the
+#: torch path's, without the kernels)
 _MX_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -574,11 +575,30 @@ def _pair_values(vals: torch.Tensor) -> torch.Tensor:
     return vals.view(256, 256, 16, 2)[:, :, 0, :].contiguous()
 
 
+def _mx_values(dtype: torch.dtype) -> torch.Tensor:
+    """[256 E8M0 codes, 16 nibbles] ``dtype``: :func:`mxfp4_reference`'s own output for
+    each nibble under each code (one MX group per code, byte k holding nibble k low and 0
+    high), computed once per dtype."""
+    vals = _MX_VALUES.get(dtype)
+    if vals is None:
+        packed = torch.arange(16, dtype=torch.uint8).repeat(256, 1)
+        codes = torch.arange(256, dtype=torch.uint8).unsqueeze(1)
+        ref = mxfp4_reference({"weight_packed": packed, "weight_scale": codes}, QuantParams(),
+                              dtype)  # fmt: skip
+        vals = _MX_VALUES[dtype] = ref[:, 0::2].contiguous()
+    return vals
+
+
+#: (dtype) -> :func:`_mx_values`
+_MX_VALUES: dict[torch.dtype, torch.Tensor] = {}
+
+
 def _deq_mxfp4(
     p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """:func:`mxfp4_reference` bit for bit: the exponent-add kernel of
-    :mod:`k3convert.native` where it is available, else one (E8M0 code, byte) table gather
+    """:func:`mxfp4_reference` bit for bit: the nibble-table kernel of
+    :mod:`k3convert.native` (every output a copy of :func:`_mx_values`' entry for its
+    code and nibble) where it is available, else one (E8M0 code, byte) pair-table gather
     (:mod:`k3convert.quant.fp4_decode`)."""
     from . import native
     from .quant import fp4_decode
@@ -586,14 +606,15 @@ def _deq_mxfp4(
     if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
         return mxfp4_reference(p, q, dtype)
     _check_fp4_groups(p, MX_GROUP)
+    packed, codes = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
+    if packed.numel() and native.ENABLED and native.library() is not None:
+        got = native.fp4_decode(packed, codes, _mx_values(dtype), dtype, MX_GROUP)
+        if got is not None:
+            return got
     table = _MX_TABLES.get(dtype)
     if table is None:
         ref = mxfp4_reference(_all_pairs(torch.uint8), q, dtype)
         table = _MX_TABLES[dtype] = fp4_decode.pair_table(_pair_values(ref), dtype)
-    packed, codes = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
-    got = native.mxfp4_decode(packed, codes, table, dtype) if packed.numel() else None
-    if got is not None:  # the exponent-add kernel; the table where that is not exact
-        return got
     return fp4_decode.decode(packed, codes, MX_GROUP, table, dtype)
 
 
@@ -616,7 +637,7 @@ def _deq_nvfp4(
     packed, stored = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
     codes = stored.view(torch.uint8)
     if packed.numel() and native.ENABLED and native.library() is not None:
-        got = native.nvfp4_decode(packed, codes, _nv_values(g, dtype), dtype)
+        got = native.fp4_decode(packed, codes, _nv_values(g, dtype), dtype, NV_GROUP)
         if got is not None:
             return got
     return fp4_decode.decode(packed, codes, NV_GROUP, _nv_table(g, dtype), dtype)

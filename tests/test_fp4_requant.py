@@ -115,25 +115,34 @@ def test_kernel_wrappers_refuse_bad_arguments():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mxfp4_decode_every_pair(path, dtype):
-    """Every (E8M0 code, byte) pair - the exponent-add kernel's range and the table's -
-    decodes to the reference's bits."""
+    """Every (E8M0 code, byte) pair, codes 0 (subnormal results), 254 (overflow) and 255
+    (NaN) included, decodes to the reference's bits."""
     p = fmt._all_pairs(torch.uint8)
     got = fmt._deq_mxfp4(p, fmt.QuantParams(), dtype)
     assert torch.equal(_bytes(got), _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)))
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-def test_mxfp4_bf16_portable_loop_equals_the_simd_one():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_portable_loop_equals_the_simd_one(dtype):
     """The AVX2 loop (chosen at run time where the CPU has it) and the portable one give
-    the reference's bits on every pair."""
+    the reference's bits on every (code, byte) pair."""
     p = fmt._all_pairs(torch.uint8)
-    fmt._deq_mxfp4(p, fmt.QuantParams(), torch.bfloat16)  # builds the table
-    table = fmt._MX_TABLES[torch.bfloat16]
-    want = _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), torch.bfloat16))
-    for generic in (False, True):
-        got = native.mxfp4_decode(p["weight_packed"], p["weight_scale"], table, torch.bfloat16,
-                                  generic=generic)  # fmt: skip
-        assert torch.equal(_bytes(got), want), generic
+    want = _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
+    for simd in (True, False):
+        got = native.fp4_decode(p["weight_packed"], p["weight_scale"], fmt._mx_values(dtype),
+                                dtype, fmt.MX_GROUP, simd=simd)  # fmt: skip
+        assert torch.equal(_bytes(got), want), simd
+
+
+def test_mxfp4_torch_path_every_pair(monkeypatch):
+    """Without the kernels: the (code, byte) pair-table gather, the reference's bits."""
+    monkeypatch.setattr(native, "ENABLED", False)
+    p = fmt._all_pairs(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = fmt._deq_mxfp4(p, fmt.QuantParams(), dtype)
+        want = fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)
+        assert torch.equal(_bytes(got), _bytes(want)), dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -359,13 +368,11 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
     # MXFP4 decode, both loops and both dtypes, against the reference
     p = {"weight_packed": packed, "weight_scale": mx}
     for dtype in (torch.bfloat16, torch.float32):
-        fmt._deq_mxfp4(fmt._all_pairs(torch.uint8), fmt.QuantParams(), dtype)  # the table
-        table = fmt._MX_TABLES[dtype]
         want = _flat(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
-        for generic in (False, True) if dtype == torch.bfloat16 else (False,):
-            got = _each_thread_count(lambda n, d=dtype, t=table, gen=generic: [
-                native.mxfp4_decode(packed, mx, t, d, generic=gen, nthreads=n)])  # fmt: skip
-            assert torch.equal(got[0], want), (dtype, generic)
+        for simd in (True, False):
+            got = _each_thread_count(lambda n, d=dtype, s=simd: [native.fp4_decode(
+                packed, mx, fmt._mx_values(d), d, fmt.MX_GROUP, simd=s, nthreads=n)])  # fmt: skip
+            assert torch.equal(got[0], want), (dtype, simd)
     # the nibble maps of the requantization, AVX2 and portable
     maps = _rand((40, 16), seed + 2, 0, 16)
     nkey = _rand((rows * cols // 16,), seed + 3, 0, 40).to(torch.int32)
@@ -382,7 +389,9 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
             m, seen = native.nv_maxkeys(packed, codes, simd=simd, nthreads=n)
             assert torch.equal(m, m1) and torch.equal(seen, c1), (n, simd)
     nk = codes.to(torch.int32).repeat_interleave(2, dim=1) * 8 + m1
-    assert torch.equal(c1, (torch.bincount(nk.view(-1), minlength=2048) > 0).to(torch.uint8))
+    top = codes.to(torch.int32) * 8 + m1.view(rows, -1, 2).amax(-1)  # per MX group
+    assert torch.equal(c1, (torch.bincount(top.view(-1), minlength=2048) > 0).to(torch.uint8))
+    assert set(fp4_requant._up_to_marked(c1).tolist()) >= set(nk.view(-1).tolist())
     full = _rand((2048, 16), seed + 4, 0, 16)
     scales = _rand((2048,), seed + 5)
     want = fp4_requant._gather_bytes(packed, nk, fp4_requant._byte_table(full))
@@ -414,8 +423,8 @@ def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscal
         want = _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype))
         vals = fmt._nv_values(g, dtype)
         for simd in (True, False):
-            got = _each_thread_count(lambda n, d=dtype, v=vals, s=simd: [
-                native.nvfp4_decode(packed, codes, v, d, simd=s, nthreads=n)])  # fmt: skip
+            got = _each_thread_count(lambda n, d=dtype, v=vals, s=simd: [native.fp4_decode(
+                packed, codes, v, d, fmt.NV_GROUP, simd=s, nthreads=n)])  # fmt: skip
             assert torch.equal(got[0], want), (dtype, simd)
 
 

@@ -35,8 +35,10 @@ from pathlib import Path
 
 import torch
 
+from . import outbuf
+
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 14
+ABI = 15
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -117,11 +119,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         f.restype = None
     lib.k3_max_codes.argtypes = [p, i64, i64, p, i32, i32]
     lib.k3_max_codes.restype = None
-    for name in ("k3_mxfp4_bf16", "k3_mxfp4_bf16_generic", "k3_mxfp4_f32"):
-        getattr(lib, name).argtypes = [p, p, i64, p, p, i32]
-        getattr(lib, name).restype = None
-    for name in ("k3_nvfp4_bf16", "k3_nvfp4_f32"):
-        getattr(lib, name).argtypes = [p, p, i64, p, p, i32, i32]
+    for name in ("k3_fp4_lut_bf16", "k3_fp4_lut_f32"):
+        getattr(lib, name).argtypes = [p, p, i64, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
     lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_nv_maxkeys.restype = None
@@ -229,70 +228,42 @@ def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *, simd: bool = Tr
     return True
 
 
-_OUT = {torch.bfloat16: (torch.int32, 2), torch.float32: (torch.int64, 4)}
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _fp4_args(packed, codes, table, dtype, group):
-    word, _ = _OUT.get(dtype, (None, 0))
-    if (
-        word is None or packed.dtype != torch.uint8 or codes.dtype != torch.uint8
-        or packed.ndim != 2 or table.dtype != word or table.numel() != 65536
-        or codes.numel() * (group // 2) != packed.numel()
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (packed, codes, table))
-    ):  # fmt: skip
-        raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
-
-
-def mxfp4_decode(packed: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
-                 dtype: torch.dtype, *, generic: bool = False,
-                 nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
-    """MXFP4 uint8 ``packed`` [out, in/2] with E8M0 ``codes`` [out, in/32] -> [out, in]
-    ``dtype`` (bfloat16 / float32), bit for bit the values ``table`` (the reference's
-    (code, byte) pair table, int32 / int64 words) holds; None without the kernels."""
-    lib = library() if ENABLED else None
-    if lib is None:
-        return None
-    _fp4_args(packed, codes, table, dtype, 32)
-    out, cols = packed.shape
-    res = torch.empty(out, 2 * cols, dtype=dtype)
-    fn = lib.k3_mxfp4_bf16 if dtype == torch.bfloat16 else lib.k3_mxfp4_f32
-    if generic and dtype == torch.bfloat16:  # the portable loop, not the AVX2 one (tests)
-        fn = lib.k3_mxfp4_bf16_generic
-    n = threads_for(res.numel() * res.element_size(), nthreads)
-    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), table.data_ptr(), res.data_ptr(), n)
-    return res
-
-
-def nvfp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
-                 dtype: torch.dtype, *, simd: bool = True,
-                 nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
-    """NVFP4 uint8 ``packed`` [out, in/2] with e4m3 scale bytes ``codes`` (uint8 [out,
-    in/16]) -> [out, in] ``dtype`` (bfloat16 / float32): value ``values[c, n]`` for nibble
-    ``n`` of a group with scale byte ``c``, ``values`` the tensor's [256, 16] nibble table
-    in ``dtype``; None without the kernels."""
+def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
+               dtype: torch.dtype, group: int, *, simd: bool = True,
+               nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
+    """FP4 uint8 ``packed`` [out, in/2] with one scale byte per ``group`` values in
+    ``codes`` (uint8 [out, in/group]: MXFP4's E8M0 codes at group 32, NVFP4's e4m3 bytes
+    at 16) -> [out, in] ``dtype`` (bfloat16 / float32): value ``values[c, n]`` for nibble
+    ``n`` of a group with scale byte ``c``, ``values`` the [256, 16] nibble table in
+    ``dtype``; None without the kernels. ``simd=False``: the portable loop (tests)."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
     out, cols = packed.shape if packed.ndim == 2 else (0, 0)
+    per = group // 2  # stored bytes per scale byte
     if (
-        dtype not in _OUT or packed.dtype != torch.uint8 or codes.dtype != torch.uint8
-        or packed.ndim != 2 or cols % 8 or tuple(codes.shape) != (out, cols // 8)
+        dtype not in _OUT_DTYPES or group not in (16, 32) or packed.dtype != torch.uint8
+        or codes.dtype != torch.uint8 or packed.ndim != 2 or cols % per
+        or tuple(codes.shape) != (out, cols // per)
         or values.dtype != dtype or tuple(values.shape) != (256, 16)
         or not all(t.device.type == "cpu" for t in (packed, codes, values))
         or not (packed.is_contiguous() and codes.is_contiguous())
     ):  # fmt: skip
-        raise ValueError("native NVFP4 decode: arguments of the wrong dtype, size or layout")
-    res = torch.empty(out, 2 * cols, dtype=dtype)
+        raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
+    res = outbuf.empty((out, 2 * cols), dtype)  # reused pages: no faults per tensor
     if dtype == torch.bfloat16:  # per code its 16 values' low bytes, then their high bytes
         lut = values.contiguous().view(torch.uint8).view(256, 16, 2).transpose(1, 2)
-        fn = lib.k3_nvfp4_bf16
+        fn = lib.k3_fp4_lut_bf16
     else:
         lut = values.contiguous().view(torch.int32)
-        fn = lib.k3_nvfp4_f32
+        fn = lib.k3_fp4_lut_f32
     lut = lut.contiguous()
     n = threads_for(res.numel() * res.element_size(), nthreads)
-    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), lut.data_ptr(), res.data_ptr(),
-       int(simd), n)  # fmt: skip
+    fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), per, lut.data_ptr(),
+       res.data_ptr(), int(simd), n)  # fmt: skip
     return res
 
 
@@ -310,8 +281,10 @@ def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
 def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, simd: bool = True,
                nthreads: int | None = None):  # fmt: skip
     """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, uint8 [2048]
-    1 where the (E8M0 code * 8 + that code) key occurs, else 0) of MXFP4 ``packed`` [out,
-    cols] with ``codes`` [out, cols / 16]; None without the kernels."""
+    1 at E8M0 code * 8 + the larger of an MX group's two NVFP4 maxima, for every MX group,
+    else 0) of MXFP4 ``packed`` [out, cols] with ``codes`` [out, cols / 16]; None without
+    the kernels. Every NVFP4 group's key (code * 8 + its maximum) is at most a marked key
+    of its code."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
@@ -341,7 +314,7 @@ def nv_requant(packed, codes, m, table, scales, *, simd: bool = True,
         or not all(t.is_contiguous() and t.device.type == "cpu" for t in (m, table, scales))
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> NVFP4: tables of the wrong dtype or size")
-    out = torch.empty_like(packed)
+    out = outbuf.empty(packed.shape, packed.dtype)
     sout = torch.empty_like(m)
     ptrs = (t.data_ptr() for t in (packed, codes, m))
     n = threads_for(out.numel(), nthreads)
@@ -402,7 +375,7 @@ def mx_int4(packed: torch.Tensor, codes: torch.Tensor, sub: int, values: torch.T
         or values.device.type != "cpu" or nibmap.device.type != "cpu"
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> int4: tables or group size of the wrong shape")
-    res = torch.empty_like(packed)
+    res = outbuf.empty(packed.shape, packed.dtype)
     amax = torch.empty(out, cols // (16 * sub), dtype=torch.float32)
     n = threads_for(res.numel(), nthreads)
     bad = lib.k3_mx_int4(packed.data_ptr(), codes.data_ptr(), amax.numel(), sub,

@@ -198,10 +198,12 @@ static void k3_max_codes_1(const uint8_t *restrict src, int64_t groups, int64_t 
 }
 
 /* MXFP4 -> NVFP4, pass 1: m[g] = the largest magnitude code of the 8 bytes of NVFP4 group
- * g (half of MX group g / 2), and seen[codes[g / 2] * 8 + m[g]] = 1 (seen: 2048 zeroed
- * bytes: which keys occur, the tables are built for those); groups even. A block of
- * groups at a time, so its maxima are still in L1 when their keys are marked; marks are
- * stores (no counter to read back), into this thread's own flags, then merged. */
+ * g (half of MX group g / 2), and seen[codes[j] * 8 + max(m[2 j], m[2 j + 1])] = 1 for
+ * every MX group j (seen: 2048 zeroed bytes: per E8M0 code, the largest NVFP4 maxima its
+ * MX groups have; the caller builds tables for every code up to those); groups even. A
+ * block of groups at a time, so its maxima are still in L1 when their keys are marked;
+ * marks are stores (no counter to read back), one per MX group, into this thread's own
+ * flags, then merged. */
 #define K3_KEY_BLOCK 2048
 static void k3_nv_maxkeys_1(const uint8_t *restrict src, const uint8_t *restrict codes,
                             int64_t groups, uint8_t *restrict m, uint8_t *seen, int simd) {
@@ -210,7 +212,10 @@ static void k3_nv_maxkeys_1(const uint8_t *restrict src, const uint8_t *restrict
     for (int64_t g0 = 0; g0 < groups; g0 += K3_KEY_BLOCK) {
         int64_t n = groups - g0 < K3_KEY_BLOCK ? groups - g0 : K3_KEY_BLOCK;
         k3_max8(src + 8 * g0, n / 2, m + g0, simd);
-        for (int64_t g = g0; g < g0 + n; g++) h[(int64_t)codes[g >> 1] * 8 + m[g]] = 1;
+        for (int64_t g = g0; g < g0 + n; g += 2) {
+            uint8_t a = m[g], b = m[g + 1];
+            h[(int64_t)codes[g >> 1] * 8 + (a > b ? a : b)] = 1;
+        }
     }
     for (int k = 0; k < 2048; k++) /* atomic: the ranges of other threads mark too */
         if (h[k]) __atomic_store_n(&seen[k], (uint8_t)1, __ATOMIC_RELAXED);
@@ -236,22 +241,37 @@ __attribute__((target("avx2"))) static inline __m128i k3_nib16(__m128i v, __m128
     return _mm_or_si128(a, _mm_slli_epi16(c, 4)); /* c's bytes are < 16: no carry */
 }
 
+/* two MX groups (32 bytes, four NVFP4 groups) per step: lane 0 holds the first MX group,
+ * lane 1 the second; each lane's bytes 0..7 go through its first NVFP4 group's map and
+ * 8..15 through its second's (one shuffle per map and nibble half, a 32-bit blend) */
 __attribute__((target("avx2"))) static void k3_nv_requant_avx2(
     const uint8_t *restrict src, const uint8_t *restrict codes, const uint8_t *restrict m,
     int64_t groups, const uint8_t *restrict map, const uint8_t *restrict stab,
     uint8_t *restrict out, uint8_t *restrict sout) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-        int64_t k0 = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
-        int64_t k1 = (int64_t)codes[g >> 1] * 8 + (m[g + 1] & 7);
-        __m128i v = _mm_loadu_si128((const __m128i *)(src + 8 * g));
-        __m128i m0 = _mm_loadu_si128((const __m128i *)(map + 16 * k0));
-        __m128i m1 = _mm_loadu_si128((const __m128i *)(map + 16 * k1));
-        _mm_storeu_si128((__m128i *)(out + 8 * g), k3_nib16(v, m0, m1));
-        sout[g] = stab[k0];
-        sout[g + 1] = stab[k1];
+    for (; g + 4 <= groups; g += 4) {
+        int64_t e0 = (int64_t)codes[g >> 1] * 8, e1 = (int64_t)codes[(g >> 1) + 1] * 8;
+        int64_t k0 = e0 + (m[g] & 7), k1 = e0 + (m[g + 1] & 7);
+        int64_t k2 = e1 + (m[g + 2] & 7), k3 = e1 + (m[g + 3] & 7);
+        __m256i ma = _mm256_loadu2_m128i((const __m128i *)(map + 16 * k2),
+                                         (const __m128i *)(map + 16 * k0));
+        __m256i mb = _mm256_loadu2_m128i((const __m128i *)(map + 16 * k3),
+                                         (const __m128i *)(map + 16 * k1));
+        __m256i v = _mm256_loadu_si256((const __m256i *)(src + 8 * g));
+        __m256i lo = _mm256_and_si256(v, m4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        __m256i a = _mm256_blend_epi32(_mm256_shuffle_epi8(ma, lo), _mm256_shuffle_epi8(mb, lo),
+                                       0xCC);
+        __m256i c = _mm256_blend_epi32(_mm256_shuffle_epi8(ma, hi), _mm256_shuffle_epi8(mb, hi),
+                                       0xCC);
+        /* c's bytes are < 16: the 16-bit shift carries nothing into the next byte */
+        _mm256_storeu_si256((__m256i *)(out + 8 * g), _mm256_or_si256(a, _mm256_slli_epi16(c, 4)));
+        uint32_t sc = (uint32_t)stab[k0] | (uint32_t)stab[k1] << 8 | (uint32_t)stab[k2] << 16 |
+                      (uint32_t)stab[k3] << 24;
+        memcpy(sout + g, &sc, 4); /* little-endian hosts only: the loader checks */
     }
-    for (; g < groups; g++) { /* never taken: NVFP4 groups come in pairs per MX group */
+    for (; g < groups; g++) { /* the last MX group of an odd count (and odd NVFP4 groups) */
         int64_t key = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
         for (int k = 0; k < 8; k++) out[8 * g + k] = k3_nib(map + 16 * key, src[8 * g + k]);
         sout[g] = stab[key];
@@ -449,192 +469,20 @@ int64_t k3_mx_int4(const uint8_t *src, const uint8_t *codes, int64_t groups, int
     return k3_parallel(k3_mx_int4_body, &a, groups, 1, nthreads);
 }
 
-/* -- FP4 -> bfloat16 / float32 by bit arithmetic ------------------------------------
- * An E2M1 nibble n (sign n & 8, magnitude code m = n & 7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) is
- * 0 for m = 0, else 2**((m >> 1) - 1) * (1 + (m & 1) / 2 for m >= 2). Its float bits are
- * built from m with integer ops the compiler vectorises (no table), and a power-of-two
- * scale 2**(e - 127) is an add to the exponent field, exact while the result stays a
- * normal number: 1 <= (m >> 1) + 126 + e - 127 <= 254 for every m, i.e. 2 <= e <= 252.
- * Groups with another code take the table (bit for bit the same as the reference). */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define K3_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define K3_CLONES
-#endif
-
-/* 64 output bytes per MX group, written with non-temporal stores where the output is
- * 16-byte aligned (torch's allocations are 64-byte aligned): the decoded tensor is 4x
- * the stored bytes and larger than the caches, and streaming stores skip reading every
- * destination line first */
-#if defined(__SSE2__)
-#include <emmintrin.h>
-static inline int k3_can_stream(const void *p) { return ((uintptr_t)p & 15) == 0; }
-static inline void k3_put64(void *dst, const void *src, int stream) {
-    if (stream) {
-        const __m128i *s = (const __m128i *)src;
-        __m128i *d = (__m128i *)dst;
-        _mm_stream_si128(d, _mm_loadu_si128(s));
-        _mm_stream_si128(d + 1, _mm_loadu_si128(s + 1));
-        _mm_stream_si128(d + 2, _mm_loadu_si128(s + 2));
-        _mm_stream_si128(d + 3, _mm_loadu_si128(s + 3));
-    } else {
-        memcpy(dst, src, 64);
-    }
-}
-static inline void k3_fence(int stream) {
-    if (stream) _mm_sfence();
-}
-#else
-static inline int k3_can_stream(const void *p) { (void)p; return 0; }
-static inline void k3_put64(void *dst, const void *src, int stream) {
-    (void)stream;
-    memcpy(dst, src, 64);
-}
-static inline void k3_fence(int stream) { (void)stream; }
-#endif
-
-#define K3_MX_LO 2
-#define K3_MX_HI 252
-
-static inline uint16_t k3_e2m1_bf16(uint16_t n, uint16_t add) {
-    uint16_t m = n & 7;
-    uint16_t big = (uint16_t)(0 - (uint16_t)(m >= 2)); /* 0xFFFF for m >= 2 */
-    uint16_t nz = (uint16_t)(0 - (uint16_t)(m != 0));
-    uint16_t bits = (uint16_t)((((m >> 1) + 126) << 7) | (((m & 1) << 6) & big));
-    return (uint16_t)(((n & 8) << 12) | ((uint16_t)(bits + add) & nz));
-}
-
-static inline uint32_t k3_e2m1_f32(uint32_t n, uint32_t add) {
-    uint32_t m = n & 7;
-    uint32_t big = 0u - (uint32_t)(m >= 2);
-    uint32_t nz = 0u - (uint32_t)(m != 0);
-    uint32_t bits = (((m >> 1) + 126) << 23) | (((m & 1) << 22) & big);
-    return ((n & 8) << 28) | ((bits + add) & nz);
-}
-
-/* MXFP4 [groups x 16 bytes], one E8M0 code per 16 bytes -> bfloat16 bits [groups x 32];
- * table: the (code, byte) pair table of the reference (two bf16 in a uint32) */
-static void k3_mxfp4_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
-                           int64_t groups, const uint32_t *restrict table,
-                                  uint16_t *restrict out) {
-    int stream = k3_can_stream(out);
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *s = src + 16 * g;
-        uint16_t o[32];
-        uint8_t e = codes[g];
-        if (e < K3_MX_LO || e > K3_MX_HI) {
-            const uint32_t *t = table + ((int64_t)e << 8);
-            for (int k = 0; k < 16; k++) memcpy(o + 2 * k, &t[s[k]], 4);
-        } else {
-            uint16_t add = (uint16_t)(((int)e - 127) * 128);
-            for (int k = 0; k < 16; k++) {
-                o[2 * k] = k3_e2m1_bf16(s[k] & 15, add);
-                o[2 * k + 1] = k3_e2m1_bf16(s[k] >> 4, add);
-            }
-        }
-        k3_put64(out + 32 * g, o, stream);
-    }
-    k3_fence(stream);
-}
-
+/* -- FP4 -> bfloat16 / float32 through the tensor's nibble table ----------------------
+ * MXFP4 (one E8M0 code per 16 bytes) and NVFP4 (one e4m3 code per 8 bytes): lut row c
+ * holds the 16 outputs of the 16 E2M1 nibbles under scale byte c, the reference's own
+ * values (computed by torch once per dtype, or per global scale), so every output is a
+ * copy of a table entry: the reference's bits whatever the scale (NaN, overflow,
+ * subnormal). bfloat16: per code 16 low bytes then 16 high bytes (byte shuffles give 32
+ * values at a time); float32: per code 16 words (two 8-word permutes and a blend give 8).
+ * per: the bytes under one code, 8 or 16. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define K3_HAVE_AVX2_PATH 1
-/* AVX2: the unscaled E2M1 value's bf16 bytes by two byte shuffles (low byte, high byte,
- * indexed by the nibble), interleaved into 16-bit words, and the scale's exponent added
- * to every word whose magnitude is not zero: 32 values in a dozen instructions */
-__attribute__((target("avx2"))) static void k3_mxfp4_bf16_avx2(
-    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-    const uint32_t *restrict table, uint16_t *restrict out) {
-    const __m128i lot = _mm_setr_epi8(0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80,
-                                      (char)0xC0, 0, 0, (char)0x80, (char)0xC0, 0, 0x40,
-                                      (char)0x80, (char)0xC0);
-    const __m128i hit = _mm_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80,
-                                      (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0,
-                                      (char)0xC0, (char)0xC0, (char)0xC0);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i mag = _mm256_set1_epi16(0x7FFF);
-    const __m256i zero = _mm256_setzero_si256();
-    int stream = ((uintptr_t)out & 31) == 0;
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *s = src + 16 * g;
-        uint16_t *o = out + 32 * g;
-        uint8_t e = codes[g];
-        if (e < K3_MX_LO || e > K3_MX_HI) {
-            uint16_t tmp[32];
-            const uint32_t *t = table + ((int64_t)e << 8);
-            for (int k = 0; k < 16; k++) memcpy(tmp + 2 * k, &t[s[k]], 4);
-            memcpy(o, tmp, 64);
-            continue;
-        }
-        __m128i v = _mm_loadu_si128((const __m128i *)s);
-        __m128i lo = _mm_and_si128(v, m4);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-        __m128i n0 = _mm_unpacklo_epi8(lo, hi); /* nibbles of values 0..15 */
-        __m128i n1 = _mm_unpackhi_epi8(lo, hi); /* values 16..31 */
-        __m128i l0 = _mm_shuffle_epi8(lot, n0), h0 = _mm_shuffle_epi8(hit, n0);
-        __m128i l1 = _mm_shuffle_epi8(lot, n1), h1 = _mm_shuffle_epi8(hit, n1);
-        __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi8(l0, h0), _mm_unpacklo_epi8(l0, h0));
-        __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi8(l1, h1), _mm_unpacklo_epi8(l1, h1));
-        __m256i add = _mm256_set1_epi16((short)(((int)e - 127) * 128));
-        __m256i z0 = _mm256_cmpeq_epi16(_mm256_and_si256(w0, mag), zero);
-        __m256i z1 = _mm256_cmpeq_epi16(_mm256_and_si256(w1, mag), zero);
-        w0 = _mm256_add_epi16(w0, _mm256_andnot_si256(z0, add));
-        w1 = _mm256_add_epi16(w1, _mm256_andnot_si256(z1, add));
-        if (stream) {
-            _mm256_stream_si256((__m256i *)o, w0);
-            _mm256_stream_si256((__m256i *)o + 1, w1);
-        } else {
-            _mm256_storeu_si256((__m256i *)o, w0);
-            _mm256_storeu_si256((__m256i *)o + 1, w1);
-        }
-    }
-    if (stream) _mm_sfence();
-}
 #endif
 
-/* MXFP4 [groups x 16 bytes], one E8M0 code per 16 bytes -> bfloat16 bits [groups x 32];
- * table: the (code, byte) pair table of the reference (two bf16 in a uint32) */
-static void k3_mxfp4_bf16_1(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                   const uint32_t *restrict table, uint16_t *restrict out) {
-#ifdef K3_HAVE_AVX2_PATH
-    if (__builtin_cpu_supports("avx2")) {
-        k3_mxfp4_bf16_avx2(src, codes, groups, table, out);
-        return;
-    }
-#endif
-    k3_mxfp4_bf16_generic_1(src, codes, groups, table, out);
-}
-
-/* the same to float32 bits [groups x 32]; table: float32 pairs in a uint64 */
-K3_CLONES static void k3_mxfp4_f32_1(const uint8_t *restrict src, const uint8_t *restrict codes,
-                            int64_t groups, const uint64_t *restrict table,
-                            uint32_t *restrict out) {
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *s = src + 16 * g;
-        uint32_t *o = out + 32 * g;
-        uint8_t e = codes[g];
-        if (e < K3_MX_LO || e > K3_MX_HI) {
-            const uint64_t *t = table + ((int64_t)e << 8);
-            for (int k = 0; k < 16; k++) memcpy(o + 2 * k, &t[s[k]], 8);
-            continue;
-        }
-        uint32_t add = (uint32_t)((int32_t)e - 127) << 23;
-        for (int k = 0; k < 16; k++) {
-            o[2 * k] = k3_e2m1_f32(s[k] & 15, add);
-            o[2 * k + 1] = k3_e2m1_f32(s[k] >> 4, add);
-        }
-    }
-}
-
-/* NVFP4 [groups x 8 bytes], one e4m3 scale byte per 8 bytes -> [groups x 16] values
- * through the tensor's nibble table: lut row c holds the 16 outputs of the 16 E2M1
- * nibbles under scale byte c (the reference's float32 E2M1 x (scale / global) rounded to
- * the output dtype, computed by torch once per tensor), so each output is a copy of a
- * table entry - the reference's bits whatever the scale (NaN, overflow, subnormal).
- * bfloat16: per code 16 low bytes then 16 high bytes (two byte shuffles give 16 values);
- * float32: per code 16 words (two 8-word permutes and a blend give 8). */
-static inline void k3_nvlut_bf16_group(const uint8_t *s, const uint8_t *t, uint16_t *o) {
+static inline void k3_lut_bf16_8(const uint8_t *s, const uint8_t *t, uint16_t *o) {
     for (int k = 0; k < 8; k++) {
         uint8_t lo = s[k] & 15, hi = s[k] >> 4;
         o[2 * k] = (uint16_t)(t[lo] | (t[16 + lo] << 8));
@@ -642,21 +490,22 @@ static inline void k3_nvlut_bf16_group(const uint8_t *s, const uint8_t *t, uint1
     }
 }
 
-static void k3_nvlut_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
-                                    int64_t groups, const uint8_t *restrict lut,
-                                    uint16_t *restrict out) {
+static void k3_lut_bf16_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                  int64_t groups, int64_t per, const uint8_t *restrict lut,
+                                  uint16_t *restrict out) {
     for (int64_t g = 0; g < groups; g++)
-        k3_nvlut_bf16_group(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
+        for (int64_t h = 0; h < per; h += 8)
+            k3_lut_bf16_8(src + per * g + h, lut + 32 * (int64_t)codes[g], out + 2 * (per * g + h));
 }
 
-static void k3_nvlut_f32_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
-                                   int64_t groups, const uint32_t *restrict lut,
-                                   uint32_t *restrict out) {
+static void k3_lut_f32_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                 int64_t groups, int64_t per, const uint32_t *restrict lut,
+                                 uint32_t *restrict out) {
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *s = src + 8 * g;
+        const uint8_t *s = src + per * g;
         const uint32_t *t = lut + 16 * (int64_t)codes[g];
-        uint32_t *o = out + 16 * g;
-        for (int k = 0; k < 8; k++) {
+        uint32_t *o = out + 2 * per * g;
+        for (int64_t k = 0; k < per; k++) {
             o[2 * k] = t[s[k] & 15];
             o[2 * k + 1] = t[s[k] >> 4];
         }
@@ -664,65 +513,98 @@ static void k3_nvlut_f32_generic_1(const uint8_t *restrict src, const uint8_t *r
 }
 
 #ifdef K3_HAVE_AVX2_PATH
-/* two groups (16 bytes, 32 values, 64 output bytes) per step */
-__attribute__((target("avx2"))) static void k3_nvlut_bf16_avx2_1(
+/* the nibbles of 16 bytes as bytes, from 16-bit words each holding one source byte:
+ * (w | w << 4) & 0x0F0F puts its low nibble in the word's low byte, its high in the high */
+#define K3_NIBBLES(w) \
+    _mm256_and_si256(_mm256_or_si256((w), _mm256_slli_epi16((w), 4)), _mm256_set1_epi16(0x0F0F))
+
+__attribute__((target("avx2"))) static inline void k3_store2(__m256i *o, __m256i a, __m256i b,
+                                                              int stream) {
+    if (stream) { /* the output is 4x the stored bytes and larger than the caches: streaming
+                   * stores skip reading every destination line first */
+        _mm256_stream_si256(o, a);
+        _mm256_stream_si256(o + 1, b);
+    } else {
+        _mm256_storeu_si256(o, a);
+        _mm256_storeu_si256(o + 1, b);
+    }
+}
+
+/* MXFP4: one code per 16 bytes (32 values, 64 output bytes) per step. The source bytes go
+ * into the words of each lane in the order (0..3, 8..11 | 4..7, 12..15), so the low /
+ * high byte shuffles and one unpack each give values 0..15 and 16..31 in place: five
+ * shuffles and three logic ops per 32 values, no cross-lane fix-up */
+__attribute__((target("avx2"))) static void k3_lut16_bf16_avx2_1(
     const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
     const uint8_t *restrict lut, uint16_t *restrict out) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i order = _mm256_setr_epi8(0, -1, 1, -1, 2, -1, 3, -1, 8, -1, 9, -1, 10, -1, 11,
+                                           -1, 4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14,
+                                           -1, 15, -1);
+    int stream = ((uintptr_t)out & 31) == 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *t = lut + 32 * (int64_t)codes[g];
+        __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+        __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 16)));
+        __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(src + 16 * g)));
+        __m256i n = K3_NIBBLES(_mm256_shuffle_epi8(x, order));
+        __m256i l = _mm256_shuffle_epi8(tl, n), h = _mm256_shuffle_epi8(th, n);
+        k3_store2((__m256i *)(out + 32 * g), _mm256_unpacklo_epi8(l, h),
+                  _mm256_unpackhi_epi8(l, h), stream);
+    }
+    if (stream) _mm_sfence();
+}
+
+/* NVFP4: two codes (16 bytes, 32 values) per step, lane 0 under the first code's table and
+ * lane 1 under the second's, then the lanes' halves put back in order */
+__attribute__((target("avx2"))) static void k3_lut8_bf16_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+    const uint8_t *restrict lut, uint16_t *restrict out) {
     int stream = ((uintptr_t)out & 31) == 0;
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
         const uint8_t *ta = lut + 32 * (int64_t)codes[g], *tb = lut + 32 * (int64_t)codes[g + 1];
-        __m128i v = _mm_loadu_si128((const __m128i *)(src + 8 * g));
-        __m128i lo = _mm_and_si128(v, m4);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-        __m128i n0 = _mm_unpacklo_epi8(lo, hi); /* the nibbles of group g, value order */
-        __m128i n1 = _mm_unpackhi_epi8(lo, hi); /* group g + 1 */
-        __m128i l0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)ta), n0);
-        __m128i h0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(ta + 16)), n0);
-        __m128i l1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)tb), n1);
-        __m128i h1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(tb + 16)), n1);
-        __m256i w0 = _mm256_set_m128i(_mm_unpackhi_epi8(l0, h0), _mm_unpacklo_epi8(l0, h0));
-        __m256i w1 = _mm256_set_m128i(_mm_unpackhi_epi8(l1, h1), _mm_unpacklo_epi8(l1, h1));
-        __m256i *o = (__m256i *)(out + 16 * g);
-        if (stream) {
-            _mm256_stream_si256(o, w0);
-            _mm256_stream_si256(o + 1, w1);
-        } else {
-            _mm256_storeu_si256(o, w0);
-            _mm256_storeu_si256(o + 1, w1);
-        }
+        __m256i tl = _mm256_loadu2_m128i((const __m128i *)tb, (const __m128i *)ta);
+        __m256i th = _mm256_loadu2_m128i((const __m128i *)(tb + 16), (const __m128i *)(ta + 16));
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + 8 * g)));
+        __m256i n = K3_NIBBLES(w);
+        __m256i l = _mm256_shuffle_epi8(tl, n), h = _mm256_shuffle_epi8(th, n);
+        __m256i lo = _mm256_unpacklo_epi8(l, h), hi = _mm256_unpackhi_epi8(l, h);
+        k3_store2((__m256i *)(out + 16 * g), _mm256_permute2x128_si256(lo, hi, 0x20),
+                  _mm256_permute2x128_si256(lo, hi, 0x31), stream);
     }
     if (stream) _mm_sfence();
-    if (g < groups) k3_nvlut_bf16_group(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
+    if (g < groups) k3_lut_bf16_8(src + 8 * g, lut + 32 * (int64_t)codes[g], out + 16 * g);
 }
 
-__attribute__((target("avx2"))) static void k3_nvlut_f32_avx2_1(
-    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+/* float32: 8 bytes (16 values) through one code's table per step */
+__attribute__((target("avx2"))) static void k3_lut_f32_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups, int64_t per,
     const uint32_t *restrict lut, uint32_t *restrict out) {
     const __m128i m4 = _mm_set1_epi8(0x0F);
     int stream = ((uintptr_t)out & 31) == 0;
     for (int64_t g = 0; g < groups; g++) {
         const uint32_t *t = lut + 16 * (int64_t)codes[g];
         __m256 tl = _mm256_loadu_ps((const float *)t), th = _mm256_loadu_ps((const float *)t + 8);
-        __m128i v = _mm_loadl_epi64((const __m128i *)(src + 8 * g));
-        __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, m4),
-                                      _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-        __m256i i0 = _mm256_cvtepu8_epi32(n), i1 = _mm256_cvtepu8_epi32(_mm_srli_si128(n, 8));
-        /* entries 0..7 or 8..15 by bit 3 of the nibble (moved to the sign bit) */
-        __m256 r0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i0),
-                                     _mm256_permutevar8x32_ps(th, i0),
-                                     _mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)));
-        __m256 r1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i1),
-                                     _mm256_permutevar8x32_ps(th, i1),
-                                     _mm256_castsi256_ps(_mm256_slli_epi32(i1, 28)));
-        float *o = (float *)(out + 16 * g);
-        if (stream) {
-            _mm256_stream_ps(o, r0);
-            _mm256_stream_ps(o + 8, r1);
-        } else {
-            _mm256_storeu_ps(o, r0);
-            _mm256_storeu_ps(o + 8, r1);
+        for (int64_t q = 0; q < per; q += 8) {
+            __m128i v = _mm_loadl_epi64((const __m128i *)(src + per * g + q));
+            __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, m4),
+                                          _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            __m256i i0 = _mm256_cvtepu8_epi32(n), i1 = _mm256_cvtepu8_epi32(_mm_srli_si128(n, 8));
+            /* entries 0..7 or 8..15 by bit 3 of the nibble (moved to the sign bit) */
+            __m256 r0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i0),
+                                         _mm256_permutevar8x32_ps(th, i0),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)));
+            __m256 r1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tl, i1),
+                                         _mm256_permutevar8x32_ps(th, i1),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(i1, 28)));
+            float *o = (float *)(out + 2 * (per * g + q));
+            if (stream) {
+                _mm256_stream_ps(o, r0);
+                _mm256_stream_ps(o + 8, r1);
+            } else {
+                _mm256_storeu_ps(o, r0);
+                _mm256_storeu_ps(o + 8, r1);
+            }
         }
     }
     if (stream) _mm_sfence();
@@ -807,46 +689,12 @@ void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int
     k3_parallel(k3_gather_nib_body, &a, groups, 1, nthreads);
 }
 
-/* flag: 0 the AVX2 dispatch, 1 the portable loop */
-static int64_t k3_mxfp4_bf16_body(const void *c, int64_t lo, int64_t hi) {
-    const k3_args *a = (const k3_args *)c;
-    const uint8_t *s = (const uint8_t *)a->src + 16 * lo, *e = (const uint8_t *)a->key + lo;
-    uint16_t *o = (uint16_t *)a->out + 32 * lo;
-    if (a->flag)
-        k3_mxfp4_bf16_generic_1(s, e, hi - lo, (const uint32_t *)a->table, o);
-    else
-        k3_mxfp4_bf16_1(s, e, hi - lo, (const uint32_t *)a->table, o);
-    return 0;
-}
-void k3_mxfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                   const uint32_t *restrict table, uint16_t *restrict out, int nthreads) {
-    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 0};
-    k3_parallel(k3_mxfp4_bf16_body, &a, groups, 1, nthreads);
-}
-void k3_mxfp4_bf16_generic(const uint8_t *restrict src, const uint8_t *restrict codes,
-                           int64_t groups, const uint32_t *restrict table,
-                           uint16_t *restrict out, int nthreads) {
-    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 1};
-    k3_parallel(k3_mxfp4_bf16_body, &a, groups, 1, nthreads);
-}
-
-static int64_t k3_mxfp4_f32_body(const void *c, int64_t lo, int64_t hi) {
-    const k3_args *a = (const k3_args *)c;
-    k3_mxfp4_f32_1((const uint8_t *)a->src + 16 * lo, (const uint8_t *)a->key + lo, hi - lo,
-                   (const uint64_t *)a->table, (uint32_t *)a->out + 32 * lo);
-    return 0;
-}
-void k3_mxfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                  const uint64_t *restrict table, uint32_t *restrict out, int nthreads) {
-    k3_args a = {src, codes, NULL, table, NULL, out, NULL, 16, 0};
-    k3_parallel(k3_mxfp4_f32_body, &a, groups, 1, nthreads);
-}
-
 /* flag bit 0: bfloat16 out (else float32); bit 1: the portable loop (else AVX2 where the
  * CPU has it) */
-static int64_t k3_nvfp4_body(const void *c, int64_t lo, int64_t hi) {
+static int64_t k3_fp4_lut_body(const void *c, int64_t lo, int64_t hi) {
     const k3_args *a = (const k3_args *)c;
-    const uint8_t *s = (const uint8_t *)a->src + 8 * lo, *e = (const uint8_t *)a->key + lo;
+    int64_t per = a->per;
+    const uint8_t *s = (const uint8_t *)a->src + per * lo, *e = (const uint8_t *)a->key + lo;
     int bf16 = a->flag & 1, simd = !(a->flag & 2);
 #ifdef K3_HAVE_AVX2_PATH
     simd = simd && __builtin_cpu_supports("avx2");
@@ -854,39 +702,45 @@ static int64_t k3_nvfp4_body(const void *c, int64_t lo, int64_t hi) {
     simd = 0;
 #endif
     if (bf16) {
-        uint16_t *o = (uint16_t *)a->out + 16 * lo;
+        uint16_t *o = (uint16_t *)a->out + 2 * per * lo;
 #ifdef K3_HAVE_AVX2_PATH
-        if (simd) {
-            k3_nvlut_bf16_avx2_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+        if (simd && per == 16) {
+            k3_lut16_bf16_avx2_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+            return 0;
+        }
+        if (simd && per == 8) {
+            k3_lut8_bf16_avx2_1(s, e, hi - lo, (const uint8_t *)a->table, o);
             return 0;
         }
 #endif
-        k3_nvlut_bf16_generic_1(s, e, hi - lo, (const uint8_t *)a->table, o);
+        k3_lut_bf16_generic_1(s, e, hi - lo, per, (const uint8_t *)a->table, o);
     } else {
-        uint32_t *o = (uint32_t *)a->out + 16 * lo;
+        uint32_t *o = (uint32_t *)a->out + 2 * per * lo;
 #ifdef K3_HAVE_AVX2_PATH
         if (simd) {
-            k3_nvlut_f32_avx2_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+            k3_lut_f32_avx2_1(s, e, hi - lo, per, (const uint32_t *)a->table, o);
             return 0;
         }
 #endif
-        k3_nvlut_f32_generic_1(s, e, hi - lo, (const uint32_t *)a->table, o);
+        k3_lut_f32_generic_1(s, e, hi - lo, per, (const uint32_t *)a->table, o);
     }
     return 0;
 }
-/* lut: uint8 [256 x (16 low bytes, 16 high bytes)] of bfloat16 values */
-void k3_nvfp4_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                   const uint8_t *restrict lut, uint16_t *restrict out, int simd,
-                   int nthreads) {
-    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, 8, 1 | (simd ? 0 : 2)};
-    k3_parallel(k3_nvfp4_body, &a, groups, 2, nthreads);
+/* FP4 [groups x per bytes] (per 8: NVFP4, 16: MXFP4), one scale byte per group ->
+ * bfloat16 [groups x 2 per]; lut: uint8 [256 x (16 low bytes, 16 high bytes)] */
+void k3_fp4_lut_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                     int64_t per, const uint8_t *restrict lut, uint16_t *restrict out, int simd,
+                     int nthreads) {
+    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, per, 1 | (simd ? 0 : 2)};
+    k3_parallel(k3_fp4_lut_body, &a, groups, per == 8 ? 2 : 1, nthreads);
 }
-/* lut: uint32 [256 x 16] float32 bits */
-void k3_nvfp4_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                  const uint32_t *restrict lut, uint32_t *restrict out, int simd, int nthreads) {
-    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, 8, simd ? 0 : 2};
-    k3_parallel(k3_nvfp4_body, &a, groups, 2, nthreads);
+/* the same to float32; lut: uint32 [256 x 16] float32 bits */
+void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+                    int64_t per, const uint32_t *restrict lut, uint32_t *restrict out, int simd,
+                    int nthreads) {
+    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, per, simd ? 0 : 2};
+    k3_parallel(k3_fp4_lut_body, &a, groups, 1, nthreads);
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 14; }
+int k3_fp4_kernels_version(void) { return 15; }

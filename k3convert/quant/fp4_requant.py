@@ -129,13 +129,8 @@ def _gather_bytes(packed: torch.Tensor, rowkey: torch.Tensor, table: torch.Tenso
 
 def _values() -> torch.Tensor:
     """float32 [256 codes, 16 nibbles]: the reference decode of each nibble under each
-    E8M0 code (the pair table's low halves)."""
-    pairs = fmt._MX_TABLES.get(torch.float32)
-    if pairs is None:  # built by the decoder on its first use
-        one = torch.zeros(1, 16, dtype=torch.uint8)
-        fmt._deq_mxfp4({"weight_packed": one, "weight_scale": one[:, :1]}, fmt.QuantParams())
-        pairs = fmt._MX_TABLES[torch.float32]
-    return pairs.view(torch.float32).view(256, 256, 2)[:, :16, 0]
+    E8M0 code."""
+    return fmt._mx_values(torch.float32)
 
 
 #: nibble n -> n's sign with magnitude code min(n & 7, m), for each m: [8, 16]
@@ -168,6 +163,16 @@ def _mx_parts(parts: Mapping[str, torch.Tensor]) -> bool:
         and cols % (fmt.MX_GROUP // 2) == 0
         and tuple(codes.shape) == (out, 2 * cols // fmt.MX_GROUP)
     )
+
+
+def _up_to_marked(seen: torch.Tensor) -> torch.Tensor:
+    """Keys code * 8 + m, ascending, for every m up to the largest marked one of each
+    code (``seen``: uint8 [2048], :func:`k3convert.native.nv_maxkeys`' marks): a superset
+    of the keys that occur with the same largest value (E2M1 values grow with m)."""
+    marked = seen.view(256, 8) != 0
+    top = 7 - marked.flip(1).to(torch.uint8).argmax(1)  # the largest marked m per code
+    top = torch.where(marked.any(1), top, -1)
+    return (torch.arange(8) <= top.unsqueeze(1)).view(-1).nonzero().view(-1)
 
 
 def _present(key: torch.Tensor) -> torch.Tensor:
@@ -204,7 +209,7 @@ def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
     else:
         m, seen = got
         key = None
-        hit = seen.nonzero().view(-1)
+        hit = _up_to_marked(seen)
     vals = _values()
     if global_amax is None:
         global_amax = vals[hit // 8, hit % 8].amax()
