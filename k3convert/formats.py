@@ -643,11 +643,15 @@ def _deq_nvfp4(
     return fp4_decode.decode(packed, codes, NV_GROUP, _nv_table(g, dtype), dtype)
 
 
+#: float32 [256, 1, 1]: the value of each e4m3 byte
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_E4M3 = _E4M3.reshape(256, 1, 1)
+
+
 def _nv_eff(g: torch.Tensor) -> torch.Tensor:
     """float32 [256, 1, 1]: the reference's effective scale (scale / global) of each e4m3
     scale byte under global scale ``g``."""
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    return codes.to(torch.float32).reshape(256, 1, 1) / g
+    return _E4M3 / g
 
 
 def _nv_values(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
