@@ -18,7 +18,8 @@ command's own), interleaved (A B C ... A B C ...), median of ``--repeats`` (3), 
                            what reads every byte, once)
   safe_open mxfp4 (raw)    the same on the MXFP4 files: the raw read of the same bytes
   k3convert mxfp4 -> bf16  open_checkpoint; get(name, bf16) per expert tensor (a new tensor
-                           holding every value), dropped
+                           holding every value), dropped (its memory then serves the next
+                           one: k3convert.native.outbuf, as in every k3convert run)
   k3convert nvfp4 -> bf16  the same on the NVFP4 copy
   mxfp4 -> nvfp4 requant   quantize_stored(ck, name, nvfp4a16): what `k3convert quantize`
                            runs per tensor (the parts scheme.quantize gives for the float32
