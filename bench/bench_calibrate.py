@@ -30,7 +30,9 @@ it with ``CompressedTensorsConfig(dequantize=True)`` (weights only). A row that 
 load that way says so. Schemes x algorithms: w4a16 rtn/gptq/awq, w4a16-asym rtn/awq,
 w8a8 rtn/smoothquant/smoothquant+gptq, fp8 static, fp8-dynamic rtn, and "+mse" rows
 (``--weight-observer mse``: every group's range searched) of rtn / gptq (awq runs its
-clip step, the activation-aware form of that search, by default);
+clip step, the activation-aware form of that search, by default), "+fpt" rows of gptq
+(``--gptq-fp-target 0.5``: GPTAQ-style, the target moved half way to the full-precision
+model's outputs);
 llm-compressor where it has the same scheme + algorithm: GPTQ W4A16, AWQ W4A16_ASYM,
 SmoothQuant+GPTQ W8A8, FP8 (static) via QuantizationModifier, each with its default
 observer ("x llmc": a row's KLD over that llm-compressor row's, same seed; "s x llmc"
@@ -150,13 +152,15 @@ LLMC_RECIPES_G32 = {
 G32_SCHEMES = {"w4a16": "int4-g32", "w4a16-asym": "int4-g32-asym"}
 
 #: quality rows: (k3convert scheme, algorithm, llm-compressor recipe key or None); an
-#: algorithm "X+mse" is X with ``--weight-observer mse`` (the ratio column compares it
-#: with the same llm-compressor row)
+#: algorithm "X+mse" is X with ``--weight-observer mse``, "X+fpt" X with
+#: ``--gptq-fp-target 0.5`` (the ratio column compares them with the same llm-compressor row)
 QUALITY = (
     ("w4a16", "rtn", None),
     ("w4a16", "rtn+mse", None),
     ("w4a16", "gptq", "GPTQ W4A16"),
     ("w4a16", "gptq+mse", "GPTQ W4A16"),
+    ("w4a16", "gptq+fpt", "GPTQ W4A16"),
+    ("w4a16", "gptq+mse+fpt", "GPTQ W4A16"),
     ("w4a16", "awq", None),
     ("w4a16-asym", "rtn", None),
     ("w4a16-asym", "rtn+mse", None),
@@ -200,6 +204,9 @@ def llmc_argv(py, src, out, data, n, s, processor, key, recipes=None) -> list[st
 
 def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list[str]:
     argv = [PY, "-m", "k3convert", "quantize", str(src), str(out), "--scheme", scheme]
+    if algorithm is not None and algorithm.endswith("+fpt"):
+        algorithm = algorithm.removesuffix("+fpt")
+        argv += ["--gptq-fp-target", "0.5"]
     if algorithm is not None and algorithm.endswith("+mse"):
         algorithm = algorithm.removesuffix("+mse")
         argv += ["--weight-observer", "mse"]

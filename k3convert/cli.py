@@ -322,6 +322,17 @@ def quantize(
             "ranges searched for the smallest output error over the calibration tokens).",
         ),
     ] = False,
+    gptq_fp_target: Annotated[
+        float | None,
+        typer.Option(
+            "--gptq-fp-target",
+            help="With GPTQ: move each Linear's target output from its output on the "
+            "quantized model's inputs (0, GPTQ's own, the default) towards the "
+            "full-precision model's (1), GPTAQ-style; 0.5 recommended. Carries a second, "
+            "full-precision copy of the calibration hidden states.",
+            metavar="A",
+        ),
+    ] = None,
     kv_cache: Annotated[
         str | None,
         typer.Option(
@@ -386,7 +397,7 @@ def quantize(
              ("--moe-all-experts", moe_all_experts or None), ("--observer", observer),
              ("--percentile", percentile), ("--alpha", alpha), ("--kv-cache", kv_cache),
              ("--alpha-search", alpha_search or None), ("--no-act-order", no_act_order or None),
-             ("--no-awq-clip", no_awq_clip or None))
+             ("--no-awq-clip", no_awq_clip or None), ("--gptq-fp-target", gptq_fp_target))
              if v is not None]  # fmt: skip
     if auto_keep is None:
         extra = [n for n, v in (("--auto-keep-scheme", auto_keep_scheme), ("--plot", plot),
@@ -426,7 +437,19 @@ def quantize(
             percentile=percentile if percentile is not None else 99.99,
             alpha=alpha if alpha is not None else 0.5, kv_cache=kv_cache,
             alpha_search=alpha_search, act_order=not no_act_order, awq_clip=not no_awq_clip,
+            gptq_fp_target=gptq_fp_target if gptq_fp_target is not None else 0.0,
         )  # fmt: skip
+        if gptq_fp_target is not None:
+            if not 0 <= gptq_fp_target <= 1:
+                raise typer.BadParameter(
+                    f"--gptq-fp-target must be a number in [0, 1] (0: GPTQ's own target, 1: "
+                    f"the full-precision model's outputs; 0.5 recommended), got "
+                    f"{gptq_fp_target}."
+                )
+            if (algorithm or "gptq") not in ("gptq", "smoothquant+gptq"):
+                raise typer.BadParameter(
+                    "--gptq-fp-target only applies with --algorithm gptq or smoothquant+gptq."
+                )
         if no_awq_clip and (algorithm or "gptq") != "awq":
             raise typer.BadParameter("--no-awq-clip only applies with --algorithm awq.")
         if (alpha is not None or alpha_search) and not (algorithm or "").startswith("smoothquant"):

@@ -81,13 +81,15 @@ class _Quality:
         key = (scheme, algorithm, tuple(sorted(kw.items())))
         if key not in self.outs:
             out = self.root / f"{scheme}-{algorithm}-{len(self.outs)}"
+            kw = dict(kw)
+            wobs = kw.pop("weight_observer", None)  # quantize's, not a calibration option
             opts = None
             if algorithm != "rtn":
                 opts = SequentialOptions(dataset=self.train, **{**CAL, **kw})
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 quantize(src=self.model, out=out, scheme=scheme, calibrate=opts,
-                         algorithm=algorithm, progress=False)  # fmt: skip
+                         algorithm=algorithm, progress=False, weight_observer=wobs)  # fmt: skip
             self.outs[key] = out
         return self.outs[key]
 
@@ -111,6 +113,18 @@ def dsv3_q(trained_dsv3, tmp_path_factory):  # noqa: F811
 def test_gptq_w4a16_halves_rtn_kl(llama_q):
     rtn, gptq = llama_q.kl("w4a16", "rtn"), llama_q.kl("w4a16", "gptq", num_samples=64)
     assert gptq <= 0.5 * rtn, (gptq, rtn)
+
+
+def test_gptq_fp_target_lowers_kl(llama_q):
+    """GPTQ with its target moved half way to the full-precision model's outputs
+    (gptq_fp_target 0.5, GPTAQ-style) against plain GPTQ on the same calibration set,
+    with either weight observer."""
+    for obs in ("minmax", "mse"):
+        kw = {"num_samples": 64} if obs == "minmax" else {"num_samples": 64, "weight_observer": obs}
+        plain = llama_q.kl("w4a16", "gptq", **kw)
+        fpt = llama_q.kl("w4a16", "gptq", gptq_fp_target=0.5, **kw)
+        print(f"GPTQ w4a16 ({obs}) KL: plain {plain:.4e}, gptq_fp_target 0.5 {fpt:.4e}")
+        assert fpt <= 0.99 * plain, (obs, fpt, plain)
 
 
 def test_awq_w4a16_asym_beats_rtn(llama_q):

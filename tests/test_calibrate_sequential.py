@@ -79,8 +79,9 @@ def _opts(**kw) -> SequentialOptions:
     return SequentialOptions(batch_size=BATCH, **kw)
 
 
-def _run(model, data, scheme, algorithm, journal, observer=None, seed=0, packed=False, **kw):
-    ckpt, plan = plan_quantization(src=model, scheme=scheme)
+def _run(model, data, scheme, algorithm, journal, observer=None, seed=0, packed=False, keep=(),
+         **kw):  # fmt: skip
+    ckpt, plan = plan_quantization(src=model, scheme=scheme, keep=keep)
     calib = _calib(model, data, seed, packed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -295,6 +296,87 @@ def test_kill_and_rerun_is_byte_identical(work, llama_gptq):
     assert rb.calibration.resumed_from == 1
     assert _files(a) == _files(b)
     assert not (root / "q-resumed.calib").exists()
+
+
+@pytest.mark.filterwarnings("ignore::k3convert.calibrate.sequential.ExpertFallbackWarning")
+@pytest.mark.parametrize("model", ["llama", "dsv3"])
+def test_gptq_fp_target_equals_plain_where_the_streams_coincide(work, model):
+    """gptq_fp_target: where the quantized and the full-precision streams are the same
+    (the first quantized layer: nothing quantized before it) the parts are plain GPTQ's,
+    bit for bit (the FP inputs are captured from the right Linear, tokens and experts);
+    the layer after differs (the option does something). dsv3: layer 0 kept, so layer 1
+    (routed + shared experts) is the first quantized one."""
+    root, llama, dsv3, data = work
+    layer0 = ("re:model\\.layers\\.0\\..*",)
+    src, scheme, keep, first = ((llama, "w4a16", (), 0) if model == "llama" else
+                                (dsv3, "int8-channel", layer0, 1))  # fmt: skip
+    *_, plain = _run(src, data, scheme, "gptq", root / f"j-plain-{model}", keep=keep)
+    *_, fpt = _run(src, data, scheme, "gptq", root / f"j-fpt-{model}", keep=keep,
+                   gptq_fp_target=0.5)  # fmt: skip
+    a, b = _files(plain.journal), _files(fpt.journal)
+    assert f"layer-{first - 1}.safetensors" not in a
+    if model == "dsv3":
+        assert any(".experts." in n for n in plain.part_rows if ".layers.1." in n)
+    assert a[f"layer-{first}.safetensors"] == b[f"layer-{first}.safetensors"]
+    assert a[f"layer-{first + 1}.safetensors"] != b[f"layer-{first + 1}.safetensors"]
+    assert plain.part_rows == fpt.part_rows
+
+
+def test_gptq_fp_target_kill_and_rerun_is_byte_identical(work):
+    """The FP stream is journaled beside the quantized one: killed after layer 1 (of
+    the MoE model, experts included), a rerun resumes and writes the same bytes, spilled
+    (offload_dir) too; a journal of the other target is not resumed."""
+    root, _, dsv3, data = work
+    kw = dict(gptq_fp_target=0.5)
+    *_, fresh = _run(dsv3, data, "int8-channel", "gptq", root / "j-fpt-fresh", **kw)
+    j = root / "j-fpt-kill"
+    with pytest.raises(_Killed):
+        _run(dsv3, data, "int8-channel", "gptq", j, _kill_at(2), **kw)
+    assert sorted(p.name for p in j.glob("fphidden-L*")) == [
+        f"fphidden-L2-{b}.safetensors" for b in range(SAMPLES // BATCH)
+    ]
+    *_, res = _run(dsv3, data, "int8-channel", "gptq", j, **kw)
+    assert res.resumed_from == 2
+    want = _layer_files(fresh.journal)
+    assert len(want) == 3 and _layer_files(j) == want
+    assert not list(j.glob("*hidden-L*"))  # the last layer's inputs dropped, both streams
+    with pytest.raises(_Killed):  # a plain GPTQ journal: not resumed with the option
+        _run(dsv3, data, "int8-channel", "gptq", root / "j-fpt-q", _kill_at(2))
+    *_, other = _run(dsv3, data, "int8-channel", "gptq", root / "j-fpt-q", **kw)
+    assert other.resumed_from == 0 and _layer_files(other.journal) == want
+    off = root / "offload-fpt"
+    with pytest.raises(_Killed):
+        _run(dsv3, data, "int8-channel", "gptq", off, _kill_at(2), offload_dir=off, **kw)
+    assert len(list(off.glob("fphidden-L2-*.safetensors"))) == SAMPLES // BATCH
+    *_, res = _run(dsv3, data, "int8-channel", "gptq", off, offload_dir=off, **kw)
+    assert res.resumed_from == 2 and _layer_files(off) == want
+    res.cleanup()
+    assert not off.exists()
+
+
+def _layer_files(d: Path) -> dict[str, bytes]:
+    return {k: v for k, v in _files(d).items() if k.startswith("layer-")}
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [(["--gptq-fp-target", "1.5"], "--gptq-fp-target must be a number in [0, 1]"),
+     (["--gptq-fp-target", "nan"], "--gptq-fp-target must be a number in [0, 1]"),
+     (["--gptq-fp-target", "half"], "Invalid value for '--gptq-fp-target'"),
+     (["--gptq-fp-target", "0.5", "--algorithm", "awq"],
+      "--gptq-fp-target only applies with --algorithm gptq or smoothquant+gptq"),
+     (["--gptq-fp-target", "0.5", "--calibrate-off"], None)],
+)  # fmt: skip
+def test_cli_gptq_fp_target_bad_values_exit_2(work, capsys, args, msg):
+    root, llama, _, data = work
+    out = root / "bad-fpt"
+    cal = [] if "--calibrate-off" in args else ["--calibrate", "--dataset", str(data)]
+    args = [a for a in args if a != "--calibrate-off"]
+    rc = main(["quantize", str(llama), str(out), "--scheme", "w4a16", *cal, *args])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and not out.exists()
+    assert (msg or "--gptq-fp-target only apply with --calibrate") in err, err
+    assert "Traceback" not in err
 
 
 def test_awq_moe_kill_and_rerun_is_byte_identical(work):

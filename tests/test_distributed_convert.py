@@ -169,13 +169,14 @@ def launched(srcs) -> dict:
     root = srcs["root"] / "two"
     root.mkdir()
     outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize", "awq": root / "awq"}  # fmt: skip
+            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt"}  # fmt: skip
     jobs = [
         ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
         ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
         ["convert", srcs["ds"], outs["gptq"], "-r", srcs["gptq"], "--no-progress"],
         ["quantize", srcs["ds"], outs["quantize"], *quantize_args(srcs)],
         ["quantize", srcs["ds"], outs["awq"], *awq_args(srcs)],
+        ["quantize", srcs["ds"], outs["fpt"], *quantize_args(srcs), *FPT],
     ]
     (root / "jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
     clean = _Torchrun([TESTS / "dist_jobs.py", root / "jobs.json", root / "rc"], root / "log")
@@ -204,8 +205,10 @@ def one_proc(srcs, launched) -> dict[str, Path]:
 
     assert main(["quantize", str(srcs["ds"]), str(root / "quantize"), *quantize_args(srcs)]) == 0
     assert main(["quantize", str(srcs["ds"]), str(root / "awq"), *awq_args(srcs)]) == 0
+    fpt = main(["quantize", str(srcs["ds"]), str(root / "fpt"), *quantize_args(srcs), *FPT])
+    assert fpt == 0
     return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize", "awq": root / "awq"}  # fmt: skip
+            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt"}  # fmt: skip
 
 
 def quantize_args(srcs) -> list[str]:
@@ -213,6 +216,10 @@ def quantize_args(srcs) -> list[str]:
     return ["--scheme", "int4-g32", "--keep", "re:.*kv_b_proj.*", "--calibrate", "--dataset",
             str(srcs["root"] / "ids.jsonl"),
             "--num-samples", "8", "--seq-len", "32", "--shard-size-gb", "0.00005"]  # fmt: skip
+
+
+#: GPTQ with the full-precision target (a second hidden-state stream on every process)
+FPT = ["--gptq-fp-target", "0.5"]
 
 
 def awq_args(srcs) -> list[str]:
@@ -232,7 +239,7 @@ def two_proc(launched, one_proc) -> dict:
 
 
 def _job_ok(two: dict) -> None:
-    assert two["rc"] == 0 and two["codes"] == [[0] * 5, [0] * 5], (
+    assert two["rc"] == 0 and two["codes"] == [[0] * 6, [0] * 6], (
         f"torchrun rc {two['rc']}, per-process exit codes {two['codes']}:\n"
         f"{two['out'][-3000:]}\n{two['err'][-5000:]}"
     )
@@ -329,6 +336,20 @@ def test_quantize_awq_two_processes_identical(one_proc, two_proc):
     cfg = json.loads(files["config.json"])
     assert cfg["k3convert"]["calibration"]["algorithm"] == "awq"
     assert cfg["k3convert"]["calibration"]["options"]["awq_clip"] is True
+
+
+@needs_gloo
+def test_quantize_gptq_fp_target_two_processes_identical(one_proc, two_proc):
+    """GPTQ with gptq_fp_target under torchrun: each process carries the full-precision
+    stream and the cross terms of its share of the solves; the output is the
+    one-process run's, file for file, and differs from plain GPTQ's."""
+    _job_ok(two_proc)
+    files = _assert_same_tree(one_proc["fpt"], two_proc["fpt"])
+    cfg = json.loads(files["config.json"])
+    assert cfg["k3convert"]["calibration"]["options"]["gptq_fp_target"] == 0.5
+    plain = {p.name: p.read_bytes() for p in one_proc["quantize"].glob("model-*.safetensors")}
+    assert plain != {n: b for n, b in files.items() if n.startswith("model-")}
+    assert not (two_proc["fpt"].parent / "fpt.calib").exists()
 
 
 # -- 3. a process that dies -------------------------------------------------------------

@@ -25,9 +25,11 @@ import pytest
 import torch
 
 from k3convert.calibrate.gptq import (
+    CrossAccumulator,
     GPTQFallbackWarning,
     HessianAccumulator,
     NonFiniteHessianError,
+    fp_target_weight,
     gptq_quantize,
 )
 from k3convert.errors import ConfigError, NonFiniteError
@@ -300,6 +302,82 @@ def test_output_error_below_rtn(scheme_name):
             scheme.dequantize(gptq_quantize(w, H, scheme, act_order=act_order)), w, held_out
         )
         assert g / rtn < 0.9, (act_order, g / rtn)
+
+
+# -- the full-precision target (gptq_fp_target) ----------------------------------------
+def _fp_problem(inp: int = 96, n: int = 1536):
+    """A Linear's inputs X in the model being calibrated and Xf in the full-precision
+    model: Xf = X plus a drift that is partly a linear function of X (what upstream
+    quantization error looks like) and partly independent noise."""
+    g = torch.Generator().manual_seed(7)
+    x = correlated_inputs(n, inp, seed=5)
+    drift = (x @ (torch.randn(inp, inp, generator=g) * 0.08 / math.sqrt(inp))
+             + 0.05 * x.std() * torch.randn(n, inp, generator=g))  # fmt: skip
+    w = torch.randn(64, inp, generator=g) * 0.02
+    return w, x, x + drift
+
+
+def test_cross_accumulator_matches_direct_and_excludes_padding():
+    _, x, xf = _fp_problem(inp=32, n=60)
+    x, xf = x.view(3, 20, 32), xf.view(3, 20, 32)
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    mask[0, 15:] = False
+    mask[2, :4] = False
+    a = CrossAccumulator(32)
+    x2, xf2 = x.clone(), xf.clone()
+    x2[~mask], xf2[~mask] = 1e3, -1e3  # padding content must not matter
+    assert a.add(x2[:2], xf2[:2], mask[:2]) + a.add(x2[2:], xf2[2:], mask[2:]) == 51
+    r, rf = x[mask].double(), xf[mask].double()
+    torch.testing.assert_close(a.cross(), (2 / 51 * (rf - r).t() @ r).float(),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    with pytest.raises(ConfigError, match="same shape"):
+        a.add(x, xf[:, :5])
+
+
+def test_fp_target_weight_is_the_least_squares_solution():
+    """Undampened, W + W D H^-1 is argmin_V ||W Xf - V X|| (numpy's lstsq on the
+    normal equations' own problem, in float64); dampened it is that of the dampened H."""
+    w, x, xf = _fp_problem()
+    H, D = HessianAccumulator(96), CrossAccumulator(96)
+    H.add(x)
+    D.add(x, xf)
+    wt = fp_target_weight(w, H.hessian(), D.cross(), dampening=0.0)
+    ls = torch.linalg.lstsq(x.double(), (xf.double() @ w.double().t())).solution.t()
+    rel = float(torch.linalg.norm(wt.double() - ls) / torch.linalg.norm(ls))
+    assert rel < 2e-3, rel  # float32 H and D; a wrong sign or transpose is O(0.1)
+    assert float(torch.linalg.norm(wt - w) / torch.linalg.norm(w)) > 0.05  # it moved
+    half = fp_target_weight(w, H.hessian(), D.cross(), strength=0.5, dampening=0.0)
+    torch.testing.assert_close(half, w + 0.5 * (wt - w), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"strength must be a number in \[0, 1\]"):
+        fp_target_weight(w, H.hessian(), D.cross(), strength=1.5)
+    # no drift: the weight itself (the plain GPTQ problem)
+    same = CrossAccumulator(96)
+    same.add(x, x)
+    assert torch.equal(fp_target_weight(w, H.hessian(), same.cross()), w)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fp_target_lowers_the_error_against_full_precision_outputs(act_order):
+    """GPTQ swept on the target weight (the same H, w's scales) has a smaller
+    ||W Xf - Q X|| than GPTQ on W, on held-out samples of the same drift; and a larger
+    ||W X - Q X|| (it no longer approximates W's own outputs on X)."""
+    scheme = get_scheme("int4-g32")
+    w, x, xf = _fp_problem()
+    fit, held = slice(0, 1024), slice(1024, None)
+    H, D = HessianAccumulator(96), CrossAccumulator(96)
+    H.add(x[fit])
+    D.add(x[fit], xf[fit])
+    plain = scheme.dequantize(gptq_quantize(w, H.hessian(), scheme, act_order=act_order))
+    wt = fp_target_weight(w, H.hessian(), D.cross())
+    parts = gptq_quantize(w, H.hessian(), scheme, act_order=act_order, target=wt)
+    assert torch.equal(parts["weight_scale"], scheme.quantize(w)["weight_scale"])  # w's grid
+    fpt = scheme.dequantize(parts)
+
+    def err(q, target_x):
+        return float(torch.linalg.norm(target_x[held] @ w.t() - x[held] @ q.float().t()))
+
+    assert err(fpt, xf) < 0.8 * err(plain, xf), (err(fpt, xf), err(plain, xf))
+    assert err(fpt, x) > err(plain, x)
 
 
 # -- Hessian accumulator ---------------------------------------------------------------

@@ -61,9 +61,11 @@ from ..quant.schemes import (
 )
 
 __all__ = [
+    "CrossAccumulator",
     "GPTQFallbackWarning",
     "HessianAccumulator",
     "NonFiniteHessianError",
+    "fp_target_weight",
     "gptq_quantize",
 ]
 
@@ -152,6 +154,123 @@ class HessianAccumulator:
         if not bool(torch.isfinite(h).all()):
             raise _not_finite_hessian(self.name, "Hessian", h)
         return h
+
+
+@dataclass
+class CrossAccumulator:
+    """``D = 2 / n * sum_t (xf_t - x_t) x_t^T`` over the n tokens fed to one Linear,
+    float32 [in, in]: ``x`` its input in the model being calibrated (the quantized layers
+    before it), ``xf`` the same Linear's input on the same tokens in the full-precision
+    model. With :class:`HessianAccumulator`'s ``H`` (same tokens, same mask) it gives
+    :func:`fp_target_weight`. Memory: one [in, in] float32 sum.
+    """
+
+    in_features: int
+    name: str = "linear"
+    tokens: int = field(default=0, init=False)
+    _sum: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._sum = HessianAccumulator(self.in_features, self.name)._sum  # (checks n)
+
+    def add(self, x: torch.Tensor, xf: torch.Tensor, mask: torch.Tensor | None = None) -> int:
+        """Accumulate one batch (``xf`` the full-precision inputs, shaped as ``x``);
+        returns the number of tokens it added."""
+        for t in (x, xf):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim < 1:
+                raise ConfigError(
+                    f"CrossAccumulator for '{self.name}': inputs must be float tensors "
+                    f"[..., {self.in_features}], got {short_repr(t)}."
+                )
+        if tuple(x.shape) != tuple(xf.shape) or x.shape[-1] != self.in_features:
+            raise ConfigError(
+                f"CrossAccumulator for '{self.name}': the inputs {tuple(x.shape)} and the "
+                f"full-precision inputs {tuple(xf.shape)} must have the same shape, "
+                f"[..., {self.in_features}]."
+            )
+        rows = x.reshape(-1, self.in_features)
+        frows = xf.reshape(-1, self.in_features)
+        if mask is not None:
+            if tuple(mask.shape) != tuple(x.shape[:-1]):
+                raise ConfigError(
+                    f"CrossAccumulator for '{self.name}': mask shape {tuple(mask.shape)} "
+                    f"does not match the inputs' token dims {tuple(x.shape[:-1])}."
+                )
+            keep = mask.reshape(-1).to(torch.bool)
+            rows, frows = rows[keep], frows[keep]
+        if not rows.shape[0]:
+            return 0
+        rows, frows = rows.to(torch.float32), frows.to(torch.float32)
+        if not bool(torch.isfinite(frows).all()):
+            raise _not_finite_hessian(self.name, "full-precision calibration input", frows)
+        self._sum.addmm_((frows - rows).t(), rows, alpha=2.0)
+        self.tokens += rows.shape[0]
+        return rows.shape[0]
+
+    def cross(self) -> torch.Tensor:
+        """``2 / n * sum((xf - x) x^T)`` (a new tensor); an error before any token."""
+        if not self.tokens:
+            raise ConfigError(
+                f"CrossAccumulator for '{self.name}': no calibration tokens reached this "
+                f"Linear (all padding, or no batch added)."
+            )
+        d = self._sum / self.tokens
+        if not bool(torch.isfinite(d).all()):
+            raise _not_finite_hessian(self.name, "full-precision cross term", d)
+        return d
+
+
+def fp_target_weight(
+    w: torch.Tensor, H: torch.Tensor, D: torch.Tensor, *, strength: float = 1.0,
+    dampening: float = 0.01, name: str = "weight",
+) -> torch.Tensor:  # fmt: skip
+    """The weight GPTQ should approximate when its target moves towards the
+    full-precision model's output (GPTAQ-style asymmetric calibration, Li et al. 2025):
+    float32 ``W + strength * W D Hd^-1``.
+
+    For inputs ``X`` (the model being calibrated) and ``Xf`` (the full-precision model,
+    same tokens), and the target output ``Y = W (X + a (Xf - X))`` (``a = strength``; 0:
+    GPTQ's own ``W X``, 1: the full-precision ``W Xf``),
+    ``||Y - Q X||^2 = ||(W_t - Q) X||^2 + const`` with ``W_t H = Y X^T``,
+    ``H = X X^T``, ``D = (Xf - X) X^T``: so GPTQ on ``W_t`` with the same ``H``
+    minimises the error against ``Y``. H and D as :class:`HessianAccumulator` /
+    :class:`CrossAccumulator` give them (the same scale); ``Hd`` is H dampened as
+    :func:`gptq_quantize` dampens it (dead columns' diagonal set to 1,
+    ``dampening * mean(diag)`` added). A dampened H that is not positive definite
+    returns ``w`` unchanged (GPTQ then rounds to nearest and warns).
+    """
+    _check_args(w, H, None, 128, dampening, False, name)
+    ok = isinstance(strength, (int, float)) and not isinstance(strength, bool)
+    if not ok or not math.isfinite(strength) or not 0 <= strength <= 1:
+        raise ConfigError(
+            f"GPTQ for '{name}': the full-precision target strength must be a number in "
+            f"[0, 1] (0: GPTQ's own target, 1: the full-precision outputs), got "
+            f"{short_repr(strength)}."
+        )
+    inp = w.shape[-1]
+    if not isinstance(D, torch.Tensor) or tuple(D.shape) != (inp, inp):
+        got = tuple(D.shape) if isinstance(D, torch.Tensor) else short_repr(D)
+        raise ConfigError(
+            f"GPTQ for '{name}': the cross term must be [{inp}, {inp}] (the weight is "
+            f"{tuple(w.shape)}), got {got}."
+        )
+    W = w.to(torch.float32)
+    Hd = H.to(torch.float32, copy=True)
+    diag = torch.diagonal(Hd)
+    diag.masked_fill_(diag == 0, 1.0)
+    diag.add_(dampening * torch.mean(torch.diag(Hd)))
+    L, info = torch.linalg.cholesky_ex(Hd, check_errors=False)
+    if int(info) != 0:
+        return W.clone()
+    R = (W * float(strength)) @ D.to(torch.float32)  # [out, in]
+    out = W + torch.cholesky_solve(R.t().contiguous(), L).t()
+    if not bool(torch.isfinite(out).all()):
+        raise NonFiniteError(
+            f"GPTQ for '{name}': the full-precision target weight overflowed float32 (an "
+            f"ill-conditioned Hessian); raise dampening or calibrate without "
+            f"gptq_fp_target."
+        )
+    return out
 
 
 # -- the per-column quantizers ---------------------------------------------------------
@@ -252,7 +371,8 @@ class _FP8Columns:
 
 # -- GPTQ ------------------------------------------------------------------------------
 def _check_args(w, H, scheme, block_size, dampening, act_order, name):
-    if not isinstance(scheme, (IntScheme, FP8Scheme)):
+    """(scheme None: not checked, for :func:`fp_target_weight`)"""
+    if scheme is not None and not isinstance(scheme, (IntScheme, FP8Scheme)):
         kind = type(scheme).__name__ if isinstance(scheme, Scheme) else short_repr(scheme)
         raise ConfigError(
             f"GPTQ for '{name}': scheme {getattr(scheme, 'name', kind)!r} ({kind}) is not "
@@ -325,6 +445,7 @@ def gptq_quantize(
     dampening: float = 0.01,
     act_order: bool = False,
     name: str = "weight",
+    target: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The parts ``scheme.quantize(w)`` stores, with values chosen by GPTQ.
 
@@ -333,16 +454,28 @@ def gptq_quantize(
     up to float rounding);
     block_size: columns per lazy-update block; dampening: fraction of the mean diagonal
     added to it; act_order: sweep columns by descending ``diag(H)`` (compressed-tensors'
-    ``actorder: weight``; the stored format is unchanged); name: the tensor, for errors.
+    ``actorder: weight``; the stored format is unchanged); name: the tensor, for errors;
+    target: the weight the sweep approximates instead of w (same shape, e.g.
+    :func:`fp_target_weight`'s), rounded against w's scales and zero points (the
+    scheme's, observed on w: w's range, not the shifted target's, sets the grid).
     """
     _check_args(w, H, scheme, block_size, dampening, act_order, name)
+    if target is not None:
+        ok = isinstance(target, torch.Tensor) and target.is_floating_point()
+        if not ok or tuple(target.shape) != tuple(w.shape):
+            raise ConfigError(
+                f"GPTQ for '{name}': the target weight must be a float tensor of the "
+                f"weight's shape {tuple(w.shape)}, got {short_repr(target)}."
+            )
+        if not bool(torch.isfinite(target).all()):
+            raise NonFiniteError(f"GPTQ for '{name}': the target weight holds NaN/Inf.")
     out, inp = w.shape
     scheme.check(name, (out, inp))
     parts = scheme.quantize(w, name=name)  # round to nearest: its scales are GPTQ's
     cols = (_IntColumns if isinstance(scheme, IntScheme) else _FP8Columns)(
         scheme, parts, (out, inp), name
     )
-    W = w.to(torch.float32, copy=True)
+    W = (w if target is None else target).to(torch.float32, copy=True)
     H = H.to(torch.float32, copy=True)
     order = None
     if act_order:

@@ -64,7 +64,13 @@ from ..quant.mse_observer import GroupGram
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
 from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp, layer_output
 from .data import CalibrationSet
-from .gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize
+from .gptq import (
+    CrossAccumulator,
+    GPTQFallbackWarning,
+    HessianAccumulator,
+    fp_target_weight,
+    gptq_quantize,
+)
 from .observers import OBSERVERS, check_percentile, make_observer
 from .smooth import (
     SQ_ALPHAS,
@@ -108,7 +114,14 @@ class SequentialOptions:
     group-wise integer Linear's ranges are searched for the smallest output error over the
     calibration tokens (:func:`k3convert.quant.mse_observer.quantize` with the group
     blocks of its inputs' Gram matrix; the scheme's ``mse_grid`` / ``mse_maxshrink``
-    set the grid).
+    set the grid). gptq_fp_target (GPTAQ-style asymmetric calibration, 0 = off): GPTQ
+    minimises ``||W (X + a (Xf - X)) - Q X||`` instead of ``||W X - Q X||``, X the
+    Linear's inputs from the quantized layers before it, Xf its inputs in the
+    full-precision model on the same tokens, ``a`` this value (1: the full-precision
+    outputs; 0.5 measured best on the trained fixtures). A second, full-precision stream
+    of hidden states is carried beside the quantized one, and each GPTQ Linear
+    accumulates the cross term ``(Xf - X) X^T`` beside its Hessian
+    (:func:`~.gptq.fp_target_weight`; scales stay the weight's own).
     """
 
     dataset: str | os.PathLike = "default"
@@ -132,6 +145,7 @@ class SequentialOptions:
     awq_clip: bool = True
     smooth_tokens: int = 4096
     kv_cache: str | None = None
+    gptq_fp_target: float = 0.0
 
     def check(self) -> None:
         for key in ("batch_size", "block_size", "awq_grid", "smooth_tokens"):
@@ -167,6 +181,13 @@ class SequentialOptions:
             raise ConfigError(
                 f"calibration option awq_clip must be True or False, got {self.awq_clip!r}."
             )
+        a = self.gptq_fp_target
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise ConfigError(
+                f"calibration option gptq_fp_target must be a number in [0, 1] (0: off, "
+                f"GPTQ's own target; 1: the full-precision model's outputs; 0.5 "
+                f"recommended), got {a!r}."
+            )
         if not isinstance(self.awq_duo_scaling, bool):
             raise ConfigError(
                 f"calibration option awq_duo_scaling must be True or False, "
@@ -181,7 +202,13 @@ class SequentialOptions:
                 "moe_all_experts": self.moe_all_experts, "observer": self.observer,
                 "percentile": float(self.percentile)
                 if self.observer == "percentile" else None,
-                "kv_cache": self.kv_cache, **self._smoothing_options(algorithm)}  # fmt: skip
+                "kv_cache": self.kv_cache, **self._gptq_options(algorithm),
+                **self._smoothing_options(algorithm)}  # fmt: skip
+
+    def _gptq_options(self, algorithm: str | None) -> dict:
+        if algorithm is None or algorithm in _GPTQ:
+            return {"gptq_fp_target": float(self.gptq_fp_target)}
+        return {}
 
     def _smoothing_options(self, algorithm: str | None) -> dict:
         kind = SMOOTHING.get(algorithm) if algorithm is not None else "all"
@@ -339,8 +366,10 @@ class _Hidden:
     journal directory. The next layer's states are written beside them (never over them),
     so a run killed mid-layer resumes from intact files."""
 
-    def __init__(self, n: int, journal: Path, spill: bool, writer: bool = True):
+    def __init__(self, n: int, journal: Path, spill: bool, writer: bool = True,
+                 prefix: str = "hidden"):  # fmt: skip
         self.n, self.journal, self.spill = n, journal, spill
+        self.prefix = prefix  # "fphidden": the full-precision stream (gptq_fp_target)
         #: False on torchrun processes other than 0: they compute the same states and
         #: read process 0's spilled files, but write none
         self.writer = writer
@@ -349,12 +378,12 @@ class _Hidden:
         self._next: list = [None] * n
 
     def path(self, layer: int, b: int) -> Path:
-        return self.journal / f"hidden-L{layer}-{b}.safetensors"
+        return self.journal / f"{self.prefix}-L{layer}-{b}.safetensors"
 
     def _save(self, layer: int, b: int, h) -> None:
         if not self.writer:
             return
-        tmp = self.journal / f"hidden-L{layer}-{b}.tmp"
+        tmp = self.journal / f"{self.prefix}-L{layer}-{b}.tmp"
         save_file(_pack(h), str(tmp))
         os.replace(tmp, self.path(layer, b))
 
@@ -530,6 +559,10 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         pixels = [None] * len(batches)
     hidden = _Hidden(len(batches), journal, spill=options.offload_dir is not None,
                      writer=group.leader)  # fmt: skip
+    fp = None  # gptq_fp_target: the full-precision model's hidden states, beside hidden
+    if options.gptq_fp_target and algorithm in _GPTQ:
+        fp = _Hidden(len(batches), journal, spill=options.offload_dir is not None,
+                     writer=group.leader, prefix="fphidden")  # fmt: skip
     pos = [rt.default_positions(b_ids) for b_ids, _ in batches]
     masks = [m.to(torch.bool) for _, m in batches]
     # attention masks as the runtime takes them (None when a batch has no padding)
@@ -540,10 +573,15 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     if done == 0:
         for b, (b_ids, _) in enumerate(batches):
             pv, grid = pixels[b] if pixels[b] is not None else (None, None)
-            hidden.put_first(b, rt.embed(b_ids, pixel_values=pv, image_grid_thw=grid))
+            h = rt.embed(b_ids, pixel_values=pv, image_grid_thw=grid)
+            hidden.put_first(b, h)
+            if fp is not None:
+                fp.put_first(b, h)
         group.barrier()  # (spilled: process 0's files are the others' inputs)
     elif done < rt.num_layers:
         hidden.resume(done)
+        if fp is not None:
+            fp.resume(done)
         log(f"calibration: resuming after layer {done - 1} (journal {journal})")
     else:  # every layer finished (the write after it failed): nothing left to run
         log(f"calibration: every layer already calibrated (journal {journal})")
@@ -555,16 +593,20 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     for i in range(done, rt.num_layers):
         t0 = time.perf_counter()
         rec = _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks,
-                     amasks, journal, observer, group)  # fmt: skip
+                     amasks, journal, observer, group, fp)  # fmt: skip
         rec["seconds"] = time.perf_counter() - t0
         last = i + 1 == rt.num_layers
         if not last:
             hidden.advance(checkpoint=True)
+            if fp is not None:
+                fp.advance(checkpoint=True)
         state["layers"].append(rec)
         state["done"] = i + 1
         if group.leader:
             _write_journal(journal, state)
         hidden.drop(i)
+        if fp is not None:
+            fp.drop(i)
         if group.world > 1:
             group.barrier()  # the layer's journal and hidden states are on disk
             if group.leader:
@@ -645,7 +687,7 @@ def _absorb(res: SequentialResult, rec: dict) -> None:
 
 
 def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks, amasks,
-           journal, observer, group) -> dict:  # fmt: skip
+           journal, observer, group, fp=None) -> dict:  # fmt: skip
     unit = f"layer.{i}"
     entries = rt.plan.units[unit]
     by_name = {e.name: e for e in entries.values()}
@@ -672,6 +714,13 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         order = sorted(gptq | clip)
         others = set(order) - set(balance(order, cost, group.world)[group.rank])
     acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq if n not in others}
+    # gptq_fp_target: each solved Linear's cross term against the full-precision inputs
+    # (the FP stream ``fp`` runs through every layer on every process, solved here or not)
+    cross = {}
+    if fp is not None:
+        cross = {n: CrossAccumulator(int(mine[n].shape[1]), n) for n in acc}
+    fp_experts = sorted({by_name[n].role.expert for n in cross
+                         if by_name[n].role.expert is not None})  # fmt: skip
     gram = {n: GroupGram(int(mine[n].shape[1]), _group_of(mine[n].scheme, mine[n].shape), n)
             for n in clip if n not in others}  # fmt: skip
     # static input scales' observers; capacity: real tokens x input width bounds what
@@ -708,8 +757,39 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     sampled = sources | {n for m in maps for n in m.routed}
     stat_names = sources | sampled
 
+    # gptq_fp_target: the full-precision inputs of this micro-batch's solved Linears, in
+    # call order (the FP pass records them, the quantized pass takes them), and the FP
+    # stream's routed-expert input (every expert's: the post-attention-norm rows)
+    fp_in: dict[str, list[torch.Tensor]] = {}
+    fp_state: dict = {}
+
+    def fp_expert_inputs(tok: dict | None) -> None:
+        """Run the solved routed experts on the FP stream's expert input at the rows the
+        quantized pass routes to each (``tok``; None: every row), recording their
+        Linears' inputs (gate / up: those rows; down: what the FP expert computes)."""
+        xf = fp_state.get("expert_input")
+        if xf is None:
+            raise ConfigError(
+                f"calibration: gptq_fp_target could not capture the routed experts' "
+                f"full-precision input in {unit}; calibrate without it."
+            )
+        w = rt.loader.get(unit)
+        cur["fp_sub"] = True
+        try:
+            xf = xf.to(rt.dtype)
+            for e in fp_experts:
+                r = xf if tok is None else xf.index_select(0, tok[e].to(xf.device))
+                if r.shape[0]:
+                    gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", r)
+        finally:
+            cur["fp_sub"] = False
+
     def on_router(name, x, y):
         if cur.get("mute"):  # AWQ's loss runs: no statistics
+            return
+        if cur.get("fp"):  # the FP pass: its routing is not used, only its expert input
+            if latent_in is None:
+                fp_state["expert_input"] = x
             return
         if cur.get("refine") or cur.get("smooth"):
             w = rt.loader.get(unit)
@@ -734,9 +814,14 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             routing[j] += int(c)
         if all_experts and latent_in is None:
             cur["expert_input"] = x  # [T, D] float32: every token, the experts' input
+        if fp_experts and not all_experts:  # FP inputs at the rows routed here
+            fp_expert_inputs(cur["experts"])
 
     def on_latent_input(name, x, y):
-        cur["expert_input"] = y
+        if cur.get("fp"):
+            fp_state["expert_input"] = y
+        elif not cur.get("fp_sub"):
+            cur["expert_input"] = y
 
     def rows_mask(name, e, x):
         routed = e.role.expert is not None and not cur.get("all")
@@ -746,6 +831,10 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     def on_linear(name, x, y):
         e = by_name.get(name)
         if e is None or cur.get("mute"):
+            return
+        if cur.get("fp") or cur.get("fp_sub"):  # the FP stream: inputs recorded only
+            if name in cross and (cur.get("fp_sub") or e.role.expert is None):
+                fp_in.setdefault(name, []).append(x)
             return
         if cur.get("smooth"):  # smoothing statistics of the unsmoothed layer
             if name in stat_names:
@@ -771,6 +860,14 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             observer(i, name, x, m)
         if name in acc:
             acc[name].add(x, m)
+        if name in cross:
+            got = fp_in.get(name)
+            if not got:
+                raise ConfigError(
+                    f"calibration: gptq_fp_target found no full-precision input for "
+                    f"'{name}' in layer {i}; calibrate without it."
+                )
+            cross[name].add(x, got.pop(0), m)
         if name in gram:
             gram[name].add(x, m)
         n = int(m.sum())
@@ -783,9 +880,10 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     handles = [rt.add_hook(on_linear, set(mine) | stat_names)]
     if router is not None:
         handles.append(rt.add_hook(on_router, {router}))
-    if all_experts and latent_in is not None:
+    if (all_experts or fp_experts) and latent_in is not None:
         handles.append(rt.add_hook(on_latent_input, {latent_in}))
     sm = Smoothing()
+    last = i + 1 == rt.num_layers
     try:
         if maps:
             for b in range(hidden.n):
@@ -812,10 +910,23 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         # the layer runs on its smoothed (unquantized) weights for the statistics below
         src.overrides = {n: functools.partial(smoothed, n) for n in touched}
         for b in range(hidden.n):
+            if fp is not None and (cross or not last):
+                # the full-precision stream: this layer (unquantized) on the FP model's
+                # own hidden states; its Linears' inputs are the targets' Xf
+                fp_in.clear()
+                fp_state.clear()
+                cur.clear()
+                cur["fp"] = True
+                y = rt.run_layer(i, fp.get(b), pos[b], amasks[b])
+                if not last:
+                    fp.put_next(b, y)
+                del y
             cur.clear()
             cur["mask"] = masks[b]
             rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
             if all_experts and calibrated_experts:
+                if fp_experts:
+                    fp_expert_inputs(None)
                 _all_experts_pass(rt, unit, cur, calibrated_experts)
         if any(o.needs_refine for o in obs.values()):  # the same inputs again
             for b in range(hidden.n):
@@ -843,11 +954,19 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
             continue
         w = smoothed(n) if n in touched else ckpt.get(n)
         if n in gptq and acc[n].tokens:
+            H = acc[n].hessian()
+            target = None
+            if n in cross:  # gptq_fp_target: the weight whose outputs on X match the target
+                target = fp_target_weight(w, H, cross.pop(n).cross(),
+                                          strength=float(options.gptq_fp_target),
+                                          dampening=float(options.dampening), name=n)  # fmt: skip
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", GPTQFallbackWarning)
-                parts = gptq_quantize(w, acc[n].hessian(), r.scheme, block_size=options.block_size,
+                parts = gptq_quantize(w, H, r.scheme, block_size=options.block_size,
                                       dampening=float(options.dampening),
-                                      act_order=bool(options.act_order), name=n)  # fmt: skip
+                                      act_order=bool(options.act_order), name=n,
+                                      target=target)  # fmt: skip
+            del target
             for c in caught:  # not positive definite: rounded to nearest (listed too)
                 warnings.warn(c.message, c.category, stacklevel=2)
                 if issubclass(c.category, GPTQFallbackWarning) and n not in rec["fallbacks"]:
@@ -911,7 +1030,6 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         tmp = journal / f"layer-{i}.tmp"
         save_file(parts_out, str(tmp))
         os.replace(tmp, journal / f"layer-{i}.safetensors")
-    last = i + 1 == rt.num_layers
     kv = options.kv_cache is not None and rt.text.attention_of(i) != "kda"
     if last and not kv:
         return rec
@@ -1114,7 +1232,7 @@ def _write_journal(journal: Path, state: dict) -> None:
 def _wipe(journal: Path) -> None:
     """Remove the journal's own files (not anything else in an offload directory)."""
     pats = ("layer-*.safetensors", "hidden-L*.safetensors", "layer-*.tmp", "hidden-L*.tmp",
-            _JOURNAL, _JOURNAL + ".tmp")  # fmt: skip
+            "fphidden-L*.safetensors", "fphidden-L*.tmp", _JOURNAL, _JOURNAL + ".tmp")  # fmt: skip
     for pat in pats:
         for p in journal.glob(pat):
             if p.is_file():
