@@ -288,34 +288,18 @@ def _check_tiling(p: Path, tensors: dict[str, RawTensorInfo], base: int, size: i
         )
 
 
-#: tensors of at most this many bytes are read, not mapped (a mapping costs more)
-SMALL_READ = 64 << 10
-
-
 def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
     """Zero-copy, lazily faulted view of one tensor's bytes (copy-on-write mapping).
 
     The mapping covers just this tensor and is released when the returned tensor (and
-    every view of it) dies. Writes to the tensor never reach the file. A tensor of at
-    most :data:`SMALL_READ` bytes is read into memory of its own instead.
+    every view of it) dies. Writes to the tensor never reach the file.
     """
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.dtype)
-    if info.nbytes <= SMALL_READ:  # a scale or a global scale: one read, no mapping
-        with open(path, "rb") as fh:
-            data = bytearray(os.pread(fh.fileno(), info.nbytes, info.start))
-        if len(data) != info.nbytes:
-            raise SafetensorsFormatError(
-                f"{path}: tensor '{info.name}' ends past the end of the file (read "
-                f"{len(data)} of {info.nbytes} bytes); the file was truncated - re-download "
-                f"or re-export it."
-            )
-        flat = torch.frombuffer(data, dtype=torch.uint8)
-    else:
-        start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
-        with open(path, "rb") as fh:  # mmap keeps its own descriptor
-            mm = mmap.mmap(fh.fileno(), info.end - start, offset=start, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start - start)
+    start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as fh:  # mmap keeps its own descriptor
+        mm = mmap.mmap(fh.fileno(), info.end - start, offset=start, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start - start)
     if info.dtype == torch.bool:
         return flat.view(torch.bool).reshape(info.shape)
     if info.dtype != torch.uint8:
