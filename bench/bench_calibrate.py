@@ -46,7 +46,8 @@ the first 127-token windows of the training stream; another seed: windows drawn 
 deepseek_v3`` adds the MoE fixture (MLA, routed + shared experts; its widths need
 group 32, so its rows use the int4-g32 schemes, and llm-compressor W4A16 group 128 cannot
 run on it: its llm-compressor rows are the same modifiers with int4 group-32
-``config_groups``).
+``config_groups``; the per-channel W8A8 rows run on it as they are). "+as" rows:
+SmoothQuant with ``--alpha-search``.
 
 Targets (issue 9): k3convert GPTQ time <= llm-compressor's on the same model; KLD <=
 llm-compressor's for the same scheme and algorithm; peak RSS flat as layers are added
@@ -147,13 +148,15 @@ def _g32(modifier: str, symmetric: bool) -> str:
 LLMC_RECIPES_G32 = {
     "GPTQ W4A16": (LLMC_RECIPES["GPTQ W4A16"][0], _g32("GPTQModifier", True)),
     "AWQ W4A16_ASYM": (LLMC_RECIPES["AWQ W4A16_ASYM"][0], _g32("AWQModifier", False)),
+    "SmoothQuant+GPTQ W8A8": LLMC_RECIPES["SmoothQuant+GPTQ W8A8"],  # per channel: as is
 }
 #: k3convert's schemes on the deepseek_v3 fixture (group 32, as its llm-compressor rows)
 G32_SCHEMES = {"w4a16": "int4-g32", "w4a16-asym": "int4-g32-asym"}
 
 #: quality rows: (k3convert scheme, algorithm, llm-compressor recipe key or None); an
 #: algorithm "X+mse" is X with ``--weight-observer mse``, "X+fpt" X with
-#: ``--gptq-fp-target 0.5`` (the ratio column compares them with the same llm-compressor row)
+#: ``--gptq-fp-target 0.5``, "X+as" X with ``--alpha-search`` (the ratio column compares
+#: them with the same llm-compressor row)
 QUALITY = (
     ("w4a16", "rtn", None),
     ("w4a16", "rtn+mse", None),
@@ -167,7 +170,9 @@ QUALITY = (
     ("w4a16-asym", "awq", "AWQ W4A16_ASYM"),
     ("w8a8", "rtn", None),
     ("w8a8", "smoothquant", None),
+    ("w8a8", "smoothquant+as", None),
     ("w8a8", "smoothquant+gptq", "SmoothQuant+GPTQ W8A8"),
+    ("w8a8", "smoothquant+gptq+as", "SmoothQuant+GPTQ W8A8"),
     ("fp8", "static", "FP8 static"),
     ("fp8-dynamic", "rtn", None),
 )
@@ -204,6 +209,9 @@ def llmc_argv(py, src, out, data, n, s, processor, key, recipes=None) -> list[st
 
 def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list[str]:
     argv = [PY, "-m", "k3convert", "quantize", str(src), str(out), "--scheme", scheme]
+    if algorithm is not None and algorithm.endswith("+as"):
+        algorithm = algorithm.removesuffix("+as")
+        argv += ["--alpha-search"]
     if algorithm is not None and algorithm.endswith("+fpt"):
         algorithm = algorithm.removesuffix("+fpt")
         argv += ["--gptq-fp-target", "0.5"]
@@ -365,10 +373,10 @@ def quality(
         moe = fixture_kind == "deepseek_v3"
         recipes = LLMC_RECIPES_G32 if moe else LLMC_RECIPES
         for scheme, algo, key in QUALITY:
-            if moe:
-                if scheme not in G32_SCHEMES:
+            if moe:  # group-wise schemes at group 32; per-channel W8A8 as it is
+                if scheme not in G32_SCHEMES and scheme != "w8a8":
                     continue
-                scheme = G32_SCHEMES[scheme]
+                scheme = G32_SCHEMES.get(scheme, scheme)
             runs.append((f"k3convert {scheme} {algo}",
                          k3_argv(fixture, None, scheme, algo, data, n, Q_SEQ), key))  # fmt: skip
             if key and llmc and not any(r[0].startswith(f"llm-compressor {key}") for r in runs):
