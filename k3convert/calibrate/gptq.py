@@ -89,6 +89,47 @@ def _not_finite_hessian(name: str, what: str, t: torch.Tensor) -> NonFiniteHessi
 
 
 # -- Hessian -------------------------------------------------------------------------
+def _zero_sum(acc) -> torch.Tensor:
+    """An accumulator's zeroed float32 [in, in] sum (``in_features`` checked)."""
+    n = acc.in_features
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ConfigError(
+            f"{type(acc).__name__} for '{acc.name}': in_features must be a positive "
+            f"integer, got {short_repr(n)}."
+        )
+    return torch.zeros(n, n, dtype=torch.float32)
+
+
+def _token_rows(acc, x, mask, what: str, *, check_finite: bool = True):
+    """``x [..., in]`` as float32 rows [tokens, in] of the real tokens (``mask`` 0 /
+    False: padding, dropped), checked against the accumulator ``acc``'s width; None when
+    no token is left."""
+    who = f"{type(acc).__name__} for '{acc.name}'"
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
+        raise ConfigError(
+            f"{who}: inputs must be a float tensor [..., {acc.in_features}], got {short_repr(x)}."
+        )
+    if x.shape[-1] != acc.in_features:
+        raise ConfigError(
+            f"{who}: inputs have {x.shape[-1]} features (shape {tuple(x.shape)}), the "
+            f"Linear takes {acc.in_features}."
+        )
+    rows = x.reshape(-1, acc.in_features)
+    if mask is not None:
+        if tuple(mask.shape) != tuple(x.shape[:-1]):
+            raise ConfigError(
+                f"{who}: mask shape {tuple(mask.shape)} does not match the inputs' token "
+                f"dims {tuple(x.shape[:-1])}."
+            )
+        rows = rows[mask.reshape(-1).to(torch.bool)]
+    if not rows.shape[0]:
+        return None
+    rows = rows.to(torch.float32)
+    if check_finite and not bool(torch.isfinite(rows).all()):
+        raise _not_finite_hessian(acc.name, what, rows)
+    return rows
+
+
 @dataclass
 class HessianAccumulator:
     """``H = 2 / n * sum_t x_t x_t^T`` over the n tokens fed to one Linear, float32 [in, in].
@@ -105,39 +146,13 @@ class HessianAccumulator:
     _sum: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
-        n = self.in_features
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ConfigError(
-                f"HessianAccumulator for '{self.name}': in_features must be a positive "
-                f"integer, got {short_repr(n)}."
-            )
-        self._sum = torch.zeros(n, n, dtype=torch.float32)
+        self._sum = _zero_sum(self)
 
     def add(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> int:
         """Accumulate one batch; returns the number of tokens it added."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
-            raise ConfigError(
-                f"HessianAccumulator for '{self.name}': inputs must be a float tensor "
-                f"[..., {self.in_features}], got {short_repr(x)}."
-            )
-        if x.shape[-1] != self.in_features:
-            raise ConfigError(
-                f"HessianAccumulator for '{self.name}': inputs have {x.shape[-1]} features "
-                f"(shape {tuple(x.shape)}), the Linear takes {self.in_features}."
-            )
-        rows = x.reshape(-1, self.in_features)
-        if mask is not None:
-            if tuple(mask.shape) != tuple(x.shape[:-1]):
-                raise ConfigError(
-                    f"HessianAccumulator for '{self.name}': mask shape {tuple(mask.shape)} "
-                    f"does not match the inputs' token dims {tuple(x.shape[:-1])}."
-                )
-            rows = rows[mask.reshape(-1).to(torch.bool)]
-        if not rows.shape[0]:
+        rows = _token_rows(self, x, mask, "calibration input")
+        if rows is None:
             return 0
-        rows = rows.to(torch.float32)
-        if not bool(torch.isfinite(rows).all()):
-            raise _not_finite_hessian(self.name, "calibration input", rows)
         rows = rows * math.sqrt(2.0)
         self._sum.addmm_(rows.t(), rows)
         self.tokens += rows.shape[0]
@@ -171,38 +186,21 @@ class CrossAccumulator:
     _sum: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
-        self._sum = HessianAccumulator(self.in_features, self.name)._sum  # (checks n)
+        self._sum = _zero_sum(self)
 
     def add(self, x: torch.Tensor, xf: torch.Tensor, mask: torch.Tensor | None = None) -> int:
         """Accumulate one batch (``xf`` the full-precision inputs, shaped as ``x``);
         returns the number of tokens it added."""
-        for t in (x, xf):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim < 1:
-                raise ConfigError(
-                    f"CrossAccumulator for '{self.name}': inputs must be float tensors "
-                    f"[..., {self.in_features}], got {short_repr(t)}."
-                )
-        if tuple(x.shape) != tuple(xf.shape) or x.shape[-1] != self.in_features:
+        if isinstance(x, torch.Tensor) and isinstance(xf, torch.Tensor) and x.shape != xf.shape:
             raise ConfigError(
                 f"CrossAccumulator for '{self.name}': the inputs {tuple(x.shape)} and the "
                 f"full-precision inputs {tuple(xf.shape)} must have the same shape, "
                 f"[..., {self.in_features}]."
             )
-        rows = x.reshape(-1, self.in_features)
-        frows = xf.reshape(-1, self.in_features)
-        if mask is not None:
-            if tuple(mask.shape) != tuple(x.shape[:-1]):
-                raise ConfigError(
-                    f"CrossAccumulator for '{self.name}': mask shape {tuple(mask.shape)} "
-                    f"does not match the inputs' token dims {tuple(x.shape[:-1])}."
-                )
-            keep = mask.reshape(-1).to(torch.bool)
-            rows, frows = rows[keep], frows[keep]
-        if not rows.shape[0]:
+        rows = _token_rows(self, x, mask, "calibration input", check_finite=False)
+        frows = _token_rows(self, xf, mask, "full-precision calibration input")
+        if rows is None:
             return 0
-        rows, frows = rows.to(torch.float32), frows.to(torch.float32)
-        if not bool(torch.isfinite(frows).all()):
-            raise _not_finite_hessian(self.name, "full-precision calibration input", frows)
         self._sum.addmm_((frows - rows).t(), rows, alpha=2.0)
         self.tokens += rows.shape[0]
         return rows.shape[0]
@@ -256,9 +254,7 @@ def fp_target_weight(
         )
     W = w.to(torch.float32)
     Hd = H.to(torch.float32, copy=True)
-    diag = torch.diagonal(Hd)
-    diag.masked_fill_(diag == 0, 1.0)
-    diag.add_(dampening * torch.mean(torch.diag(Hd)))
+    _dampen_(Hd, dampening)
     L, info = torch.linalg.cholesky_ex(Hd, check_errors=False)
     if int(info) != 0:
         return W.clone()
@@ -414,16 +410,23 @@ def _check_args(w, H, scheme, block_size, dampening, act_order, name):
         raise _not_finite_hessian(name, "Hessian", H)
 
 
-def _inverse_factor(W: torch.Tensor, H: torch.Tensor, dampening: float, name: str):
-    """Upper Cholesky factor of the dampened ``H^-1`` (H is overwritten); dead columns of
-    W are zeroed. Identity (round to nearest) when H is not positive definite."""
+def _dampen_(H: torch.Tensor, dampening: float) -> torch.Tensor:
+    """GPTQ's dampening, in place: dead columns' (zero) diagonal set to 1, then
+    ``dampening * mean(diag)`` added to the diagonal. Returns the dead-column mask."""
     diag = torch.diagonal(H)
     dead = diag == 0
     if bool(dead.any()):
         diag.masked_fill_(dead, 1.0)
+    diag.add_(dampening * torch.mean(torch.diag(H)))
+    return dead
+
+
+def _inverse_factor(W: torch.Tensor, H: torch.Tensor, dampening: float, name: str):
+    """Upper Cholesky factor of the dampened ``H^-1`` (H is overwritten); dead columns of
+    W are zeroed. Identity (round to nearest) when H is not positive definite."""
+    dead = _dampen_(H, dampening)
+    if bool(dead.any()):
         W.masked_fill_(dead.unsqueeze(0), 0)
-    damp = dampening * torch.mean(torch.diag(H))
-    diag.add_(damp)
     L, info = torch.linalg.cholesky_ex(H, check_errors=False)
     if int(info) != 0:
         warnings.warn(
