@@ -767,22 +767,8 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         """Run the solved routed experts on the FP stream's expert input at the rows the
         quantized pass routes to each (``tok``; None: every row), recording their
         Linears' inputs (gate / up: those rows; down: what the FP expert computes)."""
-        xf = fp_state.get("expert_input")
-        if xf is None:
-            raise ConfigError(
-                f"calibration: gptq_fp_target could not capture the routed experts' "
-                f"full-precision input in {unit}; calibrate without it."
-            )
-        w = rt.loader.get(unit)
-        cur["fp_sub"] = True
-        try:
-            xf = xf.to(rt.dtype)
-            for e in fp_experts:
-                r = xf if tok is None else xf.index_select(0, tok[e].to(xf.device))
-                if r.shape[0]:
-                    gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", r)
-        finally:
-            cur["fp_sub"] = False
+        _experts_pass(rt, unit, cur, fp_experts, fp_state.get("expert_input"), "fp_sub",
+                      "gptq_fp_target (full-precision input)", tok)  # fmt: skip
 
     def on_router(name, x, y):
         if cur.get("mute"):  # AWQ's loss runs: no statistics
@@ -1194,23 +1180,32 @@ def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options
 
 
 @torch.inference_mode()
-def _all_experts_pass(rt, unit: str, cur: dict, experts: list[int]) -> None:
-    """Run every calibrated routed expert on all of the micro-batch's tokens (the hooks
-    take their statistics; the outputs are discarded)."""
-    x = cur.get("expert_input")
+def _experts_pass(rt, unit: str, cur: dict, experts: list[int], x, flag: str, what: str,
+                  rows: dict | None = None) -> None:  # fmt: skip
+    """Run the routed ``experts`` on the captured expert input ``x`` (every row, or
+    ``rows[e]`` for expert e) with ``cur[flag]`` set, so the hooks take what ``what``
+    needs; the outputs are discarded."""
     if x is None:
         raise ConfigError(
-            f"calibration: moe_all_experts could not capture the routed experts' input in "
-            f"{unit}; run without it."
+            f"calibration: {what} could not capture the routed experts' input in {unit}; "
+            f"run without it."
         )
     w = rt.loader.get(unit)
-    cur["all"] = True
+    cur[flag] = True
     try:
         x = x.to(rt.dtype)
         for e in experts:
-            gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", x)
+            r = x if rows is None else x.index_select(0, rows[e].to(x.device))
+            if r.shape[0]:
+                gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", r)
     finally:
-        cur["all"] = False
+        cur[flag] = False
+
+
+def _all_experts_pass(rt, unit: str, cur: dict, experts: list[int]) -> None:
+    """Run every calibrated routed expert on all of the micro-batch's tokens (the hooks
+    take their statistics; the outputs are discarded)."""
+    _experts_pass(rt, unit, cur, experts, cur.get("expert_input"), "all", "moe_all_experts")
 
 
 def _read_journal(journal: Path) -> dict | None:
