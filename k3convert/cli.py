@@ -428,7 +428,7 @@ def quantize(
             )  # fmt: skip
         data_given = []
     if calibrate:
-        from .calibrate.sequential import SequentialOptions
+        from .calibrate.sequential import _GPTQ, SequentialOptions
 
         opts = SequentialOptions(
             dataset=dataset if dataset is not None else "default", num_samples=num_samples,
@@ -446,7 +446,7 @@ def quantize(
                     f"the full-precision model's outputs; 0.5 recommended), got "
                     f"{gptq_fp_target}."
                 )
-            if (algorithm or "gptq") not in ("gptq", "smoothquant+gptq"):
+            if (algorithm or "gptq") not in _GPTQ:
                 raise typer.BadParameter(
                     "--gptq-fp-target only applies with --algorithm gptq or smoothquant+gptq."
                 )
