@@ -29,8 +29,15 @@ import torch
 import transformers
 
 from k3convert.calibrate.sequential import OverlaySource, SequentialOptions
-from k3convert.calibrate.smooth import Smoothing, layer_mappings
+from k3convert.calibrate.smooth import (
+    Mapping,
+    Smoothing,
+    Statistics,
+    layer_mappings,
+    smoothquant_search,
+)
 from k3convert.checkpoint.reader import open_checkpoint
+from k3convert.quant.schemes import get_scheme
 from k3convert.quant.writer import plan_quantization, quantize
 from k3convert.runtime.runtime import Runtime
 from tests.models import QUANT_FAMILIES, kimi_linear, save_model
@@ -259,3 +266,41 @@ def test_random_smoothing_preserves_logits(family, pow2, tmp_path):
         assert torch.equal(got, ref), (got - ref).abs().max()
     else:
         assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+
+
+# -- SmoothQuant's score: what the checkpoint quantizes where it runs --------------------
+def test_smoothquant_scores_routed_experts_on_their_weights_alone():
+    """Routed experts' inputs are not activation-quantized where the checkpoint runs
+    (transformers' compressed-tensors integration, the runtime by default), so a mapping
+    whose gain is all in the activation error of routed readers is not smoothed: with the
+    readers ``plain`` the candidate must beat no smoothing on the weights' error alone.
+    A channel of 100x outliers makes alpha 0.5 cut the W8A8 error well past SQ_MIN_GAIN
+    when the inputs are quantized; on the weights alone it only adds error."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g)
+    x[:, 3] *= 100.0
+    stats = Statistics(cap=512, batches=1)
+    stats.add("e0.up", x, sample=True)
+    stats.add("e0.down", x, sample=True)
+    # integer weights with 127 in every row: int8 per channel represents them exactly,
+    # so unsmoothed their error is zero and smoothing can only add to it
+    w = {}
+    for n in ("e0.up", "e0.down"):
+        t = torch.randint(-127, 128, (32, 64), generator=g).float()
+        t[:, 0] = 127.0
+        w[n] = t
+    scheme = get_scheme("w8a8")
+    m = Mapping(label="t", prev="norm", prev_is_norm=True, balance=("e0.up", "e0.down"),
+                source="e0.up")  # fmt: skip
+    weight, scheme_of = w.__getitem__, lambda n: scheme
+    s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas=(0.5,))
+    assert alpha == 0.5 and not torch.equal(s, torch.ones(64))
+    s, alpha = smoothquant_search(m, weight, scheme_of, stats, (0.5,), frozenset(m.balance))
+    assert alpha is None and torch.equal(s, torch.ones(64))
+    # a routed reader beside a quantized-input one: the routed reader's error is its
+    # weights' alone (here it dominates: the other reader's weights are 1000x smaller)
+    w["e0.up"] = w["e0.up"] * 2.0**-10
+    _, alpha = smoothquant_search(m, weight, scheme_of, stats, (0.5,), frozenset({"e0.down"}))
+    assert alpha is None
+    _, alpha = smoothquant_search(m, weight, scheme_of, stats, (0.5,), frozenset({"e0.up"}))
+    assert alpha == 0.5

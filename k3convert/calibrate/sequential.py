@@ -1160,6 +1160,10 @@ def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options
     def scheme_of(n: str):
         return allrows[n].scheme
 
+    # routed experts: their inputs are not quantized where the checkpoint runs (see
+    # runtime.runtime's module doc), so SmoothQuant scores their weights alone
+    plain = frozenset(n for m in maps for n in m.balance if allrows[n].role.expert is not None)
+
     for m in maps:
         if not stats.count.get(m.source):
             continue
@@ -1171,7 +1175,7 @@ def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options
                 continue
         else:
             alphas = SQ_ALPHAS if options.alpha_search else (float(options.alpha),)
-            s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas)
+            s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas, plain)
             sm.chosen[m.label] = alpha
             if alpha is None:
                 continue
