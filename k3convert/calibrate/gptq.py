@@ -131,14 +131,9 @@ def _token_rows(acc, x, mask, what: str, *, check_finite: bool = True):
 
 
 @dataclass
-class HessianAccumulator:
-    """``H = 2 / n * sum_t x_t x_t^T`` over the n tokens fed to one Linear, float32 [in, in].
-
-    ``add(x, mask)`` takes a batch ``x [..., in]`` (any float dtype) and optionally a mask
-    of shape ``x.shape[:-1]`` (bool or 0/1 ints, e.g. an attention mask): tokens where it
-    is 0 / False are padding and excluded. Every real token weighs the same whatever
-    batch it came in. Memory: one [in, in] float32 sum.
-    """
+class _SumAccumulator:
+    """A float32 [in, in] sum over the real tokens fed to one Linear (``tokens`` of them),
+    read back as its mean (:meth:`_mean`)."""
 
     in_features: int
     name: str = "linear"
@@ -147,6 +142,29 @@ class HessianAccumulator:
 
     def __post_init__(self):
         self._sum = _zero_sum(self)
+
+    def _mean(self, what: str, hint: str) -> torch.Tensor:
+        """``sum / tokens`` (a new tensor), checked finite; an error before any token."""
+        if not self.tokens:
+            raise ConfigError(
+                f"{type(self).__name__} for '{self.name}': no calibration tokens reached "
+                f"this Linear (all padding, or no batch added){hint}"
+            )
+        m = self._sum / self.tokens
+        if not bool(torch.isfinite(m).all()):
+            raise _not_finite_hessian(self.name, what, m)
+        return m
+
+
+@dataclass
+class HessianAccumulator(_SumAccumulator):
+    """``H = 2 / n * sum_t x_t x_t^T`` over the n tokens fed to one Linear, float32 [in, in].
+
+    ``add(x, mask)`` takes a batch ``x [..., in]`` (any float dtype) and optionally a mask
+    of shape ``x.shape[:-1]`` (bool or 0/1 ints, e.g. an attention mask): tokens where it
+    is 0 / False are padding and excluded. Every real token weighs the same whatever
+    batch it came in. Memory: one [in, in] float32 sum.
+    """
 
     def add(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> int:
         """Accumulate one batch; returns the number of tokens it added."""
@@ -160,33 +178,17 @@ class HessianAccumulator:
 
     def hessian(self) -> torch.Tensor:
         """``2 / n * sum(x x^T)`` (a new tensor); an error before any token was added."""
-        if not self.tokens:
-            raise ConfigError(
-                f"HessianAccumulator for '{self.name}': no calibration tokens reached this "
-                f"Linear (all padding, or no batch added); GPTQ needs at least one."
-            )
-        h = self._sum / self.tokens
-        if not bool(torch.isfinite(h).all()):
-            raise _not_finite_hessian(self.name, "Hessian", h)
-        return h
+        return self._mean("Hessian", "; GPTQ needs at least one.")
 
 
 @dataclass
-class CrossAccumulator:
+class CrossAccumulator(_SumAccumulator):
     """``D = 2 / n * sum_t (xf_t - x_t) x_t^T`` over the n tokens fed to one Linear,
     float32 [in, in]: ``x`` its input in the model being calibrated (the quantized layers
     before it), ``xf`` the same Linear's input on the same tokens in the full-precision
     model. With :class:`HessianAccumulator`'s ``H`` (same tokens, same mask) it gives
     :func:`fp_target_weight`. Memory: one [in, in] float32 sum.
     """
-
-    in_features: int
-    name: str = "linear"
-    tokens: int = field(default=0, init=False)
-    _sum: torch.Tensor = field(init=False, repr=False)
-
-    def __post_init__(self):
-        self._sum = _zero_sum(self)
 
     def add(self, x: torch.Tensor, xf: torch.Tensor, mask: torch.Tensor | None = None) -> int:
         """Accumulate one batch (``xf`` the full-precision inputs, shaped as ``x``);
@@ -207,15 +209,7 @@ class CrossAccumulator:
 
     def cross(self) -> torch.Tensor:
         """``2 / n * sum((xf - x) x^T)`` (a new tensor); an error before any token."""
-        if not self.tokens:
-            raise ConfigError(
-                f"CrossAccumulator for '{self.name}': no calibration tokens reached this "
-                f"Linear (all padding, or no batch added)."
-            )
-        d = self._sum / self.tokens
-        if not bool(torch.isfinite(d).all()):
-            raise _not_finite_hessian(self.name, "full-precision cross term", d)
-        return d
+        return self._mean("full-precision cross term", ".")
 
 
 def fp_target_weight(
