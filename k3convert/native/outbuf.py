@@ -11,8 +11,11 @@ with a decode-then-drop loop glibc handed out fresh memory for two tensors in th
 view of an anonymous private mapping (rounded up to 2 MiB) that goes back to a free
 list when the last tensor using it dies (a ``weakref.finalize`` on the numpy array
 torch's storage holds), and the next output of the same rounded size takes it, pages
-already in. The free list holds at most ``$K3CONVERT_OUTPUT_POOL`` bytes (default
-256 MiB; 0 turns the pool off); what does not fit is unmapped. The tensors are
+already in. A new mapping asks for transparent huge pages (``MADV_HUGEPAGE``, taken
+where THP is ``always`` or ``madvise``): its first fill then faults 2 MiB at a time
+(measured: 2.5 ms against 12 for a 22 MB expert). The free list holds at most
+``$K3CONVERT_OUTPUT_POOL`` bytes (default 256 MiB; 0 turns the pool off); what does not
+fit is unmapped. The tensors are
 ordinary CPU tensors (their storage cannot be resized in place, as any tensor made from
 numpy memory), their contents before the kernel writes them undefined, as
 ``torch.empty``'s.
@@ -20,6 +23,7 @@ numpy memory), their contents before the kernel writes them undefined, as
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -41,6 +45,10 @@ _ANON = (
     if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
     else None
 )
+
+
+#: madvise advice asking for transparent huge pages (None where the platform has none)
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def _limit() -> int:
@@ -96,6 +104,10 @@ class OutputPool:
                 self.misses += 1
         if mm is None:
             mm = mmap.mmap(-1, size, flags=_ANON)
+            if _HUGE is not None:  # 2 MiB pages where the kernel has them: a 22 MB expert
+                # faulted in 2.5 ms instead of 12 (measured); refused (THP off): 4 KiB pages
+                with contextlib.suppress(OSError):
+                    mm.madvise(_HUGE)
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         # torch's storage holds arr until the last view of it dies; then the mapping is free
         weakref.finalize(arr, self._give_back, size, mm).atexit = False
