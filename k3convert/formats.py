@@ -57,6 +57,7 @@ imports nothing of k3convert but the errors (every other layer imports it).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -637,7 +638,7 @@ def _deq_nvfp4(
     packed, stored = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
     codes = stored.view(torch.uint8)
     if packed.numel() and native.ENABLED and native.library() is not None:
-        got = native.fp4_decode(packed, codes, _nv_values(g, dtype), dtype, NV_GROUP)
+        got = native.fp4_decode(packed, codes, _nv_values_of(g, dtype), dtype, NV_GROUP)
         if got is not None:
             return got
     return fp4_decode.decode(packed, codes, NV_GROUP, _nv_table(g, dtype), dtype)
@@ -662,6 +663,19 @@ def _nv_values(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     vals = torch.empty(256, 16, dtype=dtype)
     torch.mul(_BYTE_LUT[:16, 0].reshape(1, 16), _nv_eff(g).view(256, 1), out=vals)
     return vals
+
+
+def _nv_values_of(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_nv_values`, one tensor per (global scale bits, dtype): a checkpoint's experts
+    share a few global scales, so the kernel's table of each is built once."""
+    return _nv_values_bits(int(g.reshape(()).view(torch.int32)), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _nv_values_bits(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode(False):  # a plain tensor, whichever mode the first caller runs in
+        g = torch.tensor([bits], dtype=torch.int32).view(torch.float32).reshape(1, 1)
+        return _nv_values(g, dtype)
 
 
 def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -321,6 +321,8 @@ def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch
 
 # -- threads: every kernel's bytes at nthreads 1, 2 and 3 ------------------------------------
 THREADS = (1, 2, 3)
+#: the FP4 decode's vector ISA levels this CPU runs (2 AVX-512 VBMI, 1 AVX2, 0 portable)
+LEVELS = tuple(range(native.simd_level(), -1, -1))
 #: (rows, bytes per row): tiny (fewer groups than threads), odd row counts and group
 #: counts no thread count divides, and one large enough to split into many blocks
 THREAD_SHAPES = [(1, 16), (3, 16), (7, 48), (33, 272), (301, 784)]
@@ -365,11 +367,11 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
         for simd in (True, False):
             got = _each_thread_count(lambda n, per=per, s=simd: [_max_out(packed, per, n, s)])
             assert torch.equal(got[0], _flat(want)), (per, simd)
-    # MXFP4 decode, both loops and both dtypes, against the reference
+    # MXFP4 decode, every loop and both dtypes, against the reference
     p = {"weight_packed": packed, "weight_scale": mx}
     for dtype in (torch.bfloat16, torch.float32):
         want = _flat(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
-        for simd in (True, False):
+        for simd in LEVELS:
             got = _each_thread_count(lambda n, d=dtype, s=simd: [native.fp4_decode(
                 packed, mx, fmt._mx_values(d), d, fmt.MX_GROUP, simd=s, nthreads=n)])  # fmt: skip
             assert torch.equal(got[0], want), (dtype, simd)
@@ -409,9 +411,10 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
 @pytest.mark.parametrize("rows,cols", [(1, 8), (3, 24), (7, 48), (301, 776)])
 @pytest.mark.parametrize("gscale", [2688.0 / 0.05, 1e-30, 3e38, 0.0])
 def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscale):
-    """The NVFP4 nibble-table kernel, AVX2 and portable, bfloat16 and float32, at 1, 2, 3
-    threads, on odd group counts (a last group without its pair) and every e4m3 code (NaN
-    and subnormal scales, products that overflow or underflow): nvfp4_reference's bits."""
+    """The NVFP4 nibble-table kernel, every loop this CPU runs (AVX-512 VBMI, AVX2,
+    portable), bfloat16 and float32, at 1, 2, 3 threads, on odd group counts (a last group
+    without its pair) and every e4m3 code (NaN and subnormal scales, products that overflow
+    or underflow): nvfp4_reference's bits."""
     packed = _rand((rows, cols), rows * cols)
     codes = _rand((rows, cols // 8), rows + cols)
     codes.view(-1)[: min(256, codes.numel())] = torch.arange(256, dtype=torch.uint8)[
@@ -422,7 +425,7 @@ def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscal
     for dtype in (torch.bfloat16, torch.float32):
         want = _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype))
         vals = fmt._nv_values(g, dtype)
-        for simd in (True, False):
+        for simd in LEVELS:
             got = _each_thread_count(lambda n, d=dtype, v=vals, s=simd: [native.fp4_decode(
                 packed, codes, v, d, fmt.NV_GROUP, simd=s, nthreads=n)])  # fmt: skip
             assert torch.equal(got[0], want), (dtype, simd)
@@ -531,3 +534,47 @@ def test_thread_policy_and_callers_at_torch_thread_counts(monkeypatch):
                 assert got is not None and _same(got, want), (n, s)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_simd_level_is_what_the_cpu_reports():
+    """The kernels' widest loop follows the CPU's own flags (Linux x86-64's /proc/cpuinfo):
+    AVX-512 VBMI where it has avx512bw and avx512vbmi, else AVX2 where it has avx2; the
+    level they run at is that capped by torch's (ATEN_CPU_CAPABILITY=default / avx2)."""
+    import platform
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not info.is_file():
+        pytest.skip("reads the flags of Linux x86-64's /proc/cpuinfo")
+    flags = set()
+    for line in info.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    want = 2 if {"avx512bw", "avx512vbmi"} <= flags else 1 if "avx2" in flags else 0
+    assert native.cpu_level() == want, (sorted(f for f in flags if f.startswith("avx")), want)
+    cap = {"DEFAULT": 0, "AVX2": 1}.get(torch.backends.cpu.get_cpu_capability(), 2)
+    assert native.simd_level() == min(want, cap) == LEVELS[0] and LEVELS[-1] == 0
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_decode_table_follows_its_values_when_they_are_written():
+    """The kernel's table is kept per values tensor: one written in place since (or a new
+    tensor at a recycled address) gets a table of its new values, not the kept one."""
+    packed, codes = _rand((4, 64), 1), _rand((4, 8), 2)
+    vals = torch.randn(256, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def want(v):
+        nib = torch.stack([packed & 15, packed >> 4], -1).reshape(4, 128).long()
+        return v[codes.long().repeat_interleave(16, 1), nib]
+
+    for _ in range(2):
+        got = native.fp4_decode(packed, codes, vals, torch.bfloat16, fmt.NV_GROUP)
+        assert torch.equal(got.view(torch.int16), want(vals).view(torch.int16))
+        vals.mul_(-2)
+    for _ in range(native._LUTS_MAX + 2):  # more tensors than the cache keeps
+        v = torch.randn(256, 16).bfloat16()
+        got = native.fp4_decode(packed, codes, v, torch.bfloat16, fmt.NV_GROUP)
+        assert torch.equal(got.view(torch.int16), want(v).view(torch.int16))
+    assert len(native._LUTS) <= native._LUTS_MAX

@@ -19,11 +19,17 @@ Threads: every kernel takes a thread count (``nthreads=``; default :func:`thread
 torch's intra-op thread count, one thread below ~1 MiB of output) and splits its groups
 into that many contiguous ranges run by pthreads, the calling thread taking the first;
 the bytes written do not depend on the count (tests/test_fp4_requant.py checks 1, 2, 3).
+
+Vector ISA: each kernel has a portable loop and an AVX2 one, the bfloat16 FP4 decode an
+AVX-512 (BW + VBMI) one too; a call runs the widest the CPU has (:func:`cpu_level`)
+capped by torch's CPU capability (:func:`simd_level`: ``ATEN_CPU_CAPABILITY=default`` or
+``=avx2`` pins these loops as it pins torch's). Every level writes the same bytes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -38,7 +44,7 @@ import torch
 from . import outbuf
 
 SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 15
+ABI = 16
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
 
 #: False: every caller takes its torch path (tests compare the two)
@@ -131,6 +137,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.k3_mx_int4.argtypes = [p, p, i64, i64, p, *[i32] * 5, p, p, p, i32, i32]
     lib.k3_mx_int4.restype = i64
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
+    lib.k3_fp4_simd_level.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:
@@ -175,6 +182,38 @@ def threads_for(out_bytes: int, nthreads: int | None = None) -> int:
             raise ValueError(f"native kernels: nthreads must be an int, got {nthreads!r}")
         return max(1, nthreads)
     return torch.get_num_threads() if out_bytes >= PAR_MIN_BYTES else 1
+
+
+#: torch's CPU capability (``ATEN_CPU_CAPABILITY`` caps it) -> the widest level the kernels
+#: may use: one variable pins every vector path of a run, torch's and these kernels'
+_TORCH_LEVEL = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+
+
+def cpu_level() -> int:
+    """The widest vector ISA these kernels have a loop for that this CPU runs: 2 AVX-512
+    BW + VBMI (the bfloat16 FP4 decode), 1 AVX2, 0 the portable loops (also without the
+    kernels)."""
+    lib = library() if ENABLED else None
+    return 0 if lib is None else int(lib.k3_fp4_simd_level())
+
+
+def simd_level() -> int:
+    """The level the kernels run at: :func:`cpu_level` capped by torch's CPU capability
+    (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY=default``
+    or ``=avx2`` lowers), so a run pinned to a vector ISA runs every loop at it."""
+    return min(cpu_level(), _torch_level())
+
+
+@functools.cache
+def _torch_level() -> int:  # ATen reads its capability once per process
+    return _TORCH_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
+def _isa(simd: bool | int, top: int = 1) -> int:
+    """A kernel's ``simd`` argument as the level it runs at: True the widest allowed (at
+    most ``top``, the kernel's own widest loop), False the portable loop, an int capped."""
+    want = top if simd is True else int(simd)
+    return max(0, min(want, top, simd_level()))
 
 
 _WORDS = {1: "k3_gather_u8", 4: "k3_gather_u32", 8: "k3_gather_u64"}
@@ -224,7 +263,7 @@ def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *, simd: bool = Tr
     ):  # fmt: skip
         raise ValueError("native max_codes: arguments of the wrong dtype, size or layout")
     n = threads_for(src.numel(), nthreads)  # the work is the bytes read
-    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr(), int(simd), n)
+    lib.k3_max_codes(src.data_ptr(), out.numel(), per, out.data_ptr(), _isa(simd), n)
     return True
 
 
@@ -238,7 +277,10 @@ def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
     ``codes`` (uint8 [out, in/group]: MXFP4's E8M0 codes at group 32, NVFP4's e4m3 bytes
     at 16) -> [out, in] ``dtype`` (bfloat16 / float32): value ``values[c, n]`` for nibble
     ``n`` of a group with scale byte ``c``, ``values`` the [256, 16] nibble table in
-    ``dtype``; None without the kernels. ``simd=False``: the portable loop (tests)."""
+    ``dtype``; None without the kernels. ``simd``: the widest vector ISA the loop may use
+    where the CPU has it - True the widest (AVX-512 BW + VBMI for bfloat16, else AVX2),
+    an int level of :func:`simd_level` to cap it, False the portable loop (tests: every
+    level gives the same bytes)."""
     lib = library() if ENABLED else None
     if lib is None:
         return None
@@ -254,17 +296,49 @@ def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
     ):  # fmt: skip
         raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
     res = outbuf.empty((out, 2 * cols), dtype)  # reused pages: no faults per tensor
-    if dtype == torch.bfloat16:  # per code its 16 values' low bytes, then their high bytes
-        lut = values.contiguous().view(torch.uint8).view(256, 16, 2).transpose(1, 2)
-        fn = lib.k3_fp4_lut_bf16
-    else:
-        lut = values.contiguous().view(torch.int32)
-        fn = lib.k3_fp4_lut_f32
-    lut = lut.contiguous()
+    lut = _lut(values, dtype)
+    fn = lib.k3_fp4_lut_bf16 if dtype == torch.bfloat16 else lib.k3_fp4_lut_f32
     n = threads_for(res.numel() * res.element_size(), nthreads)
     fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), per, lut.data_ptr(),
-       res.data_ptr(), int(simd), n)  # fmt: skip
+       res.data_ptr(), _isa(simd, 2), n)  # fmt: skip
     return res
+
+
+#: id(values) -> (values, its _version then, the kernel's table): the decode's table of a
+#: values tensor built once (MXFP4's is one per dtype, NVFP4's one per global scale), and
+#: rebuilt where the tensor was written since
+_LUTS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+_LUTS_MAX = 64
+_luts_lock = threading.Lock()
+
+
+def _lut(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's table for the [256, 16] ``values``: bfloat16, per code its 16 values'
+    low bytes then their high bytes; float32, the values' bits."""
+    version = _version(values)
+    with _luts_lock:  # quantize's workers decode on several threads
+        got = _LUTS.get(id(values))
+    if got is not None and got[0] is values and got[1] == version:
+        return got[2]
+    if dtype == torch.bfloat16:
+        lut = values.contiguous().view(torch.uint8).view(256, 16, 2).transpose(1, 2)
+    else:
+        lut = values.contiguous().view(torch.int32)
+    lut = lut.contiguous()
+    with _luts_lock:
+        while len(_LUTS) >= _LUTS_MAX:
+            _LUTS.pop(next(iter(_LUTS)))
+        _LUTS[id(values)] = (values, version, lut)
+    return lut
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place write counter; -1 for an inference tensor (made under
+    ``torch.inference_mode``, which has none and cannot be written outside it)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
@@ -293,7 +367,7 @@ def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, simd: bool = True,
     seen = torch.zeros(2048, dtype=torch.uint8)
     n = threads_for(packed.numel(), nthreads)  # the work is the bytes read
     lib.k3_nv_maxkeys(packed.data_ptr(), codes.data_ptr(), m.numel(), m.data_ptr(),
-                      seen.data_ptr(), int(simd), n)  # fmt: skip
+                      seen.data_ptr(), _isa(simd), n)  # fmt: skip
     return m, seen
 
 
@@ -319,7 +393,7 @@ def nv_requant(packed, codes, m, table, scales, *, simd: bool = True,
     ptrs = (t.data_ptr() for t in (packed, codes, m))
     n = threads_for(out.numel(), nthreads)
     lib.k3_nv_requant(*ptrs, m.numel(), table.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                      sout.data_ptr(), int(simd), n)  # fmt: skip
+                      sout.data_ptr(), _isa(simd), n)  # fmt: skip
     return out, sout
 
 
@@ -344,7 +418,7 @@ def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: 
         raise ValueError("native gather_nib: a key outside the map")
     n = threads_for(out.numel(), nthreads)
     lib.k3_gather_nib(src.data_ptr(), key.data_ptr(), groups, nibmap.data_ptr(),
-                      out.data_ptr(), int(simd), n)  # fmt: skip
+                      out.data_ptr(), _isa(simd), n)  # fmt: skip
     return True
 
 
@@ -380,5 +454,5 @@ def mx_int4(packed: torch.Tensor, codes: torch.Tensor, sub: int, values: torch.T
     n = threads_for(res.numel(), nthreads)
     bad = lib.k3_mx_int4(packed.data_ptr(), codes.data_ptr(), amax.numel(), sub,
                          values.data_ptr(), lo, hi, span, d_lo, d_hi, nibmap.data_ptr(),
-                         res.data_ptr(), amax.data_ptr(), int(simd), n)  # fmt: skip
+                         res.data_ptr(), amax.data_ptr(), _isa(simd), n)  # fmt: skip
     return res, amax, int(bad)
