@@ -156,6 +156,12 @@ def stages(tmp: Path, info: dict, threads: list[int]) -> list[tuple]:
 
 
 RAW = "safe_open mxfp4 (raw)"
+#: what the k3convert stages ran on: the kernels' status and vector ISA level
+_KERNELS = """
+import k3convert.native as n
+names = {0: "portable loops", 1: "AVX2", 2: "AVX-512 BW + VBMI (bfloat16 decode), AVX2"}
+print(f"{n.status()}; vector ISA {names[n.simd_level()]} (CPU: {names[n.cpu_level()]})")
+"""
 
 
 def main() -> None:
@@ -201,6 +207,8 @@ def main() -> None:
             loads.append(os.getloadavg())
         expert = 3 * args.hidden * args.moe * 2
         table(st, runs, floor, expert, args.threads, loads)
+        _, _, out, _ = measure([PY, "-c", _KERNELS])
+        print(f"k3convert kernels: {out.strip().splitlines()[-1]}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
