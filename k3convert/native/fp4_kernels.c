@@ -665,7 +665,6 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void k3_lut_bf16_v
 }
 #endif
 
-
 /* -- the exported kernels: the loops above over nthreads contiguous ranges ----------- */
 typedef struct {
     const void *src, *key, *aux, *table, *stab; /* as each kernel names them */
@@ -754,7 +753,7 @@ static int64_t k3_fp4_lut_body(const void *c, int64_t lo, int64_t hi) {
     if (bf16) {
         uint16_t *o = (uint16_t *)a->out + 2 * per * lo;
 #ifdef K3_HAVE_AVX2_PATH
-        if (level >= 2) {
+        if (level >= 2 && (per == 8 || per == 16)) {
             k3_lut_bf16_vbmi_1(s, e, hi - lo, per, (const uint8_t *)a->table, o);
             return 0;
         }
