@@ -15,10 +15,9 @@ already in. A new mapping asks for transparent huge pages (``MADV_HUGEPAGE``, ta
 where THP is ``always`` or ``madvise``): its first fill then faults 2 MiB at a time
 (measured: 2.5 ms against 12 for a 22 MB expert). The free list holds at most
 ``$K3CONVERT_OUTPUT_POOL`` bytes (default 256 MiB; 0 turns the pool off); what does not
-fit is unmapped. The tensors are
-ordinary CPU tensors (their storage cannot be resized in place, as any tensor made from
-numpy memory), their contents before the kernel writes them undefined, as
-``torch.empty``'s.
+fit is unmapped. The tensors are ordinary CPU tensors (their storage cannot be resized
+in place, as any tensor made from numpy memory), their contents before the kernel writes
+them undefined, as ``torch.empty``'s.
 """
 
 from __future__ import annotations
