@@ -594,6 +594,15 @@ def _mx_values(dtype: torch.dtype) -> torch.Tensor:
 _MX_VALUES: dict[torch.dtype, torch.Tensor] = {}
 
 
+@functools.cache
+def _mx_kernel(dtype: torch.dtype) -> torch.Tensor:
+    """The decode kernel's table of :func:`_mx_values`, once per dtype."""
+    from . import native
+
+    with torch.inference_mode(False):
+        return native.decode_table(_mx_values(dtype), dtype)
+
+
 def _deq_mxfp4(
     p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -609,7 +618,8 @@ def _deq_mxfp4(
     _check_fp4_groups(p, MX_GROUP)
     packed, codes = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
     if packed.numel() and native.ENABLED and native.library() is not None:
-        got = native.fp4_decode(packed, codes, _mx_values(dtype), dtype, MX_GROUP)
+        vals = _mx_values(dtype)
+        got = native.fp4_decode(packed, codes, vals, dtype, MX_GROUP, table=_mx_kernel(dtype))
         if got is not None:
             return got
     table = _MX_TABLES.get(dtype)
@@ -638,7 +648,8 @@ def _deq_nvfp4(
     packed, stored = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
     codes = stored.view(torch.uint8)
     if packed.numel() and native.ENABLED and native.library() is not None:
-        got = native.fp4_decode(packed, codes, _nv_values_of(g, dtype), dtype, NV_GROUP)
+        vals, table = _nv_kernel(int(g.reshape(()).view(torch.int32)), dtype)
+        got = native.fp4_decode(packed, codes, vals, dtype, NV_GROUP, table=table)
         if got is not None:
             return got
     return fp4_decode.decode(packed, codes, NV_GROUP, _nv_table(g, dtype), dtype)
@@ -665,17 +676,16 @@ def _nv_values(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return vals
 
 
-def _nv_values_of(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_nv_values`, one tensor per (global scale bits, dtype): a checkpoint's experts
-    share a few global scales, so the kernel's table of each is built once."""
-    return _nv_values_bits(int(g.reshape(()).view(torch.int32)), dtype)
-
-
 @functools.lru_cache(maxsize=64)
-def _nv_values_bits(bits: int, dtype: torch.dtype) -> torch.Tensor:
-    with torch.inference_mode(False):  # a plain tensor, whichever mode the first caller runs in
+def _nv_kernel(bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_nv_values` and the decode kernel's table of them, per (global scale bits,
+    dtype): a checkpoint's experts share a few global scales, so each is built once."""
+    from . import native
+
+    with torch.inference_mode(False):  # plain tensors, whichever mode the first caller runs in
         g = torch.tensor([bits], dtype=torch.int32).view(torch.float32).reshape(1, 1)
-        return _nv_values(g, dtype)
+        vals = _nv_values(g, dtype)
+        return vals, native.decode_table(vals, dtype)
 
 
 def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

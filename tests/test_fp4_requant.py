@@ -561,22 +561,15 @@ def test_simd_level_is_what_the_cpu_reports():
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-def test_decode_table_follows_its_values_when_they_are_written():
-    """The kernel's table is kept per values tensor: one written in place since (or a new
-    tensor at a recycled address) gets a table of its new values, not the kept one."""
-    packed, codes = _rand((4, 64), 1), _rand((4, 8), 2)
-    vals = torch.randn(256, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
-
-    def want(v):
-        nib = torch.stack([packed & 15, packed >> 4], -1).reshape(4, 128).long()
-        return v[codes.long().repeat_interleave(16, 1), nib]
-
-    for _ in range(2):
-        got = native.fp4_decode(packed, codes, vals, torch.bfloat16, fmt.NV_GROUP)
-        assert torch.equal(got.view(torch.int16), want(vals).view(torch.int16))
-        vals.mul_(-2)
-    for _ in range(native._LUTS_MAX + 2):  # more tensors than the cache keeps
-        v = torch.randn(256, 16).bfloat16()
-        got = native.fp4_decode(packed, codes, v, torch.bfloat16, fmt.NV_GROUP)
-        assert torch.equal(got.view(torch.int16), want(v).view(torch.int16))
-    assert len(native._LUTS) <= native._LUTS_MAX
+def test_kept_decode_tables_follow_the_global_scale_and_dtype():
+    """formats keeps the kernel's NVFP4 table per (global scale, dtype): tensors under
+    alternating global scales and dtypes in one process each decode to the reference's
+    bits (a table kept under the wrong key would hand one tensor another's values)."""
+    packed = _rand((6, 64), 7)
+    codes = _rand((6, 8), 8).clamp(max=0x7E)  # finite e4m3 scales
+    for gscale, dtype in [(448.0, torch.bfloat16), (3.5, torch.bfloat16), (448.0, torch.float32),
+                          (3.5, torch.bfloat16), (448.0, torch.bfloat16)]:  # fmt: skip
+        p = {"weight_packed": packed, "weight_scale": codes.view(torch.float8_e4m3fn),
+             "weight_global_scale": torch.tensor([gscale])}  # fmt: skip
+        got = fmt._deq_nvfp4(p, fmt.QuantParams(), dtype)
+        assert torch.equal(_flat(got), _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype)))

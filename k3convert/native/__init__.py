@@ -271,13 +271,14 @@ _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
-               dtype: torch.dtype, group: int, *, simd: bool = True,
-               nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
+               dtype: torch.dtype, group: int, *, table: torch.Tensor | None = None,
+               simd: bool = True, nthreads: int | None = None) -> torch.Tensor | None:  # fmt: skip
     """FP4 uint8 ``packed`` [out, in/2] with one scale byte per ``group`` values in
     ``codes`` (uint8 [out, in/group]: MXFP4's E8M0 codes at group 32, NVFP4's e4m3 bytes
     at 16) -> [out, in] ``dtype`` (bfloat16 / float32): value ``values[c, n]`` for nibble
     ``n`` of a group with scale byte ``c``, ``values`` the [256, 16] nibble table in
-    ``dtype``; None without the kernels. ``simd``: the widest vector ISA the loop may use
+    ``dtype``; None without the kernels. ``table``: :func:`decode_table` of ``values``,
+    where the caller keeps it (else built here). ``simd``: the widest vector ISA the loop may use
     where the CPU has it - True the widest (AVX-512 BW + VBMI for bfloat16, else AVX2),
     an int level of :func:`simd_level` to cap it, False the portable loop (tests: every
     level gives the same bytes)."""
@@ -296,7 +297,7 @@ def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
     ):  # fmt: skip
         raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
     res = outbuf.empty((out, 2 * cols), dtype)  # reused pages: no faults per tensor
-    lut = _lut(values, dtype)
+    lut = decode_table(values, dtype) if table is None else table
     fn = lib.k3_fp4_lut_bf16 if dtype == torch.bfloat16 else lib.k3_fp4_lut_f32
     n = threads_for(res.numel() * res.element_size(), nthreads)
     fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), per, lut.data_ptr(),
@@ -304,41 +305,15 @@ def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
     return res
 
 
-#: id(values) -> (values, its _version then, the kernel's table): the decode's table of a
-#: values tensor built once (MXFP4's is one per dtype, NVFP4's one per global scale), and
-#: rebuilt where the tensor was written since
-_LUTS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-_LUTS_MAX = 64
-_luts_lock = threading.Lock()
-
-
-def _lut(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The kernel's table for the [256, 16] ``values``: bfloat16, per code its 16 values'
-    low bytes then their high bytes; float32, the values' bits."""
-    version = _version(values)
-    with _luts_lock:  # quantize's workers decode on several threads
-        got = _LUTS.get(id(values))
-    if got is not None and got[0] is values and got[1] == version:
-        return got[2]
+def decode_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP4 decode kernel's table for the [256, 16] nibble ``values``: bfloat16, per
+    code its 16 values' low bytes then their high bytes; float32, the values' bits. A
+    caller decoding many tensors under one table builds it once (``table=``)."""
     if dtype == torch.bfloat16:
         lut = values.contiguous().view(torch.uint8).view(256, 16, 2).transpose(1, 2)
     else:
         lut = values.contiguous().view(torch.int32)
-    lut = lut.contiguous()
-    with _luts_lock:
-        while len(_LUTS) >= _LUTS_MAX:
-            _LUTS.pop(next(iter(_LUTS)))
-        _LUTS[id(values)] = (values, version, lut)
-    return lut
-
-
-def _version(t: torch.Tensor) -> int:
-    """``t``'s in-place write counter; -1 for an inference tensor (made under
-    ``torch.inference_mode``, which has none and cannot be written outside it)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
+    return lut.contiguous()
 
 
 def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
