@@ -22,7 +22,9 @@ Quality, on the trained llama fixture (tests/trained.py: a 4-layer hidden-128 mo
 trained on the built-in corpus, with its own tokenizer), calibrated on --q-samples x 128
 tokens of the *training* documents (pre-tokenized, the same rows for both tools), judged
 on the held-out documents (heldout_blocks, 128 tokens): per-token KL(bf16 || quantized)
-mean and p99, top-1 agreement with the bf16 model, perplexity. Every output is evaluated
+mean, its standard error ("se": bootstrap over the held-out blocks; two rows whose means
+differ by less than about twice it are not told apart by this text) and p99, top-1
+agreement with the bf16 model, perplexity. Every output is evaluated
 the same way: transformers loading OUT through its compressed-tensors integration (the
 default ``from_pretrained``: weights dequantized, activations fake-quantized as the
 checkpoint says, so static / dynamic input scales count); the "KLD w-only" column loads
@@ -46,8 +48,11 @@ the first 127-token windows of the training stream; another seed: windows drawn 
 deepseek_v3`` adds the MoE fixture (MLA, routed + shared experts; its widths need
 group 32, so its rows use the int4-g32 schemes, and llm-compressor W4A16 group 128 cannot
 run on it: its llm-compressor rows are the same modifiers with int4 group-32
-``config_groups``; the per-channel W8A8 rows run on it as they are). "+as" rows:
-SmoothQuant with ``--alpha-search``.
+``config_groups``; the per-channel W8A8 rows run on it as they are). ``--fixture
+deepseek_v3+outliers``: that fixture with outlier channels (tests/outliers.py: 4 of its
+128 residual channels 32x larger at every norm's output, the same function bit for bit),
+the structure SmoothQuant moves into the weights; the trained 4-layer fixtures have
+little of it. "+as" rows: SmoothQuant with ``--alpha-search``.
 
 Targets (issue 9): k3convert GPTQ time <= llm-compressor's on the same model; KLD <=
 llm-compressor's for the same scheme and algorithm; peak RSS flat as layers are added
@@ -68,7 +73,8 @@ only speeds a host-to-device copy up; no value changes).
 
     python bench/bench_calibrate.py [--repeats 3] [--samples 16] [--seq-len 256]
         [--quick] [--dir D] [--keep] [--llmc-python PY] [--skip-speed] [--skip-quality]
-        [--only "w8a8,fp8"] [--reuse] [--json FILE] [--fixture llama deepseek_v3]
+        [--only "w8a8,fp8"] [--reuse] [--json FILE]
+        [--fixture llama deepseek_v3 deepseek_v3+outliers]
         [--seeds 0 1] [--q-repeats 3]
 """
 
@@ -250,6 +256,29 @@ def speed_rows(n: int, s: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(s - 1)] + [EOS] for _ in range(n)]
 
 
+#: --fixture choices: the trained fixtures, and the MoE one with outlier channels
+FIXTURES = ("llama", "deepseek_v3", "deepseek_v3+outliers")
+
+
+def fixture_model(kind: str, root: Path) -> Path:
+    """The model directory of a --fixture choice. ``deepseek_v3+outliers``: the MoE
+    fixture with 4 of its 128 residual channels 32x larger at every norm's output
+    (tests/outliers.py: the same function bit for bit, the activation structure of
+    larger trained models that SmoothQuant exists for), written under ``root`` once."""
+    from tests.outliers import with_outlier_channels
+    from tests.trained import trained_model
+
+    base, _, variant = kind.partition("+")
+    model = trained_model(base)
+    if not variant:
+        return model
+    out = root / f"fixture-{base}-{variant}"
+    if not (out / "outliers.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        with_outlier_channels(model, out)
+    return out
+
+
 def fixture_data(fixture: Path, n: int, seed: int = 0):
     """(calibration rows from the training documents, held-out [B, 128] blocks). The
     training stream is cut into 127-token windows (+ EOS); seed 0 takes the first ``n``,
@@ -283,13 +312,23 @@ def logits_of(path: Path, blocks: torch.Tensor, **kw) -> torch.Tensor:
     )
 
 
+#: bootstrap resamples of the held-out blocks for the KLD mean's standard error
+BOOTSTRAP = 1000
+
+
 def metrics(ref: torch.Tensor, q: torch.Tensor, blocks: torch.Tensor) -> dict:
-    """Per-token KL(ref || q) mean / p99, top-1 agreement, perplexity of ``q``."""
+    """Per-token KL(ref || q) mean, its standard error, p99, top-1 agreement, perplexity
+    of ``q``. The standard error resamples whole held-out blocks (a block's tokens are
+    not independent), with a fixed generator: the same logits give the same figure."""
     lp, lq = ref.log_softmax(-1), q.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).flatten()
+    per_block = (lp.exp() * (lp - lq)).sum(-1)
+    kl = per_block.flatten()
     nll = -lq[:, :-1].gather(-1, blocks[:, 1:, None]).mean()
+    g = torch.Generator().manual_seed(0)
+    pick = torch.randint(0, len(per_block), (BOOTSTRAP, len(per_block)), generator=g)
     return {
         "kld_mean": kl.mean().item(),
+        "kld_se": per_block.double().mean(1)[pick].mean(1).std().item(),
         "kld_p99": torch.quantile(kl, 0.99).item(),
         "top1": (ref.argmax(-1) == q.argmax(-1)).float().mean().item(),
         "ppl": math.exp(nll.item()),
@@ -359,9 +398,7 @@ def quality(
     """Every quality row for every seed: each seed's calibration rows written once and
     given to both tools; the runs of one seed interleaved (A B C ... A B C ...)
     ``repeats`` times, wall the median, the last repeat's output evaluated."""
-    from tests.trained import trained_model
-
-    fixture = trained_model(fixture_kind)
+    fixture = fixture_model(fixture_kind, root)
     table: list = []
     blocks = None
     for seed in seeds:
@@ -370,7 +407,7 @@ def quality(
         write_rows(data, rows)
         ref = logits_of(fixture, blocks)
         runs = []
-        moe = fixture_kind == "deepseek_v3"
+        moe = fixture_kind.startswith("deepseek_v3")
         recipes = LLMC_RECIPES_G32 if moe else LLMC_RECIPES
         for scheme, algo, key in QUALITY:
             if moe:  # group-wise schemes at group 32; per-channel W8A8 as it is
@@ -436,18 +473,19 @@ def quality(
 
 def print_quality(table: list, note: str) -> None:
     print(f"\n### Quality ({note})\n")
-    cols = ["output", "seed", "KLD mean", "x llmc", "KLD p99", "top-1", "ppl", "KLD w-only",
+    cols = ["output", "seed", "KLD mean", "se", "x llmc", "KLD p99", "top-1", "ppl", "KLD w-only",
             "s", "s x llmc", "loaded by"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in table:
         if "kld_mean" not in r:
-            print(f"| {r['name']} | {r['seed']} |" + " - |" * 8 + f" {r.get('loaded', '-')} |")
+            print(f"| {r['name']} | {r['seed']} |" + " - |" * 9 + f" {r.get('loaded', '-')} |")
             continue
         wonly = f"{r['kld_wonly']:.5f}" if "kld_wonly" in r else "-"
         ratio = f"{r['x_llmc']:.3f}" if "x_llmc" in r else "-"
-        cells = [r["name"], str(r["seed"]), f"{r['kld_mean']:.5f}", ratio, f"{r['kld_p99']:.4f}",
-                 f"{r['top1']:.4f}"]  # fmt: skip
+        se = f"{r['kld_se']:.5f}" if "kld_se" in r else "-"
+        cells = [r["name"], str(r["seed"]), f"{r['kld_mean']:.5f}", se, ratio,
+                 f"{r['kld_p99']:.4f}", f"{r['top1']:.4f}"]  # fmt: skip
         wall = f"{r['wall_s']:.1f}" if "wall_s" in r else "-"
         tx = f"{r['t_x_llmc']:.2f}" if "t_x_llmc" in r else "-"
         cells += [f"{r['ppl']:.3f}", wonly, wall, tx, r["loaded"]]
@@ -561,7 +599,7 @@ def main() -> None:
         "--fixture",
         nargs="+",
         default=["llama"],
-        choices=["llama", "deepseek_v3"],
+        choices=list(FIXTURES),
         help="quality: the trained fixture(s)",
     )
     ap.add_argument(
