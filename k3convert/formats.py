@@ -557,11 +557,6 @@ def nvfp4_reference(
     return vals.mul_(eff.unsqueeze(-1)).view(out, inp).to(dtype)
 
 
-#: (dtype) -> the MXFP4 pair table: the reference on every (E8M0 code, byte) pair (the
-#: torch path's, without the kernels)
-_MX_TABLES: dict[torch.dtype, torch.Tensor] = {}
-
-
 def _all_pairs(scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Parts of a [256, 512] FP4 weight whose row s holds every byte under scale code s
     (one scale per 16 bytes: each byte appears in its own group when viewed [256, 256, 2])."""
@@ -576,22 +571,17 @@ def _pair_values(vals: torch.Tensor) -> torch.Tensor:
     return vals.view(256, 256, 16, 2)[:, :, 0, :].contiguous()
 
 
+@functools.cache
 def _mx_values(dtype: torch.dtype) -> torch.Tensor:
     """[256 E8M0 codes, 16 nibbles] ``dtype``: :func:`mxfp4_reference`'s own output for
     each nibble under each code (one MX group per code, byte k holding nibble k low and 0
     high), computed once per dtype."""
-    vals = _MX_VALUES.get(dtype)
-    if vals is None:
+    with torch.inference_mode(False):  # plain tensors, whichever mode the first caller runs in
         packed = torch.arange(16, dtype=torch.uint8).repeat(256, 1)
         codes = torch.arange(256, dtype=torch.uint8).unsqueeze(1)
         ref = mxfp4_reference({"weight_packed": packed, "weight_scale": codes}, QuantParams(),
                               dtype)  # fmt: skip
-        vals = _MX_VALUES[dtype] = ref[:, 0::2].contiguous()
-    return vals
-
-
-#: (dtype) -> :func:`_mx_values`
-_MX_VALUES: dict[torch.dtype, torch.Tensor] = {}
+        return ref[:, 0::2].contiguous()
 
 
 @functools.cache
@@ -601,6 +591,17 @@ def _mx_kernel(dtype: torch.dtype) -> torch.Tensor:
 
     with torch.inference_mode(False):
         return native.decode_table(_mx_values(dtype), dtype)
+
+
+@functools.cache
+def _mx_pair_table(dtype: torch.dtype) -> torch.Tensor:
+    """The MXFP4 pair table of the torch path (without the kernels): the reference on
+    every (E8M0 code, byte) pair, once per dtype."""
+    from .quant import fp4_decode
+
+    with torch.inference_mode(False):
+        ref = mxfp4_reference(_all_pairs(torch.uint8), QuantParams(), dtype)
+        return fp4_decode.pair_table(_pair_values(ref), dtype)
 
 
 def _deq_mxfp4(
@@ -622,11 +623,7 @@ def _deq_mxfp4(
         got = native.fp4_decode(packed, codes, vals, dtype, MX_GROUP, table=_mx_kernel(dtype))
         if got is not None:
             return got
-    table = _MX_TABLES.get(dtype)
-    if table is None:
-        ref = mxfp4_reference(_all_pairs(torch.uint8), q, dtype)
-        table = _MX_TABLES[dtype] = fp4_decode.pair_table(_pair_values(ref), dtype)
-    return fp4_decode.decode(packed, codes, MX_GROUP, table, dtype)
+    return fp4_decode.decode(packed, codes, MX_GROUP, _mx_pair_table(dtype), dtype)
 
 
 def _deq_nvfp4(
