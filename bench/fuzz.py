@@ -8,6 +8,9 @@ all of it back:
   checkpoint  open_checkpoint(dir); meta / get_parts / get of every tensor
   stream      open_stream(dir); every unit of every rank; meta / get of every name;
               k3convert.stream.check.check(dir)
+  native      every wrapper of k3convert.native with valid and hostile arguments (dtype,
+              size, layout, device, index values, C int ranges); --native-lib runs a
+              sanitizer build of the kernels (tests/test_fuzz.py: ASan + UBSan)
 
 Every outcome must be a clean rejection (a k3convert.errors.K3Error) or an accepted
 read whose bytes equal what the (possibly edited) header describes, read back here
@@ -19,7 +22,8 @@ Iteration ``i`` of seed ``s`` depends on nothing else, so ``--replay i`` reruns 
 tests/test_fuzz.py runs this module's :func:`run` with a fixed seed and iteration count.
 
 Usage: python bench/fuzz.py [--seed 0] [--iterations N | --seconds S]
-                            [--target checkpoint|stream|both] [--replay I] [--verbose]
+                            [--target checkpoint|stream|native|both] [--replay I]
+                            [--verbose] [--native-lib PATH]
 """
 
 from __future__ import annotations
@@ -1085,8 +1089,165 @@ def _check_files_inside(root: Path) -> None:
                 raise Mismatch(f"check() read outside the stream directory: {u['file']}")
 
 
+# -- native target: the C kernels' wrappers ---------------------------------------------
+_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.bfloat16)
+_ODD_ARGS = (0, -1, 1, 2, 7, 64, 2**31 - 1, 2**31, 2**63, -(2**31) - 1, 1.5, True, "8", None)
+
+
+def _u8(g: torch.Generator, *shape, hi: int = 256) -> torch.Tensor:
+    return torch.randint(0, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+
+
+def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, dict]:
+    """One valid call of a native wrapper: (name, function, keyword arguments)."""
+    from k3convert import native
+
+    rows, k = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 4])
+    fn = rng.choice(["gather", "max_codes", "fp4_decode", "nv_maxkeys", "nv_requant",
+                     "gather_nib", "mx_int4"])  # fmt: skip
+    if fn == "gather":
+        per, groups, keys = rng.choice([1, 8, 16]), rows * k, rng.randint(1, 3)
+        dt = rng.choice([torch.uint8, torch.int32, torch.int64])
+        table = torch.randint(0, 100, (keys * 256,), generator=g).to(dt)
+        key = torch.randint(0, keys, (groups,), generator=g, dtype=torch.int32)
+        out = torch.empty(groups * per, dtype=dt)
+        kw = dict(src=_u8(g, groups * per), key=key, table=table, out=out)
+    elif fn == "max_codes":
+        per = rng.choice([1, 8, 16])
+        kw = dict(src=_u8(g, rows * k * per), per=per, out=torch.empty(rows * k, dtype=torch.uint8))
+    elif fn == "fp4_decode":
+        group, dtype = rng.choice([16, 32]), rng.choice([torch.bfloat16, torch.float32])
+        cols = group // 2 * k
+        values = torch.randn(256, 16, generator=g).to(dtype)
+        table = rng.choice([None, native.decode_table(values, dtype)])
+        kw = dict(packed=_u8(g, rows, cols), codes=_u8(g, rows, k), values=values, dtype=dtype,
+                  group=group, table=table)  # fmt: skip
+    else:
+        cols = 16 * k * rng.choice([1, 2])
+        kw = dict(packed=_u8(g, rows, cols), codes=_u8(g, rows, cols // 16, hi=256))
+        if fn == "nv_requant":
+            kw.update(m=_u8(g, rows, cols // 8, hi=8), table=_u8(g, 2048 * 16, hi=16),
+                      scales=_u8(g, 2048))  # fmt: skip
+        elif fn == "gather_nib":
+            groups, maps = rows * k, rng.randint(1, 4)
+            kw = dict(src=_u8(g, 16 * groups), key=torch.randint(0, maps, (groups,), generator=g,
+                      dtype=torch.int32), nibmap=_u8(g, maps * 16, hi=16),
+                      out=torch.empty(16 * groups, dtype=torch.uint8))  # fmt: skip
+        elif fn == "mx_int4":
+            d_lo = rng.randint(-8, 0)
+            span = rng.randint(1, 12)
+            kw.update(sub=rng.choice([s for s in (1, 2, 4) if (cols // 16) % s == 0]),
+                      values=torch.rand(2048, generator=g), nibmap=_u8(g, 3 * span, 16, hi=16),
+                      code_range=(rng.randint(0, 120), rng.randint(120, 255)),
+                      d_range=(d_lo, d_lo + span - 1))  # fmt: skip
+    if rng.random() < 0.5:
+        kw["nthreads"] = rng.choice([None, 1, 2, 3, 0, -5, 2**63, 2**31])
+    if fn not in ("gather",) and rng.random() < 0.3:
+        kw["simd"] = rng.choice([True, False, 0, 1, 2, 99])
+    return fn, getattr(native, fn), kw
+
+
+def mutate_native(kw: dict, g: torch.Generator, rng: random.Random) -> str:
+    """One hostile edit of a valid call's arguments (or none: a valid call)."""
+    if rng.random() < 0.15:
+        return "valid"
+    key = rng.choice(sorted(kw))
+    old = kw[key]
+    if isinstance(old, torch.Tensor):
+        op = rng.choice(["dtype", "grow", "shrink", "strided", "meta", "scalar", "not a tensor",
+                         "values"])  # fmt: skip
+        if op == "dtype":
+            kw[key] = old.to(rng.choice([d for d in _DTYPES if d != old.dtype]))
+        elif op == "grow":
+            kw[key] = torch.zeros(old.numel() + rng.choice([1, 15, 256]), dtype=old.dtype)
+        elif op == "shrink":
+            kw[key] = old.reshape(-1)[: rng.randrange(max(old.numel(), 1))].clone()
+        elif op == "strided":
+            kw[key] = torch.cat([old.reshape(-1), old.reshape(-1)])[::2] if old.numel() else old.t()
+            if old.ndim == 2 and old.shape[0] > 1 and old.shape[1] > 1:
+                kw[key] = old.t().contiguous().t()  # the same shape, column-major
+        elif op == "meta":
+            kw[key] = torch.empty(old.shape, dtype=old.dtype, device="meta")
+        elif op == "scalar":
+            kw[key] = torch.tensor(3, dtype=old.dtype)
+        elif op == "not a tensor":
+            kw[key] = rng.choice(
+                [None, 3, [1, 2], old.numpy() if old.dtype != torch.bfloat16 else 0]
+            )
+        else:  # out-of-range index values in a tensor the C code indexes with
+            kw[key] = old.clone()
+            if old.numel() and not old.is_floating_point():
+                hi = torch.iinfo(old.dtype).max
+                kw[key].view(-1)[rng.randrange(old.numel())] = rng.choice([hi, -1 % (hi + 1)])
+        return f"{key}: {op}"
+    if isinstance(old, tuple):
+        new = rng.choice([(rng.choice(_ODD_ARGS), old[1]), (old[0], rng.choice(_ODD_ARGS)),
+                          (old[1], old[0]), old[:1], (0, 0, 0), None])  # fmt: skip
+    else:
+        new = rng.choice(_ODD_ARGS)
+    kw[key] = new
+    return f"{key}: {old!r} -> {new!r}"
+
+
+def _decode_reference(kw: dict) -> torch.Tensor:
+    p, c, v = kw["packed"], kw["codes"], kw["values"]
+    nib = torch.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1).long()
+    code = c.long().repeat_interleave(kw["group"], dim=1)
+    return v[code, nib]
+
+
+class NativeFuzzer:
+    """The wrappers of :mod:`k3convert.native` with valid and hostile arguments: a call
+    returns (accepted; a valid FP4 decode must equal its reference) or raises ValueError
+    (rejected); anything else is a crash. Under an ASan + UBSan build of the kernels
+    (``--native-lib``, as tests/test_fuzz.py runs it) a memory error aborts the run."""
+
+    target = "native"
+
+    def __init__(self, work: Path):
+        from k3convert import native
+
+        if native.library() is None:
+            raise RuntimeError(f"--target native needs the kernels: {native.status()}")
+
+    def iteration(self, i: int, rng: random.Random, tally: Tally) -> str:
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        name, fn, kw = native_call(g, rng)
+        what = f"{name}: " + mutate_native(kw, g, rng)
+        tally.ops[name] += 1
+        tally.total += 1
+        try:
+            res = fn(**kw)
+        except ValueError:
+            tally.rejected[f"ValueError ({name})"] += 1
+            return what
+        except Exception as e:
+            tally.crash(i, what, e)
+            return what
+        tally.accepted += 1
+        if what.endswith("valid") and name == "fp4_decode":
+            ref = _decode_reference(kw)
+            if not torch.equal(res.view(torch.uint8), ref.contiguous().view(torch.uint8)):
+                tally.crash(i, what, Mismatch("fp4_decode: bytes differ from the reference"))
+        return what
+
+
+def load_native_library(path: str) -> None:
+    """Bind ``path`` (a build of fp4_kernels.c, e.g. with -fsanitize=address,undefined) in
+    place of the package's extension module, for this process."""
+    import ctypes
+
+    from k3convert import native
+
+    lib = ctypes.CDLL(path)
+    native._declare(lib)
+    if lib.k3_fp4_kernels_version() != native.ABI:
+        raise SystemExit(f"{path}: ABI {lib.k3_fp4_kernels_version()} != {native.ABI}")
+    native._lib, native._tried = lib, True
+
+
 # -- driver ---------------------------------------------------------------------------
-FUZZERS = {"checkpoint": CheckpointFuzzer, "stream": StreamFuzzer}
+FUZZERS = {"checkpoint": CheckpointFuzzer, "stream": StreamFuzzer, "native": NativeFuzzer}
 
 
 def iteration_rng(seed: int, target: str, i: int) -> random.Random:
@@ -1141,9 +1302,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--iterations", type=int)
     g.add_argument("--seconds", type=float)
     g.add_argument("--replay", type=int, help="run only iteration I (of --seed)")
-    ap.add_argument("--target", choices=[*TARGETS, "both"], default="both")
+    ap.add_argument("--target", choices=[*FUZZERS, "both"], default="both")
     ap.add_argument("--verbose", action="store_true", help="tracebacks; each mutation")
+    ap.add_argument(
+        "--native-lib",
+        help="--target native: a build of fp4_kernels.c to test (e.g. with "
+        "-fsanitize=address,undefined) instead of the package's",
+    )
     a = ap.parse_args(argv)
+    if a.native_lib:
+        load_native_library(a.native_lib)
     targets = TARGETS if a.target == "both" else (a.target,)
     bad = 0
     for t in targets:

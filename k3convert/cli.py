@@ -31,7 +31,9 @@ app = typer.Typer(
 
 def _version(value: bool):
     if value:
-        typer.echo(f"k3convert {__version__}")
+        from . import native  # imported here: the other verbs load it only when they decode
+
+        typer.echo(f"k3convert {__version__}\n{native.status()}")
         raise typer.Exit()
 
 
@@ -39,7 +41,7 @@ def _version(value: bool):
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and whether the native FP4 kernels are in use."),
     ] = False,
 ):
     """k3convert: quantize, reshard and verify checkpoints without holding the whole model."""

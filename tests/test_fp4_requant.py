@@ -11,7 +11,11 @@ path.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +27,9 @@ from k3convert.quant import fp4_requant, get_scheme, quantize
 from k3convert.quant.schemes import FP4Scheme, IntScheme, NonFiniteWeightError, WeightRangeError
 from k3convert.quant.writer import fused_groups, plan_quantization
 
-HAVE_CC = native._compiler() is not None
+#: the package was installed with its extension module built (setup.py); where a C
+#: compiler is present it must have been (test_kernels_are_the_packages_extension)
+HAVE_CC = native.library() is not None
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -63,38 +69,76 @@ def _decode32(p):
 
 
 # -- the kernels ---------------------------------------------------------------------------
-@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-def test_kernels_build_and_load(tmp_path, monkeypatch):
-    """A fresh cache builds the library once (a temporary name renamed into place) and
-    every later load reuses it; K3CONVERT_NATIVE=0 turns it off with the reason."""
-    monkeypatch.setenv("K3CONVERT_KERNEL_CACHE", str(tmp_path / "k"))
-    built = native._build(native._compiler())
-    assert built.parent == tmp_path / "k" and built.is_file()
-    assert [p.name for p in (tmp_path / "k").iterdir()] == [built.name]  # no temporaries
-    assert native._build(native._compiler()) == built
-    built.write_bytes(b"")  # a library that does not load (an interrupted copy): rebuilt
-    lib = native._load(native._compiler())
-    assert lib.k3_fp4_kernels_version() == native.ABI and built.stat().st_size > 0
+def _reset(monkeypatch):
+    for name, v in (("_tried", False), ("_lib", None), ("_why", None), ("_told", False)):
+        monkeypatch.setattr(native, name, v)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the extension is optional")
+def test_kernels_are_the_packages_extension(tmp_path):
+    """Installed where a compiler is, the kernels are the package's own extension module,
+    imported from the package directory; a process that uses them compiles nothing and
+    creates no cache (HOME and XDG_CACHE_HOME point at an empty directory)."""
+    assert native.library() is not None, native.status()
+    mod = native._import_module()
+    assert Path(mod.__file__).parent == Path(native.__file__).parent
+    assert mod.ABI == native.ABI
+    code = (
+        "import torch; from k3convert import native; from k3convert import formats as f\n"
+        "p = torch.zeros(4, 16, dtype=torch.uint8)\n"
+        "c = torch.full((4, 1), 127, dtype=torch.uint8)\n"
+        "v = f._mx_values(torch.float32)\n"
+        "assert native.fp4_decode(p, c, v, torch.float32, 32) is not None\n"
+        "print(native.status())"
+    )
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "c")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "in use" in r.stdout and r.stderr == ""
+    assert list(tmp_path.iterdir()) == []  # no kernel cache, no build
+
+
+def test_kernels_off_say_so_once(monkeypatch, capsys):
+    """Without the kernels (here: K3CONVERT_NATIVE=0) the first call that falls back to
+    torch prints one line on stderr with the reason and the fix; later calls print none."""
+    _reset(monkeypatch)
     monkeypatch.setenv("K3CONVERT_NATIVE", "0")
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_lib", None)
     assert native.library() is None and "K3CONVERT_NATIVE=0" in native.status()
+    src = torch.zeros(64, dtype=torch.uint8)
+    for _ in range(3):
+        assert not native.max_codes(src, 8, torch.empty(8, dtype=torch.uint8))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "off (disabled by K3CONVERT_NATIVE=0)" in err[0]
+    assert "unset K3CONVERT_NATIVE" in err[0]
 
 
-@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-def test_kernel_cache_must_be_private(tmp_path, monkeypatch):
-    """A library found in the cache is loaded, so a cache others may write to is refused
-    (and the torch path runs, saying why)."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    monkeypatch.setenv("K3CONVERT_KERNEL_CACHE", str(shared))
-    with pytest.raises(OSError, match="not private to this user"):
-        native._build(native._compiler())
-    assert list(shared.iterdir()) == []
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_lib", None)
-    assert native.library() is None and "not private" in native.status()
+@pytest.mark.parametrize("why", ["missing", "abi"])
+def test_kernels_missing_or_stale_fall_back(monkeypatch, capsys, why):
+    """An extension module that was not built, or was built from another source (its ABI
+    number differs): the torch path, the reason in status() and the reinstall fix."""
+    _reset(monkeypatch)
+
+    def fake():
+        if why == "missing":
+            raise ImportError("No module named 'k3convert.native._fp4_kernels'")
+        return type(sys)("_fp4_kernels")  # a module without the ABI it should carry
+
+    monkeypatch.setattr(native, "_import_module", fake)
+    assert native.library() is None
+    want = "was not built" if why == "missing" else "ABI None, this k3convert needs"
+    assert want in native.status()
+    assert native.fp4_decode(*[torch.zeros(1, 16, dtype=torch.uint8)] * 2, None, torch.float32,
+                             32) is None  # fmt: skip
+    err = capsys.readouterr().err
+    assert want in err and "pip install" in err
+
+
+def test_version_names_the_kernels():
+    env = {**os.environ, "K3CONVERT_NATIVE": "0"}
+    cmd = [sys.executable, "-m", "k3convert", "--version"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0
+    assert "native FP4 kernels: off (disabled by K3CONVERT_NATIVE=0)" in r.stdout
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
@@ -111,6 +155,23 @@ def test_kernel_wrappers_refuse_bad_arguments():
         native.gather(src, torch.zeros(3, dtype=torch.int32), table, out)  # 64 % 3
     with pytest.raises(ValueError, match="wrong dtype, size or layout"):
         native.max_codes(src, 8, torch.empty(7, dtype=torch.uint8))
+    # the hostile cases of issue 36: a caller's decode table, d_range past int32, ranks
+    p, c = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)
+    vals = fmt._mx_values(torch.bfloat16)
+    good = native.decode_table(vals, torch.bfloat16)
+    for bad in (torch.zeros(1, dtype=torch.uint8), good.to(torch.int32), good.transpose(1, 2),
+                torch.empty(good.shape, dtype=torch.uint8, device="meta")):  # fmt: skip
+        with pytest.raises(ValueError, match="table must be a contiguous CPU"):
+            native.fp4_decode(p, c, vals, torch.bfloat16, 32, table=bad)
+    q, codes = torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8)
+    args = (q, codes, 1, torch.zeros(2048), torch.zeros(3, 16, dtype=torch.uint8), (0, 255))
+    assert native.mx_int4(*args, (0, 0)) is not None
+    for d_range in ((-(2**31), 2**31), (0, 2**40), (0.5, 1), (0,)):
+        with pytest.raises(ValueError):
+            native.mx_int4(*args, d_range)
+    with pytest.raises(ValueError, match="simd must be"):
+        native.max_codes(src, 8, torch.empty(8, dtype=torch.uint8), simd=None)
+    assert native.threads_for(1, 2**63) == native.MAX_THREADS and native.threads_for(1, -3) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

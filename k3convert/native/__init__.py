@@ -1,19 +1,22 @@
-"""Small C kernels for the byte loops torch has no fast op for, compiled on first use.
+"""Small C kernels for the byte loops torch has no fast op for, built with the package.
 
-``fp4_kernels.c`` (shipped with the package) holds table gathers keyed by (group key,
-stored byte) and the per-group maximum E2M1 code: the MXFP4 / NVFP4 decode and the
-MXFP4 requantization (:mod:`k3convert.quant.fp4_decode`, :mod:`k3convert.quant.fp4_requant`)
-run through them when they are available, and through torch ops giving the same bytes
-otherwise (tests/test_fp4_requant.py checks both paths against each other and against the
+``fp4_kernels.c`` holds table gathers keyed by (group key, stored byte) and the per-group
+maximum E2M1 code: the MXFP4 / NVFP4 decode and the MXFP4 requantization
+(:mod:`k3convert.quant.fp4_decode`, :mod:`k3convert.quant.fp4_requant`) run through them
+when they are available, and through torch ops giving the same bytes otherwise
+(tests/test_fp4_requant.py checks both paths against each other and against the
 reference).
 
-Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -shared -fPIC -pthread``,
-once per source / compiler pair, into ``$K3CONVERT_KERNEL_CACHE`` (default
-``$XDG_CACHE_HOME/k3convert/kernels``, i.e. ``~/.cache/k3convert/kernels``): a temporary
-name, then an atomic rename, so concurrent processes never load a half-written library.
-No compiler, a failing build or ``K3CONVERT_NATIVE=0``: the torch path, and
-:func:`status` says why. Only this package's own source is ever compiled or loaded;
-nothing comes from a model directory.
+Build: ``setup.py`` compiles ``fp4_kernels.c`` with the module shell ``_fp4_module.c``
+into the extension module ``k3convert.native._fp4_kernels`` when the package is built
+(``pip install``, a wheel), with setuptools' compiler and its handling of ``CC`` /
+``CFLAGS``. At run time it is imported like any extension module, from the installed
+package; its exported ``k3_*`` functions are then bound through ctypes from that same
+loaded object. Nothing is compiled at run time and no library is loaded from any other
+place. Not built (no compiler at install time, an exotic platform), built from another
+source (its ABI number differs) or ``K3CONVERT_NATIVE=0``: every caller takes the torch
+path, :func:`status` says why, and the first kernel call that falls back prints one line
+on stderr with the reason and the fix.
 
 Threads: every kernel takes a thread count (``nthreads=``; default :func:`threads_for`:
 torch's intra-op thread count, one thread below ~1 MiB of output) and splits its groups
@@ -24,97 +27,52 @@ Vector ISA: each kernel has a portable loop and an AVX2 one, the bfloat16 FP4 de
 AVX-512 (BW + VBMI) one too; a call runs the widest the CPU has (:func:`cpu_level`)
 capped by torch's CPU capability (:func:`simd_level`: ``ATEN_CPU_CAPABILITY=default`` or
 ``=avx2`` pins these loops as it pins torch's). Every level writes the same bytes.
+
+Arguments: the C loops trust what they are given, so every wrapper here checks every
+argument it passes (dtype, device, contiguity, sizes, index ranges, values that must fit
+the C types) and raises ValueError before any C code runs (tests/test_native_sanitize.py
+runs the hostile cases against an ASan + UBSan build).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
 from . import outbuf
 
-SOURCE = Path(__file__).with_name("fp4_kernels.c")
-ABI = 16
-_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread"]
+#: the kernels' ABI number (``k3_fp4_kernels_version`` in fp4_kernels.c): a built module
+#: reporting another one was compiled from another source and is not used
+ABI = 17
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
 #: output bytes below which a kernel runs on the calling thread alone: under ~1 MiB the
 #: threads' start and join (tens of microseconds each) cost more than they save
 PAR_MIN_BYTES = 1 << 20
+#: the C side's int parameters (thread counts, group sizes, ranges) are 32-bit
+_INT32_MAX = 2**31 - 1
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # why there is no library (None: not tried yet, or loaded)
 _tried = False
+_told = False  # the fallback line was printed (once per process)
+_FIX = (
+    "reinstall k3convert where a C compiler is present (`pip install -e .` in a checkout, "
+    "or `pip install --force-reinstall --no-binary k3convert k3convert`)"
+)
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("K3CONVERT_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "k3convert" / "kernels"
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
-
-
-def _private_dir(d: Path) -> Path:
-    """``d``, created 0700 if missing, refused unless this user owns it and nobody else
-    may write to it: a library found there is loaded, so it must be ours."""
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = d.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(
-            f"kernel cache {d} is not private to this user (owner uid {st.st_uid}, mode "
-            f"{st.st_mode & 0o777:o}); set K3CONVERT_KERNEL_CACHE to a directory of your own"
-        )
-    return d
-
-
-def _build(cc: str, *, rebuild: bool = False) -> Path:
-    src = SOURCE.read_bytes()
-    ver = subprocess.run([cc, "--version"], capture_output=True, timeout=60).stdout
-    key = hashlib.sha256(src + ver + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out = _private_dir(cache_dir()) / f"fp4_kernels-{key}.so"
-    if out.is_file() and not rebuild:
-        return out
-    fd, tmp = tempfile.mkstemp(prefix=".fp4_kernels-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, timeout=300)
-        if r.returncode != 0:
-            err = r.stderr.decode(errors="replace").strip()[-500:]
-            raise OSError(f"{cc} exited {r.returncode}: {err}")
-        os.chmod(tmp, 0o755)
-        with open(tmp, "rb") as f:  # durable before it is named: no empty library survives
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _load(cc: str) -> ctypes.CDLL:
-    """The cached library, rebuilt once when the cached file does not load."""
-    try:
-        return ctypes.CDLL(str(_build(cc)))
-    except OSError:
-        return ctypes.CDLL(str(_build(cc, rebuild=True)))
+def _import_module():
+    """The built extension module (ImportError where it was not built)."""
+    return importlib.import_module(f"{__name__}._fp4_kernels")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -141,7 +99,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built on the first call; None where they cannot be had."""
+    """The kernels of the built extension module, bound on the first call; None where they
+    cannot be had (:func:`status` says why)."""
     global _lib, _why, _tried
     if _tried:
         return _lib
@@ -153,35 +112,90 @@ def library() -> ctypes.CDLL | None:
                 raise OSError("disabled by K3CONVERT_NATIVE=0")
             if sys.byteorder != "little":
                 raise OSError("a big-endian host (the kernels assemble little-endian words)")
-            cc = _compiler()
-            if cc is None:
-                raise OSError("no C compiler (set CC, or install cc / gcc)")
-            lib = _load(cc)
+            try:
+                mod = _import_module()
+            except ImportError as e:
+                raise OSError(f"the extension module was not built ({e})") from None
+            if getattr(mod, "ABI", None) != ABI:
+                raise OSError(
+                    f"the built extension module has ABI {getattr(mod, 'ABI', None)}, this "
+                    f"k3convert needs {ABI} (it was built from another source)"
+                )
+            lib = ctypes.CDLL(mod.__file__)  # the object the import already loaded
             _declare(lib)
-            if lib.k3_fp4_kernels_version() != ABI:
-                raise OSError("the cached library's ABI does not match this k3convert")
             _lib = lib
-        except Exception as e:  # any failure to build or load: the torch path, and why
+        except Exception as e:  # any failure to load: the torch path, and why
             _why = f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
         _tried = True
     return _lib
 
 
-def status() -> str:
-    """One line: whether the kernels are in use, and why not."""
+def _kernels() -> ctypes.CDLL | None:
+    """What a wrapper calls: the library, or None for the torch path (the tests' switch
+    :data:`ENABLED`, or no kernels - then, once per process and on the first torchrun
+    rank only, one line on stderr with the reason and the fix)."""
+    global _told
+    if not ENABLED:
+        return None
     lib = library()
-    return "native FP4 kernels: in use" if lib is not None else f"native FP4 kernels: off ({_why})"
+    if lib is None and not _told:
+        _told = True
+        if os.environ.get("RANK", "0") in ("0", ""):
+            off = "K3CONVERT_NATIVE=0" in (_why or "")
+            fix = "unset K3CONVERT_NATIVE" if off else _FIX
+            print(
+                f"k3convert: native FP4 kernels off ({_why}); FP4 decode / requantization run "
+                f"through torch, several times slower - {fix}.",
+                file=sys.stderr,
+                flush=True,
+            )
+    return lib
+
+
+def status() -> str:
+    """One line: whether the kernels are in use (and at which vector ISA), and why not."""
+    lib = library()
+    if lib is None:
+        return f"native FP4 kernels: off ({_why})"
+    names = {0: "portable", 1: "AVX2", 2: "AVX-512 BW+VBMI"}
+    return (
+        f"native FP4 kernels: in use (ISA {names[simd_level()]}; CPU supports {names[cpu_level()]})"
+    )
 
 
 def threads_for(out_bytes: int, nthreads: int | None = None) -> int:
     """The thread count a kernel writing ``out_bytes`` runs with: ``nthreads`` where given
-    (at least 1), else torch's intra-op count (``torch.get_num_threads()``), or 1 below
+    (an int; below 1 means 1, above :data:`MAX_THREADS` means that many, as the C side
+    caps it), else torch's intra-op count (``torch.get_num_threads()``), or 1 below
     :data:`PAR_MIN_BYTES` of output."""
     if nthreads is not None:
         if isinstance(nthreads, bool) or not isinstance(nthreads, int):
             raise ValueError(f"native kernels: nthreads must be an int, got {nthreads!r}")
-        return max(1, nthreads)
-    return torch.get_num_threads() if out_bytes >= PAR_MIN_BYTES else 1
+        return min(max(1, nthreads), MAX_THREADS)
+    n = torch.get_num_threads() if out_bytes >= PAR_MIN_BYTES else 1
+    return min(max(1, n), MAX_THREADS)
+
+
+#: the most threads one kernel call starts (``K3_MAX_THREADS`` in fp4_kernels.c)
+MAX_THREADS = 64
+
+
+def _int(v, name: str, lo: int, hi: int) -> int:
+    """``v`` as an int in ``[lo, hi]`` (a C parameter's range): ValueError otherwise
+    (bools, floats, numpy scalars of another kind and out-of-range values alike)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"native kernels: {name} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _cpu(*ts) -> bool:
+    """Every argument is a contiguous CPU tensor (a meta or CUDA tensor has no host
+    memory behind its data pointer; a strided view's bytes are not where C reads)."""
+    return all(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+        and not t.is_sparse and not t.is_quantized and not t.is_nested
+        for t in ts
+    )  # fmt: skip
 
 
 #: torch's CPU capability (``ATEN_CPU_CAPABILITY`` caps it) -> the widest level the kernels
@@ -212,7 +226,12 @@ def _torch_level() -> int:  # ATen reads its capability once per process
 def _isa(simd: bool | int, top: int = 1) -> int:
     """A kernel's ``simd`` argument as the level it runs at: True the widest allowed (at
     most ``top``, the kernel's own widest loop), False the portable loop, an int capped."""
-    want = top if simd is True else int(simd)
+    if simd is True:
+        want = top
+    elif simd is False or (isinstance(simd, int) and not isinstance(simd, bool)):
+        want = int(simd)
+    else:
+        raise ValueError(f"native kernels: simd must be a bool or an int, got {simd!r}")
     return max(0, min(want, top, simd_level()))
 
 
@@ -225,16 +244,17 @@ def gather(src: torch.Tensor, key: torch.Tensor, table: torch.Tensor, out: torch
     uint8 ``src`` of ``groups * per`` bytes, int32 ``key`` [groups] (values in
     ``[0, len(table) / 256)``), ``table`` and ``out`` of one 1-, 4- or 8-byte dtype, all
     contiguous CPU tensors. False (nothing done) where the kernels are unavailable."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return False
+    if not _cpu(src, key, table, out):
+        raise ValueError("native gather: arguments of the wrong dtype, size or layout")
     size = table.element_size()
     groups = key.numel()
     if (
         src.dtype != torch.uint8 or key.dtype != torch.int32 or out.dtype != table.dtype
         or size not in _WORDS or not groups or src.numel() % groups
-        or out.numel() != src.numel() or table.numel() % 256
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (src, key, table, out))
+        or out.numel() != src.numel() or not table.numel() or table.numel() % 256
     ):  # fmt: skip
         raise ValueError("native gather: arguments of the wrong dtype, size or layout")
     lo, hi = torch.aminmax(key)
@@ -252,14 +272,13 @@ def max_codes(src: torch.Tensor, per: int, out: torch.Tensor, *, simd: bool = Tr
               nthreads: int | None = None) -> bool:  # fmt: skip
     """``out[g]`` = the largest ``nibble & 7`` of bytes ``[g * per, (g + 1) * per)`` of
     contiguous uint8 ``src``; False where the kernels are unavailable."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return False
+    per = _int(per, "max_codes per", 1, 2**62)
     if (
-        src.dtype != torch.uint8 or out.dtype != torch.uint8 or per < 1
+        not _cpu(src, out) or src.dtype != torch.uint8 or out.dtype != torch.uint8
         or src.numel() != out.numel() * per
-        or not (src.is_contiguous() and out.is_contiguous())
-        or src.device.type != "cpu" or out.device.type != "cpu"
     ):  # fmt: skip
         raise ValueError("native max_codes: arguments of the wrong dtype, size or layout")
     n = threads_for(src.numel(), nthreads)  # the work is the bytes read
@@ -282,22 +301,29 @@ def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
     where the CPU has it - True the widest (AVX-512 BW + VBMI for bfloat16, else AVX2),
     an int level of :func:`simd_level` to cap it, False the portable loop (tests: every
     level gives the same bytes)."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return None
+    if group not in (16, 32) or isinstance(group, bool) or not _cpu(packed, codes):
+        raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
     out, cols = packed.shape if packed.ndim == 2 else (0, 0)
     per = group // 2  # stored bytes per scale byte
     if (
-        dtype not in _OUT_DTYPES or group not in (16, 32) or packed.dtype != torch.uint8
+        dtype not in _OUT_DTYPES or packed.dtype != torch.uint8
         or codes.dtype != torch.uint8 or packed.ndim != 2 or cols % per
         or tuple(codes.shape) != (out, cols // per)
+        or not isinstance(values, torch.Tensor) or values.device.type != "cpu"
         or values.dtype != dtype or tuple(values.shape) != (256, 16)
-        or not all(t.device.type == "cpu" for t in (packed, codes, values))
-        or not (packed.is_contiguous() and codes.is_contiguous())
     ):  # fmt: skip
         raise ValueError("native FP4 decode: arguments of the wrong dtype, size or layout")
-    res = outbuf.empty((out, 2 * cols), dtype)  # reused pages: no faults per tensor
     lut = decode_table(values, dtype) if table is None else table
+    want = (torch.uint8, (256, 2, 16)) if dtype == torch.bfloat16 else (torch.int32, (256, 16))
+    if not _cpu(lut) or (lut.dtype, tuple(lut.shape)) != want:
+        raise ValueError(
+            f"native FP4 decode: table must be a contiguous CPU {want[0]} tensor of shape "
+            f"{want[1]} (decode_table's for {dtype})"
+        )
+    res = outbuf.empty((out, 2 * cols), dtype)  # reused pages: no faults per tensor
     fn = lib.k3_fp4_lut_bf16 if dtype == torch.bfloat16 else lib.k3_fp4_lut_f32
     n = threads_for(res.numel() * res.element_size(), nthreads)
     fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), per, lut.data_ptr(),
@@ -317,12 +343,12 @@ def decode_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
+    if not _cpu(packed, codes):
+        raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
     out, cols = packed.shape if packed.ndim == 2 else (0, 0)
     if (
         packed.dtype != torch.uint8 or codes.dtype != torch.uint8 or packed.ndim != 2
         or cols % 16 or tuple(codes.shape) != (out, cols // 16)
-        or not (packed.is_contiguous() and codes.is_contiguous())
-        or packed.device.type != "cpu" or codes.device.type != "cpu"
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
 
@@ -334,7 +360,7 @@ def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, simd: bool = True,
     else 0) of MXFP4 ``packed`` [out, cols] with ``codes`` [out, cols / 16]; None without
     the kernels. Every NVFP4 group's key (code * 8 + its maximum) is at most a marked key
     of its code."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return None
     _mx_pair(packed, codes)
@@ -352,17 +378,19 @@ def nv_requant(packed, codes, m, table, scales, *, simd: bool = True,
     16], the output nibble of each input nibble, and ``scales`` uint8 [2048], both indexed
     by key ``codes[g // 2] * 8 + m[g]`` (every key < 2048 by construction); None without
     the kernels."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return None
     _mx_pair(packed, codes)
     if (
-        m.dtype != torch.uint8 or m.shape != (packed.shape[0], packed.shape[1] // 8)
+        not _cpu(m, table, scales)
+        or m.dtype != torch.uint8 or m.shape != (packed.shape[0], packed.shape[1] // 8)
         or table.dtype != torch.uint8 or table.numel() != 2048 * 16
         or scales.dtype != torch.uint8 or scales.numel() != 2048
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (m, table, scales))
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> NVFP4: tables of the wrong dtype or size")
+    if m.numel() and int(m.max()) > 7:  # keys code * 8 + m index 2048-entry tables
+        raise ValueError("native MXFP4 -> NVFP4: a group maximum code above 7")
     out = outbuf.empty(packed.shape, packed.dtype)
     sout = torch.empty_like(m)
     ptrs = (t.data_ptr() for t in (packed, codes, m))
@@ -377,15 +405,16 @@ def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: 
     """``out`` = each byte of uint8 ``src`` (groups of 16 bytes, one int32 ``key`` each)
     through the 16-entry nibble map ``nibmap[key]`` (uint8 [rows * 16]): low and high
     nibble mapped on their own. False where the kernels are unavailable."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return False
+    if not _cpu(src, key, nibmap, out):
+        raise ValueError("native gather_nib: arguments of the wrong dtype, size or layout")
     groups = key.numel()
     if (
         src.dtype != torch.uint8 or out.dtype != torch.uint8 or key.dtype != torch.int32
         or nibmap.dtype != torch.uint8 or nibmap.numel() % 16 or not groups
         or src.numel() != 16 * groups or out.numel() != src.numel()
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in (src, key, nibmap, out))
     ):  # fmt: skip
         raise ValueError("native gather_nib: arguments of the wrong dtype, size or layout")
     lo, hi = torch.aminmax(key)
@@ -408,20 +437,25 @@ def mx_int4(packed: torch.Tensor, codes: torch.Tensor, sub: int, values: torch.T
     value of each (E8M0 code * 8 + magnitude code); ``cls`` is 0 / 1 for a group maximum of
     significand 1 / 1.5 and 2 for 0, ``d`` the MX group's code minus the maximum's exponent,
     clamped to ``d_range`` and counted from its low end. None without the kernels."""
-    lib = library() if ENABLED else None
+    lib = _kernels()
     if lib is None:
         return None
     _mx_pair(packed, codes)
     out, cols = packed.shape
-    d_lo, d_hi = d_range
+    sub = _int(sub, "mx_int4 sub", 1, 1 << 20)
+    try:
+        (d_lo, d_hi), (lo, hi) = d_range, code_range
+    except (TypeError, ValueError):
+        raise ValueError("native MXFP4 -> int4: d_range and code_range must be pairs") from None
+    # d is an E8M0 code minus an exponent of the same range: |d| < 512 covers every case,
+    # and keeps the C side's row arithmetic far from int32's limits
+    d_lo, d_hi = _int(d_lo, "mx_int4 d_range[0]", -512, 512), _int(d_hi, "d_range[1]", -512, 512)
+    lo, hi = _int(lo, "mx_int4 code_range[0]", 0, 255), _int(hi, "code_range[1]", 0, 255)
     span = d_hi - d_lo + 1
-    lo, hi = code_range
     if (
-        sub < 1 or (cols // 16) % sub or span < 1 or not 0 <= lo <= hi <= 255
+        not _cpu(values, nibmap) or (cols // 16) % sub or span < 1 or lo > hi
         or values.dtype != torch.float32 or values.numel() != 2048
         or nibmap.dtype != torch.uint8 or tuple(nibmap.shape) != (3 * span, 16)
-        or not (values.is_contiguous() and nibmap.is_contiguous())
-        or values.device.type != "cpu" or nibmap.device.type != "cpu"
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> int4: tables or group size of the wrong shape")
     res = outbuf.empty(packed.shape, packed.dtype)

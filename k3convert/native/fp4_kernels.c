@@ -797,7 +797,7 @@ void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 16; }
+int k3_fp4_kernels_version(void) { return 17; }
 
 /* the widest vector ISA level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 BW + VBMI) */
 int k3_fp4_simd_level(void) { return k3_level(2); }
