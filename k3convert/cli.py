@@ -41,7 +41,12 @@ def _version(value: bool):
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and whether the native FP4 kernels are in use."),
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="Print the version and whether the native FP4 kernels are in use.",
+        ),
     ] = False,
 ):
     """k3convert: quantize, reshard and verify checkpoints without holding the whole model."""

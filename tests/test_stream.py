@@ -33,6 +33,7 @@ from k3convert.stream import (
     validate_rank_file,
     write_manifest_doc,
 )
+from k3convert.stream.format import VERSION
 from tests.models import unit_hash
 from tests.test_shard_support import fp8_block, int4_group, reassemble, tree_hashes
 
@@ -254,9 +255,9 @@ def test_stream_without_manifest_in_every_verb(damaged, tmp_path, capsys, journa
 
 def test_unknown_version(damaged):
     out, man = damaged()
-    man["version"] = 4
+    man["version"] = 5
     write_manifest_doc(out, man)
-    with pytest.raises(StreamVersionError, match="version 4 is not supported"):
+    with pytest.raises(StreamVersionError, match="version 5 is not supported"):
         open_stream(out)
     assert check(out).exit_code == 2
 
@@ -452,11 +453,12 @@ def test_builtin_validator_agrees_with_jsonschema(pristine):
 
 
 def _as_version(out: Path, version: int) -> None:
-    """Rewrite a version 3 stream as version 1 or 2 would have written it (spec 3.2, 4),
-    by hand: every rank's units inline in manifest.json (no rank files), the version in
-    every unit's metadata (same length, so no offset moves) and the unit hashes computed
-    with hashlib / xxhash: bare sha256 fields for version 1, the stream's algorithm as
-    ``ALGO:HEX`` for version 2."""
+    """Rewrite a version 4 stream as version 1, 2 or 3 would have written it (spec 3.2,
+    4), by hand: the version in every unit's metadata (same length, so no offset moves);
+    versions 1 and 2 with every rank's units inline in manifest.json (no rank files) and
+    the unit hashes computed with hashlib / xxhash (bare sha256 fields for version 1, the
+    stream's algorithm as ``ALGO:HEX`` for version 2); version 3 with rank files that
+    carry no stream identity and a manifest that records no rank file hash."""
     man = read_manifest_doc(out)
     man["version"] = version
     for r in man["ranks"]:
@@ -465,7 +467,7 @@ def _as_version(out: Path, version: int) -> None:
             raw = p.read_bytes()
             if u["compression"] == "zstd":
                 raw = zstandard.ZstdDecompressor().decompress(raw)
-            old = b'"format":"musa-stream","version":"3"'
+            old = b'"format":"musa-stream","version":"%d"' % VERSION
             assert raw.count(old) == 1
             raw = raw.replace(old, b'"format":"musa-stream","version":"%d"' % version)
             stored = raw
@@ -480,7 +482,13 @@ def _as_version(out: Path, version: int) -> None:
                 u.update(raw_sha256=hashlib.sha256(raw).hexdigest())
             else:
                 u.update(hash=unit_hash(stored, algo), raw_hash=unit_hash(raw, algo))
-        (out / f"rank{r['rank']:05d}/units.json").unlink()
+        if version < 3:
+            (out / f"rank{r['rank']:05d}/units.json").unlink()
+    if version == 3:
+        write_manifest_doc(out, man)
+        text = (out / "manifest.json").read_text()
+        assert '"units_hash"' not in text and '"stream_id"' not in text
+        return
     text = json.dumps(man, indent=1)
     assert '"units_file"' not in text
     (out / "manifest.json").write_text(text)
@@ -533,10 +541,12 @@ GOLDEN_CONFIG = {
     "num_key_value_heads": 1,
     "tie_word_embeddings": False,
 }
-# version 3 (the unit metadata says "3"; version 2 was deaeae6f...eda355, the same bytes
-# with "2"), and the rank file: units.json as the writer renders it
-GOLDEN_HEAD_SHA256 = "ac4ac66fbc3dde6e9ec19e768ea3e2937cf893cd8cd455d35d6391de7d81593f"
-GOLDEN_RANK_FILE_SHA256 = "5336a34184eaae71af3400bfed4fb1f12853f33d4918802a8fa1cd9328c0a718"
+# version 4 (the unit metadata says "4"; version 3 was ac4ac66f...81593f, version 2
+# deaeae6f...eda355, the same bytes with "3" / "2"), and the rank file: units.json as the
+# writer renders it, less its "stream" line (the stream identity covers the source's
+# absolute path, which is tmp_path here; checked against the manifest's instead)
+GOLDEN_HEAD_SHA256 = "c350f188b2c99c82328bcb3ee7089405e4973280372368b07d5fd265d7ac28ec"
+GOLDEN_RANK_FILE_SHA256 = "f5ab5fc96924cb828fcb60e4ed11bd3f8c1e909bd43093d4c4a78e0f8b521d50"
 
 
 def test_golden_unit_byte_layout(tmp_path):
@@ -558,7 +568,7 @@ def test_golden_unit_byte_layout(tmp_path):
     out = make(src, tmp_path / "out")
     unit = (out / "rank00000/0002-head.safetensors").read_bytes()
     header = (
-        b'{"__metadata__":{"format":"musa-stream","version":"3","rank":"0","unit":"head"},'
+        b'{"__metadata__":{"format":"musa-stream","version":"4","rank":"0","unit":"head"},'
         b'"lm_head.weight":{"dtype":"F32","shape":[4,2],"data_offsets":[0,32]},'
         b'"__pad__.1":{"dtype":"U8","shape":[4064],"data_offsets":[32,4096]},'
         b'"model.norm.weight":{"dtype":"F32","shape":[2],"data_offsets":[4096,4104]}}'
@@ -571,13 +581,17 @@ def test_golden_unit_byte_layout(tmp_path):
     assert hashlib.sha256(unit).hexdigest() == GOLDEN_HEAD_SHA256
     man = json.loads((out / "manifest.json").read_text())
     rank_file = (out / "rank00000/units.json").read_bytes()
-    assert man["version"] == 3
+    assert man["version"] == 4 and list(man)[:3] == ["format", "version", "stream_id"]
     assert man["ranks"] == [
         {"rank": 0, "pp_rank": 0, "tp_rank": 0, "ep_rank": 0, "moe_tp_rank": 0,
-         "units_file": "rank00000/units.json", "units_bytes": len(rank_file)}
+         "units_file": "rank00000/units.json", "units_bytes": len(rank_file),
+         "units_hash": unit_hash(rank_file)}
     ]  # fmt: skip
+    sid = f' "stream": "{man["stream_id"]}",\n'.encode()
+    assert rank_file.count(sid) == 1
+    rank_file = rank_file.replace(sid, b"")
     assert rank_file.startswith(
-        b'{\n "format": "musa-stream-rank",\n "version": 3,\n "rank": 0,\n "units": [\n  {\n'
+        b'{\n "format": "musa-stream-rank",\n "version": 4,\n "rank": 0,\n "units": [\n  {\n'
         b'   "index": 0,\n   "name": "embed",\n   "layer": null,\n'
         b'   "file": "rank00000/0000-embed.safetensors",\n   "compression": "none",\n'
     )

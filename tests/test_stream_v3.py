@@ -22,9 +22,11 @@ from k3convert.stream import (
     StreamCorruptError,
     open_stream,
     read_manifest_doc,
+    reader,
     write_manifest_doc,
 )
-from k3convert.stream.format import dump_manifest
+from k3convert.stream import hashing as unit_hashing
+from k3convert.stream.format import dump_manifest, stream_identity
 from tests.models import unit_hash
 from tests.test_shard_support import tree_hashes
 from tests.test_stream import _as_version
@@ -76,6 +78,8 @@ def _rewrite_rank_file(out: Path, rel: str, doc) -> None:
     man = json.loads((out / "manifest.json").read_text())
     i = int(rel[4:9])
     man["ranks"][i]["units_bytes"] = len(data)
+    if "units_hash" in man["ranks"][i]:  # version 4: the hash the rank file is bound by
+        man["ranks"][i]["units_hash"] = unit_hashing.digest(man["ranks"][i]["units_hash"], data)
     (out / "manifest.json").write_text(json.dumps(man, indent=1))
 
 
@@ -83,14 +87,16 @@ def _rewrite_rank_file(out: Path, rel: str, doc) -> None:
 def test_manifest_names_each_rank_file(pristine):
     out = pristine["none"]
     man = json.loads((out / "manifest.json").read_text())
-    assert man["version"] == 3
+    assert man["version"] == 4
     for i, r in enumerate(man["ranks"]):
         assert "units" not in r
         assert r["units_file"] == f"rank{i:05d}/units.json"
         assert r["units_bytes"] == (out / r["units_file"]).stat().st_size
         rdoc = json.loads((out / r["units_file"]).read_text())
-        assert list(rdoc) == ["format", "version", "rank", "units"]
-        assert (rdoc["format"], rdoc["version"], rdoc["rank"]) == ("musa-stream-rank", 3, i)
+        assert list(rdoc) == ["format", "version", "rank", "stream", "units"]
+        assert (rdoc["format"], rdoc["version"], rdoc["rank"]) == ("musa-stream-rank", 4, i)
+        assert rdoc["stream"] == man["stream_id"] == stream_identity(man, "xxh3-128")
+        assert r["units_hash"] == unit_hash((out / r["units_file"]).read_bytes())
         assert [u["index"] for u in rdoc["units"]] == list(range(len(rdoc["units"])))
         # rendered as the manifest is: indent 1, a newline at the end
         assert (out / r["units_file"]).read_text() == json.dumps(rdoc, indent=1) + "\n"
@@ -137,6 +143,27 @@ def test_version_2_streams_are_still_read(pristine, tmp_path, comp):
     assert rep.exit_code == 1 and any("xxh3-128 hash mismatch" in p for p in rep.problems)
 
 
+@pytest.mark.parametrize("comp", ["none", "zstd"])
+def test_version_3_streams_are_still_read(pristine, tmp_path, comp):
+    """A version 3 stream (rank files without a stream identity, no rank file hashes in
+    manifest.json) opens to bit-identical tensors and passes --check; a rank file edited
+    in it is still caught, by its recorded size."""
+    out = tmp_path / "v3"
+    shutil.copytree(pristine[comp], out)
+    _as_version(out, 3)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["version"] == 3 and "stream_id" not in man
+    assert all("units_hash" not in r for r in man["ranks"])
+    assert "stream" not in json.loads((out / RANK1).read_text())
+    assert check(out).exit_code == 0
+    assert main(["shard", "--check", str(out)]) == 0
+    for r in range(4):
+        assert _same(_tensors(pristine[comp], r), _tensors(out, r, ranks=[r]))
+    with open(out / RANK1, "a") as fh:
+        fh.write(" ")
+    assert check(out).exit_code == 1
+
+
 def test_a_version_2_manifest_with_rank_files_is_refused(copy):
     out = copy()
     man = json.loads((out / "manifest.json").read_text())
@@ -160,7 +187,7 @@ def test_unit_metadata_must_carry_the_manifest_version(copy):
     man = read_manifest_doc(out)
     u = man["ranks"][1]["units"][0]
     raw = (out / u["file"]).read_bytes()
-    old = b'"format":"musa-stream","version":"3"'
+    old = b'"format":"musa-stream","version":"4"'
     assert raw.count(old) == 1
     raw = raw.replace(old, b'"format":"musa-stream","version":"2"')
     (out / u["file"]).write_bytes(raw)
@@ -175,13 +202,13 @@ def test_opening_one_rank_does_not_read_another_ranks_file(copy, monkeypatch):
     out = copy()
     _rewrite_rank_file(out, RANK0, "{ not json")
     read: list[str] = []
-    real = Path.read_bytes
+    real = reader.read_bounded
 
-    def spy(self):
-        read.append(self.name if self.name != "units.json" else str(self.relative_to(out)))
-        return real(self)
+    def spy(path, *a, **k):
+        read.append(path.name if path.name != "units.json" else str(path.relative_to(out)))
+        return real(path, *a, **k)
 
-    monkeypatch.setattr(Path, "read_bytes", spy)
+    monkeypatch.setattr(reader, "read_bounded", spy)
     st = open_stream(out, ranks=[1])
     assert [p for p in read if p.endswith("units.json")] == [RANK1]
     monkeypatch.undo()
@@ -254,6 +281,11 @@ def _mutate(out: Path, case: str) -> None:
     elif case == "hash_form":
         rdoc["units"][0]["sha256"] = "0" * 64
         _rewrite_rank_file(out, RANK1, rdoc)
+    elif case == "replaced":  # new content of the recorded size, the manifest untouched
+        text = (out / RANK1).read_text()
+        (out / RANK1).write_text(text.replace('"index": 0', '"index": 7', 1))
+    elif case == "stream":
+        _rewrite_rank_file(out, RANK1, {**rdoc, "stream": "xxh3-128:" + "0" * 32})
     elif case == "directory":
         (out / RANK1).unlink()
         (out / RANK1).mkdir()
@@ -272,7 +304,9 @@ DAMAGE = {
     "twice": (ManifestError, "key 'rank' is listed twice"),
     "nan": (ManifestError, "holds NaN, which is not JSON"),
     "format": (ManifestError, "not a musa-stream-rank file"),
-    "version": (ManifestError, "rank file version 2 differs from manifest.json's 3"),
+    "version": (ManifestError, "rank file version 2 differs from manifest.json's 4"),
+    "replaced": (ManifestError, "rank file of rank 1 does not belong to this stream: its hash"),
+    "stream": (ManifestError, "rank file belongs to stream 'xxh3-128:0+', not to this one"),
     "rank": (ManifestError, "rank file is for rank 0, not 1"),
     "list": (ManifestError, "not a musa-stream-rank file"),
     "schema": (ManifestError, r"violates the rank file schema: .*ranks\[1\]\.units\[0\]\.tensors"),

@@ -1,4 +1,4 @@
-"""The MUSA streaming format, version 3: constants, errors and the unit byte layout.
+"""The MUSA streaming format, version 4: constants, errors and the unit byte layout.
 
 Spec: ``formats/musa-stream.md``. A unit is a plain safetensors file whose data
 region starts at a multiple of :data:`ALIGN` and whose every tensor starts at a
@@ -21,12 +21,25 @@ from ..checkpoint.safetensors_io import ST_DTYPES, RawTensorInfo, parse_header_j
 from ..errors import K3Error, SafetensorsFormatError
 
 FORMAT = "musa-stream"
-VERSION = 3  # what shard writes
+VERSION = 4  # what shard writes
 #: what the reader takes (1: sha256 unit hashes; 1 and 2: every rank's units inline in
-#: manifest.json; 3: each rank's units in its own rank file - see the spec)
-READ_VERSIONS = (1, 2, 3)
+#: manifest.json; 3: each rank's units in its own rank file; 4: rank files bound to their
+#: manifest by a hash and the stream identity - see the spec)
+READ_VERSIONS = (1, 2, 3, 4)
 #: the first version whose ranks' units live in rank files, not in manifest.json
 SPLIT_VERSION = 3
+#: the first version whose manifest records each rank file's hash (``units_hash``) and a
+#: stream identity (``stream_id``) that each rank file repeats (``stream``)
+BOUND_VERSION = 4
+#: the sections of manifest.json that :func:`stream_identity` covers
+IDENTITY_KEYS = ("format", "version", "model", "layout", "source", "files")
+#: size bounds (spec section 4): a version 3 / 4 manifest.json holds no unit entries, so
+#: it grows with the layout (ranks, stages, expert placement) and the source file list:
+#: Kimi K3 at world 1024 is under 2 MB. A rank file (and a version 1 / 2 manifest, which
+#: holds every rank's units) grows with its tensor entries, about 0.7 KB each: the whole
+#: 2.8 T-parameter Kimi K3 on one rank is about 0.35 GB.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_RANK_FILE_BYTES = 512 << 20
 ALIGN = 4096
 MANIFEST = "manifest.json"
 RANK_FORMAT = "musa-stream-rank"
@@ -172,6 +185,17 @@ def parse_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Raw
 
 def unit_metadata(rank: int, unit: str) -> dict[str, str]:
     return {"format": FORMAT, "version": str(VERSION), "rank": str(rank), "unit": unit}
+
+
+def stream_identity(doc: dict, algo: str) -> str:
+    """The stream's identity (version 4): ``ALGO:HEX`` of the canonical rendering
+    (:func:`dump_manifest`) of the manifest's :data:`IDENTITY_KEYS` sections - what was
+    converted (source files and their hashes, recipe), into which layout. ``algo``: the
+    stream's unit hash algorithm, or a tagged hash whose algorithm is used."""
+    from . import hashing
+
+    text = dump_manifest({k: doc.get(k) for k in IDENTITY_KEYS})
+    return hashing.digest(algo, text.encode("utf-8"))
 
 
 def rank_units_file(rank: int) -> str:

@@ -15,9 +15,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .format import MANIFEST, RANK_FORMAT, SPLIT_VERSION, dump_manifest, rank_units_file
+from . import hashing
+from .format import (
+    BOUND_VERSION,
+    MANIFEST,
+    RANK_FORMAT,
+    SPLIT_VERSION,
+    dump_manifest,
+    rank_units_file,
+    stream_identity,
+)
 
-_SPLIT_KEYS = ("units", "units_file", "units_bytes")
+_SPLIT_KEYS = ("units", "units_file", "units_bytes", "units_hash")
 
 
 def read_manifest_doc(root) -> dict:
@@ -30,9 +39,10 @@ def read_manifest_doc(root) -> dict:
     for r in doc.get("ranks", []):
         if "units_file" in r and "units" not in r:
             rdoc = json.loads((root / r["units_file"]).read_text(encoding="utf-8"))
-            del r["units_file"]
-            r.pop("units_bytes", None)
+            for k in _SPLIT_KEYS:
+                r.pop(k, None)
             r["units"] = rdoc["units"]
+    doc.pop("stream_id", None)  # version 4: derived again when the document is written
     return doc
 
 
@@ -40,23 +50,47 @@ def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
     """A manifest document with inline units -> (what manifest.json holds, [(rank file
     path, its text)]). Versions before 3 are returned as they are, with no rank files.
     A rank entry keeps its own ``units_file`` when it has one (the file is still written
-    at the format's name for it); ``units_bytes`` is always the rank file's size."""
+    at the format's name for it); ``units_bytes`` is always the rank file's size. Version
+    4: the stream identity (:func:`~.format.stream_identity`, under the units' hash
+    algorithm) goes into manifest.json (``stream_id``, placed after ``version``) and each
+    rank file (``stream``), and each rank entry records its rank file's ``units_hash``."""
     if type(doc.get("version")) is not int or doc["version"] < SPLIT_VERSION:
         return doc, []
+    bound = doc["version"] >= BOUND_VERSION
+    algo = _units_algo(doc)
+    sid = stream_identity(doc, algo) if bound else None
     ranks, files = [], []
     for i, r in enumerate(doc["ranks"]):
         if "units" not in r:
             ranks.append(r)
             continue
-        rdoc = {"format": RANK_FORMAT, "version": doc["version"], "rank": i, "units": r["units"]}
+        rdoc = {"format": RANK_FORMAT, "version": doc["version"], "rank": i}
+        if bound:
+            rdoc["stream"] = sid
+        rdoc["units"] = r["units"]
         text = dump_manifest(rdoc)
         rel = rank_units_file(i)
         entry = {k: v for k, v in r.items() if k not in _SPLIT_KEYS}
         entry["units_file"] = r.get("units_file", rel)
         entry["units_bytes"] = len(text.encode("utf-8"))
+        if bound:
+            entry["units_hash"] = hashing.digest(algo, text.encode("utf-8"))
         ranks.append(entry)
         files.append((rel, text))
-    return {**doc, "ranks": ranks}, files
+    top = {k: v for k, v in doc.items() if k != "stream_id"} | {"ranks": ranks}
+    if bound:
+        top = {k: top[k] for k in ("format", "version") if k in top} | {"stream_id": sid} | top
+    return top, files
+
+
+def _units_algo(doc: dict) -> str:
+    """The hash algorithm of the document's units (a stream uses one), else the default."""
+    for r in doc.get("ranks", []):
+        for u in r.get("units") or []:
+            h = u.get("hash") if isinstance(u, dict) else None
+            if isinstance(h, str) and h.split(":", 1)[0] in hashing.ALGORITHMS:
+                return h.split(":", 1)[0]
+    return hashing.DEFAULT
 
 
 def write_manifest_doc(root, doc: dict, *, fsync: bool = True) -> Path:

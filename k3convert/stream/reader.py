@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import gc
 import mmap
+import os
+import re
 import stat
 import struct
 from collections import OrderedDict, deque
@@ -46,8 +48,11 @@ from .consistency import (
     zstd_content_size,
 )
 from .format import (
+    BOUND_VERSION,
     FORMAT,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_RANK_FILE_BYTES,
     PAD_PREFIX,
     RANK_FORMAT,
     READ_VERSIONS,
@@ -62,6 +67,7 @@ from .format import (
     nbytes_of,
     parse_header,
     rank_units_file,
+    stream_identity,
 )
 from .schema import validate, validate_rank_file, validate_rank_tensors
 
@@ -90,34 +96,71 @@ def _manifest_json(text: str, mp: Path):
     return strict_json_loads(text, f"{mp}: key", ManifestError, finite=True)
 
 
-def _read_json(path: Path, what: str, expect_bytes: int | None = None):
-    """``path`` parsed as strict JSON; ManifestError naming it when it is missing,
-    unreadable, of another size than ``expect_bytes`` or not valid JSON."""
+_FIX = "copy the stream again or re-create it with `k3convert shard --force`"
+#: a manifest whose first bytes declare version 1 or 2 holds every rank's units inline:
+#: it is bounded as a rank file is (the writer renders "format" then "version" first)
+_LEGACY = re.compile(rb'^\s*\{\s*"format"\s*:\s*"[^"]*"\s*,\s*"version"\s*:\s*[12]\s*[,}]')
+
+
+def read_bounded(path: Path, what: str, limit: int | None, expect_bytes: int | None = None):
+    """The bytes of ``path`` (already checked to resolve inside the stream directory): a
+    regular file, opened without following a link that appeared since (``O_NOFOLLOW`` on
+    its resolved path) and without blocking on a FIFO, of at most ``limit`` bytes (None:
+    :data:`MAX_MANIFEST_BYTES`, or :data:`MAX_RANK_FILE_BYTES` for a version 1 / 2
+    manifest) and of ``expect_bytes`` where given. ManifestError (exit 1) otherwise,
+    FileNotFoundError where it is missing."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        if expect_bytes is not None:  # a regular file of the recorded size, before reading
-            st = path.stat()
-            if not stat.S_ISREG(st.st_mode):
-                raise ManifestError(f"{path}: {what} is not a regular file; the stream is damaged.")
-            if st.st_size != expect_bytes:
-                raise ManifestError(
-                    f"{path}: {what} is {st.st_size} bytes but {MANIFEST} says {expect_bytes}; "
-                    f"it is {'truncated' if st.st_size < expect_bytes else 'damaged'} - copy "
-                    f"the stream again or re-create it with `k3convert shard --force`."
-                )
-        data = path.read_bytes()
+        fd = os.open(path.resolve(), flags)
     except FileNotFoundError:
-        raise ManifestError(
-            f"{path}: {what} is missing while {MANIFEST} (written after it) is present; the "
-            f"stream is damaged - copy it again or re-create it with `k3convert shard --force`."
-        ) from None
+        raise
     except OSError as e:
-        raise ManifestError(f"{path}: {what} cannot be read ({e}); the stream is damaged.") from e
-    if expect_bytes is not None and len(data) != expect_bytes:
         raise ManifestError(
-            f"{path}: {what} is {len(data)} bytes but {MANIFEST} says {expect_bytes}; it is "
-            f"{'truncated' if len(data) < expect_bytes else 'damaged'} - copy the stream "
-            f"again or re-create it with `k3convert shard --force`."
+            f"{path}: {what} cannot be opened ({e}); the stream is damaged - {_FIX}."
+        ) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(
+                f"{path}: {what} is not a regular file; the stream is damaged - {_FIX}."
+            )
+        if expect_bytes is not None and st.st_size != expect_bytes:
+            raise ManifestError(
+                f"{path}: {what} is {st.st_size} bytes but {MANIFEST} says {expect_bytes}; it is "
+                f"{'truncated' if st.st_size < expect_bytes else 'damaged'} - {_FIX}."
+            )
+        if limit is None:
+            head = os.pread(fd, 256, 0)
+            limit = MAX_RANK_FILE_BYTES if _LEGACY.match(head) else MAX_MANIFEST_BYTES
+        if st.st_size > limit:
+            raise ManifestError(
+                f"{path}: {what} is {st.st_size} bytes, above the format's bound of {limit} "
+                f"bytes for it (spec section 4); the stream is damaged - {_FIX}."
+            )
+        chunks, n = [], 0
+        while n <= limit:  # the file may have grown since fstat: never past the bound
+            b = os.read(fd, min(8 << 20, limit + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+    except OSError as e:
+        raise ManifestError(
+            f"{path}: {what} cannot be read ({e}); the stream is damaged - {_FIX}."
+        ) from e
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if n > limit or (expect_bytes is not None and n != expect_bytes):
+        raise ManifestError(
+            f"{path}: {what} changed while it was read; the stream is damaged - {_FIX}."
         )
+    return data
+
+
+def _parse_json(data: bytes, path: Path, what: str):
+    """Strict JSON of ``data``; ManifestError naming ``path`` when it is not, or when it
+    does not fit in the memory available."""
     try:
         return _manifest_json(data.decode("utf-8"), path)
     except ManifestError:
@@ -128,6 +171,37 @@ def _read_json(path: Path, what: str, expect_bytes: int | None = None):
         raise ManifestError(
             f"{path}: not valid JSON (nested too deeply); the {what} is damaged."
         ) from None
+    except MemoryError:
+        raise ManifestError(
+            f"{path}: the {what} ({len(data)} bytes) does not fit in the memory available; "
+            f"the stream is damaged, or raise the process's memory limit."
+        ) from None
+
+
+def _read_json(path: Path, what: str, expect_bytes: int | None = None, expect_hash=None, rank=None):
+    """``path`` (a rank file) parsed as strict JSON, after :func:`read_bounded` and, where
+    given, a check of its bytes against ``expect_hash`` (``ALGO:HEX``); ManifestError
+    naming it when it is missing, unreadable, over the bound, of another size or hash
+    than the manifest records, or not valid JSON."""
+    try:
+        data = read_bounded(path, what, MAX_RANK_FILE_BYTES, expect_bytes)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{path}: {what} is missing while {MANIFEST} (written after it) is present; the "
+            f"stream is damaged - {_FIX}."
+        ) from None
+    except MemoryError:
+        raise ManifestError(
+            f"{path}: the {what} does not fit in the memory available; the stream is damaged, "
+            f"or raise the process's memory limit."
+        ) from None
+    if expect_hash is not None and unit_hashing.digest(expect_hash, data) != expect_hash:
+        raise ManifestError(
+            f"{path}: {what} of rank {rank} does not belong to this stream: its hash differs "
+            f"from the one {MANIFEST} records ({expect_hash}); it was replaced (a rank "
+            f"directory from another conversion?) or damaged - {_FIX}."
+        )
+    return _parse_json(data, path, what)
 
 
 def _one_hash_form(doc: dict, i: int, where: Path) -> None:
@@ -181,16 +255,17 @@ def _read_manifest(root: Path) -> tuple[Path, dict]:
         raise NotAStreamError(
             f"{root}: not a stream directory (no {MANIFEST}); create one with `k3convert shard`."
         )
+    mp = inside(root, MANIFEST, "the manifest")  # a link is followed only inside the stream
     try:
-        doc = _manifest_json(mp.read_text(encoding="utf-8"), mp)
-    except ManifestError:
-        raise
-    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise ManifestError(f"{mp}: not valid JSON ({e}); the manifest is damaged.") from e
-    except RecursionError:
+        data = read_bounded(mp, "manifest", None)
+    except FileNotFoundError:  # removed since is_file()
+        raise NotAStreamError(f"{root}: not a stream directory (no {MANIFEST}).") from None
+    except MemoryError:
         raise ManifestError(
-            f"{mp}: not valid JSON (nested too deeply); the manifest is damaged."
+            f"{mp}: the manifest does not fit in the memory available; the stream is damaged, "
+            f"or raise the process's memory limit."
         ) from None
+    doc = _parse_json(data, mp, "manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotAStreamError(f"{mp}: not a {FORMAT} manifest (format key is missing or wrong).")
     if type(doc.get("version")) is not int or doc.get("version") not in READ_VERSIONS:
@@ -252,6 +327,14 @@ def load_manifest(root: Path, ranks=None) -> dict:
                 f"re-create the stream with `k3convert shard --force`."
             )
     check_paths(doc, mp)  # carried files
+    if doc["version"] >= BOUND_VERSION:
+        sid = stream_identity(doc, doc["stream_id"])
+        if sid != doc["stream_id"]:
+            raise ManifestError(
+                f"{mp}: stream_id {doc['stream_id']} is not the identity of this manifest's "
+                f"model / layout / source / files sections ({sid}); the manifest was edited "
+                f"or damaged - {_FIX}."
+            )
     if split:
         for i in range(len(doc["ranks"])) if ranks is None else ranks:
             if 0 <= i < len(doc["ranks"]):
@@ -267,7 +350,7 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
     checking its path, size, JSON, format, version, rank, schema and numbering."""
     r = doc["ranks"][i]
     path = inside(root, r["units_file"], f"rank {i}'s units file")  # before it is opened
-    rdoc = _read_json(path, "rank file", r["units_bytes"])
+    rdoc = _read_json(path, "rank file", r["units_bytes"], r.get("units_hash"), rank=i)
     if not isinstance(rdoc, dict) or rdoc.get("format") != RANK_FORMAT:
         raise ManifestError(
             f"{path}: not a {RANK_FORMAT} file (format key is missing or wrong); the stream "
@@ -283,6 +366,11 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
         raise ManifestError(
             f"{path}: rank file is for rank {rdoc.get('rank')!r}, not {i}; the stream is "
             f"damaged - re-create it with `k3convert shard --force`."
+        )
+    if doc["version"] >= BOUND_VERSION and rdoc.get("stream") != doc["stream_id"]:
+        raise ManifestError(
+            f"{path}: rank file belongs to stream {rdoc.get('stream')!r}, not to this one "
+            f"({doc['stream_id']}); rank {i}'s directory comes from another conversion - {_FIX}."
         )
     try:
         errs = validate_rank_file(rdoc, i)
@@ -792,6 +880,18 @@ class Stream:
             yield n, self.get(n, dtype)
 
 
+def _rank_list(ranks) -> list[int]:
+    """``open_stream``'s ``ranks``: a sequence (list, tuple, range) of ints, sorted and
+    deduplicated; a string, a float, a bool or a single int is a caller's mistake, refused
+    (``ranks="01"`` is not ranks 0 and 1, ``[0.5]`` is not rank 0)."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple, range)):
+        raise TypeError(f"open_stream: ranks must be a list of ints, got {ranks!r}")
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
+    if bad:
+        raise TypeError(f"open_stream: ranks must be ints, got {bad[0]!r} in {ranks!r}")
+    return sorted(set(ranks))
+
+
 def open_stream(path, *, verify_hashes: bool = True, ranks=None) -> Stream:
     """Open and validate a stream directory (its manifest; units when used).
 
@@ -803,7 +903,7 @@ def open_stream(path, *, verify_hashes: bool = True, ranks=None) -> Stream:
     still has every rank's units in the one manifest.json to parse)."""
     root = Path(path)
     if ranks is not None:
-        ranks = sorted({int(r) for r in ranks})
+        ranks = _rank_list(ranks)
     manifest = load_manifest(root, ranks)
     world = len(manifest["ranks"])
     if ranks is not None and any(not 0 <= r < world for r in ranks):

@@ -3,11 +3,11 @@
 The schema (``manifest.schema.json``, identical to ``formats/musa-stream.schema.json``;
 a test pins that) uses a small subset of draft 2020-12, which :func:`validate`
 implements: type, const, enum, required, properties, additionalProperties,
-propertyNames, items, minItems, maxItems, minimum, minLength, pattern, oneOf,
+propertyNames, items, minItems, maxItems, minimum, maximum, minLength, pattern, oneOf,
 if / then / else and local ``$ref``. Errors name the key path (``ranks[3].units[0].hash``).
 
 Two entry points: the schema itself (``manifest.json``, every version) and its
-``$defs/rank_file`` (a version 3 rank file, ``rankNNNNN/units.json``):
+``$defs/rank_file`` (a version 3 / 4 rank file, ``rankNNNNN/units.json``):
 :func:`validate_rank_file`.
 """
 
@@ -285,6 +285,14 @@ def _compile(s: dict, root: dict, memo: dict):
             return None
 
         checks.append(string)
+    if "maximum" in s:
+        maximum = s["maximum"]
+
+        def at_most(v, p, errs):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > maximum:
+                errs.append((p, f"must be <= {maximum}, got {v}"))
+
+        checks.append(at_most)
     if "minimum" in s:
         minimum = s["minimum"]
 
