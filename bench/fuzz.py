@@ -539,7 +539,7 @@ class Pristine:
         for rel, data in self.files.items():
             q = d / rel
             with contextlib.suppress(OSError):
-                if q.read_bytes() == data:
+                if q.stat().st_size == len(data) and q.read_bytes() == data:
                     continue
             q.write_bytes(data)
         return d
@@ -879,9 +879,60 @@ def _save_doc(root: Path, doc: dict) -> None:
         (root / "manifest.json").write_text(json.dumps(doc))
 
 
+#: the mark of a mutation that no reader may accept (a rank directory of another stream)
+FOREIGN = "foreign rank directory"
+
+
+def mutate_files(root: Path, template: Path, rng: random.Random) -> str:
+    """Where the stream's files are and whose they are: a rank directory swapped in from
+    another template (another conversion of a model of the same shape: never to be
+    accepted), manifest.json as a link (outside the stream, or inside it), a manifest or
+    rank file past the format's size bound (sparse) or padded with whitespace."""
+    from k3convert.stream.format import MAX_MANIFEST_BYTES
+
+    mp = root / "manifest.json"
+    ranks = sorted(p.name for p in root.glob("rank*") if p.is_dir())
+    op = rng.randrange(5)
+    if op == 0:
+        others = sorted(
+            p for p in template.parent.iterdir()
+            if p.is_dir() and p != template and not p.name.startswith("src-")
+        )  # fmt: skip
+        other, rank = rng.choice(others), rng.choice(ranks)
+        shutil.rmtree(root / rank)
+        shutil.copytree(other / rank, root / rank)
+        return f"{FOREIGN}: {rank} from {other.name}"
+    if op == 1:
+        mp.unlink()
+        if rng.random() < 0.5:
+            mp.symlink_to(template / "manifest.json")
+            return "manifest.json -> a link outside the stream"
+        (root / "manifest.real").write_bytes((template / "manifest.json").read_bytes())
+        mp.symlink_to("manifest.real")
+        return "manifest.json -> a link inside the stream"
+    if op == 2:
+        with open(mp, "r+b") as fh:
+            fh.truncate(MAX_MANIFEST_BYTES + rng.choice([1, 4096]))
+        return "manifest.json past the size bound (sparse)"
+    target = mp if op == 3 else root / rng.choice(ranks) / "units.json"
+    n = rng.choice([1, 7, 4096])
+    with open(target, "ab") as fh:
+        fh.write(b" " * n)
+    if target != mp and rng.random() < 0.5:  # the recorded size updated too, not the hash
+        top = json.loads(mp.read_text())
+        i = int(target.parent.name[4:])
+        top["ranks"][i]["units_bytes"] = target.stat().st_size
+        mp.write_text(json.dumps(top))
+        return f"{target.relative_to(root)}: {n} bytes of whitespace (units_bytes updated)"
+    return f"{target.relative_to(root)}: {n} bytes of whitespace"
+
+
 def mutate_stream(root: Path, template: Path, rng: random.Random) -> str:
     mp = root / "manifest.json"
     doc = read_manifest_doc(root)
+    r = rng.random()
+    if r < 0.06:
+        return mutate_files(root, template, rng)
     r = rng.random()
     if r < 0.08:  # manifest bytes: manifest.json or one rank file
         rank_files = sorted(root.glob("rank*/units.json"))
@@ -900,10 +951,15 @@ def mutate_stream(root: Path, template: Path, rng: random.Random) -> str:
         b[i] ^= 1 << rng.randrange(8)
         target.write_bytes(bytes(b))
         return f"{name}: flip a bit at {i}"
-    if r < 0.1 and doc.get("version") == 3:  # the split itself: units_file / units_bytes
+    if r < 0.1 and doc.get("version") >= 3:  # the split: units_file / _bytes / _hash
         top = json.loads(mp.read_text())
         rank = rng.randrange(len(top["ranks"]))
-        k = rng.choice(["units_file", "units_bytes"])
+        k = rng.choice(["units_file", "units_bytes", "units_hash", "stream_id"])
+        if k == "stream_id":
+            old = top.get(k)
+            top[k] = odd_value(rng, old) if rng.random() < 0.5 else "xxh3-128:" + "0" * 32
+            mp.write_text(json.dumps(top))
+            return f"stream_id {old!r} -> {top[k]!r}"
         old = top["ranks"][rank].get(k)
         new = odd_value(rng, old)
         if k == "units_file" and rng.random() < 0.6:
@@ -1055,7 +1111,16 @@ class StreamFuzzer:
         d = t.restore(self.work / "case" / t.template.name)
         what = f"[{t.template.name}] " + mutate_stream(d, t.template, rng)
         tally.ops[t.template.name] += 1
-        read = classify(tally, i, what, lambda: verify_stream(d, rng))
+        foreign = FOREIGN in what
+        if foreign:
+            tally.notes["foreign rank directory"] += 1
+
+        def read() -> None:
+            verify_stream(d, rng)
+            if foreign:
+                raise Mismatch("accepted a rank directory from another conversion")
+
+        read = classify(tally, i, what, read)
         try:  # check() is part of the iteration: it must report, never crash
             rep = check(d, workers=rng.choice([1, 2]))
             if rep.ok:
@@ -1066,6 +1131,8 @@ class StreamFuzzer:
             tally.crash(i, what + " [in check()]", e)
         else:
             tally.notes[f"check {rep.status}"] += 1
+            if rep.ok and foreign:
+                tally.crash(i, what + " [in check()]", Mismatch("check() passed it: intact"))
             if rep.ok and read == "rejected":
                 tally.notes["check intact but read rejected"] += 1
             if not rep.ok and read == "accepted":

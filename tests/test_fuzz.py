@@ -55,6 +55,7 @@ def test_fuzz_stream_reader(tmp_path):
     _assert_clean(tally, {"StreamCorruptError", "ManifestError"})
     assert set(tally.ops) == {"plain-none", "plain-zstd", "int4-none", "int4-zstd"}
     assert tally.notes["check intact"] > 0 and tally.notes["check damaged"] > 0
+    assert tally.notes["foreign rank directory"] > 0  # each one rejected, or it is a crash
 
 
 # -- the harness catches what it is meant to catch --------------------------------------
