@@ -1214,7 +1214,7 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
     return fn, getattr(native, fn), kw
 
 
-def mutate_native(kw: dict, g: torch.Generator, rng: random.Random) -> str:
+def mutate_native(kw: dict, rng: random.Random) -> str:
     """One hostile edit of a valid call's arguments (or none: a valid call)."""
     if rng.random() < 0.15:
         return "valid"
@@ -1280,7 +1280,7 @@ class NativeFuzzer:
     def iteration(self, i: int, rng: random.Random, tally: Tally) -> str:
         g = torch.Generator().manual_seed(rng.randrange(2**31))
         name, fn, kw = native_call(g, rng)
-        what = f"{name}: " + mutate_native(kw, g, rng)
+        what = f"{name}: " + mutate_native(kw, rng)
         tally.ops[name] += 1
         tally.total += 1
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -87,7 +88,7 @@ def test_an_edited_stream_identity_is_damage(copy):
 
 
 # -- manifest.json: inside the directory, bounded ------------------------------------------
-def test_a_manifest_linked_outside_the_stream_is_refused(copy, tmp_path, capsys):
+def test_a_manifest_linked_outside_the_stream_is_refused(copy, tmp_path, capsys, monkeypatch):
     outside = tmp_path / "outside.json"
     shutil.copyfile(copy / "manifest.json", outside)
     (copy / "manifest.json").unlink()
@@ -102,13 +103,11 @@ def test_a_manifest_linked_outside_the_stream_is_refused(copy, tmp_path, capsys)
     (copy / "manifest.json").symlink_to("/etc/passwd")
     seen = []
     real = reader.read_bounded
-    reader_spy = lambda p, *a, **k: seen.append(p) or real(p, *a, **k)  # noqa: E731
-    reader.read_bounded, saved = reader_spy, reader.read_bounded
-    try:
-        with pytest.raises(StreamCorruptError, match="outside the stream directory"):
-            open_stream(copy)
-    finally:
-        reader.read_bounded = saved
+    monkeypatch.setattr(
+        reader, "read_bounded", lambda p, *a, **k: seen.append(p) or real(p, *a, **k)
+    )
+    with pytest.raises(StreamCorruptError, match="outside the stream directory"):
+        open_stream(copy)
     assert seen == []  # refused before anything was opened
 
 
@@ -156,11 +155,27 @@ def test_no_memory_for_a_manifest_is_a_clean_error(copy, monkeypatch):
         open_stream(copy)
 
 
-def test_a_fifo_manifest_does_not_block(copy):
-    (copy / "manifest.json").unlink()
-    os.mkfifo(copy / "manifest.json")
-    with pytest.raises(StreamError):
-        open_stream(copy)  # a FIFO is not a regular file: refused, never opened to block
+@pytest.mark.parametrize("which", ["manifest.json", RANK0])
+def test_a_fifo_in_place_of_a_stream_file_does_not_block(copy, which):
+    """A FIFO where manifest.json or a rank file should be is refused as not a regular
+    file, never opened to wait for a writer (the rank file is opened non-blocking)."""
+    (copy / which).unlink()
+    os.mkfifo(copy / which)
+    errors: list[BaseException] = []
+
+    def open_it():
+        try:
+            open_stream(copy)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=open_it, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "open_stream blocked on a FIFO"
+    assert len(errors) == 1 and isinstance(errors[0], StreamError), errors
+    if which == RANK0:
+        assert "rank file is not a regular file" in str(errors[0])
 
 
 # -- open_stream(ranks=...) -----------------------------------------------------------------

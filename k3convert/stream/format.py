@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import ST_DTYPES, RawTensorInfo, parse_header_json
 from ..errors import K3Error, SafetensorsFormatError
+from . import hashing
 
 FORMAT = "musa-stream"
 VERSION = 4  # what shard writes
@@ -33,11 +34,11 @@ SPLIT_VERSION = 3
 BOUND_VERSION = 4
 #: the sections of manifest.json that :func:`stream_identity` covers
 IDENTITY_KEYS = ("format", "version", "model", "layout", "source", "files")
-#: size bounds (spec section 4): a version 3 / 4 manifest.json holds no unit entries, so
-#: it grows with the layout (ranks, stages, expert placement) and the source file list:
-#: Kimi K3 at world 1024 is under 2 MB. A rank file (and a version 1 / 2 manifest, which
-#: holds every rank's units) grows with its tensor entries, about 0.7 KB each: the whole
-#: 2.8 T-parameter Kimi K3 on one rank is about 0.35 GB.
+#: size bounds (spec section 4.2): a version 3 / 4 manifest.json holds no unit entries, so
+#: it grows with the layout (ranks, stages, expert placement) and the source file list
+#: (Kimi K3 at tp8 ep8: 3.1 MB). A rank file, and a version 1 / 2 manifest, which holds
+#: every rank's units, grows with its tensor entries (K3 at tp8 ep8: 47 MB per rank file;
+#: its version 2 manifest, every rank's entries: 417 MB).
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_RANK_FILE_BYTES = 512 << 20
 ALIGN = 4096
@@ -192,8 +193,6 @@ def stream_identity(doc: dict, algo: str) -> str:
     (:func:`dump_manifest`) of the manifest's :data:`IDENTITY_KEYS` sections - what was
     converted (source files and their hashes, recipe), into which layout. ``algo``: the
     stream's unit hash algorithm, or a tagged hash whose algorithm is used."""
-    from . import hashing
-
     text = dump_manifest({k: doc.get(k) for k in IDENTITY_KEYS})
     return hashing.digest(algo, text.encode("utf-8"))
 

@@ -69,12 +69,13 @@ def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
             rdoc["stream"] = sid
         rdoc["units"] = r["units"]
         text = dump_manifest(rdoc)
+        data = text.encode("utf-8")
         rel = rank_units_file(i)
         entry = {k: v for k, v in r.items() if k not in _SPLIT_KEYS}
         entry["units_file"] = r.get("units_file", rel)
-        entry["units_bytes"] = len(text.encode("utf-8"))
+        entry["units_bytes"] = len(data)
         if bound:
-            entry["units_hash"] = hashing.digest(algo, text.encode("utf-8"))
+            entry["units_hash"] = hashing.digest(algo, data)
         ranks.append(entry)
         files.append((rel, text))
     top = {k: v for k, v in doc.items() if k != "stream_id"} | {"ranks": ranks}

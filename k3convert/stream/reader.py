@@ -108,7 +108,7 @@ def read_bounded(path: Path, what: str, limit: int | None, expect_bytes: int | N
     its resolved path) and without blocking on a FIFO, of at most ``limit`` bytes (None:
     :data:`MAX_MANIFEST_BYTES`, or :data:`MAX_RANK_FILE_BYTES` for a version 1 / 2
     manifest) and of ``expect_bytes`` where given. ManifestError (exit 1) otherwise,
-    FileNotFoundError where it is missing."""
+    FileNotFoundError where it is missing; running out of memory is a ManifestError too."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path.resolve(), flags)
@@ -144,13 +144,18 @@ def read_bounded(path: Path, what: str, limit: int | None, expect_bytes: int | N
                 break
             chunks.append(b)
             n += len(b)
+        data = b"".join(chunks)
+    except MemoryError:
+        raise ManifestError(
+            f"{path}: the {what} ({st.st_size} bytes) does not fit in the memory available; "
+            f"the stream is damaged, or raise the process's memory limit."
+        ) from None
     except OSError as e:
         raise ManifestError(
             f"{path}: {what} cannot be read ({e}); the stream is damaged - {_FIX}."
         ) from e
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if n > limit or (expect_bytes is not None and n != expect_bytes):
         raise ManifestError(
             f"{path}: {what} changed while it was read; the stream is damaged - {_FIX}."
@@ -189,11 +194,6 @@ def _read_json(path: Path, what: str, expect_bytes: int | None = None, expect_ha
         raise ManifestError(
             f"{path}: {what} is missing while {MANIFEST} (written after it) is present; the "
             f"stream is damaged - {_FIX}."
-        ) from None
-    except MemoryError:
-        raise ManifestError(
-            f"{path}: the {what} does not fit in the memory available; the stream is damaged, "
-            f"or raise the process's memory limit."
         ) from None
     if expect_hash is not None and unit_hashing.digest(expect_hash, data) != expect_hash:
         raise ManifestError(
@@ -260,11 +260,6 @@ def _read_manifest(root: Path) -> tuple[Path, dict]:
         data = read_bounded(mp, "manifest", None)
     except FileNotFoundError:  # removed since is_file()
         raise NotAStreamError(f"{root}: not a stream directory (no {MANIFEST}).") from None
-    except MemoryError:
-        raise ManifestError(
-            f"{mp}: the manifest does not fit in the memory available; the stream is damaged, "
-            f"or raise the process's memory limit."
-        ) from None
     doc = _parse_json(data, mp, "manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotAStreamError(f"{mp}: not a {FORMAT} manifest (format key is missing or wrong).")
