@@ -272,7 +272,7 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
         if status == NO_KERNEL:
             what = "routed experts in " if r.role.expert is not None else ""
             add(r, f"no kernel for {what}{kernel_class(scheme)} on {device}: {why}",
-                "choose a scheme this engine runs (see the README's scheme table) or "
+                "choose a scheme this engine runs (see docs/serving.md) or "
                 "keep this tensor", tp, key=("no kernel", r.label, what))  # fmt: skip
             continue
         out, inp, n = local(r)

@@ -3,7 +3,7 @@
 This is the module a team copies into its own CI: each case converts (quantize and / or
 shard, or a layout cut on the fly), runs ``k3convert verify`` against the original and
 asserts the thresholds verify applies by default (exact for unquantized resharding, the
-scheme's for quantized candidates; see the README). To check a real release, point
+scheme's for quantized candidates; see docs/verify.md). To check a real release, point
 ``SOURCES`` at it (or at a ``k3convert synth`` scale-down of it) and keep the layouts
 your cluster uses.
 """
