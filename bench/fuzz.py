@@ -1170,8 +1170,7 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
     from k3convert import native
 
     rows, k = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 4])
-    fn = rng.choice(["gather", "max_codes", "fp4_decode", "nv_maxkeys", "nv_requant",
-                     "gather_nib", "mx_int4"])  # fmt: skip
+    fn = rng.choice(["gather", "max_codes", "fp4_decode", "gather_nib", "mx_int4"])
     if fn == "gather":
         per, groups, keys = rng.choice([1, 8, 16]), rows * k, rng.randint(1, 3)
         dt = rng.choice([torch.uint8, torch.int32, torch.int64])
@@ -1192,10 +1191,7 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
     else:
         cols = 16 * k * rng.choice([1, 2])
         kw = dict(packed=_u8(g, rows, cols), codes=_u8(g, rows, cols // 16, hi=256))
-        if fn == "nv_requant":
-            kw.update(m=_u8(g, rows, cols // 8, hi=8), table=_u8(g, 2048 * 16, hi=16),
-                      scales=_u8(g, 2048))  # fmt: skip
-        elif fn == "gather_nib":
+        if fn == "gather_nib":
             groups, maps = rows * k, rng.randint(1, 4)
             kw = dict(src=_u8(g, 16 * groups), key=torch.randint(0, maps, (groups,), generator=g,
                       dtype=torch.int32), nibmap=_u8(g, maps * 16, hi=16),

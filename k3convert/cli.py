@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -760,12 +761,28 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """k3convert's own warnings (a transcode's rounded groups, an expert calibration never
+    reached, ...) as one ``warning: ...`` line above the progress bar, without the source
+    line Python adds; any other warning as Python shows it."""
+    if category.__module__.startswith("k3convert"):
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: {message}", file=sys.stderr)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
 def entry() -> None:
     """``k3convert`` / ``python -m k3convert``: :func:`main`, then leave without the
     interpreter's teardown. Every file is closed and every output renamed into place by
     the time main returns; what is left is torch's destructors, about 0.7 s on 2 cores,
     paid by every invocation. Under a tracer or profiler (coverage, cProfile), whose
     results are written at exit, or with K3_NO_FAST_EXIT=1, the exit is the normal one."""
+    warnings.showwarning = _show_warning
     code = main()
     monitored = False
     if hasattr(sys, "monitoring"):  # 3.12+: coverage's sys.monitoring core sets no trace

@@ -49,7 +49,7 @@ from . import outbuf
 
 #: the kernels' ABI number (``k3_fp4_kernels_version`` in fp4_kernels.c): a built module
 #: reporting another one was compiled from another source and is not used
-ABI = 17
+ABI = 18
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
@@ -86,10 +86,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("k3_fp4_lut_bf16", "k3_fp4_lut_f32"):
         getattr(lib, name).argtypes = [p, p, i64, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
-    lib.k3_nv_maxkeys.argtypes = [p, p, i64, p, p, i32, i32]
-    lib.k3_nv_maxkeys.restype = None
-    lib.k3_nv_requant.argtypes = [p, p, p, i64, p, p, p, p, i32, i32]
-    lib.k3_nv_requant.restype = None
     lib.k3_gather_nib.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_gather_nib.restype = None
     lib.k3_mx_int4.argtypes = [p, p, i64, i64, p, *[i32] * 5, p, p, p, i32, i32]
@@ -344,60 +340,13 @@ def decode_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _mx_pair(packed: torch.Tensor, codes: torch.Tensor) -> None:
     if not _cpu(packed, codes):
-        raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
+        raise ValueError("native MXFP4: parts of the wrong dtype, shape or layout")
     out, cols = packed.shape if packed.ndim == 2 else (0, 0)
     if (
         packed.dtype != torch.uint8 or codes.dtype != torch.uint8 or packed.ndim != 2
         or cols % 16 or tuple(codes.shape) != (out, cols // 16)
     ):  # fmt: skip
-        raise ValueError("native MXFP4 -> NVFP4: parts of the wrong dtype, shape or layout")
-
-
-def nv_maxkeys(packed: torch.Tensor, codes: torch.Tensor, *, simd: bool = True,
-               nthreads: int | None = None):  # fmt: skip
-    """(uint8 [out, cols / 8] largest magnitude code of each NVFP4 group, uint8 [2048]
-    1 at E8M0 code * 8 + the larger of an MX group's two NVFP4 maxima, for every MX group,
-    else 0) of MXFP4 ``packed`` [out, cols] with ``codes`` [out, cols / 16]; None without
-    the kernels. Every NVFP4 group's key (code * 8 + its maximum) is at most a marked key
-    of its code."""
-    lib = _kernels()
-    if lib is None:
-        return None
-    _mx_pair(packed, codes)
-    m = torch.empty(packed.shape[0], packed.shape[1] // 8, dtype=torch.uint8)
-    seen = torch.zeros(2048, dtype=torch.uint8)
-    n = threads_for(packed.numel(), nthreads)  # the work is the bytes read
-    lib.k3_nv_maxkeys(packed.data_ptr(), codes.data_ptr(), m.numel(), m.data_ptr(),
-                      seen.data_ptr(), _isa(simd), n)  # fmt: skip
-    return m, seen
-
-
-def nv_requant(packed, codes, m, table, scales, *, simd: bool = True,
-               nthreads: int | None = None):  # fmt: skip
-    """(NVFP4 bytes like ``packed``, e4m3 scale bytes like ``m``): ``table`` uint8 [2048 *
-    16], the output nibble of each input nibble, and ``scales`` uint8 [2048], both indexed
-    by key ``codes[g // 2] * 8 + m[g]`` (every key < 2048 by construction); None without
-    the kernels."""
-    lib = _kernels()
-    if lib is None:
-        return None
-    _mx_pair(packed, codes)
-    if (
-        not _cpu(m, table, scales)
-        or m.dtype != torch.uint8 or m.shape != (packed.shape[0], packed.shape[1] // 8)
-        or table.dtype != torch.uint8 or table.numel() != 2048 * 16
-        or scales.dtype != torch.uint8 or scales.numel() != 2048
-    ):  # fmt: skip
-        raise ValueError("native MXFP4 -> NVFP4: tables of the wrong dtype or size")
-    if m.numel() and int(m.max()) > 7:  # keys code * 8 + m index 2048-entry tables
-        raise ValueError("native MXFP4 -> NVFP4: a group maximum code above 7")
-    out = outbuf.empty(packed.shape, packed.dtype)
-    sout = torch.empty_like(m)
-    ptrs = (t.data_ptr() for t in (packed, codes, m))
-    n = threads_for(out.numel(), nthreads)
-    lib.k3_nv_requant(*ptrs, m.numel(), table.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                      sout.data_ptr(), _isa(simd), n)  # fmt: skip
-    return out, sout
+        raise ValueError("native MXFP4: parts of the wrong dtype, shape or layout")
 
 
 def gather_nib(src: torch.Tensor, key: torch.Tensor, nibmap: torch.Tensor, out: torch.Tensor,

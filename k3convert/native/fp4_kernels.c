@@ -197,30 +197,6 @@ static void k3_max_codes_1(const uint8_t *restrict src, int64_t groups, int64_t 
     }
 }
 
-/* MXFP4 -> NVFP4, pass 1: m[g] = the largest magnitude code of the 8 bytes of NVFP4 group
- * g (half of MX group g / 2), and seen[codes[j] * 8 + max(m[2 j], m[2 j + 1])] = 1 for
- * every MX group j (seen: 2048 zeroed bytes: per E8M0 code, the largest NVFP4 maxima its
- * MX groups have; the caller builds tables for every code up to those); groups even. A
- * block of groups at a time, so its maxima are still in L1 when their keys are marked;
- * marks are stores (no counter to read back), one per MX group, into this thread's own
- * flags, then merged. */
-#define K3_KEY_BLOCK 2048
-static void k3_nv_maxkeys_1(const uint8_t *restrict src, const uint8_t *restrict codes,
-                            int64_t groups, uint8_t *restrict m, uint8_t *seen, int simd) {
-    uint8_t h[2048];
-    memset(h, 0, sizeof h);
-    for (int64_t g0 = 0; g0 < groups; g0 += K3_KEY_BLOCK) {
-        int64_t n = groups - g0 < K3_KEY_BLOCK ? groups - g0 : K3_KEY_BLOCK;
-        k3_max8(src + 8 * g0, n / 2, m + g0, simd);
-        for (int64_t g = g0; g < g0 + n; g += 2) {
-            uint8_t a = m[g], b = m[g + 1];
-            h[(int64_t)codes[g >> 1] * 8 + (a > b ? a : b)] = 1;
-        }
-    }
-    for (int k = 0; k < 2048; k++) /* atomic: the ranges of other threads mark too */
-        if (h[k]) __atomic_store_n(&seen[k], (uint8_t)1, __ATOMIC_RELAXED);
-}
-
 /* Requantization output through nibble maps: map[key * 16 + n] is the output nibble of
  * input nibble n under the key, so a byte b becomes map[b & 15] | map[b >> 4] << 4. */
 static inline uint8_t k3_nib(const uint8_t *map, uint8_t b) {
@@ -241,43 +217,6 @@ __attribute__((target("avx2"))) static inline __m128i k3_nib16(__m128i v, __m128
     return _mm_or_si128(a, _mm_slli_epi16(c, 4)); /* c's bytes are < 16: no carry */
 }
 
-/* two MX groups (32 bytes, four NVFP4 groups) per step: lane 0 holds the first MX group,
- * lane 1 the second; each lane's bytes 0..7 go through its first NVFP4 group's map and
- * 8..15 through its second's (one shuffle per map and nibble half, a 32-bit blend) */
-__attribute__((target("avx2"))) static void k3_nv_requant_avx2(
-    const uint8_t *restrict src, const uint8_t *restrict codes, const uint8_t *restrict m,
-    int64_t groups, const uint8_t *restrict map, const uint8_t *restrict stab,
-    uint8_t *restrict out, uint8_t *restrict sout) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-        int64_t e0 = (int64_t)codes[g >> 1] * 8, e1 = (int64_t)codes[(g >> 1) + 1] * 8;
-        int64_t k0 = e0 + (m[g] & 7), k1 = e0 + (m[g + 1] & 7);
-        int64_t k2 = e1 + (m[g + 2] & 7), k3 = e1 + (m[g + 3] & 7);
-        __m256i ma = _mm256_loadu2_m128i((const __m128i *)(map + 16 * k2),
-                                         (const __m128i *)(map + 16 * k0));
-        __m256i mb = _mm256_loadu2_m128i((const __m128i *)(map + 16 * k3),
-                                         (const __m128i *)(map + 16 * k1));
-        __m256i v = _mm256_loadu_si256((const __m256i *)(src + 8 * g));
-        __m256i lo = _mm256_and_si256(v, m4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        __m256i a = _mm256_blend_epi32(_mm256_shuffle_epi8(ma, lo), _mm256_shuffle_epi8(mb, lo),
-                                       0xCC);
-        __m256i c = _mm256_blend_epi32(_mm256_shuffle_epi8(ma, hi), _mm256_shuffle_epi8(mb, hi),
-                                       0xCC);
-        /* c's bytes are < 16: the 16-bit shift carries nothing into the next byte */
-        _mm256_storeu_si256((__m256i *)(out + 8 * g), _mm256_or_si256(a, _mm256_slli_epi16(c, 4)));
-        uint32_t sc = (uint32_t)stab[k0] | (uint32_t)stab[k1] << 8 | (uint32_t)stab[k2] << 16 |
-                      (uint32_t)stab[k3] << 24;
-        memcpy(sout + g, &sc, 4); /* little-endian hosts only: the loader checks */
-    }
-    for (; g < groups; g++) { /* the last MX group of an odd count (and odd NVFP4 groups) */
-        int64_t key = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
-        for (int k = 0; k < 8; k++) out[8 * g + k] = k3_nib(map + 16 * key, src[8 * g + k]);
-        sout[g] = stab[key];
-    }
-}
-
 __attribute__((target("avx2"))) static void k3_gather_nib_avx2(
     const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
     const uint8_t *restrict map, uint8_t *restrict out) {
@@ -288,26 +227,6 @@ __attribute__((target("avx2"))) static void k3_gather_nib_avx2(
     }
 }
 #endif
-
-/* MXFP4 -> NVFP4, pass 2: key = codes[g / 2] * 8 + m[g] (< 2048 by construction); the
- * output bytes through map (2048 x 16 nibbles) and sout[g] = stab[key], the group's e4m3
- * scale byte */
-static void k3_nv_requant_1(const uint8_t *restrict src, const uint8_t *restrict codes,
-                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
-                   const uint8_t *restrict stab, uint8_t *restrict out,
-                   uint8_t *restrict sout, int simd) {
-#ifdef K3_HAVE_NIB_SIMD
-    if (simd && __builtin_cpu_supports("avx2")) {
-        k3_nv_requant_avx2(src, codes, m, groups, map, stab, out, sout);
-        return;
-    }
-#endif
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t key = (int64_t)codes[g >> 1] * 8 + (m[g] & 7);
-        for (int k = 0; k < 8; k++) out[8 * g + k] = k3_nib(map + 16 * key, src[8 * g + k]);
-        sout[g] = stab[key];
-    }
-}
 
 /* out[16 g + j] = the byte src[16 g + j] through map[key[g]] (groups of 16 bytes: one MX
  * group); the caller bounds every key by the map's rows */
@@ -667,8 +586,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void k3_lut_bf16_v
 
 /* -- the exported kernels: the loops above over nthreads contiguous ranges ----------- */
 typedef struct {
-    const void *src, *key, *aux, *table, *stab; /* as each kernel names them */
-    void *out, *sout;
+    const void *src, *key, *table; /* as each kernel names them */
+    void *out;
     int64_t per;
     int flag;
 } k3_args;
@@ -682,7 +601,7 @@ typedef struct {
     }                                                                                   \
     void NAME(const uint8_t *src, const int32_t *key, int64_t groups, int64_t per,      \
               const T *table, T *out, int nthreads) {                                   \
-        k3_args a = {src, key, NULL, table, NULL, out, NULL, per, 0};                   \
+        k3_args a = {src, key, table, out, per, 0};                   \
         k3_parallel(NAME##_body, &a, groups, 1, nthreads);                              \
     }
 K3_GATHER(k3_gather_u8, uint8_t)
@@ -698,36 +617,8 @@ static int64_t k3_max_codes_body(const void *c, int64_t lo, int64_t hi) {
 }
 void k3_max_codes(const uint8_t *restrict src, int64_t groups, int64_t per,
                   uint8_t *restrict out, int simd, int nthreads) {
-    k3_args a = {src, NULL, NULL, NULL, NULL, out, NULL, per, simd};
+    k3_args a = {src, NULL, NULL, out, per, simd};
     k3_parallel(k3_max_codes_body, &a, groups, 256, nthreads);
-}
-
-static int64_t k3_nv_maxkeys_body(const void *c, int64_t lo, int64_t hi) {
-    const k3_args *a = (const k3_args *)c;
-    k3_nv_maxkeys_1((const uint8_t *)a->src + 8 * lo, (const uint8_t *)a->key + lo / 2,
-                    hi - lo, (uint8_t *)a->out + lo, (uint8_t *)a->sout, a->flag);
-    return 0;
-}
-void k3_nv_maxkeys(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
-                   uint8_t *restrict m, uint8_t *seen, int simd, int nthreads) {
-    k3_args a = {src, codes, NULL, NULL, NULL, m, seen, 8, simd};
-    k3_parallel(k3_nv_maxkeys_body, &a, groups, 2, nthreads);
-}
-
-static int64_t k3_nv_requant_body(const void *c, int64_t lo, int64_t hi) {
-    const k3_args *a = (const k3_args *)c;
-    k3_nv_requant_1((const uint8_t *)a->src + 8 * lo, (const uint8_t *)a->key + lo / 2,
-                    (const uint8_t *)a->aux + lo, hi - lo, (const uint8_t *)a->table,
-                    (const uint8_t *)a->stab, (uint8_t *)a->out + 8 * lo,
-                    (uint8_t *)a->sout + lo, a->flag);
-    return 0;
-}
-void k3_nv_requant(const uint8_t *restrict src, const uint8_t *restrict codes,
-                   const uint8_t *restrict m, int64_t groups, const uint8_t *restrict map,
-                   const uint8_t *restrict stab, uint8_t *restrict out,
-                   uint8_t *restrict sout, int simd, int nthreads) {
-    k3_args a = {src, codes, m, map, stab, out, sout, 8, simd};
-    k3_parallel(k3_nv_requant_body, &a, groups, 2, nthreads);
 }
 
 static int64_t k3_gather_nib_body(const void *c, int64_t lo, int64_t hi) {
@@ -739,7 +630,7 @@ static int64_t k3_gather_nib_body(const void *c, int64_t lo, int64_t hi) {
 void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int64_t groups,
                    const uint8_t *restrict map, uint8_t *restrict out, int simd,
                    int nthreads) {
-    k3_args a = {src, key, NULL, map, NULL, out, NULL, 16, simd};
+    k3_args a = {src, key, map, out, 16, simd};
     k3_parallel(k3_gather_nib_body, &a, groups, 1, nthreads);
 }
 
@@ -785,19 +676,19 @@ static int64_t k3_fp4_lut_body(const void *c, int64_t lo, int64_t hi) {
 void k3_fp4_lut_bf16(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
                      int64_t per, const uint8_t *restrict lut, uint16_t *restrict out, int simd,
                      int nthreads) {
-    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, per, 1 | (simd << 2)};
+    k3_args a = {src, codes, lut, out, per, 1 | (simd << 2)};
     k3_parallel(k3_fp4_lut_body, &a, groups, per == 8 ? 2 : 1, nthreads);
 }
 /* the same to float32; lut: uint32 [256 x 16] float32 bits */
 void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
                     int64_t per, const uint32_t *restrict lut, uint32_t *restrict out, int simd,
                     int nthreads) {
-    k3_args a = {src, codes, NULL, lut, NULL, out, NULL, per, simd << 2};
+    k3_args a = {src, codes, lut, out, per, simd << 2};
     k3_parallel(k3_fp4_lut_body, &a, groups, 1, nthreads);
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 17; }
+int k3_fp4_kernels_version(void) { return 18; }
 
 /* the widest vector ISA level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 BW + VBMI) */
 int k3_fp4_simd_level(void) { return k3_level(2); }

@@ -13,10 +13,16 @@ What makes it exact. An MXFP4 value is ``e2m1(nibble) * 2**(e - 127)``, with one
 code ``m``. What the scheme computes for a value therefore depends on a few small
 integers only:
 
-* NVFP4 (groups of 16, inside one MX group): the group's e4m3 scale on ``(e, m)`` and the
-  tensor's global scale; each output nibble on ``(e, m, nibble)``. The tables are the
-  scheme's own ``quantize`` applied to one synthetic group per ``(e, m)`` that occurs
-  (every nibble up to ``m`` under scale ``e``), with the tensor's global amax.
+* NVFP4 (groups of 16, inside one MX group) holds the MXFP4 values exactly: NVFP4 decodes
+  ``e2m1(nibble) * scale / global_scale``, so with a power-of-two global scale ``2**k``
+  and each group's e4m3 scale ``2**(e - 127 + k)`` the nibbles are copied unchanged.
+  e4m3 holds the powers of two ``2**-9`` (its smallest subnormal) to ``2**8``: ``k`` puts
+  the largest E8M0 code of a nonzero group (over a fused set: w1 / w3 share it) at
+  ``2**8``, so every group within 17 binades of it is exact. A group further below is
+  rounded to the nearest values the smallest scale ``2**-9`` gives (E2M1 round to
+  nearest, ties to even, as every FP4 quantizer here) and counted
+  (:class:`TranscodeLossWarning`). This is not ``scheme.quantize`` of the decode, whose
+  amax-based scales move about half the values (issue 37's measurement: 44 %).
 * int4, symmetric (groups of a multiple of 32): the group's scale on its largest value
   ``amax``; each output nibble on ``amax``'s significand (1 or 1.5: a power of two times an
   E2M1 magnitude), on ``d = e_j - exponent(amax)`` of the value's own MX group ``j`` and on
@@ -36,6 +42,7 @@ bit for bit, on random and extreme tensors.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -43,7 +50,7 @@ import torch
 from .. import formats as fmt
 from .. import native
 from . import fp4_decode
-from .packing import E2M1_VALUES, unpack_int32
+from .packing import E2M1_VALUES, fp4_codes, unpack_int32
 from .schemes import FP4Scheme, IntScheme, NonFiniteWeightError, Scheme, WeightRangeError
 
 #: E8M0 codes for which the int path is exact (every nonzero value and scale normal, far
@@ -133,12 +140,6 @@ def _values() -> torch.Tensor:
     return fmt._mx_values(torch.float32)
 
 
-#: nibble n -> n's sign with magnitude code min(n & 7, m), for each m: [8, 16]
-_CLAMPED = torch.stack(
-    [(torch.arange(16) & 8) | torch.clamp(torch.arange(16) & 7, max=m) for m in range(8)]
-)
-
-
 def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """max |value| of MXFP4 parts (float32 0-dim), exactly the maximum of their decode,
     from the group maxima alone; None where it is not finite or the parts are not MXFP4's
@@ -165,71 +166,118 @@ def _mx_parts(parts: Mapping[str, torch.Tensor]) -> bool:
     )
 
 
-def _up_to_marked(seen: torch.Tensor) -> torch.Tensor:
-    """Keys code * 8 + m, ascending, for every m up to the largest marked one of each
-    code (``seen``: uint8 [2048], :func:`k3convert.native.nv_maxkeys`' marks): a superset
-    of the keys that occur with the same largest value (E2M1 values grow with m)."""
-    marked = seen.view(256, 8) != 0
-    top = 7 - marked.flip(1).to(torch.uint8).argmax(1)  # the largest marked m per code
-    top = torch.where(marked.any(1), top, -1)
-    return (torch.arange(8) <= top.unsqueeze(1)).view(-1).nonzero().view(-1)
-
-
 def _present(key: torch.Tensor) -> torch.Tensor:
     """The distinct values of int32 ``key`` (all in [0, 2048)), ascending."""
     return torch.bincount(key.view(-1), minlength=2048).nonzero().view(-1)
 
 
+class TranscodeLossWarning(UserWarning):
+    """An MXFP4 tensor transcoded to NVFP4 where some groups lie below what the shared
+    global scale lets e4m3 scales reach: those groups were rounded (see the module doc)."""
+
+
+def top_code(parts: Mapping[str, torch.Tensor]) -> int | None:
+    """The largest E8M0 code of an MXFP4 tensor's groups that hold a nonzero value (what
+    its exact NVFP4 global scale is set from); None for an all-zero tensor or parts that
+    are not MXFP4's shapes."""
+    if not _mx_parts(parts):
+        return None
+    m = _max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
+    return _top(parts["weight_scale"].contiguous(), m)
+
+
 def requantize(
-    parts: Mapping[str, torch.Tensor], scheme: Scheme, *, name: str = "weight", global_amax=None
+    parts: Mapping[str, torch.Tensor], scheme: Scheme, *, name: str = "weight", top_code=None
 ) -> dict[str, torch.Tensor] | None:
-    """``scheme.quantize(decoded, name=name, global_amax=...)`` of MXFP4 ``parts``
-    (``weight_packed`` uint8 [out, in/2], ``weight_scale`` E8M0 uint8 [out, in/32]), bit
-    for bit, decoded being their float32 dequantization; None where this path does not
-    apply (see the module doc): the caller quantizes the decoded tensor."""
+    """MXFP4 ``parts`` (``weight_packed`` uint8 [out, in/2], ``weight_scale`` E8M0 uint8
+    [out, in/32]) as ``scheme`` straight from their bytes; None where this path does not
+    apply (see the module doc): the caller quantizes the decoded tensor.
+
+    NVFP4: the exact transcode, its global scale from ``top_code`` (the fused set's
+    :func:`top_code`; None: this tensor's own). int4: ``scheme.quantize`` of the float32
+    decode, bit for bit."""
     if not _supported(scheme) or not _mx_parts(parts) or not parts["weight_packed"].numel():
         return None
     packed, codes = parts["weight_packed"].contiguous(), parts["weight_scale"].contiguous()
+    if isinstance(scheme, FP4Scheme):
+        if bool((codes == 255).any()):
+            return None  # E8M0 NaN: the float path names the tensor
+        res, low = nvfp4_exact(packed, codes, top_code)
+        if low:
+            warnings.warn(
+                f"'{name}': {low} of {codes.numel()} MXFP4 groups lie more than 17 binades "
+                f"below the tensor's largest (or its fused partner's): NVFP4's e4m3 scales "
+                f"cannot reach them, their values were rounded to the nearest NVFP4 holds; "
+                f"every other group is bit-exact.",
+                TranscodeLossWarning,
+                stacklevel=2,
+            )
+        return {**res, **scheme.act_values()}
     try:
-        if isinstance(scheme, FP4Scheme):
-            return _to_nvfp4(packed, codes, scheme, name, global_amax)
         return _to_int4(packed, codes, scheme, name)
     except (NonFiniteWeightError, WeightRangeError):
         return None  # raised on the synthetic groups: the float path gives the message
 
 
-def _to_nvfp4(packed, codes, scheme: FP4Scheme, name: str, global_amax):
-    out = packed.shape[0]
-    per = fmt.NV_GROUP // 2  # bytes per NVFP4 group: half an MX group
-    got = native.nv_maxkeys(packed, codes)
-    if got is None:
-        m = _max_codes(packed, per)  # [out, ng16]
-        key = codes.to(torch.int32).repeat_interleave(2, dim=1).mul_(8).add_(m)
-        hit = _present(key)  # the (e, m) that occur, ascending
-    else:
-        m, seen = got
-        key = None
-        hit = _up_to_marked(seen)
-    vals = _values()
-    if global_amax is None:
-        global_amax = vals[hit // 8, hit % 8].amax()
-    if not bool(torch.isfinite(torch.as_tensor(global_amax))):
+#: the e4m3 bytes of 2**j, j = -9 .. 8: the subnormals 2**-9 .. 2**-7, then normals
+_POW2_E4M3 = torch.tensor([1, 2, 4] + [(j + 7) << 3 for j in range(-6, 9)], dtype=torch.uint8)
+#: nibble maps for a group d = -12 .. -1 binades below the smallest e4m3 scale (row
+#: d + 12: each nibble's value times 2**d rounded to E2M1), then the identity (row 12)
+_LOW_MAPS = torch.cat(
+    [
+        fp4_codes(
+            torch.tensor([v * 2.0**d for v in E2M1_VALUES] + [-v * 2.0**d for v in E2M1_VALUES])
+        ).unsqueeze(0)
+        for d in range(-12, 0)
+    ]
+    + [torch.arange(16, dtype=torch.uint8).unsqueeze(0)]
+)
+
+
+def nvfp4_exact(packed: torch.Tensor, codes: torch.Tensor, top: int | None = None):
+    """(NVFP4 parts of MXFP4 ``packed`` / ``codes``, the number of MX groups rounded): see
+    the module doc. ``top``: the E8M0 code the global scale is set from (None: the
+    tensor's own :func:`top_code`)."""
+    m = _max_codes(packed, fmt.MX_GROUP // 2)  # [out, in/32] largest magnitude code
+    if top is None:
+        top = _top(codes, m)
+    k = min(135 - (127 if top is None else top), 127)  # global 2**k: the top scale 2**8
+    # each E8M0 code's e4m3 scale byte, 2**clamp(code - 127 + k, -9, 8), through one table
+    lut = _POW2_E4M3.index_select(0, (torch.arange(256) + (k - 127)).clamp_(-9, 8).add_(9))
+    twice = codes.unsqueeze(-1).expand(*codes.shape, 2).reshape(codes.shape[0], -1).contiguous()
+    scale = _lut_bytes(twice, lut)
+    # groups whose scale exponent is below -9 (code < 118 - k) and that hold a value
+    low = (codes < 118 - k) * m if 118 - k > 0 else None  # uint8 ops: no bool temporaries
+    n_low = int(low.bool().sum()) if low is not None and int(low.amax()) else 0
+    if n_low:  # those groups at the smallest scale, their nibbles re-rounded
+        j = codes.to(torch.int32).add_(k - 127)
+        rowkey = torch.where(low.bool(), j.clamp_(min=-21).add_(21), 12).to(torch.int32)
+        out = torch.empty_like(packed)
+        if not native.gather_nib(packed, rowkey.contiguous().view(-1), _LOW_MAPS.view(-1), out):
+            out = _gather_bytes(packed, rowkey, _byte_table(_LOW_MAPS))
+        packed = out
+    return {
+        "weight_packed": packed,
+        "weight_scale": scale.view(torch.float8_e4m3fn),
+        "weight_global_scale": torch.tensor([2.0**k], dtype=torch.float32),
+    }, n_low
+
+
+def _top(codes: torch.Tensor, m: torch.Tensor) -> int | None:
+    """The largest E8M0 code of the groups whose largest magnitude code ``m`` is nonzero
+    (None where none is): uint8 products and maxima, no boolean indexing (4x faster)."""
+    if not m.numel() or not int(m.amax()):
         return None
-    syn = vals[(hit // 8).unsqueeze(1), _CLAMPED[hit % 8]]  # [K, 16]: one group per (e, m)
-    ref = scheme.quantize(syn, name=name, global_amax=global_amax)
-    nib = torch.stack([ref["weight_packed"] & 15, ref["weight_packed"] >> 4], -1).view(-1, 16)
-    nibmap = torch.zeros(2048, 16, dtype=torch.uint8)  # rows of absent keys: never read
-    nibmap[hit] = nib
-    scales = torch.zeros(2048, dtype=torch.uint8)
-    scales[hit] = ref["weight_scale"].view(torch.uint8).view(-1)
-    res = dict(ref)
-    if key is None:  # the kernels found the keys: output bytes and scales in one pass
-        res["weight_packed"], sc = native.nv_requant(packed, codes, m, nibmap.view(-1), scales)
-    else:
-        res["weight_packed"] = _gather_bytes(packed, key, _byte_table(nibmap))
-        sc = scales.index_select(0, key.view(-1)).view(out, -1)
-    res["weight_scale"] = sc.view(torch.float8_e4m3fn)
-    return res
+    return int((codes * (m != 0)).amax())
+
+
+def _lut_bytes(src: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """``lut[src]`` for uint8 ``src`` and a 256-entry uint8 ``lut``: the gather kernel with
+    one key, else torch."""
+    out = torch.empty(src.shape, dtype=torch.uint8)
+    if src.numel() and native.gather(src, torch.zeros(1, dtype=torch.int32), lut, out):
+        return out
+    return lut.index_select(0, src.reshape(-1).to(torch.int32)).view(src.shape)
 
 
 def _to_int4(packed, codes, scheme: IntScheme, name: str):

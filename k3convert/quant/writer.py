@@ -306,31 +306,46 @@ def fused_groups(plan: Plan) -> list[list[Decision]]:
     return out
 
 
-def _shared_amax(ckpt, plan: Plan, workers: int) -> dict[str, torch.Tensor]:
-    """Tensor name -> the largest |value| of its fused set (see :func:`fused_groups`),
-    one source tensor mapped (or dequantized) at a time per worker."""
+@dataclass(frozen=True)
+class SharedScale:
+    """What the members of a fused set (see :func:`fused_groups`) share: the largest
+    |value| of the set (the global scale of a quantized NVFP4), and, where every member is
+    MXFP4, the largest E8M0 code of their nonzero groups (the global scale of the exact
+    MXFP4 -> NVFP4 transcode, :func:`fp4_requant.nvfp4_exact`)."""
+
+    amax: torch.Tensor
+    top_code: int | None
+
+
+def _shared_amax(ckpt, plan: Plan, workers: int) -> dict[str, SharedScale]:
+    """Tensor name -> what its fused set shares (see :class:`SharedScale`), one source
+    tensor mapped (or dequantized) at a time per worker."""
     groups = fused_groups(plan)
     if not groups:
         return {}
 
-    def one(r: Decision) -> tuple[str, torch.Tensor]:
+    def one(r: Decision) -> tuple[str, tuple[torch.Tensor, int | None, bool]]:
         mx = ckpt.meta(r.name).encoding == fmt.MXFP4
         if mx and fp4_requant.supported(r.scheme):  # from the group maxima: no decode
-            top = fp4_requant.abs_max(ckpt.get_parts(r.name))
+            parts = ckpt.get_parts(r.name)
+            top = fp4_requant.abs_max(parts)
             if top is not None:
-                return r.name, top
+                return r.name, (top, fp4_requant.top_code(parts), True)
         w = ckpt.get(r.name)
         try:
-            return r.name, r.scheme.abs_max(w, name=r.name)
+            return r.name, (r.scheme.abs_max(w, name=r.name), None, False)
         except NonFiniteWeightError as e:
             raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
 
     rows = [r for g in groups for r in g]
-    amax = dict(_unordered(one, rows, workers))
-    out: dict[str, torch.Tensor] = {}
+    got = dict(_unordered(one, rows, workers))
+    out: dict[str, SharedScale] = {}
     for g in groups:
-        top = torch.stack([amax[r.name] for r in g]).amax()
-        out.update({r.name: top for r in g})
+        top = torch.stack([got[r.name][0] for r in g]).amax()
+        codes = [got[r.name][1] for r in g if got[r.name][1] is not None]
+        all_mx = all(got[r.name][2] for r in g)
+        share = SharedScale(top, max(codes) if all_mx and codes else None)
+        out.update({r.name: share for r in g})
     return out
 
 
@@ -389,7 +404,8 @@ def _produce(
         return {r.name: t}
     parts = calibrated.weight_parts(r.name) if calibrated is not None else None
     if parts is None:
-        kw = {"global_amax": shared[r.name]} if shared and r.name in shared else {}
+        share = shared.get(r.name) if shared else None
+        kw = {} if share is None else {"global_amax": share.amax, "top_code": share.top_code}
         try:
             parts = quantize_stored(ckpt, r.name, r.scheme, **kw)
         except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
@@ -400,13 +416,16 @@ def _produce(
     return out
 
 
-def quantize_stored(ckpt, name: str, scheme, *, global_amax=None) -> dict[str, torch.Tensor]:
+def quantize_stored(
+    ckpt, name: str, scheme, *, global_amax=None, top_code=None
+) -> dict[str, torch.Tensor]:
     """``scheme.quantize`` of source tensor ``name`` dequantized to float32; an MXFP4
     source under a scheme :mod:`.fp4_requant` produces straight from its bytes takes
-    that path (the same bytes, without the float32 copy)."""
+    that path (int4: the same bytes without the float32 copy; NVFP4: the exact transcode,
+    its global scale from ``top_code``, the fused set's)."""
     kw = {} if global_amax is None else {"global_amax": global_amax}
     if ckpt.meta(name).encoding == fmt.MXFP4 and fp4_requant.supported(scheme):
-        got = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name, **kw)
+        got = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name, top_code=top_code)
         if got is not None:
             return got
     w = ckpt.get(name)
