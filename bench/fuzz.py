@@ -1170,7 +1170,8 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
     from k3convert import native
 
     rows, k = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 4])
-    fn = rng.choice(["gather", "max_codes", "fp4_decode", "gather_nib", "mx_int4"])
+    fn = rng.choice(["gather", "max_codes", "fp4_decode", "gather_nib", "mx_int4",
+                     "mx_int4_search"])  # fmt: skip
     if fn == "gather":
         per, groups, keys = rng.choice([1, 8, 16]), rows * k, rng.randint(1, 3)
         dt = rng.choice([torch.uint8, torch.int32, torch.int64])
@@ -1203,6 +1204,16 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
                       values=torch.rand(2048, generator=g), nibmap=_u8(g, 3 * span, 16, hi=16),
                       code_range=(rng.randint(0, 120), rng.randint(120, 255)),
                       d_range=(d_lo, d_lo + span - 1))  # fmt: skip
+        elif fn == "mx_int4_search":
+            depth, ncand = rng.randint(0, 3), rng.randint(1, 16)
+            err = torch.randint(0, 1 << 26, (8, depth + 1, 256, 16), generator=g,
+                                dtype=torch.int32)  # fmt: skip
+            kw.update(sub=rng.choice([s for s in (1, 2, 4) if (cols // 16) % s == 0]),
+                      depth=depth, err=err, nibs=_u8(g, 8, ncand, depth + 2, 16, hi=16),
+                      rel=torch.rand(8, ncand, generator=g),
+                      vals=torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32),
+                      zero_scale=rng.choice([1e-38, 0.0, 1.0]), zero_byte=rng.randint(0, 255),
+                      code_range=(rng.randint(1, 120), rng.randint(120, 254)))  # fmt: skip
     if rng.random() < 0.5:
         kw["nthreads"] = rng.choice([None, 1, 2, 3, 0, -5, 2**63, 2**31])
     if fn not in ("gather",) and rng.random() < 0.3:

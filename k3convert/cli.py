@@ -95,6 +95,9 @@ def synth(
     intermediate: Annotated[int | None, typer.Option(help="Dense MLP width.")] = None,
     experts: Annotated[int | None, typer.Option(help="Routed experts per MoE layer.")] = None,
     moe_intermediate: Annotated[int | None, typer.Option(help="Routed expert width.")] = None,
+    latent: Annotated[
+        int | None, typer.Option(help="Latent MoE width (Kimi K3: the routed experts' input).")
+    ] = None,
     topk: Annotated[int | None, typer.Option(help="Experts per token.")] = None,
     vocab: Annotated[int | None, typer.Option(help="Vocabulary size.")] = None,
     vision_layers: Annotated[int | None, typer.Option(help="Vision encoder blocks.")] = None,
@@ -130,6 +133,7 @@ def synth(
             intermediate=intermediate,
             experts=experts,
             moe_intermediate=moe_intermediate,
+            latent=latent,
             topk=topk,
             vocab=vocab,
             vision_layers=vision_layers,
@@ -245,15 +249,17 @@ def quantize(
         bool,
         typer.Option(
             "--calibrate",
-            help="Calibrate layer by layer on the runtime first (static input scales; GPTQ "
-            "weights with --algorithm gptq); resumable from OUT.calib/ or --offload-dir.",
+            help="Calibrate layer by layer on the runtime first (static input scales and "
+            "NVFP4 input global scales; GPTQ weights with --algorithm gptq); resumable from "
+            "OUT.calib/ or --offload-dir. The way to write nvfp4 (W4A4).",
         ),
     ] = False,
     algorithm: Annotated[
         str | None,
         typer.Option(
-            help="With --calibrate: gptq (default), awq (low-bit weight-only), smoothquant, "
-            "smoothquant+gptq (W8A8), static (scales only) or rtn."
+            help="With --calibrate: gptq (default; rtn for an FP4 --scheme, whose weights "
+            "GPTQ does not solve), awq (low-bit weight-only), smoothquant, smoothquant+gptq "
+            "(W8A8), static (scales only) or rtn (scales and routing counts, weights rounded)."
         ),
     ] = None,
     dataset: Annotated[
@@ -487,7 +493,7 @@ def quantize(
         progress=True,
         shard_size=max(1, int(shard_size_gb * 2**30)),
         calibrate=opts,
-        algorithm=(algorithm or "gptq") if calibrate else "rtn",
+        algorithm=(algorithm or _default_algorithm(scheme)) if calibrate else "rtn",
         log=lambda line: typer.echo(line, err=True),
         auto_keep=auto_keep,
         auto_keep_scheme=auto_keep_scheme,
@@ -759,6 +765,21 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _default_algorithm(scheme: str | None) -> str:
+    """--calibrate's algorithm when none is given: GPTQ, except for an FP4 scheme (NVFP4,
+    MXFP4), whose weights it does not solve: there calibration sets the input global
+    scales and rounds the weights to nearest (rtn)."""
+    from .quant.schemes import FP4Scheme, get_scheme
+
+    if scheme is not None:
+        try:
+            if isinstance(get_scheme(scheme), FP4Scheme):
+                return "rtn"
+        except K3Error:
+            pass  # an unknown name: the plan names the problem
+    return "gptq"
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

@@ -49,10 +49,16 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="Plan the weights as quantize --scheme NAME would write them."),
         ] = None,
         context: Annotated[
-            str,
-            typer.Option(help="Tokens per sequence: 131072, 128k, 1M (k = 1024, M = 1,048,576)."),
-        ] = "131072",
-        batch: Annotated[int, typer.Option(help="Sequences served at once.")] = 1,
+            str | None,
+            typer.Option(
+                help="Tokens per sequence: 131072, 128k, 1M (k = 1024, M = 1,048,576); "
+                "default: the recipe's target.context, else 131072."
+            ),
+        ] = None,
+        batch: Annotated[
+            int | None,
+            typer.Option(help="Sequences served at once (default: the recipe's target, else 1)."),
+        ] = None,
         kv_dtype: Annotated[
             str, typer.Option(help="KV cache dtype: bf16, fp8, fp16 or fp32.")
         ] = "bf16",
@@ -63,7 +69,8 @@ def register(app: typer.Typer) -> None:
         device: Annotated[
             str | None,
             typer.Option(
-                help="A device's published memory: h100, h200, b200, mi300x, mi325x, mtt-s5000."
+                help="A device's published memory: a100, h100, h200, b200, mi300x, mi325x, "
+                "mtt-s5000 (default: the recipe's target.device)."
             ),
         ] = None,
         prefill_chunk: Annotated[
@@ -102,7 +109,7 @@ def register(app: typer.Typer) -> None:
         from .config_parse import int_list
         from .memplan import plan_memory, plot_plan
 
-        if fail_if_over and device_mem is None and device is None:
+        if fail_if_over and device_mem is None and device is None and recipe is None:
             raise ConfigError("--fail-if-over needs a budget: give --device-mem or --device.")
         if plot is not None:
             import importlib.util
@@ -135,6 +142,11 @@ def register(app: typer.Typer) -> None:
             serving_device=serving_device,
             strict_serving=strict_serving,
         )
+        if fail_if_over and res.budget is None:
+            raise ConfigError(
+                "--fail-if-over needs a budget: give --device-mem or --device (the recipe "
+                "names no target.device)."
+            )
         typer.echo(res.table())
         if json_out is not None:
             tmp = Path(f"{json_out}.tmp-{os.getpid()}")

@@ -110,6 +110,8 @@ class PlannedCheckpoint(Checkpoint):
         self.produced = 0  # rows computed (recomputations included)
         #: mapped-as-stored rows whose values were checked (NaN / Inf, E8M0 255) once
         self._checked: set[str] = set()
+        #: row name -> its loss against the release (:mod:`.quant.fidelity`), once per row
+        self.losses: dict[str, object] = {}
 
     def _reads(self, units) -> Counter[str]:
         refs: Counter[str] = Counter()
@@ -174,14 +176,16 @@ class PlannedCheckpoint(Checkpoint):
                     ev = self._busy[r.name] = threading.Event()
                     break
             ev.wait()  # another unit is producing this row: take its result
+        losses: list = []
         try:
-            out = row_tensors(p.ckpt, r, p.input_scales, p.shared, p.calibrated)
+            out = row_tensors(p.ckpt, r, p.input_scales, p.shared, p.calibrated, losses)
         except BaseException:
             with self._lock:
                 self._busy.pop(r.name).set()
             raise
         with self._lock:
             self.produced += 1
+            self.losses.update((e.name, e) for e in losses)
             if cheap:
                 self._checked.add(r.name)
             if not cheap and self._refs[r.name] > 1:
@@ -486,11 +490,17 @@ def convert(
                 on_unit=lambda up: ui.item(f"rank {up.rank} {up.name}"),
             )  # fmt: skip
         times["write"] = time.perf_counter() - t
+        from .quant import fidelity
+
+        mine = list(data.losses.values()) if isinstance(data, PlannedCheckpoint) else []
+        losses = fidelity.LossReport({e.name: e for part in group.gather(mine)
+                                      for e in part}.values())  # fmt: skip
         vrep = report = err = None
         if group.leader:  # the rest is process 0's; the others wait for its verdict
             try:
                 report, vrep = _finish(r, ck, out, prep, plan, res, times, t_start, done,
-                                       inter, force, vref, report_html, group, ui)  # fmt: skip
+                                       inter, force, vref, report_html, group, ui,
+                                       losses)  # fmt: skip
             except Exception as e:
                 if group.world == 1:
                     raise
@@ -504,9 +514,16 @@ def convert(
 
 
 def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vref,
-            report_html, group, ui):  # fmt: skip
-    """Process 0, after the stream is committed: the sidecar, the intermediate checkpoint
-    (before the calibration journal it reads is removed), verify, the report files."""
+            report_html, group, ui, losses=None):  # fmt: skip
+    """Process 0, after the stream is committed: the sidecar, the loss report, the
+    intermediate checkpoint (before the calibration journal it reads is removed), verify,
+    the report files."""
+    from .quant import fidelity
+
+    if done is None and losses is not None and len(losses):
+        losses.write(out / fidelity.FILE)
+    elif done is not None:  # verified again: the report its run wrote, if any
+        losses = _read_losses(out)
     if done is None:
         side = {"identity": _stream_identity(r, ck), "quantize": None}
         if prep is not None:
@@ -532,7 +549,7 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
         ui.bar.update(1)
         times["verify"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
-    report = _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done)
+    report = _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done, losses)
     from .verify.report import write_json
 
     write_json(report, out / REPORT)
@@ -634,6 +651,9 @@ def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
     ours = {REPORT, SIDECAR, "sensitivity.json"}
     if prep is None:
         return [(n, p) for n, p in carried_files(ck) if n not in ours]
+    from .quant import fidelity
+
+    ours.add(fidelity.FILE)  # this run's loss report (written next to the manifest)
     cal = prep.calibrated
     routing = None
     if cal is not None and cal.routing_counts:
@@ -702,7 +722,33 @@ def _quantize_summary(prep, run: bool = True) -> dict:
     return out
 
 
-def _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=None) -> dict:
+def _read_losses(out: Path):
+    """The loss report a conversion left in ``out`` (None: none, or not readable as one)."""
+    from .quant import fidelity
+
+    try:
+        return fidelity.LossReport.from_json(json.loads((out / fidelity.FILE).read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _fidelity_summary(losses) -> dict | None:
+    """report.json's view of the loss report: the totals, the summary line and the ten
+    worst tensors (every tensor is in OUT/transcode_report.json)."""
+    if losses is None or not len(losses):
+        return None
+    from .quant import fidelity
+
+    doc = losses.to_json()
+    doc.pop("entries")
+    doc["summary"] = losses.summary()
+    doc["file"] = fidelity.FILE
+    doc["worst"] = [e.to_json() for e in losses.worst(10)]
+    return doc
+
+
+def _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=None,
+            losses=None) -> dict:  # fmt: skip
     src_bytes = sum(f.size for f in ck.files())
     if done is not None:  # a complete stream verified again: its run's own figures
         q = done.get("quantize")
@@ -732,6 +778,7 @@ def _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=None) -
         "seconds": {k: round(v, 3) for k, v in times.items()},
         "intermediate": str(inter) if inter is not None else None,
         "quantize": q,
+        "fidelity": _fidelity_summary(losses),
     }
     if vrep is not None:
         rep["verify"] = _verify_summary(vrep)
@@ -772,6 +819,8 @@ def render_summary(rep: dict) -> str:
             f"({', '.join(q['schemes']) or 'none'})"
             + (f", calibrated ({cal.get('algorithm')})" if cal else "")
         )
+    if rep.get("fidelity"):
+        lines.append(f"  fidelity    {rep['fidelity']['summary']}")
     secs = rep["seconds"]
     lines.append("  time        " + "  ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
     v = rep.get("verify")

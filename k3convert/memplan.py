@@ -93,6 +93,8 @@ FORMAT = "k3convert-plan-v1"
 #: published memory per device, in bytes (vendors state decimal GB: 1 GB = 10^9 bytes;
 #: what the driver reports is usually a little less, and serving engines reserve some)
 DEVICES: dict[str, int] = {
+    # NVIDIA A100 80GB: 80 GB HBM2e (https://www.nvidia.com/en-us/data-center/a100/)
+    "a100": 80 * 10**9,
     # NVIDIA H100 SXM: 80 GB HBM3 (https://www.tweaktown.com/news/86032/nvidia-h100-sxm-in-
     # the-flesh-4nm-hopper-gpu-80gb-hbm3-memory/index.html; H100 vs H200 table at
     # https://lzwjava.github.io/nvidia-h200-gpu-specs-en)
@@ -1164,8 +1166,8 @@ def plan_memory(
     pp_layers: Sequence[int] | None = None,
     expert_load=None,
     scheme: str | None = None,
-    context: int | str = 131072,
-    batch: int = 1,
+    context: int | str | None = None,
+    batch: int | None = None,
     kv_dtype: str = "bf16",
     prefill_chunk: int | str = 8192,
     device_mem: str | int | None = None,
@@ -1177,7 +1179,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """The memory budget of every rank (see the module doc). ``recipe`` (a path or a
     loaded Recipe): its ``source.path``, ``layout`` and ``quantize`` sections are the
-    defaults; explicit arguments win (``scheme`` replaces the recipe's quantize section).
+    defaults, and its ``target`` the device, context and batch (else 131072 tokens x 1,
+    no device); explicit arguments win (``scheme`` replaces the recipe's quantize section).
     A planned quantization is checked against vLLM on ``serving_device`` (None: the
     recipe's ``output.serving_device``, else cuda) at the layout's
     tp (:mod:`k3convert.serving`): ``warnings`` lists what it would refuse;
@@ -1203,9 +1206,15 @@ def plan_memory(
             even_load = True  # equal counts, as convert plans before calibrating
         else:
             expert_load = rlay.expert_load
+    target = getattr(rec, "target", None)
+    if target is not None:
+        if device is None and device_mem is None:
+            device = target.device
+        context = target.context if context is None else context
+        batch = target.batch if batch is None else batch
     workload = Workload(
-        context=parse_tokens(context, "--context"),
-        batch=batch,
+        context=parse_tokens(131072 if context is None else context, "--context"),
+        batch=1 if batch is None else batch,
         kv_dtype=kv_dtype,
         prefill_chunk=parse_tokens(prefill_chunk, "--prefill-chunk"),
     )

@@ -186,6 +186,24 @@ class VerifySection:
     dtype: str = "fp32"
 
 
+@dataclass(frozen=True)
+class TargetSection:
+    """The hardware a recipe is written for: ``device`` (a name ``plan --device`` knows:
+    h100, h200, b200, ...; the layout's tp x pp of them) and the workload it assumes,
+    ``context`` tokens per sequence x ``batch`` sequences. ``plan --recipe`` takes them as
+    its defaults; ``recipe list`` shows them."""
+
+    device: str
+    context: int = 131072
+    batch: int = 1
+
+    def describe(self, layout: LayoutSection) -> str:
+        """``16 x h200, 128K tokens x 4``."""
+        n = layout.tp * layout.pp
+        ctx = f"{self.context // 1024}K" if self.context % 1024 == 0 else str(self.context)
+        return f"{n} x {self.device}, {ctx} tokens x {self.batch}"
+
+
 #: the recipe schema versions this release reads
 VERSIONS = (1,)
 
@@ -199,6 +217,7 @@ class Recipe:
     layout: LayoutSection = field(default_factory=LayoutSection)
     output: OutputSection = field(default_factory=OutputSection)
     verify: VerifySection = field(default_factory=VerifySection)
+    target: TargetSection | None = None
     #: where the recipe came from (a file path, a preset, ``<recipe>``); not part of it
     origin: str = field(default="<recipe>", compare=False)
 
@@ -580,6 +599,14 @@ def _validate(r: Recipe) -> None:
     _choice(o.serving_device, DEVICES, f"{src}: output.serving_device")
     if o.workers is not None and o.workers < 1:
         raise ConfigError(f"{src}: output.workers must be at least 1, got {o.workers}.")
+    if r.target is not None:
+        from .memplan import DEVICES
+
+        _choice(r.target.device, tuple(DEVICES), f"{src}: target.device")
+        for k in ("context", "batch"):
+            if getattr(r.target, k) < 1:
+                raise ConfigError(f"{src}: target.{k} must be at least 1, got "
+                                  f"{getattr(r.target, k)}.")  # fmt: skip
     v = r.verify
     for k in ("samples", "seq_len"):
         if getattr(v, k) < 1:
@@ -796,11 +823,13 @@ def preset_path(name: str) -> Path:
 def preset_summary(path: Path) -> str:
     """A preset's one-line description (its ``description``, else its first comment)."""
     try:
-        desc = load_recipe(path).description
+        r = load_recipe(path)
     except ConfigError as e:
         return f"(invalid: {e})"
+    desc = r.description
     if desc:
-        return " ".join(desc.split())
+        where = f" [target: {r.target.describe(r.layout)}]" if r.target is not None else ""
+        return " ".join(desc.split()) + where
     for line in read_recipe_text(path).splitlines():
         if line.startswith("#"):
             return line.lstrip("# ").strip()
@@ -822,7 +851,10 @@ def recipe_to_dict(r: Recipe) -> dict:
             return os.fspath(v)
         return v
 
-    return conv(r)
+    out = conv(r)
+    if out.get("target") is None:  # optional: absent, as before the section existed
+        out.pop("target", None)
+    return out
 
 
 def dump_recipe(r: Recipe) -> str:

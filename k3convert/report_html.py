@@ -70,6 +70,25 @@ def _verify_rows(v: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _fidelity(f: dict) -> str:
+    """The loss report's section: its summary line and the worst tensors."""
+    head = (
+        f"<p>{html.escape(f['summary'])} (every tensor: <code>{html.escape(f['file'])}</code>)</p>"
+    )
+    if not f.get("worst"):
+        return head
+    cells = ("tensor", "from", "to", "values changed", "groups changed", "rel. error")
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+            e["name"], e["source"], e["target"], f"{e['changed']} of {e['values']}",
+            f"{e['groups_changed']} of {e['groups']}", f"{e['rel_err']:.3g}",
+        )) + "</tr>"
+        for e in f["worst"]
+    )  # fmt: skip
+    th = "".join(f"<th>{c}</th>" for c in cells)
+    return head + f"<table><tr>{th}</tr>{rows}</table>"
+
+
 def _num(x) -> str:
     return "-" if x is None else f"{x:.4g}"
 
@@ -113,6 +132,8 @@ def write_html(report: dict, verify_report: dict | None, path: str | os.PathLike
         cls, word = ("pass", "PASS") if passed else ("fail", "FAIL")
         parts.append(f"<p class='{cls}'><b>verify: {word}</b></p>")
     parts += ["<h2>Summary</h2>", _table(_rows(report))]
+    if report.get("fidelity"):
+        parts += ["<h2>Fidelity to the release</h2>", _fidelity(report["fidelity"])]
     if report.get("verify"):
         parts += ["<h2>Parity</h2>", _table(_verify_rows(report["verify"]))]
     uri = _plot_uri(verify_report)

@@ -23,6 +23,7 @@ the fused-shard check ("Found different quantization schemes for the shards").
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -167,8 +168,10 @@ class Problem:
         )
 
 
+@functools.lru_cache(maxsize=256)
 def kernel_class(scheme) -> str:
-    """The class of vLLM kernel a scheme needs (a key of :data:`KERNELS`)."""
+    """The class of vLLM kernel a scheme needs (a key of :data:`KERNELS`); cached per
+    scheme (a plan of a 3 T model asks once per tensor)."""
     from .quant.schemes import FP4Scheme, FP8Scheme, IntScheme
 
     act = scheme.act

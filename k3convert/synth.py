@@ -242,6 +242,10 @@ def _scale_hybrid(t: dict, o: dict, tiny: bool) -> None:
         lac.update(num_heads=4, head_dim=16)
         if t.get("routed_expert_hidden_size"):
             t["routed_expert_hidden_size"] = 32
+    if o.get("latent"):  # the latent MoE's width (the routed experts' input)
+        if not t.get("routed_expert_hidden_size"):
+            raise ConfigError("--latent sets a latent MoE's width; this model has no latent MoE.")
+        t["routed_expert_hidden_size"] = o["latent"]
     if o.get("heads"):  # KDA heads follow the attention heads (tiny or not)
         lac["num_heads"] = o["heads"]
     for k in ("linear_num_heads", "linear_head_dim"):

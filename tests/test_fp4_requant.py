@@ -11,6 +11,7 @@ path.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -378,11 +379,15 @@ def mx_src(tmp_path_factory):
     return root / "mxfp4"
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4a16", "int4-g32"])
-def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch, scheme):
+@pytest.mark.parametrize(
+    "scheme,observer",
+    [("nvfp4a16", None), ("int4-g32", "minmax"), ("int4-g32", None), ("fp8-block-w", None)],
+)
+def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch, scheme, observer):
     """`quantize` of an MXFP4 checkpoint writes the same files through the C kernels and
-    through fp4_requant's torch ops; int4 also through the float32 decode +
-    scheme.quantize. NVFP4: every MXFP4 tensor's parts decode (compressed-tensors'
+    through fp4_requant's torch ops; int4 with the minmax observer also through the
+    float32 decode + scheme.quantize (the default for an MXFP4 source, the scale search,
+    has no float path). NVFP4: every MXFP4 tensor's parts decode (compressed-tensors'
     decompressor) to the source's values bit for bit, and each fused set (gate / up)
     shares one global scale, as vLLM's fused MoE and Linear layers take one."""
     calls = []
@@ -395,14 +400,16 @@ def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch
 
     monkeypatch.setattr(fp4_requant, "requantize", counted)
     outs = {}
-    hows = (["native"] if HAVE_CC else []) + ["torch"] + (["float"] if scheme != "nvfp4a16" else [])
+    hows = (["native"] if HAVE_CC else []) + ["torch"] + (["float"] if observer else [])
     for how in hows:
         monkeypatch.setattr(native, "ENABLED", how == "native")
         float_path = (lambda s: False) if how == "float" else fp4_requant._supported
         monkeypatch.setattr(fp4_requant, "supported", float_path)
         calls.clear()
         out = tmp_path / how
-        quantize(src=mx_src, out=out, scheme=scheme, progress=False, workers=1)
+        quantize(
+            src=mx_src, out=out, scheme=scheme, progress=False, workers=1, weight_observer=observer
+        )
         if how != "float":
             assert len(calls) >= 8 and all(calls), (how, calls)  # every expert: no fallback
         else:
@@ -675,7 +682,7 @@ def test_kept_decode_tables_follow_the_global_scale_and_dtype():
 
 
 # -- the exact transcode on the runtime: a Kimi K3 ------------------------------------------
-def test_k3_transcoded_to_nvfp4_runs_bit_identical_to_the_release(tmp_path):
+def test_k3_transcoded_to_nvfp4_runs_bit_identical_to_the_release(tmp_path, capsys):
     """A scaled-down Kimi K3 (MXFP4 routed experts, as released) with its experts
     transcoded to NVFP4 (nvfp4a16) gives the float32 logits of the MXFP4 original bit
     for bit; with one expert's E8M0 codes stretched over 28 binades, the groups out of
@@ -701,6 +708,10 @@ def test_k3_transcoded_to_nvfp4_runs_bit_identical_to_the_release(tmp_path):
     ck = open_checkpoint(out)
     experts = [n for n in ck.names() if ".experts." in n and ck.meta(n).encoding == fmt.NVFP4]
     assert len(experts) >= 16
+    doc = json.loads((out / "transcode_report.json").read_text())
+    assert doc["tensors"] == doc["exact"] == len(experts) and doc["values_changed"] == 0
+    assert {e["name"] for e in doc["entries"]} == set(experts)
+    assert "hold every released value (bit-exact)" in capsys.readouterr().out
     # 28 binades: one expert's first group 28 below the rest (its w3 partner shares the top)
     st = load_file(src / "model.safetensors")
     name = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
@@ -712,6 +723,11 @@ def test_k3_transcoded_to_nvfp4_runs_bit_identical_to_the_release(tmp_path):
         assert main(["quantize", str(src), str(tmp_path / "nv2"), "--recipe", str(recipe)]) == 0
     said = [str(w.message) for w in rec]
     assert len(said) == 1 and said[0].startswith(f"'{name}.weight': 1 of "), said
+    doc = json.loads((tmp_path / "nv2" / "transcode_report.json").read_text())
+    assert doc["exact"] == doc["tensors"] - 1 and doc["worst"] == [f"{name}.weight"]
+    bad = next(e for e in doc["entries"] if e["name"] == f"{name}.weight")
+    assert not bad["exact"] and bad["groups_changed"] == 1 and bad["changed"] == 32
+    assert f"worst: {name}.weight (rel err" in capsys.readouterr().out
 
 
 def test_cli_shows_its_own_warnings_as_one_line(capsys):

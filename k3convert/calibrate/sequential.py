@@ -340,7 +340,35 @@ def _group_of(scheme: IntScheme, shape) -> int:
 
 
 def _static(scheme: Scheme) -> bool:
-    return scheme.needs_input_scale and scheme.act.strategy == "tensor"
+    """A scheme with a calibrated per-Linear input parameter: a static input scale, or
+    NVFP4's input global scale (:func:`_nv_input`)."""
+    return (scheme.needs_input_scale and scheme.act.strategy == "tensor") or _nv_input(scheme)
+
+
+def _nv_input(scheme: Scheme) -> bool:
+    """NVFP4 activations: local scales on the fly under a static ``input_global_scale``."""
+    return scheme.act is not None and scheme.act.strategy == "tensor_group"
+
+
+#: NVFP4's input global scale is e4m3's max times E2M1's over the Linear's largest |input|
+#: (compressed-tensors' ``generate_gparam``, as llm-compressor calibrates it); below this
+#: largest |input| it would not be a finite float32
+_NV_GLOBAL_NUM = 448.0 * 6.0
+_NV_MIN_AMAX = _NV_GLOBAL_NUM / float(torch.finfo(torch.float32).max)
+
+
+def _input_value(scheme: Scheme, clip: float) -> float | None:
+    """What calibration stores for a Linear whose inputs' clip value is ``clip``: its
+    static input scale (``clip / qmax``), or NVFP4's input global scale (float32, from
+    the largest |input|); None where no finite positive value follows (no real input)."""
+    if _nv_input(scheme):
+        if not math.isfinite(clip) or clip < _NV_MIN_AMAX:
+            return None
+        # scalar / tensor, as compressed-tensors writes it (torch computes it as the
+        # tensor's reciprocal times the scalar: the same float32 bits)
+        g = float(_NV_GLOBAL_NUM / torch.tensor([clip], dtype=torch.float32))
+        return g if math.isfinite(g) and g > 0 else None
+    return max(clip, torch.finfo(torch.float32).tiny) / _qmax(scheme)
 
 
 def _fingerprint(ckpt, plan, algorithm: str, opts: SequentialOptions, calib) -> str:
@@ -482,7 +510,7 @@ def check_algorithm(plan, algorithm: str) -> None:
         names = ", ".join(sorted({r.scheme.name for r in rows})) or "none"
         raise ConfigError(
             f"--algorithm static calibrates static input scales, but no quantized Linear's "
-            f"scheme has one (schemes: {names}); use a static scheme such as fp8, or "
+            f"scheme has one (schemes: {names}); use a static scheme such as fp8 or nvfp4, or "
             f"--algorithm gptq."
         )
 
@@ -726,7 +754,9 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     # static input scales' observers; capacity: real tokens x input width bounds what
     # any Linear of the layer sees (a token reaches an expert at most once)
     real = sum(int(m.sum()) for m in masks)
-    obs = {n: make_observer(options.observer, percentile=float(options.percentile),
+    # (NVFP4's global scale is always the largest |input|'s, as compressed-tensors sets it)
+    obs = {n: make_observer("minmax" if _nv_input(mine[n].scheme) else options.observer,
+                            percentile=float(options.percentile),
                             capacity=max(1, real * int(mine[n].shape[1])),
                             act_type=mine[n].scheme.act.type,
                             act_bits=int(mine[n].scheme.act.num_bits))
@@ -969,7 +999,7 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
                 why = "saw no calibration token"
                 warnings.warn(
                     f"calibration: '{n}' {why}; rounded to nearest"
-                    + (" (static input scale from its sibling experts)" if n in static else ""),
+                    + (" (input scale from its sibling experts)" if n in static else ""),
                     ExpertFallbackWarning, stacklevel=2,
                 )  # fmt: skip
                 rec["fallbacks"].append(n)
@@ -991,27 +1021,34 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
         rec["kept"].append(n)
     for n in sorted(static):
         if seen[n]:
-            rec["scales"][mine[n].module] = max(
-                obs[n].clip(), torch.finfo(torch.float32).tiny
-            ) / _qmax(mine[n].scheme)
-    for n in sorted(static):  # experts without tokens: their siblings' largest scale
+            v = _input_value(mine[n].scheme, float(obs[n].clip()))
+            if v is not None:
+                rec["scales"][mine[n].module] = v
+    for n in sorted(static):  # experts without tokens: their siblings' widest range
         mod = mine[n].module
         if mod in rec["scales"]:
             continue
         leaf = by_name[n].key.rsplit(".", 1)[-1]
-        sib = [
-            rec["scales"][mine[m].module]
-            for m in static
-            if mine[m].module in rec["scales"] and by_name[m].key.rsplit(".", 1)[-1] == leaf
-        ]
+        nv = _nv_input(mine[n].scheme)
+        same = [m for m in static if mine[m].module in rec["scales"]
+                and _nv_input(mine[m].scheme) == nv]  # fmt: skip
+        sib = [rec["scales"][mine[m].module] for m in same
+               if by_name[m].key.rsplit(".", 1)[-1] == leaf]  # fmt: skip
         if not sib:
-            sib = list(rec["scales"].values())
+            sib = [rec["scales"][mine[m].module] for m in same]
         if not sib:
             raise ConfigError(
                 f"calibration: no calibration token reached any Linear of layer {i} with a "
-                f"static input scale; use more (or unpadded) calibration samples."
+                f"static input scale{' or NVFP4 input global scale' if nv else ''} (or only "
+                f"zeros did); use more (or unpadded) calibration samples."
             )
-        rec["scales"][mod] = max(sib)
+        if n not in rec["fallbacks"] and seen[n]:  # tokens came, all of them zero
+            warnings.warn(f"calibration: '{n}' saw only zero inputs; its input "
+                          f"{'global ' if nv else ''}scale is its siblings'",
+                          ExpertFallbackWarning, stacklevel=2)  # fmt: skip
+            rec["fallbacks"].append(n)
+        # the widest range: the largest input scale, the smallest NVFP4 global scale
+        rec["scales"][mod] = min(sib) if nv else max(sib)
     if parts_out and group.leader:
         tmp = journal / f"layer-{i}.tmp"
         save_file(parts_out, str(tmp))

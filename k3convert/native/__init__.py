@@ -49,7 +49,7 @@ from . import outbuf
 
 #: the kernels' ABI number (``k3_fp4_kernels_version`` in fp4_kernels.c): a built module
 #: reporting another one was compiled from another source and is not used
-ABI = 18
+ABI = 19
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
@@ -90,6 +90,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.k3_gather_nib.restype = None
     lib.k3_mx_int4.argtypes = [p, p, i64, i64, p, *[i32] * 5, p, p, p, i32, i32]
     lib.k3_mx_int4.restype = i64
+    f32 = ctypes.c_float
+    lib.k3_mx_int4_search.argtypes = [p, p, i64, i64, i32, p, p, i32, p, p, f32, i32, i32, i32,
+                                      p, p, i32, i32]  # fmt: skip
+    lib.k3_mx_int4_search.restype = i64
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
     lib.k3_fp4_simd_level.restype = ctypes.c_int
 
@@ -414,3 +418,55 @@ def mx_int4(packed: torch.Tensor, codes: torch.Tensor, sub: int, values: torch.T
                          values.data_ptr(), lo, hi, span, d_lo, d_hi, nibmap.data_ptr(),
                          res.data_ptr(), amax.data_ptr(), _isa(simd), n)  # fmt: skip
     return res, amax, int(bad)
+
+
+#: int groups of at most this many MX groups: 128 errors below 2**25 each (the tables'
+#: bound) sum below 2**32, the kernel's uint32 lanes
+SEARCH_MAX_SUB = 4
+
+
+def mx_int4_search(packed: torch.Tensor, codes: torch.Tensor, sub: int, depth: int,
+                   err: torch.Tensor, nibs: torch.Tensor, rel: torch.Tensor,
+                   vals: torch.Tensor, zero_scale: float, zero_byte: int,
+                   code_range: tuple[int, int], *, simd: bool = True,
+                   nthreads: int | None = None):  # fmt: skip
+    """MXFP4 ``packed`` [out, cols] / E8M0 ``codes`` [out, cols / 16] -> symmetric int4 with
+    each int group's scale searched (:mod:`k3convert.quant.mx_int4` builds the tables):
+    (uint8 bytes like ``packed``, float32 scales [out, cols / (16 * sub)], the number of
+    codes outside ``code_range``: the output is to be dropped unless 0). ``err`` int32
+    [8, depth + 1, 256, 16] (read as uint32, each below 2**26), ``nibs`` uint8 [8, ncand,
+    depth + 2, 16] (nibble maps), ``rel`` float32
+    [8, ncand], ``vals`` float32 [8]. None without the kernels."""
+    lib = _kernels()
+    if lib is None:
+        return None
+    _mx_pair(packed, codes)
+    out, cols = packed.shape
+    sub = _int(sub, "mx_int4_search sub", 1, SEARCH_MAX_SUB)
+    depth = _int(depth, "mx_int4_search depth", 0, 30)
+    try:
+        lo, hi = code_range
+    except (TypeError, ValueError):
+        raise ValueError("native MXFP4 -> int4 search: code_range must be a pair") from None
+    lo, hi = _int(lo, "mx_int4_search code_range[0]", 1, 254), _int(hi, "code_range[1]", 1, 254)
+    zero_byte = _int(zero_byte, "mx_int4_search zero_byte", 0, 255)
+    ncand = rel.shape[-1] if isinstance(rel, torch.Tensor) and rel.ndim == 2 else 0
+    if (
+        not _cpu(err, nibs, rel, vals) or (cols // 16) % sub or lo > hi
+        or not 1 <= ncand <= 16
+        or err.dtype != torch.int32 or tuple(err.shape) != (8, depth + 1, 256, 16)
+        or int(err.min()) < 0 or int(err.max()) >= 1 << 26
+        or nibs.dtype != torch.uint8 or tuple(nibs.shape) != (8, ncand, depth + 2, 16)
+        or rel.dtype != torch.float32 or rel.shape[0] != 8
+        or vals.dtype != torch.float32 or vals.numel() != 8
+        or not isinstance(zero_scale, float)
+    ):  # fmt: skip
+        raise ValueError("native MXFP4 -> int4 search: tables or group size of the wrong shape")
+    res = torch.empty(packed.shape, dtype=torch.uint8)
+    scale = torch.empty(out, cols // (16 * sub), dtype=torch.float32)
+    n = threads_for(res.numel(), nthreads)
+    bad = lib.k3_mx_int4_search(packed.data_ptr(), codes.data_ptr(), scale.numel(), sub, depth,
+                                err.data_ptr(), nibs.data_ptr(), ncand, rel.data_ptr(),
+                                vals.data_ptr(), zero_scale, zero_byte, lo, hi, res.data_ptr(),
+                                scale.data_ptr(), _isa(simd), n)  # fmt: skip
+    return res, scale, int(bad)

@@ -388,6 +388,225 @@ int64_t k3_mx_int4(const uint8_t *src, const uint8_t *codes, int64_t groups, int
     return k3_parallel(k3_mx_int4_body, &a, groups, 1, nthreads);
 }
 
+/* MXFP4 -> symmetric int4 with each int group's scale searched (k3convert/quant/mx_int4.py
+ * has the derivation). Per int group of `sub` (<= 4) MX groups of 16 bytes: m_j the
+ * largest magnitude code of MX group j; e_ref the largest E8M0 code of a group with
+ * m_j > 0 (none: a zero group, every byte `zero_byte`, scale `zero_scale`); d_j = e_ref -
+ * e_j; the class k of max_j e2m1(m_j) * 2**-d_j over the kept groups (m_j > 0, d_j <=
+ * depth): 0.5, 0.75, 1, 1.5, 2, 3, 4, 6 -> 0..7; the candidates' errors summed over the
+ * kept groups' bytes from `err` (uint32 [8][depth + 1][256 bytes][16 lanes]; the caller
+ * keeps every sum below 2**32), the first smallest of the `ncand` lanes wins (best);
+ * every MX group's bytes go through nibble map [k][best][d_j] of `nibs` (uint8 [8]
+ * [ncand][depth + 2][16]; row depth + 1 for the groups left out) and the scale is
+ * rel[k * ncand + best] * 2**(e_ref - 127). The return: the number of codes of nonzero
+ * MX groups outside [lo, hi] (nonzero: the caller drops the output). */
+typedef struct {
+    const uint8_t *src, *codes, *nibs;
+    const uint32_t *err, *vbits;
+    const float *rel;
+    uint8_t *out;
+    float *scale;
+    int64_t sub;
+    int depth, ncand, lo, hi, simd;
+    float zero_scale;
+    uint8_t zero_byte;
+} k3_search_args;
+
+/* the per-group steps both loops share: e_ref and the class from the maxima m; returns
+ * e_ref (-1: a zero group) and sets *k, *bad */
+static inline int k3_search_class(const k3_search_args *a, const uint8_t *e,
+                                  const uint8_t *m, int64_t sub, int *k, int64_t *bad) {
+    int e_ref = -1;
+    for (int64_t j = 0; j < sub; j++) {
+        *bad += m[j] && ((e[j] < a->lo) | (e[j] > a->hi));
+        if (m[j] && e[j] > e_ref) e_ref = e[j];
+    }
+    uint32_t top = 0; /* float32 bits of the largest kept value / 2**(e_ref - 127) */
+    for (int64_t j = 0; j < sub; j++) {
+        int d = e_ref - e[j];
+        if (m[j] && d <= a->depth) {
+            uint32_t f = a->vbits[m[j]] - ((uint32_t)d << 23); /* e2m1(m) * 2**-d */
+            top = f > top ? f : top;
+        }
+    }
+    int c = 2 * ((int)(top >> 23) - 126) + ((top & 0x7FFFFFu) != 0);
+    *k = c < 0 ? 0 : c > 7 ? 7 : c;
+    return e_ref;
+}
+
+static inline int k3_search_best(const k3_search_args *a, const uint32_t *acc) {
+    int best = 0;
+    for (int l = 1; l < a->ncand; l++)
+        if (acc[l] < acc[best]) best = l;
+    return best;
+}
+
+static inline float k3_search_scale(const k3_search_args *a, int k, int best, int e_ref) {
+    uint32_t ub = (uint32_t)e_ref << 23; /* 2**(e_ref - 127): e_ref in [lo, hi], normal */
+    float unit;
+    memcpy(&unit, &ub, 4);
+    return a->rel[k * a->ncand + best] * unit;
+}
+
+static int64_t k3_search_generic(const k3_search_args *a, int64_t lo, int64_t hi) {
+    int64_t bad = 0, sub = a->sub;
+    uint8_t m[4];
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * sub * g, *e = a->codes + sub * g;
+        uint8_t *o = a->out + 16 * sub * g;
+        for (int64_t j = 0; j < sub; j++) {
+            uint8_t mj = 0;
+            for (int q = 0; q < 16; q++) {
+                uint8_t l = s[16 * j + q] & 7, h = (s[16 * j + q] >> 4) & 7;
+                uint8_t b = l > h ? l : h;
+                mj = b > mj ? b : mj;
+            }
+            m[j] = mj;
+        }
+        int k, e_ref = k3_search_class(a, e, m, sub, &k, &bad);
+        if (e_ref < 0) {
+            memset(o, a->zero_byte, (size_t)(16 * sub));
+            a->scale[g] = a->zero_scale;
+            continue;
+        }
+        uint32_t acc[16] = {0};
+        for (int64_t j = 0; j < sub; j++) {
+            int d = e_ref - e[j];
+            if (!m[j] || d > a->depth) continue;
+            const uint32_t *t = a->err + ((int64_t)(k * (a->depth + 1) + d) << 12);
+            for (int q = 0; q < 16; q++) {
+                const uint32_t *r = t + 16 * (int)s[16 * j + q];
+                for (int l = 0; l < 16; l++) acc[l] += r[l];
+            }
+        }
+        int best = k3_search_best(a, acc);
+        const uint8_t *nb = a->nibs + (int64_t)(k * a->ncand + best) * (a->depth + 2) * 16;
+        for (int64_t j = 0; j < sub; j++) {
+            int d = e_ref - e[j];
+            const uint8_t *map = nb + 16 * (m[j] && d <= a->depth ? d : a->depth + 1);
+            for (int q = 0; q < 16; q++) o[16 * j + q] = k3_nib(map, s[16 * j + q]);
+        }
+        a->scale[g] = k3_search_scale(a, k, best, e_ref);
+    }
+    return bad;
+}
+
+#ifdef K3_HAVE_NIB_SIMD
+/* the first smallest of lanes v0 | v1 (lanes at or past ncand raised to all ones by pad) */
+__attribute__((target("avx2"))) static inline int k3_first_min(__m256i v0, __m256i v1,
+                                                               __m256i pad0, __m256i pad1) {
+    v0 = _mm256_or_si256(v0, pad0);
+    v1 = _mm256_or_si256(v1, pad1);
+    __m256i mn = _mm256_min_epu32(v0, v1);
+    mn = _mm256_min_epu32(mn, _mm256_permute2x128_si256(mn, mn, 1));
+    mn = _mm256_min_epu32(mn, _mm256_shuffle_epi32(mn, _MM_SHUFFLE(1, 0, 3, 2)));
+    mn = _mm256_min_epu32(mn, _mm256_shuffle_epi32(mn, _MM_SHUFFLE(2, 3, 0, 1)));
+    uint32_t e0 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(v0, mn)));
+    uint32_t e1 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(v1, mn)));
+    return __builtin_ctz(e0 | e1 << 8);
+}
+
+/* one MX group per int group (g = 32): d is 0, the class follows from m alone */
+__attribute__((target("avx2"))) static int64_t k3_search1_avx2(const k3_search_args *a,
+                                                              int64_t lo, int64_t hi,
+                                                              __m256i pad0, __m256i pad1) {
+    static const int8_t cls_of_m[8] = {0, 0, 2, 3, 4, 5, 6, 7}; /* e2m1(m): 0.5 .. 6 */
+    int64_t bad = 0;
+    const int nc = a->ncand, rows = a->depth + 2;
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * g;
+        int e = a->codes[g], m = (int)k3_max1x16(s);
+        if (!m) {
+            memset(a->out + 16 * g, a->zero_byte, 16);
+            a->scale[g] = a->zero_scale;
+            continue;
+        }
+        bad += (e < a->lo) | (e > a->hi);
+        int k = cls_of_m[m];
+        const uint32_t *t = a->err + ((int64_t)k * (a->depth + 1) << 12);
+        __m256i v0 = _mm256_setzero_si256(), v1 = _mm256_setzero_si256();
+        for (int q = 0; q < 16; q++) {
+            const __m256i *r = (const __m256i *)(t + 16 * (int)s[q]);
+            v0 = _mm256_add_epi32(v0, _mm256_loadu_si256(r));
+            v1 = _mm256_add_epi32(v1, _mm256_loadu_si256(r + 1));
+        }
+        int best = k3_first_min(v0, v1, pad0, pad1);
+        __m128i mm = _mm_loadu_si128((const __m128i *)(a->nibs + (int64_t)(k * nc + best) * rows * 16));
+        __m128i v = _mm_loadu_si128((const __m128i *)s);
+        _mm_storeu_si128((__m128i *)(a->out + 16 * g), k3_nib16(v, mm, mm));
+        a->scale[g] = k3_search_scale(a, k, best, e);
+    }
+    return bad;
+}
+
+/* the same per group: maxima and output bytes by byte shuffles, the 16 candidate sums in
+ * two 8-lane vectors */
+__attribute__((target("avx2"))) static int64_t k3_search_avx2(const k3_search_args *a,
+                                                             int64_t lo, int64_t hi) {
+    int64_t bad = 0, sub = a->sub;
+    uint8_t m[4];
+    /* lanes at or past ncand: all ones, never below a real sum (every sum < 2**32 - 1) */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i nc = _mm256_set1_epi32(a->ncand);
+    const __m256i pad0 = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(1)), nc);
+    const __m256i pad1 = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(9)), nc);
+    if (sub == 1) return k3_search1_avx2(a, lo, hi, pad0, pad1);
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *s = a->src + 16 * sub * g, *e = a->codes + sub * g;
+        uint8_t *o = a->out + 16 * sub * g;
+        for (int64_t j = 0; j < sub; j++) m[j] = (uint8_t)k3_max1x16(s + 16 * j);
+        int k, e_ref = k3_search_class(a, e, m, sub, &k, &bad);
+        if (e_ref < 0) {
+            memset(o, a->zero_byte, (size_t)(16 * sub));
+            a->scale[g] = a->zero_scale;
+            continue;
+        }
+        __m256i v0 = _mm256_setzero_si256(), v1 = _mm256_setzero_si256();
+        for (int64_t j = 0; j < sub; j++) {
+            int d = e_ref - e[j];
+            if (!m[j] || d > a->depth) continue;
+            const uint32_t *t = a->err + ((int64_t)(k * (a->depth + 1) + d) << 12);
+            for (int q = 0; q < 16; q++) {
+                const __m256i *r = (const __m256i *)(t + 16 * (int)s[16 * j + q]);
+                v0 = _mm256_add_epi32(v0, _mm256_loadu_si256(r));
+                v1 = _mm256_add_epi32(v1, _mm256_loadu_si256(r + 1));
+            }
+        }
+        int best = k3_first_min(v0, v1, pad0, pad1);
+        const uint8_t *nb = a->nibs + (int64_t)(k * a->ncand + best) * (a->depth + 2) * 16;
+        for (int64_t j = 0; j < sub; j++) {
+            int d = e_ref - e[j];
+            __m128i mm = _mm_loadu_si128(
+                (const __m128i *)(nb + 16 * (m[j] && d <= a->depth ? d : a->depth + 1)));
+            __m128i v = _mm_loadu_si128((const __m128i *)(s + 16 * j));
+            _mm_storeu_si128((__m128i *)(o + 16 * j), k3_nib16(v, mm, mm));
+        }
+        a->scale[g] = k3_search_scale(a, k, best, e_ref);
+    }
+    return bad;
+}
+#endif
+
+static int64_t k3_mx_int4_search_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_search_args *a = (const k3_search_args *)c;
+#ifdef K3_HAVE_NIB_SIMD
+    if (a->simd && __builtin_cpu_supports("avx2")) return k3_search_avx2(a, lo, hi);
+#endif
+    return k3_search_generic(a, lo, hi);
+}
+
+/* groups int groups of sub (1..4) MX groups; ncand <= 16; vals: float32 [8] e2m1 */
+int64_t k3_mx_int4_search(const uint8_t *src, const uint8_t *codes, int64_t groups,
+                          int64_t sub, int depth, const uint32_t *err, const uint8_t *nibs,
+                          int ncand, const float *rel, const float *vals, float zero_scale,
+                          int zero_byte, int lo, int hi, uint8_t *out, float *scale,
+                          int simd, int nthreads) {
+    k3_search_args a = {src, codes, nibs, err, (const uint32_t *)vals, rel, out, scale,
+                        sub < 1 ? 1 : sub > 4 ? 4 : sub, depth, ncand, lo, hi, simd,
+                        zero_scale, (uint8_t)zero_byte};
+    return k3_parallel(k3_mx_int4_search_body, &a, groups, 1, nthreads);
+}
+
 /* -- FP4 -> bfloat16 / float32 through the tensor's nibble table ----------------------
  * MXFP4 (one E8M0 code per 16 bytes) and NVFP4 (one e4m3 code per 8 bytes): lut row c
  * holds the 16 outputs of the 16 E2M1 nibbles under scale byte c, the reference's own
@@ -688,7 +907,7 @@ void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 18; }
+int k3_fp4_kernels_version(void) { return 19; }
 
 /* the widest vector ISA level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 BW + VBMI) */
 int k3_fp4_simd_level(void) { return k3_level(2); }

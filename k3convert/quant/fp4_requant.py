@@ -41,6 +41,7 @@ bit for bit, on random and extreme tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Mapping
@@ -49,9 +50,9 @@ import torch
 
 from .. import formats as fmt
 from .. import native
-from . import fp4_decode
+from . import fp4_decode, mx_int4
 from .packing import E2M1_VALUES, fp4_codes, unpack_int32
-from .schemes import FP4Scheme, IntScheme, NonFiniteWeightError, Scheme, WeightRangeError
+from .schemes import FP4Scheme, FP8Scheme, IntScheme, NonFiniteWeightError, Scheme, WeightRangeError
 
 #: E8M0 codes for which the int path is exact (every nonzero value and scale normal, far
 #: from overflow); a tensor with a code outside takes the float path
@@ -73,12 +74,14 @@ def _supported(scheme: Scheme) -> bool:
         return False
     if isinstance(scheme, FP4Scheme):
         return scheme.encoding == fmt.NVFP4
+    if isinstance(scheme, FP8Scheme):
+        return True
     return (
         isinstance(scheme, IntScheme)
         and scheme.packed
         and scheme.symmetric
         and scheme.num_bits == 4
-        and scheme.observer == "minmax"
+        and scheme.observer in ("minmax", "search")
         and scheme.sdtype in (torch.bfloat16, torch.float32)
     )
 
@@ -187,22 +190,32 @@ def top_code(parts: Mapping[str, torch.Tensor]) -> int | None:
 
 
 def requantize(
-    parts: Mapping[str, torch.Tensor], scheme: Scheme, *, name: str = "weight", top_code=None
+    parts: Mapping[str, torch.Tensor],
+    scheme: Scheme,
+    *,
+    name: str = "weight",
+    top_code=None,
+    stats: dict | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """MXFP4 ``parts`` (``weight_packed`` uint8 [out, in/2], ``weight_scale`` E8M0 uint8
     [out, in/32]) as ``scheme`` straight from their bytes; None where this path does not
     apply (see the module doc): the caller quantizes the decoded tensor.
 
     NVFP4: the exact transcode, its global scale from ``top_code`` (the fused set's
-    :func:`top_code`; None: this tensor's own). int4: ``scheme.quantize`` of the float32
-    decode, bit for bit."""
+    :func:`top_code`; None: this tensor's own). FP8: :func:`fp8_exact`. int4:
+    ``scheme.quantize`` of the float32 decode, bit for bit. stats: ``exact`` set True
+    where every value is known to be held (the NVFP4 transcode without rounded groups)."""
     if not _supported(scheme) or not _mx_parts(parts) or not parts["weight_packed"].numel():
         return None
     packed, codes = parts["weight_packed"].contiguous(), parts["weight_scale"].contiguous()
+    if isinstance(scheme, FP8Scheme):
+        return fp8_exact(packed, codes, scheme, name)
     if isinstance(scheme, FP4Scheme):
         if bool((codes == 255).any()):
             return None  # E8M0 NaN: the float path names the tensor
         res, low = nvfp4_exact(packed, codes, top_code)
+        if stats is not None:
+            stats["exact"] = not low
         if low:
             warnings.warn(
                 f"'{name}': {low} of {codes.numel()} MXFP4 groups lie more than 17 binades "
@@ -213,6 +226,8 @@ def requantize(
                 stacklevel=2,
             )
         return {**res, **scheme.act_values()}
+    if scheme.observer == "search" and mx_int4.applies(scheme):
+        return mx_int4.search(packed, codes, scheme, _max_codes)
     try:
         return _to_int4(packed, codes, scheme, name)
     except (NonFiniteWeightError, WeightRangeError):
@@ -261,6 +276,21 @@ def nvfp4_exact(packed: torch.Tensor, codes: torch.Tensor, top: int | None = Non
         "weight_scale": scale.view(torch.float8_e4m3fn),
         "weight_global_scale": torch.tensor([2.0**k], dtype=torch.float32),
     }, n_low
+
+
+def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name: str):
+    """MXFP4 as ``scheme`` (any FP8 strategy) with power-of-two scales (see the module
+    doc): the scheme with ``scale_fmt='ue8m0'`` on the bfloat16 decode (exact: an E2M1 value
+    times a power of two has one significand bit). Its scale ``2**ceil(log2(amax / 448))``
+    puts a group's largest value, ``1 * 2**p`` or ``1.5 * 2**p``, at 256 or 384, and
+    ``x / scale`` is exact, so the e4m3 cast keeps every value within 17 binades of it
+    and rounds (to nearest, ties to even) only those below. The stored parts are the
+    scheme's own (float32 scales that happen to be powers of two)."""
+    if bool((codes == 255).any()):
+        return None  # E8M0 NaN: the float path names the tensor
+    w = fmt._deq_mxfp4({"weight_packed": packed, "weight_scale": codes}, fmt.QuantParams(),
+                       torch.bfloat16)  # fmt: skip
+    return dataclasses.replace(scheme, scale_fmt="ue8m0").quantize(w, name=name)
 
 
 def _top(codes: torch.Tensor, m: torch.Tensor) -> int | None:

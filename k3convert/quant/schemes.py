@@ -91,7 +91,7 @@ def _one_of(v, choices: tuple[str, ...]) -> bool:
 
 
 def _esize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _nbytes(parts: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
@@ -416,7 +416,10 @@ class IntScheme(Scheme):
     observer: how each group's range is chosen - 'minmax' (its full range, the default)
     or 'mse' (the range shrunk per group to the clip ratio with the smallest rounding
     error, :mod:`.mse_observer`: ratios ``1 - i / mse_grid`` down to ``1 - mse_maxshrink``,
-    error ``sum |w - dq(w)| ** mse_norm``); the parts are the same tensors either way.
+    error ``sum |w - dq(w)| ** mse_norm``) or 'search' (each group's scale with the
+    smallest squared error among 15 candidates, for an MXFP4 source: :mod:`.mx_int4`,
+    which the plan sets by default there; on any other input it is minmax); the parts are
+    the same tensors either way.
     Weight-only schemes are stored pack-quantized (int32 words, dense bits); schemes
     with activation quantization are stored int-quantized (one int8 per value), as
     compressed-tensors infers.
@@ -433,7 +436,7 @@ class IntScheme(Scheme):
     mse_norm: float = 2.4
 
     def __post_init__(self):
-        if not _one_of(self.observer, ("minmax", "mse")):
+        if not _one_of(self.observer, ("minmax", "mse", "search")):
             raise ConfigError(
                 f"weight observer must be minmax or mse, not {short_repr(self.observer)}."
             )
@@ -737,8 +740,10 @@ class IntScheme(Scheme):
             "strategy": self.strategy,
             "dynamic": False,
             "actorder": None,
-            "observer": self.observer,
-            "observer_kwargs": {} if self.observer == "minmax" else {
+            # the search minimises the squared error per group: llm-compressor's name for it
+            "observer": "mse" if self.observer == "search" else self.observer,
+            "observer_kwargs": {} if self.observer == "minmax" else {"norm": 2.0} if
+            self.observer == "search" else {
                 "grid": self.mse_grid, "maxshrink": self.mse_maxshrink, "norm": self.mse_norm,
             },
         }  # fmt: skip

@@ -42,6 +42,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -69,7 +70,7 @@ from ..checkpoint.output import (
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
 from ..errors import ConfigError, OutputError, short_repr
 from ..formats import ACTIVATION_PARTS
-from . import fp4_requant
+from . import fidelity, fp4_requant
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
 from .schemes import IntScheme, NonFiniteWeightError, get_scheme, known_schemes
 
@@ -94,6 +95,8 @@ class QuantizeResult:
     #: ``auto_keep``: the sensitivity report and the selection applied to the plan
     sensitivity: object | None = None
     selection: object | None = None
+    #: what re-encoding the release did to its values (:class:`.fidelity.LossReport`)
+    fidelity: fidelity.LossReport | None = None
 
     def table(self, collapse: bool = True) -> str:
         return self.plan.table(collapse)
@@ -110,6 +113,11 @@ class QuantizeResult:
             f"({', '.join(sorted(self.plan.schemes())) or 'none'}), "
             f"{human_bytes(before)} -> {human_bytes(after)}"
             + (f" in {self.files} file(s), {self.seconds:.1f} s{rate}" if not self.dry_run else "")
+            + (
+                f"\nrelease fidelity: {self.fidelity.summary()}; details in {fidelity.FILE}"
+                if self.fidelity
+                else ""
+            )
         )
 
 
@@ -191,7 +199,25 @@ def plan_quantization(
         plan.rows = [_keep_as_stored(ckpt, r) for r in plan.rows]
     if weight_observer is not None:
         plan.rows = _with_observer(plan, weight_observer)
+    else:
+        plan.rows = _mx_search(ckpt, plan)
     return ckpt, plan
+
+
+def _mx_search(ckpt, plan: Plan) -> list:
+    """The plan's rows, every MXFP4 source under a minmax int4 scheme that
+    :mod:`.mx_int4` produces switched to its per-group scale search (the default for an
+    MXFP4 release: its minmax scales move values the search keeps)."""
+    from . import mx_int4
+
+    rows = []
+    for r in plan.rows:
+        s = r.scheme
+        if (not r.kept and not r.as_stored and isinstance(s, IntScheme) and s.observer == "minmax"
+                and mx_int4.applies(s) and ckpt.meta(r.name).encoding == fmt.MXFP4):  # fmt: skip
+            r = dataclasses.replace(r, scheme=dataclasses.replace(s, observer="search"))
+        rows.append(r)
+    return rows
 
 
 def _with_observer(plan: Plan, observer: str) -> list:
@@ -388,12 +414,18 @@ def _check_finite_chunks(name: str, path: Path, info, where: Path) -> None:
 
 
 def _produce(
-    ckpt, r: Decision, input_scales: Mapping, shared: Mapping | None = None, calibrated=None
+    ckpt,
+    r: Decision,
+    input_scales: Mapping,
+    shared: Mapping | None = None,
+    calibrated=None,
+    losses: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """The output tensors of one row, by output name. shared: tensor name -> the largest
     |value| of its fused set, for schemes whose fused Linears share a global scale.
     calibrated: a calibration result whose ``weight_parts(name)`` gives GPTQ's parts for
-    the rows it calibrated (None: round to nearest)."""
+    the rows it calibrated (None: round to nearest). losses: where the row's
+    :class:`.fidelity.TensorLoss` is appended when it re-encodes a released encoding."""
     if r.kept:
         if r.encoded:
             w = ckpt.get(r.name)
@@ -403,13 +435,18 @@ def _produce(
         _check_finite(r.name, t, ckpt.root)
         return {r.name: t}
     parts = calibrated.weight_parts(r.name) if calibrated is not None else None
+    stats: dict = {}
     if parts is None:
         share = shared.get(r.name) if shared else None
         kw = {} if share is None else {"global_amax": share.amax, "top_code": share.top_code}
         try:
-            parts = quantize_stored(ckpt, r.name, r.scheme, **kw)
+            parts = quantize_stored(ckpt, r.name, r.scheme, stats=stats, **kw)
         except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
             raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
+    if losses is not None and r.encoded:
+        got = release_loss(ckpt, r, parts, exact=stats.get("exact", False))
+        if got is not None:
+            losses.append(got)
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     for k, v in r.scheme.act_values(input_scales.get(r.module)).items():
         out[f"{r.module}.{k}"] = v
@@ -417,19 +454,41 @@ def _produce(
 
 
 def quantize_stored(
-    ckpt, name: str, scheme, *, global_amax=None, top_code=None
+    ckpt, name: str, scheme, *, global_amax=None, top_code=None, stats: dict | None = None
 ) -> dict[str, torch.Tensor]:
     """``scheme.quantize`` of source tensor ``name`` dequantized to float32; an MXFP4
     source under a scheme :mod:`.fp4_requant` produces straight from its bytes takes
-    that path (int4: the same bytes without the float32 copy; NVFP4: the exact transcode,
-    its global scale from ``top_code``, the fused set's)."""
+    that path (NVFP4: the exact transcode, its global scale from ``top_code``, the fused
+    set's; FP8: power-of-two scales; int4: the searched or minmax scales, see there).
+    stats: filled by :func:`.fp4_requant.requantize` (``exact``: known to hold every
+    value)."""
     kw = {} if global_amax is None else {"global_amax": global_amax}
     if ckpt.meta(name).encoding == fmt.MXFP4 and fp4_requant.supported(scheme):
-        got = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name, top_code=top_code)
+        got = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name, top_code=top_code,
+                                     stats=stats)  # fmt: skip
         if got is not None:
             return got
     w = ckpt.get(name)
     return scheme.quantize(w, name=name, **kw)
+
+
+def release_loss(ckpt, r: Decision, parts: Mapping[str, torch.Tensor], *, exact: bool = False):
+    """Row ``r``'s :class:`.fidelity.TensorLoss` against the release's decode, for a 2-D
+    encoded source re-encoded under ``r.scheme`` (``parts``: its weight parts); None for
+    anything else. exact: known to hold every value (no comparison is run)."""
+    m = ckpt.meta(r.name)
+    enc = fmt.ENCODINGS.get(m.encoding)
+    if enc is None or len(m.shape) != 2 or r.kept:
+        return None
+    scale = m.parts.get(enc.scale_part)
+    try:
+        group = fmt.scale_block(tuple(scale.shape), tuple(m.shape), m.quant.block)
+    except (AttributeError, ValueError):
+        group = (1, m.shape[1])
+    if exact:
+        return fidelity.exact(r.name, m.encoding, r.scheme.name, m.shape, group)
+    return fidelity.measure(r.name, m.encoding, r.scheme.name, ckpt.get(r.name),
+                            r.scheme.dequantize(parts), group)  # fmt: skip
 
 
 def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
@@ -605,7 +664,8 @@ def quantize(
     if sens is not None and p.plot is not None and group.leader:
         sens.plot(p.plot)
     return QuantizeResult(out, plan, False, time.perf_counter() - t0, nfiles, calibrated,
-                          out / routing if routing else None, sens, sel)  # fmt: skip
+                          out / routing if routing else None, sens, sel,
+                          p.fidelity if p.fidelity else None)  # fmt: skip
 
 
 def write_checkpoint(
@@ -637,13 +697,15 @@ def write_checkpoint(
                 err = e
         group.agree(err, f"preparing {out}")
         tmp = group.share(tmp)
-        nfiles = _write(ckpt, plan, tmp, shard_size, workers, progress, p.input_scales,
-                        p.shared, p.calibrated, p.kv_tensors, group)  # fmt: skip
+        nfiles, p.fidelity = _write(ckpt, plan, tmp, shard_size, workers, progress,
+                                    p.input_scales, p.shared, p.calibrated, p.kv_tensors,
+                                    group)  # fmt: skip
         routing = None
         if group.leader:
             try:
-                for f in ckpt.aux_files:
-                    shutil.copy2(f, tmp / f.name)
+                for f in ckpt.aux_files:  # a source's own loss report is not this run's
+                    if f.name != fidelity.FILE:
+                        shutil.copy2(f, tmp / f.name)
                 cfg = json.dumps(p.output_config(), indent=2) + "\n"
                 (tmp / "config.json").write_text(cfg)
                 if p.selection is not None:
@@ -688,6 +750,8 @@ class Prepared:
     plot: str | os.PathLike | None = None
     #: what the serving target would refuse (:func:`k3convert.serving.check_plan`)
     serving: list = dataclasses.field(default_factory=list)
+    #: set by :func:`write_checkpoint`: what re-encoding the release did to its values
+    fidelity: fidelity.LossReport | None = None
 
     def output_config(self) -> dict:
         """config.json of the quantized checkpoint."""
@@ -849,12 +913,28 @@ def fuse_scales(prepared: Prepared, workers: int = 1) -> None:
         prepared.shared = _shared_amax(prepared.ckpt, prepared.plan, workers)
 
 
+class UncalibratedInputWarning(UserWarning):
+    """NVFP4 Linears written with ``input_global_scale`` 1.0: no calibration reached them."""
+
+
 def _check_input_scales(plan: Plan, input_scales: Mapping, calibrate) -> None:
     missing = [r.module for r in plan.quantized if r.scheme.needs_input_scale]
     missing = [m for m in missing if m not in input_scales]
+    reached = _calibrated_modules(plan) if calibrate is not None else set()
     if calibrate is not None:  # decoder layers' scales come from calibration
-        reached = _calibrated_modules(plan)
         missing = [m for m in missing if m not in reached]
+    nv = [r.module for r in plan.quantized if not r.as_stored and r.scheme.act is not None
+          and r.scheme.act.strategy == "tensor_group" and r.module not in input_scales
+          and r.module not in reached]  # fmt: skip
+    if nv:
+        warnings.warn(
+            f"{len(nv)} NVFP4 Linear(s) get input_global_scale 1.0 (e.g. '{nv[0]}'): no "
+            f"calibration sets it, so activations above 2688 in magnitude saturate and the "
+            f"smallest lose their low bits. Calibrate them (--calibrate; a recipe's "
+            f"quantize.calibrate) or keep them (--keep).",
+            UncalibratedInputWarning,
+            stacklevel=3,
+        )
     if missing:
         raise ConfigError(
             f"scheme '{next(r.scheme.name for r in plan.quantized if r.module == missing[0])}' "
@@ -977,7 +1057,7 @@ def _calibrate(
 
 def _job(
     ckpt, r: Decision, w: SafetensorsWriter, input_scales: Mapping, shared: Mapping,
-    calibrated=None,
+    calibrated=None, losses: list | None = None,
 ) -> Decision:  # fmt: skip
     """Produce row ``r``'s output tensors and write each at its place in the file. A
     tensor kept bit for bit from a safetensors source is checked for NaN / Inf one chunk
@@ -995,7 +1075,7 @@ def _job(
         _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
         w.copy_from(r.name, main.file, main.raw)
         return r
-    tensors = _produce(ckpt, r, input_scales, shared, calibrated)
+    tensors = _produce(ckpt, r, input_scales, shared, calibrated, losses)
     for name, dt, shape in _entries(r):
         t = tensors.pop(name)
         if t.dtype != dt or tuple(t.shape) != tuple(shape):
@@ -1038,10 +1118,16 @@ def stored_parts(ckpt, r: Decision) -> dict[str, torch.Tensor]:
 
 
 def row_tensors(
-    ckpt, r: Decision, input_scales: Mapping, shared: Mapping, calibrated=None
+    ckpt,
+    r: Decision,
+    input_scales: Mapping,
+    shared: Mapping,
+    calibrated=None,
+    losses: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """Row ``r``'s output tensors by output name, exactly what :func:`_job` writes for
-    it, checked the same way (``convert`` streams them into units instead)."""
+    it, checked the same way (``convert`` streams them into units instead); its loss
+    against the release appended to ``losses`` (see :func:`_produce`)."""
     if r.as_stored:
         return stored_parts(ckpt, r)
     smoothed = calibrated.kept_tensor(r.name) if calibrated is not None and r.kept else None
@@ -1052,7 +1138,7 @@ def row_tensors(
     if r.kept and not r.encoded and main is not None and main.raw is not None:
         _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
         return {r.name: ckpt.get_parts(r.name)["weight"]}
-    tensors = _produce(ckpt, r, input_scales, shared, calibrated)
+    tensors = _produce(ckpt, r, input_scales, shared, calibrated, losses)
     out = {}
     for name, dt, shape in _entries(r):
         t = tensors.pop(name)
@@ -1121,9 +1207,10 @@ def default_workers() -> int:
 def _write(
     ckpt, plan: Plan, tmp: Path, shard_size, workers, progress, input_scales, shared=None,
     calibrated=None, extra: Mapping[str, torch.Tensor] | None = None, group=None,
-) -> int:  # fmt: skip
+) -> tuple[int, fidelity.LossReport]:  # fmt: skip
     """Write the plan's rows in shard files (and ``extra`` tensors, the calibrated
-    KV-cache scales, in a last file of their own); returns the number of files. group:
+    KV-cache scales, in a last file of their own); returns the number of files and the
+    loss report of every process's rows (:mod:`.fidelity`, written by process 0). group:
     the torchrun job; each process writes its share of the files (balanced by bytes) and
     process 0 the KV file and the index, after :meth:`ProcessGroup.agree`."""
     from ..parallel import procs
@@ -1148,12 +1235,14 @@ def _write(
         disable=not progress or not group.leader,
     )
     err = None
+    losses: list = []
     try:
         with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
             for fname, rows in mine:
                 entries = [e for r in rows for e in _entries(r)]
                 with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-                    job = lambda r: _job(ckpt, r, w, input_scales, shared or {}, calibrated)  # noqa: E731
+                    job = lambda r: _job(ckpt, r, w, input_scales, shared or {}, calibrated,  # noqa: E731
+                                         losses)  # fmt: skip
                     for r in _unordered(job, rows, workers):
                         bar.update(r.src_bytes)
     except Exception as e:
@@ -1163,8 +1252,9 @@ def _write(
     finally:
         bar.close()
     group.agree(err, f"writing its files of {tmp}")
+    report = fidelity.LossReport(e for part in group.gather(losses) for e in part)
     if not group.leader:
-        return len(names)
+        return len(names), report
     if extra:
         save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / names[-1]),
                   metadata={"format": "pt"})  # fmt: skip
@@ -1173,4 +1263,6 @@ def _write(
             total += v.numel() * v.element_size()
     if len(names) > 1:
         write_index(tmp, weight_map, total)
-    return len(names)
+    if len(report):
+        report.write(tmp / fidelity.FILE)
+    return len(names), report

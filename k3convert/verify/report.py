@@ -111,6 +111,13 @@ def render_table(report: dict) -> str:
     dec = report.get("decode")
     if dec:
         lines += _decode_lines(dec)
+    fid = report.get("fidelity")
+    if fid:
+        lines.append(
+            f"release fidelity: {fid['summary']}"
+            if fid.get("summary")
+            else f"release fidelity: {fid['file']}: {fid.get('error')}"
+        )
     if report.get("time_s") is not None:
         lines.append(f"time: {report['time_s']:.1f} s")
     if report.get("peak_rss_mib") is not None:

@@ -15,6 +15,7 @@ memory beyond two hidden states. Under ``torchrun`` every process runs its own r
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import resource
@@ -301,6 +302,23 @@ def _transformers_reference(path: Path, ids, mask, pv, grid) -> tuple[torch.Tens
     # hidden_states[i + 1] follows layer i, except the last, which transformers returns
     # after the final norm: layers 0 .. L-2 are comparable
     return out.logits.float(), list(hs[1:-1])
+
+
+def _fidelity_of(cand: Path) -> dict | None:
+    """What the conversion that made ``cand`` did to the release's values: its loss report
+    (``transcode_report.json``, written by quantize / convert and carried by shard), in
+    brief; None where the candidate has none (a source that was not re-encoded)."""
+    from ..quant import fidelity
+
+    f = cand / fidelity.FILE
+    if not f.is_file():
+        return None
+    try:
+        rep = fidelity.LossReport.from_json(json.loads(f.read_text()))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return {"file": str(f), "error": f"unreadable: {e}"}
+    return {"file": str(f), "tensors": len(rep), "exact": len(rep.exact),
+            "worst": [e.name for e in rep.worst(3)], "summary": rep.summary()}  # fmt: skip
 
 
 def run_verify(
@@ -592,6 +610,7 @@ def run_verify(
         passed, why = False, dec["failure"]
     report["passed"] = passed
     report["failure"] = why
+    report["fidelity"] = _fidelity_of(cand_path)
     if json_path is not None:
         from .report import write_json
 
