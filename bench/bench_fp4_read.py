@@ -21,10 +21,14 @@ command's own), interleaved (A B C ... A B C ...), median of ``--repeats`` (3), 
                            holding every value), dropped (its memory then serves the next
                            one: k3convert.native.outbuf, as in every k3convert run)
   k3convert nvfp4 -> bf16  the same on the NVFP4 copy
-  mxfp4 -> nvfp4 requant   quantize_stored(ck, name, nvfp4a16): what `k3convert quantize`
-                           runs per tensor (the parts scheme.quantize gives for the float32
-                           decode, here straight from the bytes: k3convert.quant.fp4_requant)
-  mxfp4 -> int4 requant    the same with w4a16 (int4, group 128, bf16 scales)
+  mxfp4 -> nvfp4 (exact)   quantize_stored(ck, name, nvfp4a16): what `k3convert quantize`
+                           runs per tensor, the exact transcode (k3convert.quant.fp4_requant)
+  mxfp4 -> fp8-block (exact)  the same with fp8-block (power-of-two 128 x 128 block scales
+                           on the bfloat16 decode)
+  mxfp4 -> int4 g128 minmax   w4a16 (int4, group 128, bf16 scales) with the minmax
+                           observer (--weight-observer minmax)
+  mxfp4 -> int4 g32 search    int4-g32 with each group's scale searched, the default for an
+                           MXFP4 source (k3convert.quant.mx_int4)
 
 "read s" is the time the worker measures around its loop (no interpreter start, no
 imports; cp -r: the whole command); "stored GB/s" divides the bytes stored on disk by it;
@@ -66,7 +70,11 @@ scheme = None
 if how.startswith("requant:"):
     from k3convert.quant import get_scheme
     from k3convert.quant.writer import quantize_stored
-    scheme = get_scheme(how.partition(":")[2])
+    name, _, observer = how.partition(":")[2].partition(":")
+    scheme = get_scheme(name)
+    if observer:  # e.g. int4-g32:search, the default for an MXFP4 source
+        import dataclasses
+        scheme = dataclasses.replace(scheme, observer=observer)
     scheme.quantize(torch.randn(64, 256))
 t0 = time.perf_counter()
 n = 0
@@ -144,8 +152,10 @@ def stages(tmp: Path, info: dict, threads: list[int]) -> list[tuple]:
         (RAW, "mxfp4", "safe_open", mx, False),
         ("k3convert mxfp4 -> bf16", "mxfp4", "decode", mx, True),
         ("k3convert nvfp4 -> bf16", "nvfp4", "decode", nv, True),
-        ("mxfp4 -> nvfp4 requant", "mxfp4", "requant:nvfp4a16", mx, True),
-        ("mxfp4 -> int4 requant", "mxfp4", "requant:w4a16", mx, True),
+        ("mxfp4 -> nvfp4 (exact)", "mxfp4", "requant:nvfp4a16", mx, True),
+        ("mxfp4 -> fp8-block (exact)", "mxfp4", "requant:fp8-block", mx, True),
+        ("mxfp4 -> int4 g128 minmax", "mxfp4", "requant:w4a16", mx, True),
+        ("mxfp4 -> int4 g32 search", "mxfp4", "requant:int4-g32:search", mx, True),
     ]
     st = [("cp -r mxfp4", None, ["cp", "-r", str(tmp / "mxfp4"), str(tmp / "copy")], mx, False)]
     for name, d, how, stored, every in python:

@@ -1,6 +1,6 @@
 """Full-shape rehearsal of the Kimi K3 release: 93 layers, 896 routed experts (16 active, 2
 shared), the release's head counts (96 attention / KDA heads) and vocabulary (163840),
-converted with the ``kimi-k3-day0`` preset at its layout (tp8 ep8, 64 redundant experts)
+converted with the ``kimi-k3-day0`` preset at its layout (tp8 pp2 ep8, 64 redundant experts)
 and verified.
 
 Why: the tests use a handful of experts and layers; what breaks or is slow at 896 experts

@@ -1,6 +1,8 @@
 """Kimi K3 at the release's breadth: all 896 routed experts (16 active, 2 shared), the
 release's 96 attention / KDA heads and 163840-token vocabulary, through the kimi-k3-day0
-preset at its layout (tp8 ep8, 64 redundant experts placed by calibration).
+preset at one stage of its layout (tp8 ep8, 64 redundant experts placed by calibration;
+the preset's pp2 is set to 1: the two layers here would leave the MoE one alone in a
+stage, and the breadth, not the depth, is the point).
 
 Why: the other tests use a handful of experts, and what only goes wrong at 896 per layer
 (placement with redundant copies, per-rank bytes, manifest size, per-tensor overheads)
@@ -18,11 +20,13 @@ import pytest
 
 from k3convert.convert import convert
 from k3convert.memplan import plan_memory
+from k3convert.recipe import load_recipe
 from k3convert.stream import open_stream, read_manifest_doc
 from k3convert.synth import synthesize
 from tests.test_memplan import _manifest_bytes
 
 EXPERTS, LAYERS, VOCAB, HEADS = 896, 2, 163840, 96
+ONE_STAGE = ["layout.pp=1"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def k3(tmp_path_factory) -> tuple[Path, Path, object]:
                            for s in range(2)))  # fmt: skip
     sets = [f"quantize.calibrate.dataset={ids}", "quantize.calibrate.num_samples=2",
             "quantize.calibrate.seq_len=16", "verify.samples=1", "verify.seq_len=8",
-            "verify.decode=1"]  # fmt: skip
+            "verify.decode=1", *ONE_STAGE]  # fmt: skip
     res = convert(src=src, out=out, recipe="kimi-k3-day0", overrides=sets, progress=False)
     return src, out, res
 
@@ -67,7 +71,8 @@ def test_plan_equals_the_stream_per_rank(k3):
     src, out, _ = k3
     listed, stored = _manifest_bytes(out)
     assert listed == stored and len(listed) == 8
-    plan = plan_memory(src=src, recipe="kimi-k3-day0", expert_load=out / "routing_counts.json",
+    recipe = load_recipe("kimi-k3-day0", ONE_STAGE)
+    plan = plan_memory(src=src, recipe=recipe, expert_load=out / "routing_counts.json",
                        search=False)  # fmt: skip
     assert [r.weights for r in plan.ranks] == listed
 

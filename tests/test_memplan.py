@@ -124,8 +124,8 @@ def test_sizes_and_tokens():
 def test_device_presets():
     # the vendors' decimal GB
     assert DEVICES == {
-        "h100": 80e9, "h200": 141e9, "b200": 180e9, "mi300x": 192e9, "mi325x": 256e9,
-        "mtt-s5000": 80e9,
+        "a100": 80e9, "h100": 80e9, "h200": 141e9, "b200": 180e9, "mi300x": 192e9,
+        "mi325x": 256e9, "mtt-s5000": 80e9,
     }  # fmt: skip
     n, label = device_budget(None, "H200")
     assert n == 141_000_000_000 and "141 GB" in label

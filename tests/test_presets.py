@@ -57,8 +57,8 @@ def _kimi_k3(out: Path) -> None:
 def _kimi_k3_128(out: Path) -> None:
     """The tiny Kimi K3 with experts of 128 x 128 (latent width and expert width): FP8
     128 x 128 blocks and their activation groups tile every expert."""
-    synthesize(config="kimi-k3", out=out, tiny=True,
-               overrides={"heads": 8, "experts": 16, "latent": 128, "moe_intermediate": 128})  # fmt: skip
+    dims = {"heads": 8, "experts": 16, "latent": 128, "moe_intermediate": 128}
+    synthesize(config="kimi-k3", out=out, tiny=True, overrides=dims)
 
 
 def _mla(base: str, **dims):

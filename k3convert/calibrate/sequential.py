@@ -58,8 +58,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__ as _k3_version
+from .. import formats as fmt
 from ..errors import ConfigError
-from ..quant import mse_observer
+from ..quant import fp4_requant, mse_observer
 from ..quant.mse_observer import GroupGram
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
 from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp, layer_output
@@ -337,6 +338,20 @@ def gptq_supported(scheme: Scheme) -> bool:
 def _group_of(scheme: IntScheme, shape) -> int:
     """Input channels per scale group of an integer scheme on a weight of ``shape``."""
     return int(shape[1]) // scheme._ngroups(int(shape[1]))
+
+
+def _round_to_nearest(ckpt, name: str, scheme: Scheme, w: torch.Tensor, smoothed: bool):
+    """A rounded-to-nearest Linear's parts as the writer will store them: an MXFP4 source
+    (not smoothed) through :mod:`..quant.fp4_requant` (the exact NVFP4 / FP8 transcode,
+    int4's searched scales), so the layers after it calibrate on the written values;
+    else the scheme's own quantize of ``w``. (Its transcode warning is the writer's.)"""
+    if not smoothed and ckpt.meta(name).encoding == fmt.MXFP4 and fp4_requant.supported(scheme):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fp4_requant.TranscodeLossWarning)
+            parts = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name)
+        if parts is not None:
+            return parts
+    return scheme.quantize(w, name=name)
 
 
 def _static(scheme: Scheme) -> bool:
@@ -1003,7 +1018,7 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
                     ExpertFallbackWarning, stacklevel=2,
                 )  # fmt: skip
                 rec["fallbacks"].append(n)
-            parts = r.scheme.quantize(w, name=n)
+            parts = _round_to_nearest(ckpt, n, r.scheme, w, n in touched)
             if n in touched:  # the smoothed weight's parts (the source's are not these)
                 rec["parts"].append(n)
                 parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
