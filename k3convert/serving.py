@@ -233,8 +233,17 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
         else:
             found[key] = [Problem(engine, r.name, 1, tuple(r.shape), r.label, tp_, rule, fix), 1]
 
+    sliced: dict[tuple, tuple[int, int, int]] = {}
+
     def local(r) -> tuple[int, int, int]:
-        """(out, in) of one rank's slice, and the degree it is cut by."""
+        """(out, in) of one rank's slice, and the degree it is cut by (once per tensor
+        name up to layer / expert indices and shape: 896 experts x 93 layers share one)."""
+        key = (_template(r.name), tuple(r.shape))
+        if key not in sliced:
+            sliced[key] = _local(r)
+        return sliced[key]
+
+    def _local(r) -> tuple[int, int, int]:
         out, inp = r.shape
         m = TensorMeta(r.name, tuple(r.shape), "plain", {})
         n = layout.moe_tp if r.role.expert is not None else tp

@@ -94,6 +94,28 @@ def test_fp8_block_from_mxfp4_is_the_exact_transcode(path, shape):
     assert float((generic != x).float().mean()) > 0.2
 
 
+def test_fp8_block_fast_path_equals_the_general_one(path):
+    """The whole-block path (block maxima on the bfloat16 bits, a power-of-two multiply in
+    bfloat16) writes the bytes of the scheme's general ue8m0 path, zero blocks included;
+    blocks at the extremes of the exponent range take the general path."""
+    import dataclasses as dc
+
+    s = get_scheme("fp8-block")
+    general = dc.replace(s, scale_fmt="ue8m0")
+    for seed, lo, hi in ((0, 110, 135), (1, 1, 20), (2, 230, 250)):
+        p = _release(256, 384, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        p["weight_scale"] = torch.randint(lo, hi, p["weight_scale"].shape, generator=g).to(
+            torch.uint8
+        )
+        p["weight_packed"][:128, :64] = 0  # a zero block
+        x = fmt.mxfp4_reference(p, fmt.QuantParams(), torch.bfloat16)
+        got = fp4_requant.requantize(p, s, name="t")
+        want = general.quantize(x, name="t")
+        assert torch.equal(got["weight_scale"], want["weight_scale"]), seed
+        assert torch.equal(got["weight"].view(torch.uint8), want["weight"].view(torch.uint8))
+
+
 def test_fp8_block_rounds_only_values_out_of_reach(path):
     """A block whose values span 28 binades: the values more than 17 binades below its
     largest are rounded (to the reference's nearest), every other value is exact."""
