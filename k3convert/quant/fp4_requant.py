@@ -285,55 +285,82 @@ def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name
     puts a group's largest value, ``1 * 2**p`` or ``1.5 * 2**p``, at 256 or 384, and
     ``x / scale`` is exact, so the e4m3 cast keeps every value within 17 binades of it
     and rounds (to nearest, ties to even) only those below. The stored parts are the
-    scheme's own (float32 scales that happen to be powers of two)."""
+    scheme's own (float32 scales that happen to be powers of two). Whole blocks take
+    :func:`_fp8_bytes` (the same bytes from a table, no float copy)."""
     if bool((codes == 255).any()):
         return None  # E8M0 NaN: the float path names the tensor
-    w = fmt._deq_mxfp4({"weight_packed": packed, "weight_scale": codes}, fmt.QuantParams(),
-                       torch.bfloat16)  # fmt: skip
-    fast = _fp8_blocks(w, scheme)
+    fast = _fp8_bytes(packed, codes, scheme)
     if fast is not None:
         return fast
+    w = fmt._deq_mxfp4({"weight_packed": packed, "weight_scale": codes}, fmt.QuantParams(),
+                       torch.bfloat16)  # fmt: skip
     return dataclasses.replace(scheme, scale_fmt="ue8m0").quantize(w, name=name)
 
 
-#: exponents of a block's largest value for which ``2**(8 - e)`` and ``2**(e - 8)`` are
-#: normal bfloat16 / float32 values (outside: the scheme's general path)
-_FP8_EXP = (-100, 100)
+#: the exponent of each E2M1 magnitude code's value (0.5 .. 6); code 0 (zero): the lowest
+_EXP_OF_M = torch.tensor([-16384, -1, 0, 0, 1, 1, 2, 2], dtype=torch.int16)
 
 
-def _fp8_blocks(w: torch.Tensor, scheme: FP8Scheme) -> dict[str, torch.Tensor] | None:
-    """:func:`fp8_exact` for whole blocks, without a float32 copy: the bfloat16 decode's
-    block maxima on the raw bits (every MXFP4 value is ``1`` or ``1.5`` times a power of
-    two, so its scale ``2**ceil(log2(amax / 448))`` is ``2**(e - 8)`` for the maximum's
-    exponent ``e``), then ``w * 2**(8 - e)`` in bfloat16 (exact: a power of two) cast to
-    e4m3, a band of block rows at a time. The same bytes as the general path (tests);
-    None for edge blocks, zero tensors' extremes or other strategies."""
-    out, inp = w.shape
-    if scheme.strategy != "block" or not w.numel():
+@functools.lru_cache(maxsize=1)
+def _fp8_byte_values() -> torch.Tensor:
+    """[256 keys, 16 nibbles] "bfloat16" whose bits are the e4m3 byte of ``e2m1(n) *
+    2**(k - 127)`` (float32, exact; cast to nearest, ties to even, as the scheme's own cast;
+    values above 448 - a key no group reaches - saturated): the decode kernel's table."""
+    e2m1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
+    k = torch.arange(256, dtype=torch.float64)  # float64: 2**128 x 0 is 0, not NaN
+    v = (e2m1[None, :] * torch.exp2(k - 127)[:, None]).clamp_(-448.0, 448.0).float()
+    return v.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16).view(torch.bfloat16)
+
+
+def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme):
+    """:func:`fp8_exact` for whole blocks straight from the bytes: each block's largest
+    exponent ``E`` from the MX groups' maxima and codes (no decode), then every value is
+    ``e2m1(n) * 2**(k - 127)`` for its MX group's key ``k = e - E + 8`` and the output
+    byte one table load - the FP4 decode kernel with a table of e4m3 bytes (the low byte
+    of each 2-byte output), narrowed to one byte. The bytes of the general path
+    (tests/test_mx_transcode.py). None where this does not apply (other strategies, edge
+    blocks, blocks whose MX groups straddle a block, exponents near float32's ends)."""
+    out, cols = packed.shape
+    inp = 2 * cols
+    if scheme.strategy != "block" or not packed.numel():
         return None
     b0, b1 = scheme.block
-    if out % b0 or inp % b1:
+    if out % b0 or inp % b1 or b1 % fmt.MX_GROUP:
         return None
-    r, c = out // b0, inp // b1
-    bits = w.view(torch.int16).view(r, b0, c, b1)
-    amax = torch.empty(r, c, dtype=torch.int16)
-    band = max(1, (1 << 20) // (b0 * inp))
-    for i0 in range(0, r, band):
-        a = torch.bitwise_and(bits[i0 : i0 + band], 0x7FFF)
-        amax[i0 : i0 + band] = a.amax(3).amax(1)
-    e = (amax.to(torch.int32) >> 7) - 127  # bf16 exponent of each block's maximum
-    zero = amax == 0
-    e = torch.where(zero, 8 - 126, e)  # a zero block: scale 2**-126, as the general path
-    if bool(((e < _FP8_EXP[0]) & ~zero).any()) or bool((e > _FP8_EXP[1]).any()):
-        return None
-    scale = torch.ldexp(torch.ones(r, c), (e - 8).float())
-    inv = torch.ldexp(torch.ones(r, c), (8 - e).clamp(max=126).float()).to(torch.bfloat16)
+    r, c, sub = out // b0, inp // b1, b1 // fmt.MX_GROUP
+    m = _max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp / 32]
+    top = codes.to(torch.int16).sub_(127).add_(_EXP_OF_M[m.long()])  # zero groups: < -16000
+    e = top.view(r, b0, c, sub).amax(3).amax(1)  # [r, c]: the block maximum's exponent
+    zero = e < -1000
+    if bool(((e < -118) & ~zero).any()) or bool((e > 135).any()):
+        return None  # a scale 2**(E - 8) outside float32's normal range: the float path
+    e = torch.where(zero, -118, e)  # a zero block: scale 2**-126, as the general path
+    per_group = e.repeat_interleave(b0, 0).repeat_interleave(sub, 1)  # [out, inp / 32]
+    keys = (codes.to(torch.int16) - per_group + 8).clamp_(0, 255).to(torch.uint8)
+    vals = _fp8_byte_values()
+    res = None
+    if native.ENABLED and native.library() is not None:
+        res = native.fp4_decode(packed, keys, vals, torch.bfloat16, fmt.MX_GROUP,
+                                table=_fp8_byte_table())  # fmt: skip
+    if res is None:
+        res = fp4_decode.decode(packed, keys, fmt.MX_GROUP, _fp8_pair_table(), torch.bfloat16)
     q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
-    qv, v = q.view(r, b0, c, b1), w.view(r, b0, c, b1)
-    for i0 in range(0, r, band):
-        x = v[i0 : i0 + band] * inv[i0 : i0 + band, None, :, None]
-        qv[i0 : i0 + band].copy_(x)
+    q.view(torch.uint8).copy_(res.view(torch.int16))  # each value's low byte (high: 0)
+    scale = torch.ldexp(torch.ones(r, c), (e - 8).float())
     return {"weight": q, "weight_scale": scale}
+
+
+@functools.lru_cache(maxsize=1)
+def _fp8_byte_table() -> torch.Tensor:
+    return native.decode_table(_fp8_byte_values(), torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def _fp8_pair_table() -> torch.Tensor:
+    v = _fp8_byte_values()
+    b = torch.arange(256)
+    return fp4_decode.pair_table(torch.stack([v[:, b & 15], v[:, b >> 4]], -1).contiguous(),
+                                 torch.bfloat16)  # fmt: skip
 
 
 def _top(codes: torch.Tensor, m: torch.Tensor) -> int | None:
