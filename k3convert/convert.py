@@ -493,8 +493,14 @@ def convert(
         from .quant import fidelity
 
         mine = list(data.losses.values()) if isinstance(data, PlannedCheckpoint) else []
-        losses = fidelity.LossReport({e.name: e for part in group.gather(mine)
-                                      for e in part}.values())  # fmt: skip
+        got = {e.name: e for part in group.gather(mine) for e in part}
+        # a resumed run produces only the units it writes: the rest are not measured
+        todo = [] if prep is None or done is not None else [
+            r.name for r in prep.plan.rows
+            if r.encoded and not r.kept and not r.as_stored and len(r.shape) == 2
+            and r.name not in got
+        ]  # fmt: skip
+        losses = fidelity.LossReport(got.values(), todo)
         vrep = report = err = None
         if group.leader:  # the rest is process 0's; the others wait for its verdict
             try:
@@ -520,7 +526,7 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
     the report files."""
     from .quant import fidelity
 
-    if done is None and losses is not None and len(losses):
+    if done is None and losses is not None and (len(losses) or losses.unmeasured):
         losses.write(out / fidelity.FILE)
     elif done is not None:  # verified again: the report its run wrote, if any
         losses = _read_losses(out)
@@ -735,7 +741,7 @@ def _read_losses(out: Path):
 def _fidelity_summary(losses) -> dict | None:
     """report.json's view of the loss report: the totals, the summary line and the ten
     worst tensors (every tensor is in OUT/transcode_report.json)."""
-    if losses is None or not len(losses):
+    if losses is None or not (len(losses) or losses.unmeasured):
         return None
     from .quant import fidelity
 

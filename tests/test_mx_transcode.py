@@ -301,3 +301,31 @@ def test_convert_and_verify_state_the_loss_report(tmp_path):
     assert main(["verify", str(out), "--reference", str(src), "--json", str(vjson)]) == 0
     v = json.loads(vjson.read_text())["fidelity"]
     assert v["tensors"] == v["exact"] == rep["tensors"] and v["worst"] == []
+
+
+def test_resumed_convert_says_what_it_did_not_measure(tmp_path, monkeypatch):
+    """A convert resumed after an interruption re-encodes only the units it writes: the
+    report lists the re-encoded tensors it did not measure and says so."""
+    from k3convert.cli import main
+    from k3convert.convert import convert
+    from k3convert.recipe import load_recipe
+    from tests.test_convert import _interrupt_after, _Stop
+
+    src, out = tmp_path / "k3", tmp_path / "cv"
+    assert main(["synth", "kimi-k3", str(src), "--tiny"]) == 0
+    recipe = load_recipe(RECIPES / "kimi-k3-nvfp4-experts.yaml",
+                         ["layout.tp=2", "layout.moe_ep=2", "verify.enabled=false"])  # fmt: skip
+    full = convert(src=src, out=tmp_path / "full", recipe=recipe, progress=False)
+    total = full.report["fidelity"]["tensors"]
+    assert total > 0 and not full.report["fidelity"]["unmeasured"]
+    _interrupt_after(monkeypatch, 13)
+    with pytest.raises(_Stop):
+        convert(src=src, out=out, recipe=recipe, progress=False)
+    monkeypatch.undo()
+    res = convert(src=src, out=out, recipe=recipe, progress=False)
+    f = res.report["fidelity"]
+    assert res.units_skipped == 13 and f["unmeasured"]
+    assert f["tensors"] + len(f["unmeasured"]) == total
+    assert "not measured" in f["summary"]
+    doc = json.loads((out / fidelity.FILE).read_text())
+    assert fidelity.LossReport.from_json(doc).unmeasured == f["unmeasured"]

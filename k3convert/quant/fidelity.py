@@ -98,10 +98,13 @@ def exact(name: str, source: str, target: str, shape, group: tuple[int, int]) ->
 
 
 class LossReport:
-    """Every :class:`TensorLoss` of one conversion, by tensor name."""
+    """Every :class:`TensorLoss` of one conversion, by tensor name; ``unmeasured``: tensors
+    it re-encoded that were not measured (a resumed ``convert``: written by the earlier
+    run)."""
 
-    def __init__(self, entries: Iterable[TensorLoss] = ()):
+    def __init__(self, entries: Iterable[TensorLoss] = (), unmeasured: Iterable[str] = ()):
         self.entries = sorted(entries, key=lambda e: e.name)
+        self.unmeasured = sorted(unmeasured)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -126,28 +129,29 @@ class LossReport:
             "sources": sorted({e.source for e in self.entries}),
             "targets": sorted({e.target for e in self.entries}),
             "worst": [e.name for e in self.worst(10)],
+            "unmeasured": self.unmeasured,
             "entries": [e.to_json() for e in self.entries],
         }
 
     def summary(self) -> str:
         """One line: how many transcoded tensors are exact, and the worst ones."""
-        if not self.entries:
+        if not self.entries and not self.unmeasured:
             return ""
-        srcs = "/".join(sorted({_short(e.source) for e in self.entries}))
+        srcs = "/".join(sorted({_short(e.source) for e in self.entries})) or "the release"
         head = (f"{len(self.exact)} of {len(self.entries)} tensors re-encoded from {srcs} "
                 f"hold every released value")  # fmt: skip
+        tail = (f"; {len(self.unmeasured)} more, written by an earlier (interrupted) run, "
+                f"were not measured (--force converts and measures them all)"
+                if self.unmeasured else "")  # fmt: skip
         bad = self.worst(3)
         if not bad:
-            return head + " (bit-exact)"
+            return head + (" (bit-exact)" if self.entries else "") + tail
         lossy = len(self.entries) - len(self.exact)
-        return (
-            head
-            + f"; {lossy} changed, worst: "
-            + "; ".join(
-                f"{e.name} (rel err {e.rel_err:.2e}, {e.groups_changed} of {e.groups} groups)"
-                for e in bad
-            )
+        worst = "; ".join(
+            f"{e.name} (rel err {e.rel_err:.2e}, {e.groups_changed} of {e.groups} groups)"
+            for e in bad
         )
+        return f"{head}; {lossy} changed, worst: {worst}{tail}"
 
     def write(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -161,7 +165,7 @@ class LossReport:
             e = {k: v for k, v in e.items() if k != "exact"}
             e["group"] = tuple(e["group"])
             out.append(TensorLoss(**e))
-        return cls(out)
+        return cls(out, doc.get("unmeasured", ()))
 
 
 def _short(encoding: str) -> str:
