@@ -1,4 +1,4 @@
-"""MXFP4 weights requantized to NVFP4 or int4 straight from their bytes.
+"""MXFP4 weights re-encoded as NVFP4, FP8 or int4 straight from their bytes.
 
 Why: the Kimi K3 release stores its ~1.4 TB of routed experts as MXFP4, and a recipe that
 serves them as NVFP4 (or int4 w4a16) would otherwise dequantize every expert to float32
@@ -23,9 +23,13 @@ integers only:
   nearest, ties to even, as every FP4 quantizer here) and counted
   (:class:`TranscodeLossWarning`). This is not ``scheme.quantize`` of the decode, whose
   amax-based scales move about half the values (issue 37's measurement: 44 %).
-* int4, symmetric (groups of a multiple of 32): the group's scale on its largest value
-  ``amax``; each output nibble on ``amax``'s significand (1 or 1.5: a power of two times an
-  E2M1 magnitude), on ``d = e_j - exponent(amax)`` of the value's own MX group ``j`` and on
+* FP8 (:func:`fp8_exact`): power-of-two scales put a block's largest value at 256 or 384,
+  so every value within 17 binades of it is exact in e4m3; whole 128 x 128 blocks come
+  from a table of e4m3 bytes (:func:`_fp8_bytes`), no float copy.
+* int4 under the ``search`` observer (the default for an MXFP4 source):
+  :mod:`.mx_int4`. Under ``minmax`` (symmetric, groups of a multiple of 32): the group's
+  scale on its largest value ``amax``; each output nibble on ``amax``'s significand (1 or
+  1.5: a power of two times an E2M1 magnitude), on ``d = e_j - exponent(amax)`` of the value's own MX group ``j`` and on
   the nibble, because ``x / scale`` and the scale's rounding are exact under a common power
   of two while every value is a normal float. The table is the scheme's own ``quantize`` on
   one synthetic group per (significand, d). Outside the E8M0 codes where that holds
@@ -36,7 +40,8 @@ With :mod:`k3convert.native`'s kernels the int4 path is one pass over the bytes 
 maxima, table rows and output nibbles per int group, in C); torch ops otherwise.
 
 tests/test_fp4_requant.py checks both against ``scheme.quantize`` of the float32 decode,
-bit for bit, on random and extreme tensors.
+bit for bit, on random and extreme tensors; tests/test_mx_transcode.py the FP8 and the
+int4 search against references written from their definitions.
 """
 
 from __future__ import annotations
