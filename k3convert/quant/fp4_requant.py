@@ -26,15 +26,15 @@ integers only:
 * FP8 (:func:`fp8_exact`): power-of-two scales put a block's largest value at 256 or 384,
   so every value within 17 binades of it is exact in e4m3; whole 128 x 128 blocks come
   from a table of e4m3 bytes (:func:`_fp8_bytes`), no float copy.
-* int4 under the ``search`` observer (the default for an MXFP4 source):
-  :mod:`.mx_int4`. Under ``minmax`` (symmetric, groups of a multiple of 32): the group's
-  scale on its largest value ``amax``; each output nibble on ``amax``'s significand (1 or
-  1.5: a power of two times an E2M1 magnitude), on ``d = e_j - exponent(amax)`` of the value's own MX group ``j`` and on
-  the nibble, because ``x / scale`` and the scale's rounding are exact under a common power
-  of two while every value is a normal float. The table is the scheme's own ``quantize`` on
-  one synthetic group per (significand, d). Outside the E8M0 codes where that holds
-  (:data:`INT_CODES`), and for scale dtypes whose range is not float32's, :func:`requantize`
-  returns None and the caller takes the float path.
+* int4 under the ``search`` observer (the default for an MXFP4 source): :mod:`.mx_int4`.
+  Under ``minmax`` (symmetric, groups of a multiple of 32): the group's scale on its
+  largest value ``amax``; each output nibble on ``amax``'s significand (1 or 1.5: a
+  power of two times an E2M1 magnitude), on ``d = e_j - exponent(amax)`` of the value's
+  own MX group ``j`` and on the nibble, because ``x / scale`` and the scale's rounding
+  are exact under a common power of two while every value is a normal float. The table
+  is the scheme's own ``quantize`` on one synthetic group per (significand, d). Outside
+  the E8M0 codes where that holds (:data:`INT_CODES`), and for scale dtypes whose range
+  is not float32's, :func:`requantize` returns None and the caller takes the float path.
 
 With :mod:`k3convert.native`'s kernels the int4 path is one pass over the bytes (group
 maxima, table rows and output nibbles per int group, in C); torch ops otherwise.
