@@ -119,7 +119,3 @@ def test_cli_nvfp4_calibrated_and_uncalibrated(work, capsys):
             "--algorithm", "gptq", "--dataset", data]  # fmt: skip
     rc = main([str(a) for a in argv])
     assert rc == 2 and "--algorithm rtn (or static)" in capsys.readouterr().err
-    rc, text = _cli(["quantize", src, root / "nv-static", "--scheme", "nvfp4", "--calibrate",
-                     "--algorithm", "static", "--dataset", data, "--num-samples", 4,
-                     "--seq-len", 16])  # fmt: skip
-    assert rc == 0, text

@@ -284,9 +284,10 @@ FULL_MODEL = {"kimi_k3": "kimi-k3"}
 
 
 #: presets whose target the suite plans: a full-size K3 plan takes ~25 s (250 k tensors),
-#: so the two the issue found over budget; `k3convert plan kimi-k3 --recipe NAME` checks
-#: any other (every K3 preset fits: docs/kimi-k3.md)
-PLANNED = ("kimi-k3-day0", "kimi-k3-nvfp4-experts")
+#: so the suite plans the day-0 one (the one found 77 GiB over budget on 8 x H200);
+#: `k3convert plan kimi-k3 --recipe NAME` checks any other (every K3 preset fits: the
+#: figures are in docs/kimi-k3.md)
+PLANNED = ("kimi-k3-day0",)
 
 
 def test_every_k3_preset_names_its_hardware():
