@@ -329,3 +329,24 @@ def test_resumed_convert_says_what_it_did_not_measure(tmp_path, monkeypatch):
     assert "not measured" in f["summary"]
     doc = json.loads((out / fidelity.FILE).read_text())
     assert fidelity.LossReport.from_json(doc).unmeasured == f["unmeasured"]
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "int4-g32", "w4a16"])
+def test_transcodes_read_back_by_compressed_tensors(name):
+    """compressed-tensors' own decompressors read the transcoded parts: FP8 blocks give
+    the release's values exactly, the searched int4 what k3convert's loss report measured
+    (its dequantization)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationScheme
+
+    s = get_scheme(name) if name.startswith("fp8") else _search(name)
+    p = _release(256, 512, seed=4)
+    parts = fp4_requant.requantize(p, s, name="t")
+    scheme = QuantizationScheme.model_validate(s.ct_scheme(["Linear"]))
+    comp = BaseCompressor.get_value_from_registry(infer_module_format(torch.nn.Linear,
+                                                                      scheme).value)  # fmt: skip
+    ct = comp.decompress(dict(parts), scheme)["weight"].float()
+    assert torch.equal(ct, s.dequantize(parts))
+    if name.startswith("fp8"):
+        assert torch.equal(ct, _decode(p))
