@@ -495,10 +495,10 @@ def convert(
         mine = list(data.losses.values()) if isinstance(data, PlannedCheckpoint) else []
         got = {e.name: e for part in group.gather(mine) for e in part}
         # a resumed run produces only the units it writes: the rest are not measured
+        from .quant.writer import re_encodes
+
         todo = [] if prep is None or done is not None else [
-            r.name for r in prep.plan.rows
-            if r.encoded and not r.kept and not r.as_stored and len(r.shape) == 2
-            and r.name not in got
+            r.name for r in prep.plan.rows if re_encodes(r) and r.name not in got
         ]  # fmt: skip
         losses = fidelity.LossReport(got.values(), todo)
         vrep = report = err = None

@@ -443,10 +443,8 @@ def _produce(
             parts = quantize_stored(ckpt, r.name, r.scheme, stats=stats, **kw)
         except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
             raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
-    if losses is not None and r.encoded:
-        got = release_loss(ckpt, r, parts, exact=stats.get("exact", False))
-        if got is not None:
-            losses.append(got)
+    if losses is not None and re_encodes(r):
+        losses.append(release_loss(ckpt, r, parts, exact=stats.get("exact", False)))
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     for k, v in r.scheme.act_values(input_scales.get(r.module)).items():
         out[f"{r.module}.{k}"] = v
@@ -472,14 +470,18 @@ def quantize_stored(
     return scheme.quantize(w, name=name, **kw)
 
 
+def re_encodes(r: Decision) -> bool:
+    """Whether row ``r`` changes a released encoding: a 2-D encoded source quantized under
+    a scheme (not kept, not copied as stored) - the rows the loss report measures."""
+    return r.encoded and not r.kept and not r.as_stored and len(r.shape) == 2
+
+
 def release_loss(ckpt, r: Decision, parts: Mapping[str, torch.Tensor], *, exact: bool = False):
-    """Row ``r``'s :class:`.fidelity.TensorLoss` against the release's decode, for a 2-D
-    encoded source re-encoded under ``r.scheme`` (``parts``: its weight parts); None for
-    anything else. exact: known to hold every value (no comparison is run)."""
+    """Row ``r``'s :class:`.fidelity.TensorLoss` against the release's decode (a row that
+    :func:`re_encodes`; ``parts``: its weight parts under ``r.scheme``). exact: known to
+    hold every value (no comparison is run)."""
     m = ckpt.meta(r.name)
-    enc = fmt.ENCODINGS.get(m.encoding)
-    if enc is None or len(m.shape) != 2 or r.kept:
-        return None
+    enc = fmt.ENCODINGS[m.encoding]
     scale = m.parts.get(enc.scale_part)
     try:
         group = fmt.scale_block(tuple(scale.shape), tuple(m.shape), m.quant.block)
