@@ -73,7 +73,7 @@ def applies(scheme) -> bool:
 #: squared errors are kept in units of 2**-24: every value and dequantized value of a
 #: bfloat16-scale candidate is a multiple of 2**-12 (values 2**-(1 + DEPTH) at the finest,
 #: scales at least 2**-5 with 8 significant bits), so the errors are integers there and
-#: every sum is exact (float64 here, uint32 lanes in the kernel: :func:`_byte_tables`)
+#: every sum is exact (float64 here, uint32 lanes in the kernel: :func:`_byte_errors`)
 _UNIT = 2.0**24
 
 
