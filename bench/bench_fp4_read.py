@@ -64,7 +64,7 @@ root, how, threads = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(threads)
 torch.ones(1 << 22).sum()  # large enough for a parallel region: a team starts before the clock
 if how != "safe_open":  # imports before the clock, as the requant stages' scheme warm-up
-    import k3convert.quant.fp4_decode, k3convert.native
+    import k3convert.formats.fp4, k3convert.native
     k3convert.native.library()
 scheme = None
 if how.startswith("requant:"):

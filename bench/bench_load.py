@@ -39,7 +39,7 @@ from _harness import build_llama
 from safetensors.torch import load_file, save_file
 
 from k3convert.arch import resolve
-from k3convert.quant.packing import pack_int32
+from k3convert.formats.intn import pack_int32
 from k3convert.shard import shard
 from k3convert.stream import open_stream, read_manifest_doc
 

@@ -41,8 +41,10 @@ import torch
 from k3convert.checkpoint import open_checkpoint
 from k3convert.runtime import Runtime
 from k3convert.stream import open_stream
-from k3convert.parallel import (ParallelRuntime, SimulatedCollectives, stream_ranks,
-    TorchDistributedCollectives, init_distributed, under_torchrun)
+from k3convert.parallel import (SimulatedCollectives, TorchDistributedCollectives,
+    init_distributed, under_torchrun)
+from k3convert.runtime.parallel import ParallelRuntime
+from k3convert.runtime.ranks import stream_ranks
 
 def hwm():
     for line in open("/proc/self/status"):

@@ -562,7 +562,7 @@ def _llama_state(g: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def _packed(sd: dict, names: list[str], symmetric: bool, group: int = 8) -> dict:
-    from k3convert.quant.packing import pack_int32
+    from k3convert.formats.intn import pack_int32
     from tests.encode import int_group_quantize
 
     out = {}

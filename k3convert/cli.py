@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from . import __version__
-from .errors import K3Error
+from .errors import ConfigError, K3Error
 
 app = typer.Typer(
     name="k3convert",
@@ -51,6 +51,12 @@ def _root(
     ] = False,
 ):
     """k3convert: quantize, reshard and verify checkpoints without holding the whole model."""
+
+
+#: calibration options -> the quantize flags that set them (error messages)
+_CAL_FLAGS = {"gptq_fp_target": "--gptq-fp-target", "awq_clip": "--no-awq-clip",
+              "alpha": "--alpha", "alpha_search": "--alpha-search", "percentile": "--percentile",
+              "algorithm": "--algorithm", "observer": "--observer"}  # fmt: skip
 
 
 @app.command()
@@ -400,7 +406,7 @@ def quantize(
     ] = False,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
-    from .quant import quantize as do_quantize
+    from .pipeline import quantize as do_quantize
     from .serving import ServingTarget
 
     if (scheme is None) == (recipe is None):
@@ -442,7 +448,7 @@ def quantize(
             )  # fmt: skip
         data_given = []
     if calibrate:
-        from .calibrate.sequential import _GPTQ, SequentialOptions
+        from .calibrate.sequential import SequentialOptions
 
         opts = SequentialOptions(
             dataset=dataset if dataset is not None else "default", num_samples=num_samples,
@@ -453,27 +459,19 @@ def quantize(
             alpha_search=alpha_search, act_order=not no_act_order, awq_clip=not no_awq_clip,
             gptq_fp_target=gptq_fp_target if gptq_fp_target is not None else 0.0,
         )  # fmt: skip
-        if gptq_fp_target is not None:
-            if not 0 <= gptq_fp_target <= 1:
-                raise typer.BadParameter(
-                    f"--gptq-fp-target must be a number in [0, 1] (0: GPTQ's own target, 1: "
-                    f"the full-precision model's outputs; 0.5 recommended), got "
-                    f"{gptq_fp_target}."
-                )
-            if (algorithm or "gptq") not in _GPTQ:
-                raise typer.BadParameter(
-                    "--gptq-fp-target only applies with --algorithm gptq or smoothquant+gptq."
-                )
-        if no_awq_clip and (algorithm or "gptq") != "awq":
-            raise typer.BadParameter("--no-awq-clip only applies with --algorithm awq.")
-        if (alpha is not None or alpha_search) and not (algorithm or "").startswith("smoothquant"):
+        if gptq_fp_target is not None and not 0 <= gptq_fp_target <= 1:
             raise typer.BadParameter(
-                "--alpha / --alpha-search only apply with --algorithm smoothquant[+gptq]."
+                f"--gptq-fp-target must be a number in [0, 1] (0: GPTQ's own target, 1: "
+                f"the full-precision model's outputs; 0.5 recommended), got {gptq_fp_target}."
             )
-        if alpha is not None and alpha_search:
-            raise typer.BadParameter("give --alpha or --alpha-search, not both.")
-        if percentile is not None and opts.observer != "percentile":
-            raise typer.BadParameter("--percentile only applies with --observer percentile.")
+        set_ = {k for k, v in (("gptq_fp_target", gptq_fp_target is not None),
+                ("awq_clip", no_awq_clip), ("alpha", alpha is not None),
+                ("alpha_search", alpha_search),
+                ("percentile", percentile is not None)) if v}  # fmt: skip
+        try:  # the checks a recipe's quantize.calibrate gets, in the flags' words
+            opts.check_applicable(algorithm or "gptq", set_, _CAL_FLAGS.get)
+        except ConfigError as e:
+            raise typer.BadParameter(str(e)) from None
     elif given or data_given:
         raise typer.BadParameter(
             f"{', '.join(given + data_given)} only apply with --calibrate"

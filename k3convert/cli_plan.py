@@ -108,6 +108,7 @@ def register(app: typer.Typer) -> None:
         --fail-if-over when one is over, 2 bad input."""
         from .config_parse import int_list
         from .memplan import plan_memory, plot_plan
+        from .recipe import load_recipe
 
         if fail_if_over and device_mem is None and device is None and recipe is None:
             raise ConfigError("--fail-if-over needs a budget: give --device-mem or --device.")
@@ -124,7 +125,7 @@ def register(app: typer.Typer) -> None:
                 raise OutputError(f"{opt} {p}: the directory {Path(p).parent} does not exist.")
         res = plan_memory(
             src=src,
-            recipe=recipe,
+            recipe=load_recipe(recipe) if recipe is not None else None,
             tp=tp,
             pp=pp,
             ep=ep,

@@ -53,7 +53,7 @@ from tqdm import tqdm
 from . import __version__
 from .checkpoint import Checkpoint, open_checkpoint
 from .checkpoint.output import guard_out, reports_write_errors
-from .checkpoint.reader import PartMeta, QuantConfig, _group, _quant_config
+from .checkpoint.reader import PartMeta, QuantConfig, group_parts, quant_config_of
 from .errors import ConfigError, K3Error, OutputError
 from .parallel import procs
 from .recipe import CALIBRATION, Recipe, apply_overrides, load_recipe, parse_recipe, recipe_to_dict
@@ -71,7 +71,7 @@ _PLANNED = "<planned quantized checkpoint>"
 
 class PlannedCheckpoint(Checkpoint):
     """The compressed-tensors checkpoint ``quantize`` would write from ``prepared``
-    (:class:`k3convert.quant.writer.Prepared`), as a :class:`Checkpoint` whose tensors are
+    (:class:`k3convert.pipeline.quantize.Prepared`), as a :class:`Checkpoint` whose tensors are
     produced when read: ``part_tensor(logical, part)`` quantizes the row on first use.
 
     ``expect(units)`` tells it which unit tensors will be read (the units this process
@@ -97,7 +97,7 @@ class PlannedCheckpoint(Checkpoint):
         self._extra = dict(prepared.kv_tensors or {})
         for name, t in self._extra.items():
             raw[name] = PartMeta(name, where, t.dtype, tuple(t.shape), t.numel() * t.itemsize)
-        metas = _group(raw, QuantConfig(_quant_config(self.config_doc)), None, shapes)
+        metas = group_parts(raw, QuantConfig(quant_config_of(self.config_doc)), None, shapes)
         super().__init__(Path(ck.root), self.config_doc, metas, [])
         self.source = ck
         self.__dict__["aux_files"] = list(ck.aux_files)  # the source's (cached_property)
@@ -429,7 +429,7 @@ def convert(
         prep = None
         pending = lay.expert_load == CALIBRATION  # counts come after calibration
         if r.quantize is not None:
-            from .quant.writer import prepare_quantization
+            from .pipeline.quantize import prepare_quantization
 
             with _key_path(r, "quantize"):
                 prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
@@ -453,7 +453,7 @@ def convert(
             data = PlannedCheckpoint(prep, cache_bytes)
             times["calibrate"] = time.perf_counter() - t
         elif r.quantize is not None and done is None:
-            from .quant.writer import fuse_scales
+            from .pipeline.quantize import fuse_scales
 
             fuse_scales(prep)  # the plan-only preparation is complete: no data needed
         if _needs_data(r) and done is None:  # calibration changed the checkpoint: re-plan
@@ -476,12 +476,12 @@ def convert(
             say(f"{out}: already a complete stream of this recipe and source; verifying it")
         carry = _carry_list(ck, prep)
         identity = _fingerprint(prep, data.config)
-        from .quant.writer import _torch_threads
+        from .quant.writer import torch_threads
 
         workers = r.output.workers or procs.cores_per_process()
         # units are written (and their tensors quantized) on `workers` threads, one core
         # each: nested OpenMP teams would oversubscribe the cores
-        with _torch_threads(1 if workers > 1 else torch.get_num_threads()):
+        with torch_threads(1 if workers > 1 else torch.get_num_threads()):
             res = _from_manifest(out) if done is not None else write_stream(
                 data=data, plan=plan, out=out, source=ck, carry=carry,
                 compress=r.output.compression, workers=workers, force=force,
@@ -536,7 +536,7 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
             side["quantize"] = _quantize_summary(prep, run=False)
         (out / SIDECAR).write_text(json.dumps(side, indent=1) + "\n")
     if inter is not None and prep is not None:
-        from .quant.writer import write_checkpoint
+        from .pipeline.quantize import write_checkpoint
 
         write_checkpoint(prep, inter, force=force, progress=False)
     if prep is not None and prep.calibrated is not None:
@@ -632,7 +632,7 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
     layer's GPTQ solves split over the processes
     (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
     from .arch import resolve
-    from .quant.writer import prepare_quantization
+    from .pipeline.quantize import prepare_quantization
 
     def log(line: str) -> None:
         if line.startswith("calibrated layer"):
@@ -663,7 +663,7 @@ def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
     cal = prep.calibrated
     routing = None
     if cal is not None and cal.routing_counts:
-        from .quant.writer import routing_counts_doc
+        from .pipeline.quantize import routing_counts_doc
 
         doc = routing_counts_doc(cal)
         routing = (json.dumps(doc, indent=1) + "\n").encode()
@@ -803,7 +803,7 @@ def _verify_summary(v: dict) -> dict:
 
 def render_summary(rep: dict) -> str:
     """The end-of-run table: sizes in and out, time per stage, verify's parity figures."""
-    from .inspect import human_bytes
+    from .units import human_bytes
 
     s = rep["sizes"]
     lay = rep["layout"]
@@ -872,7 +872,7 @@ def check_against(r: Recipe, model) -> str:
         )
     data: Checkpoint = ck
     if r.quantize is not None:
-        from .quant.writer import prepare_quantization
+        from .pipeline.quantize import prepare_quantization
 
         with _key_path(r, "quantize"):
             prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)

@@ -15,6 +15,7 @@ from typing import Any
 from .arch import COMPONENTS, kv_cache_scheme_of, load_config, resolve, validate_source
 from .checkpoint import open_checkpoint
 from .checkpoint.output import refuse_partial
+from .units import human_bytes
 
 _CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -268,15 +269,7 @@ def human(n: float, unit: str = "") -> str:
     return f"{n}"
 
 
-def human_bytes(n: float) -> str:
-    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or suffix == "TiB":
-            return f"{n:.1f} {suffix}" if suffix != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n}"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def render_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [
         max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
     ]
@@ -371,7 +364,7 @@ def format_report(r: dict) -> str:
         for c, v in r["by_component"].items()
     ]
     out.append(
-        _table(
+        render_table(
             ["component", "params", "share", "bytes" if not r["config_only"] else "est. bytes"],
             rows,
         )
@@ -379,7 +372,7 @@ def format_report(r: dict) -> str:
     if not r["config_only"]:
         out.append("")
         out.append(
-            _table(
+            render_table(
                 ["stored as", "params", "bytes"],
                 [
                     [k, human(v["params"]), human_bytes(v["bytes"])]
@@ -389,7 +382,7 @@ def format_report(r: dict) -> str:
         )
         out.append("")
         out.append(
-            _table(
+            render_table(
                 ["encoding", "tensors", "bytes"],
                 [
                     [k, str(v["tensors"]), human_bytes(v["bytes"])]
@@ -415,7 +408,7 @@ def format_report(r: dict) -> str:
             for t in r["tensors"]
         ]
         out.append(
-            _table(
+            render_table(
                 [
                     "tensor",
                     "shape",

@@ -10,7 +10,7 @@ zero rows). The tensors come from the checkpoint, or for a config alone from wha
 Kimi K3's routed experts MXFP4 as released, DeepSeek-V3 / Kimi-K2 FP8 blocks). With
 ``--scheme`` or a recipe's ``quantize`` section the tensors are first resolved as
 ``quantize`` would write them (:func:`k3convert.quant.rules.resolve`, each row's stored
-parts), then cut by the shard planner's own split rules (``shard.plan._Splitter``),
+parts), then cut by the shard planner's own split rules (``shard.plan.Splitter``),
 pipeline partition (``partition_layers``) and expert placement (``place_experts``, with
 ``--redundant-experts``; without ``--expert-load`` the copies go to the lowest-numbered
 experts, which changes nothing when every expert has the same size). The sums are
@@ -71,7 +71,6 @@ Exit codes (CLI): 0 whether or not it fits (the FLAG column says OVER), 1 with
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,8 +84,9 @@ from .checkpoint import Checkpoint, PartMeta, TensorMeta
 from .checkpoint.reader import QuantConfig
 from .errors import ConfigError, K3Error, short_list
 from .formats import detect_encoding
-from .shard.layout import Layout, divisors, partition_layers, place_experts
-from .shard.plan import _Splitter, _stage_units, load_expert_load, unit_sort_key
+from .layout import Layout, divisors, partition_layers, place_experts
+from .shard.plan import Splitter, load_expert_load, unit_sort_key, units_by_stage
+from .units import human_bytes, parse_size, parse_tokens
 
 FORMAT = "k3convert-plan-v1"
 
@@ -125,57 +125,6 @@ KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ACT_BYTES = 2
 F32 = 4
 COMPONENTS = ("weights", "kv_cache", "kda_state", "activations")
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
-_NUM = r"(\d+(?:\.\d*)?|\.\d+)"
-
-
-# -- option parsers --------------------------------------------------------------------
-def parse_size(text: str | int, option: str = "--device-mem") -> int:
-    """``141GB`` (10^9) / ``140GiB`` (2^30) / ``1.5TB`` / ``80000000000`` -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
-    s = text.strip() if isinstance(text, str) else ""
-    m = re.fullmatch(rf"{_NUM}\s*([a-zA-Z]*)", s)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ConfigError(
-            f"{option} '{text}' is not a size; give a number with a unit: B, KB, MB, GB, TB "
-            f"(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 141GB or 140GiB."
-        )
-    n = float(m.group(1)) * _SIZE_UNITS[unit]
-    if not math.isfinite(n) or n < 1:
-        raise ConfigError(f"{option} '{text}' must be at least one byte.")
-    return int(n)
-
-
-def parse_tokens(text: str | int, option: str = "--context") -> int:
-    """``131072`` / ``128k`` (x 1024) / ``1M`` (x 1024^2 = 1,048,576) -> a positive count."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
-    s = text.strip() if isinstance(text, str) else ""
-    m = re.fullmatch(rf"(-?){_NUM}\s*([a-zA-Z]*)", s)
-    unit = m.group(3).lower() if m else None
-    if m is None or unit not in _TOKEN_UNITS:
-        raise ConfigError(
-            f"{option} '{text}' is not a token count; give an integer, or k / M for 1024 / "
-            f"1,048,576 tokens (128k = 131072, 1M = 1048576)."
-        )
-    v = float(m.group(2)) * _TOKEN_UNITS[unit]
-    if m.group(1) or v < 1 or v != int(v):
-        raise ConfigError(f"{option} '{text}' must be a positive whole number of tokens.")
-    return int(v)
 
 
 def device_budget(device_mem: str | int | None, device: str | None) -> tuple[int | None, str]:
@@ -283,38 +232,39 @@ class Tensors:
 
 
 def _synth_dtype(raw: dict) -> tuple[torch.dtype, str]:
-    from .synth import _CFG_DTYPES, DTYPES, _text
+    from .formats.dtypes import SHORT_DTYPES, SHORT_NAMES
+    from .synth import text_section
 
-    src = str(_text(raw).get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "")
-    name = _CFG_DTYPES.get(src, "bf16")
-    return DTYPES[name], name
+    src = str(text_section(raw).get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "")
+    name = SHORT_NAMES.get(src, "bf16")
+    return SHORT_DTYPES[name], name
 
 
 def _instances(arch: Arch, cfg: Any):
     """``arch.instances(cfg)`` (MTP layers included), with each row's shape computed once
     instead of once per layer and expert (a quarter of a million tensors for Kimi K3)."""
-    from .arch.base import Instance, _indices, _role, _stored
+    from .arch.base import Instance, role_of, scope_indices, stored_shape_of
 
     for spec in arch.table(cfg):
         if spec.optional:
             continue
-        shape, stored = tuple(spec.shape(cfg)), _stored(spec, cfg)
-        for idx in _indices(spec.scope, cfg, True):
-            yield Instance(spec.pattern.format(**idx), shape, _role(spec, idx, cfg), stored)
+        shape, stored = tuple(spec.shape(cfg)), stored_shape_of(spec, cfg)
+        for idx in scope_indices(spec.scope, cfg, True):
+            yield Instance(spec.pattern.format(**idx), shape, role_of(spec, idx, cfg), stored)
 
 
 def config_tensors(raw: dict, where: str) -> Tensors:
     """What ``synth`` would write for this config, at its full size: every tensor the
     architecture table implies (MTP layers included), in the config dtype, encoded as the
     config's quantization_config says (``synth.encoding_for(..., "auto")``)."""
-    from .synth import _output_config, _plan, encoding_for
+    from .synth import encoding_for, output_config, plan_instance
 
     arch, cfg = resolve(raw, where)
     dtype, dtype_name = _synth_dtype(raw)
     insts = list(_instances(arch, cfg))
     encs = [encoding_for(i, raw, "auto") for i in insts]
     used = set(encs) - {"plain"}
-    out_cfg = _output_config(raw, used.pop() if len(used) == 1 else "plain", dtype_name)
+    out_cfg = output_config(raw, used.pop() if len(used) == 1 else "plain", dtype_name)
     qc = QuantConfig(_quant_config_of(out_cfg))
     free, qcache = _module_free(qc), {}
     maker = _MetaMaker(Path(where))
@@ -324,7 +274,7 @@ def config_tensors(raw: dict, where: str) -> Tensors:
         key = (enc, inst.stored_shape)
         parts = planned.get(key)
         if parts is None:
-            p = _plan(inst, enc, dtype, raw)
+            p = plan_instance(inst, enc, dtype, raw)
             parts = [
                 ("weight" if n == inst.name else n.rsplit(".", 1)[1], d, tuple(s))
                 for n, d, s in p.parts
@@ -368,10 +318,10 @@ def checkpoint_tensors(path: Path) -> Tensors:
 
 def quantized_tensors(t: Tensors, *, scheme: str | None = None, recipe=None) -> Tensors:
     """The tensors ``quantize --scheme`` / ``--recipe`` would write from ``t``: the same
-    rule resolution as :func:`k3convert.quant.writer.plan_quantization` (keeps, recipe
+    rule resolution as :func:`k3convert.quant.planning.plan_quantization` (keeps, recipe
     rules, default scheme, kept encoded tensors as stored when a scheme describes them),
-    then each row's stored parts (``writer._entries``)."""
-    from .quant import writer as qw
+    then each row's stored parts (:func:`k3convert.quant.planning.row_entries`)."""
+    from .quant import planning
     from .quant.rules import resolve as resolve_rules
     from .quant.schemes import get_scheme
 
@@ -379,31 +329,31 @@ def quantized_tensors(t: Tensors, *, scheme: str | None = None, recipe=None) -> 
     if scheme is not None:
         default, label = get_scheme(scheme), f"--scheme {scheme}"
     else:
-        rules, default_name, keep, rdk = qw._recipe_rules(recipe)
+        rules, default_name, keep, rdk = planning.recipe_rules(recipe)
         default = get_scheme(default_name) if default_name else None
         default_keep = rdk is not False
         label = f"recipe {recipe.origin}"
     ck = t.checkpoint()
     roles = dict(zip(t.names, t.roles, strict=True))
     plan = resolve_rules(
-        qw._infos(ck, roles),
+        planning.tensor_infos(ck, roles),
         arch=t.arch.name,
         rules=rules,
         default=default,
         keep=keep,
         default_keep=default_keep,
-        unstored=qw._tied_linears(t.arch, t.cfg),
+        unstored=planning.tied_linears(t.arch, t.cfg),
     )
     maker = _MetaMaker(t.root)
     qcs: dict[int, QuantConfig] = {}
     qcache: dict[tuple, Any] = {}
     metas = []
     for r in plan.rows:
-        r = qw._keep_as_stored(ck, r)
+        r = planning.keep_as_stored(ck, r)
         base = r.module
         parts = [
             ("weight" if n == r.name else n[len(base) + 1 :], d, tuple(s))
-            for n, d, s in qw._entries(r)
+            for n, d, s in planning.row_entries(r)
         ]
         if r.kept:
             metas.append(maker.make(r.name, parts, r.shape, None))
@@ -497,7 +447,7 @@ class WeightModel:
         key = (c, tp, moe_tp if expert else tp)
         v = self._vec.get(key)
         if v is None:
-            sp = _Splitter(self.cfg, Layout(tp=tp, moe_ep=tp // moe_tp))
+            sp = Splitter(self.cfg, Layout(tp=tp, moe_ep=tp // moe_tp))
             view = sp.view(m, role)
             pieces = sp.pieces(view, role)
             if pieces is None:
@@ -600,7 +550,7 @@ class WeightModel:
     ) -> tuple[list[int], list[tuple[int, int]], list[list[str]]]:
         """(weight bytes per global rank, layer range per stage, units per stage)."""
         ranges = self.ranges(layout.pp, pp_layers)
-        stages = _stage_units(self.units, ranges)
+        stages = units_by_stage(self.units, ranges)
         for s, us in enumerate(stages):
             if not us:
                 raise ConfigError(
@@ -898,7 +848,11 @@ class MemoryPlan:
             f"  workload: context {w.context:,} tokens x batch {w.batch}, KV cache {w.kv_dtype}, "
             f"prefill chunk {w.chunk_tokens:,} tokens (activations: an estimate)",
             "  budget: "
-            + (f"{_gib(self.budget)} per device ({self.device})" if self.budget else "none given"),
+            + (
+                f"{human_bytes(self.budget, 2)} per device ({self.device})"
+                if self.budget
+                else "none given"
+            ),
             "",
         ]
         head = [
@@ -929,7 +883,7 @@ class MemoryPlan:
             tps = f"{rs[0].tp_rank}" if len(rs) == 1 else f"{rs[0].tp_rank}-{rs[-1].tp_rank}"
             eps = sorted({x.ep_rank for x in rs})
             ep = f"{eps[0]}" if len(eps) == 1 else f"{eps[0]}-{eps[-1]}"
-            free = "-" if self.budget is None else _gib(self.budget - r.total)
+            free = "-" if self.budget is None else human_bytes(self.budget - r.total, 2)
             flag = "" if self.budget is None else ("OVER" if r.total > self.budget else "ok")
             table.append(
                 [
@@ -937,11 +891,11 @@ class MemoryPlan:
                     str(r.pp_rank),
                     tps,
                     ep,
-                    _gib(r.weights),
-                    _gib(r.kv_cache),
-                    _gib(r.kda_state),
-                    _gib(r.activations),
-                    _gib(r.total),
+                    human_bytes(r.weights, 2),
+                    human_bytes(r.kv_cache, 2),
+                    human_bytes(r.kda_state, 2),
+                    human_bytes(r.activations, 2),
+                    human_bytes(r.total, 2),
                     free,
                     flag,
                 ]
@@ -952,10 +906,13 @@ class MemoryPlan:
             if self.over:
                 lines.append(
                     f"{len(self.over)} of {lay.world} rank(s) over budget (peak "
-                    f"{_gib(self.peak)} > {_gib(self.budget)})."
+                    f"{human_bytes(self.peak, 2)} > {human_bytes(self.budget, 2)})."
                 )
             else:
-                lines.append(f"fits: peak {_gib(self.peak)} of {_gib(self.budget)} per device.")
+                lines.append(
+                    f"fits: peak {human_bytes(self.peak, 2)} of "
+                    f"{human_bytes(self.budget, 2)} per device."
+                )
         if self.search is not None:
             if self.search:
                 lines.append("smallest layouts that fit (by devices, then peak rank memory):")
@@ -968,8 +925,8 @@ class MemoryPlan:
                                 str(f.tp),
                                 str(f.pp),
                                 str(f.ep),
-                                _gib(f.peak),
-                                _gib(f.budget - f.peak),
+                                human_bytes(f.peak, 2),
+                                human_bytes(f.budget - f.peak, 2),
                             ]
                             for f in self.search
                         ],
@@ -984,22 +941,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _gib(n: int | None) -> str:
-    """Bytes in the largest binary unit that keeps them >= 1 (two decimals)."""
-    if n is None:
-        return "-"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(x) < 1024:
-            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    return f"{x:.2f} TiB"
-
-
 def _render(headers: list[str], rows: list[list[str]]) -> str:
-    from .inspect import _table
+    from .inspect import render_table
 
-    return _table(headers, rows)
+    return render_table(headers, rows)
 
 
 class Planner:
@@ -1107,8 +1052,8 @@ class Planner:
         if not fits:
             most = max(tps) * L.n
             note = (
-                f"no layout fits {_gib(budget)} per device: searched tp in {tps}, pp up to "
-                f"{L.n}, ep dividing tp (up to {most} devices); every one has a rank over "
+                f"no layout fits {human_bytes(budget, 2)} per device: searched tp in {tps}, "
+                f"pp up to {L.n}, ep dividing tp (up to {most} devices); every one has a rank over "
                 f"budget - use a smaller --context / --batch, --kv-dtype fp8, a lower-bit "
                 f"--scheme, or a larger device."
             )
@@ -1177,19 +1122,16 @@ def plan_memory(
     serving_device: str | None = None,
     strict_serving: bool = False,
 ) -> MemoryPlan:
-    """The memory budget of every rank (see the module doc). ``recipe`` (a path or a
-    loaded Recipe): its ``source.path``, ``layout`` and ``quantize`` sections are the
-    defaults, and its ``target`` the device, context and batch (else 131072 tokens x 1,
-    no device); explicit arguments win (``scheme`` replaces the recipe's quantize section).
+    """The memory budget of every rank (see the module doc). ``recipe`` (a loaded
+    :class:`k3convert.recipe.Recipe`): its ``source.path``, ``layout`` and ``quantize``
+    sections are the defaults, and its ``target`` the device, context and batch (else
+    131072 tokens x 1, no device); explicit arguments win (``scheme`` replaces the
+    recipe's quantize section).
     A planned quantization is checked against vLLM on ``serving_device`` (None: the
     recipe's ``output.serving_device``, else cuda) at the layout's
     tp (:mod:`k3convert.serving`): ``warnings`` lists what it would refuse;
     ``strict_serving`` (or the recipe's ``output.strict_serving``) raises instead."""
-    rec = None
-    if recipe is not None:
-        from .recipe import load_recipe
-
-        rec = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
+    rec = recipe
     rlay = getattr(rec, "layout", None)
     if src is None and rec is not None:
         src = getattr(getattr(rec, "source", None), "path", None)

@@ -144,7 +144,7 @@ class LayoutSection:
     redundant_experts: int = 0
 
     def layout(self):
-        from .shard.layout import Layout
+        from .layout import Layout
 
         return Layout(tp=self.tp, pp=self.pp, moe_tp=self.moe_tp, moe_ep=self.moe_ep)
 
@@ -452,9 +452,9 @@ def _cwd_path(key: str, value: Any) -> Any:
     if key not in PATH_KEYS or not isinstance(value, str) or value == _PATH_WORDS.get(key):
         return value
     if key == "quantize.calibrate.dataset":
-        from .calibrate.data import _looks_like_path
+        from .calibrate.data import looks_like_path
 
-        if not (_looks_like_path(value) or Path(value).exists()):
+        if not (looks_like_path(value) or Path(value).exists()):
             return value  # a dataset name
     return str(Path(value).expanduser().absolute())
 
@@ -643,7 +643,7 @@ CALIBRATION = "calibration"
 
 
 def _validate_layout(lay: LayoutSection, src: str) -> None:
-    from .shard.layout import MAX_DEGREE
+    from .layout import MAX_DEGREE
 
     for k in ("tp", "pp", "moe_ep", "moe_tp", "redundant_experts"):
         v = getattr(lay, k)
@@ -658,7 +658,7 @@ def _validate_layout(lay: LayoutSection, src: str) -> None:
     if lay.moe_tp is not None and lay.moe_tp < 1:
         raise ConfigError(f"{src}: layout.moe_tp must be at least 1, got {lay.moe_tp}.")
     if lay.moe_tp is None and lay.tp % lay.moe_ep:
-        from .shard.layout import divisors
+        from .layout import divisors
 
         raise ConfigError(
             f"{src}: layout.moe_ep={lay.moe_ep} must divide layout.tp={lay.tp} (experts are "
@@ -731,7 +731,11 @@ def _validate_quantize(q: QuantizeSection, src: str) -> None:
                 f"one of {', '.join(ALGORITHMS)}.{hint}"
             )
         try:
-            q.calibrate.options().check()
+            opts = q.calibrate.options()
+            opts.check()
+            # the command line's cross-option checks, in the recipe's keys
+            opts.check_applicable(q.calibrate.algorithm, opts.set_options(),
+                                  lambda k: f"quantize.calibrate.{k}")  # fmt: skip
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
         try:
@@ -773,11 +777,11 @@ def _resolve_paths(r: Recipe, base: Path | None) -> Recipe:
             reference=fix(r.verify.reference, ("transformers",)))  # fmt: skip
     q = r.quantize
     if q is not None and q.calibrate is not None:
-        from .calibrate.data import _looks_like_path
+        from .calibrate.data import looks_like_path
 
         cal = q.calibrate
         ds = str(cal.dataset)
-        if _looks_like_path(ds) or (base / ds).exists():
+        if looks_like_path(ds) or (base / ds).exists():
             cal = rep(cal, dataset=fix(ds))
         if cal.offload_dir is not None:
             cal = rep(cal, offload_dir=fix(str(cal.offload_dir)))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def _rows(rep: dict) -> list[tuple[str, str]]:
-    from .inspect import human_bytes
+    from .units import human_bytes
 
     s, lay = rep["sizes"], rep["layout"]
     rows = [

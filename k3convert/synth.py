@@ -28,7 +28,9 @@ from .arch.base import Instance
 from .checkpoint.output import group_by_size, shard_names, staged_output, write_index
 from .checkpoint.safetensors_io import SafetensorsWriter
 from .errors import ConfigError
-from .quant.packing import pack_int32
+from .formats import FP8_MAX
+from .formats.dtypes import SHORT_DTYPES, SHORT_NAMES
+from .formats.intn import pack_int32
 from .quant.schemes import get_scheme
 
 PRESETS = (
@@ -41,10 +43,9 @@ PRESETS = (
     "llama3-8b",
     "qwen3-30b-a3b",
 )
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_CFG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+#: --dtype choices, in the order the help lists them
+DTYPES = {k: SHORT_DTYPES[k] for k in ("bf16", "fp16", "fp32")}
 QUANTIZABLE = ("attention", "dense_mlp", "shared_experts", "routed_experts")
-FP8_MAX = 448.0
 MXFP4_GROUP = 32
 #: Kimi K3's released quantization_config (routed experts only; it sits in text_config)
 MXFP4_CONFIG = {
@@ -100,7 +101,7 @@ def source_config(config: str) -> dict:
 
 
 # -- scaling ------------------------------------------------------------------------
-def _text(raw: dict) -> dict:
+def text_section(raw: dict) -> dict:
     return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
 
 
@@ -120,7 +121,7 @@ def _set_experts(t: dict, n: int) -> None:
 
 def tiny_overrides(raw: dict) -> dict:
     """Small dimensions that keep every structural feature of the config."""
-    t = _text(raw)
+    t = text_section(raw)
     mla = "kv_lora_rank" in t
     experts = t.get("n_routed_experts") or t.get("num_experts") or t.get("num_local_experts")
     dense_first = t.get("first_k_dense_replace") or 0
@@ -148,7 +149,7 @@ def tiny_overrides(raw: dict) -> dict:
 def apply_overrides(raw: dict, o: dict, tiny: bool) -> dict:
     """A copy of ``raw`` with the given dimensions changed, consistently."""
     cfg = copy.deepcopy(raw)
-    t = _text(cfg)
+    t = text_section(cfg)
     mla = "kv_lora_rank" in t
     if o.get("layers"):
         t["num_hidden_layers"] = o["layers"]
@@ -302,7 +303,7 @@ def encoding_for(inst: Instance, raw: dict, choice: str) -> str:
         return "mxfp4" if role.component == "routed_experts" else "plain"
     if choice in ("fp8-block", "int4"):
         return choice
-    qc = raw.get("quantization_config") or _text(raw).get("quantization_config") or {}
+    qc = raw.get("quantization_config") or text_section(raw).get("quantization_config") or {}
     if qc.get("format") == "mxfp4-pack-quantized":
         return "mxfp4" if role.component == "routed_experts" else "plain"
     method = qc.get("quant_method")
@@ -412,7 +413,7 @@ class _Planned:
     nbytes: int
 
 
-def _plan(inst: Instance, enc: str, dtype: torch.dtype, raw: dict) -> _Planned:
+def plan_instance(inst: Instance, enc: str, dtype: torch.dtype, raw: dict) -> _Planned:
     out_in = inst.stored_shape
     base = inst.name.removesuffix(".weight")
     if enc == "fp8-block":
@@ -467,24 +468,24 @@ def _encode(p: _Planned, dtype: torch.dtype, raw: dict, seed: int) -> dict[str, 
     return {(p.inst.name if k == "weight" else f"{base}.{k}"): v for k, v in e.items()}
 
 
-def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
+def output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
     cfg = copy.deepcopy(raw)
     torch_name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name]
-    for d in (cfg, _text(cfg)):
+    for d in (cfg, text_section(cfg)):
         d["dtype"] = torch_name
         d.pop("torch_dtype", None)
     if encoding == "plain":
         cfg.pop("quantization_config", None)
-        _text(cfg).pop("quantization_config", None)
+        text_section(cfg).pop("quantization_config", None)
     elif encoding == "mxfp4":
-        t = _text(cfg)
+        t = text_section(cfg)
         qc = t.get("quantization_config") or cfg.get("quantization_config") or {}
         if qc.get("format") != "mxfp4-pack-quantized":
             qc = copy.deepcopy(MXFP4_CONFIG)
         cfg.pop("quantization_config", None)  # the release keeps it inside text_config
         t["quantization_config"] = qc
     elif encoding == "fp8-block":
-        _text(cfg).pop("quantization_config", None)  # K3 keeps its (MXFP4) one there
+        text_section(cfg).pop("quantization_config", None)  # K3 keeps its (MXFP4) one there
         cfg["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -495,7 +496,7 @@ def _output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
         encoding == "int4"
         and (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors"
     ):
-        _text(cfg).pop("quantization_config", None)
+        text_section(cfg).pop("quantization_config", None)
         cfg["quantization_config"] = {
             "quant_method": "compressed-tensors",
             "format": "pack-quantized",
@@ -545,14 +546,17 @@ def synthesize(
     cfg_raw = apply_overrides(raw, o, tiny)
     arch, cfg = resolve(cfg_raw, f"{config} (after overrides)")
     if dtype is None:
-        src = str(_text(raw).get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "")
-        dtype = _CFG_DTYPES.get(src, "bf16")
+        src = str(
+            text_section(raw).get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or ""
+        )
+        dtype = SHORT_NAMES.get(src, "bf16")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
     tdtype = DTYPES[dtype]
 
     planned = [
-        _plan(i, encoding_for(i, cfg_raw, encoding), tdtype, cfg_raw) for i in arch.instances(cfg)
+        plan_instance(i, encoding_for(i, cfg_raw, encoding), tdtype, cfg_raw)
+        for i in arch.instances(cfg)
     ]
     encs = {p.encoding for p in planned} - {"plain"}
     out_encoding = encs.pop() if len(encs) == 1 else "plain"
@@ -583,7 +587,7 @@ def synthesize(
                         bar.update(p.nbytes)
         if len(groups) > 1:
             write_index(tmp, weight_map, total)
-        out_cfg = _output_config(cfg_raw, out_encoding if encoding != "plain" else "plain", dtype)
+        out_cfg = output_config(cfg_raw, out_encoding if encoding != "plain" else "plain", dtype)
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
     n_params = sum(math.prod(p.inst.shape) for p in planned)
     return (

@@ -20,7 +20,7 @@ from k3convert.calibrate.sequential import (
 )
 from k3convert.cli import main
 from k3convert.errors import ConfigError
-from k3convert.quant.writer import plan_quantization
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.stream import read_manifest_doc
 from tests.models import build_model, save_model
 from tests.test_calibrate_sequential import _ids_file, k3_calibration

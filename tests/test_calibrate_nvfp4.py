@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from k3convert.calibrate.data import build_calibration_set
 from k3convert.calibrate.sequential import SequentialOptions, calibrate_sequential
 from k3convert.cli import main
-from k3convert.quant.writer import UncalibratedInputWarning, plan_quantization
+from k3convert.pipeline.quantize import UncalibratedInputWarning, plan_quantization
 from tests.models import save_model
 from tests.test_calibrate_moe import _cli
 from tests.test_calibrate_sequential import _ids_file
@@ -110,7 +110,7 @@ def test_cli_nvfp4_calibrated_and_uncalibrated(work, capsys):
     assert cfg["quantization_config"]["config_groups"]
     # without calibration: a warning naming the way to calibrate, the 1.0 default
     with pytest.warns(UncalibratedInputWarning, match="--calibrate"):
-        from k3convert.quant import quantize
+        from k3convert.pipeline import quantize
 
         quantize(src=src, out=root / "nv-raw", scheme="nvfp4", progress=False)
     # GPTQ cannot do NVFP4, and says so with advice that works (rtn / static do)

@@ -37,8 +37,8 @@ from k3convert.calibrate.smooth import (
     smoothquant_search,
 )
 from k3convert.checkpoint.reader import open_checkpoint
+from k3convert.pipeline.quantize import plan_quantization, quantize
 from k3convert.quant.schemes import get_scheme
-from k3convert.quant.writer import plan_quantization, quantize
 from k3convert.runtime.runtime import Runtime
 from tests import outliers
 from tests.models import QUANT_FAMILIES, kimi_linear, save_model

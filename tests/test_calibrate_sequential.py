@@ -24,8 +24,8 @@ from k3convert.calibrate.sequential import (
 )
 from k3convert.checkpoint import open_checkpoint
 from k3convert.cli import main
-from k3convert.quant import quantize
-from k3convert.quant.writer import plan_quantization
+from k3convert.pipeline import quantize
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.runtime.runtime import Runtime
 from tests.models import QUANT_FAMILIES, build_model, save_model
 

@@ -26,9 +26,11 @@ import torch
 from k3convert import formats as fmt
 from k3convert import native
 from k3convert.checkpoint import open_checkpoint
-from k3convert.quant import fp4_requant, get_scheme, quantize
+from k3convert.pipeline import quantize
+from k3convert.pipeline.quantize import plan_quantization
+from k3convert.quant import fp4_requant, get_scheme
 from k3convert.quant.schemes import IntScheme, NonFiniteWeightError
-from k3convert.quant.writer import fused_groups, plan_quantization
+from k3convert.quant.writer import fused_groups
 
 #: the package was installed with its extension module built (setup.py); where a C
 #: compiler is present it must have been (test_kernels_are_the_packages_extension)
@@ -93,7 +95,7 @@ def test_kernels_are_the_packages_extension(tmp_path):
         "import torch; from k3convert import native; from k3convert import formats as f\n"
         "p = torch.zeros(4, 16, dtype=torch.uint8)\n"
         "c = torch.full((4, 1), 127, dtype=torch.uint8)\n"
-        "v = f._mx_values(torch.float32)\n"
+        "v = f.fp4.mx_values(torch.float32)\n"
         "assert native.fp4_decode(p, c, v, torch.float32, 32) is not None\n"
         "print(native.status())"
     )
@@ -163,7 +165,7 @@ def test_kernel_wrappers_refuse_bad_arguments():
         native.max_codes(src, 8, torch.empty(7, dtype=torch.uint8))
     # the hostile cases of issue 36: a caller's decode table, d_range past int32, ranks
     p, c = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)
-    vals = fmt._mx_values(torch.bfloat16)
+    vals = fmt.fp4.mx_values(torch.bfloat16)
     good = native.decode_table(vals, torch.bfloat16)
     for bad in (torch.zeros(1, dtype=torch.uint8), good.to(torch.int32), good.transpose(1, 2),
                 torch.empty(good.shape, dtype=torch.uint8, device="meta")):  # fmt: skip
@@ -184,8 +186,8 @@ def test_kernel_wrappers_refuse_bad_arguments():
 def test_mxfp4_decode_every_pair(path, dtype):
     """Every (E8M0 code, byte) pair, codes 0 (subnormal results), 254 (overflow) and 255
     (NaN) included, decodes to the reference's bits."""
-    p = fmt._all_pairs(torch.uint8)
-    got = fmt._deq_mxfp4(p, fmt.QuantParams(), dtype)
+    p = fmt.fp4.all_pairs(torch.uint8)
+    got = fmt.fp4.decode_mxfp4(p, fmt.QuantParams(), dtype)
     assert torch.equal(_bytes(got), _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)))
 
 
@@ -194,10 +196,10 @@ def test_mxfp4_decode_every_pair(path, dtype):
 def test_mxfp4_portable_loop_equals_the_simd_one(dtype):
     """The AVX2 loop (chosen at run time where the CPU has it) and the portable one give
     the reference's bits on every (code, byte) pair."""
-    p = fmt._all_pairs(torch.uint8)
+    p = fmt.fp4.all_pairs(torch.uint8)
     want = _bytes(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
     for simd in (True, False):
-        got = native.fp4_decode(p["weight_packed"], p["weight_scale"], fmt._mx_values(dtype),
+        got = native.fp4_decode(p["weight_packed"], p["weight_scale"], fmt.fp4.mx_values(dtype),
                                 dtype, fmt.MX_GROUP, simd=simd)  # fmt: skip
         assert torch.equal(_bytes(got), want), simd
 
@@ -205,9 +207,9 @@ def test_mxfp4_portable_loop_equals_the_simd_one(dtype):
 def test_mxfp4_torch_path_every_pair(monkeypatch):
     """Without the kernels: the (code, byte) pair-table gather, the reference's bits."""
     monkeypatch.setattr(native, "ENABLED", False)
-    p = fmt._all_pairs(torch.uint8)
+    p = fmt.fp4.all_pairs(torch.uint8)
     for dtype in (torch.bfloat16, torch.float32):
-        got = fmt._deq_mxfp4(p, fmt.QuantParams(), dtype)
+        got = fmt.fp4.decode_mxfp4(p, fmt.QuantParams(), dtype)
         want = fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)
         assert torch.equal(_bytes(got), _bytes(want)), dtype
 
@@ -217,9 +219,9 @@ def test_mxfp4_torch_path_every_pair(monkeypatch):
 def test_nvfp4_decode_every_pair(path, dtype, gscale):
     """Every (e4m3 code, byte) pair, NaN codes and extreme global scales included (so the
     products overflow, underflow to subnormals, and meet a non-finite scale)."""
-    p = fmt._all_pairs(torch.float8_e4m3fn)
+    p = fmt.fp4.all_pairs(torch.float8_e4m3fn)
     p["weight_global_scale"] = torch.tensor([gscale])
-    got = fmt._deq_nvfp4(p, fmt.QuantParams(), dtype)
+    got = fmt.fp4.decode_nvfp4(p, fmt.QuantParams(), dtype)
     assert torch.equal(_bytes(got), _bytes(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype)))
 
 
@@ -496,7 +498,8 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
         want = _flat(fmt.mxfp4_reference(p, fmt.QuantParams(), dtype))
         for simd in LEVELS:
             got = _each_thread_count(lambda n, d=dtype, s=simd: [native.fp4_decode(
-                packed, mx, fmt._mx_values(d), d, fmt.MX_GROUP, simd=s, nthreads=n)])  # fmt: skip
+                packed, mx, fmt.fp4.mx_values(d), d, fmt.MX_GROUP, simd=s,
+                nthreads=n)])  # fmt: skip
             assert torch.equal(got[0], want), (dtype, simd)
     # the nibble maps of the requantization, AVX2 and portable
     maps = _rand((40, 16), seed + 2, 0, 16)
@@ -524,7 +527,7 @@ def test_nvfp4_nibble_table_kernel_every_loop_and_thread_count(rows, cols, gscal
     g = p["weight_global_scale"].reshape(1, 1)
     for dtype in (torch.bfloat16, torch.float32):
         want = _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype))
-        vals = fmt._nv_values(g, dtype)
+        vals = fmt.fp4.nv_values(g, dtype)
         for simd in LEVELS:
             got = _each_thread_count(lambda n, d=dtype, v=vals, s=simd: [native.fp4_decode(
                 packed, codes, v, d, fmt.NV_GROUP, simd=s, nthreads=n)])  # fmt: skip
@@ -624,9 +627,9 @@ def test_thread_policy_and_callers_at_torch_thread_counts(monkeypatch):
         for n in THREADS:
             torch.set_num_threads(n)
             for dtype in (torch.bfloat16, torch.float32):
-                assert torch.equal(_flat(fmt._deq_mxfp4(mx, q, dtype)),
+                assert torch.equal(_flat(fmt.fp4.decode_mxfp4(mx, q, dtype)),
                                    _flat(fmt.mxfp4_reference(mx, q, dtype)))  # fmt: skip
-                assert torch.equal(_flat(fmt._deq_nvfp4(nv, q, dtype)),
+                assert torch.equal(_flat(fmt.fp4.decode_nvfp4(nv, q, dtype)),
                                    _flat(fmt.nvfp4_reference(nv, q, dtype)))  # fmt: skip
             for s in ("w4a16", "int4-channel"):
                 got = fp4_requant.requantize(mx, INT_SCHEMES[s], name="t.weight")
@@ -677,7 +680,7 @@ def test_kept_decode_tables_follow_the_global_scale_and_dtype():
                           (3.5, torch.bfloat16), (448.0, torch.bfloat16)]:  # fmt: skip
         p = {"weight_packed": packed, "weight_scale": codes.view(torch.float8_e4m3fn),
              "weight_global_scale": torch.tensor([gscale])}  # fmt: skip
-        got = fmt._deq_nvfp4(p, fmt.QuantParams(), dtype)
+        got = fmt.fp4.decode_nvfp4(p, fmt.QuantParams(), dtype)
         assert torch.equal(_flat(got), _flat(fmt.nvfp4_reference(p, fmt.QuantParams(), dtype)))
 
 

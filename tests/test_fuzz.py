@@ -81,7 +81,7 @@ def test_fuzz_harness_reports_crashes_and_wrong_reads(tmp_path, monkeypatch, fau
         def boom(*a, **k):
             raise TypeError("injected")
 
-        monkeypatch.setattr(reader, "_group", boom)
+        monkeypatch.setattr(reader, "group_parts", boom)
         want = "TypeError at "
     else:
         monkeypatch.setattr(reader, "map_tensor", _flip_first_byte(reader.map_tensor))

@@ -33,7 +33,7 @@ from k3convert.calibrate.gptq import (
     gptq_quantize,
 )
 from k3convert.errors import ConfigError, NonFiniteError
-from k3convert.quant.packing import unpack_int32
+from k3convert.formats.intn import unpack_int32
 from k3convert.quant.schemes import NonFiniteWeightError, WeightRangeError, get_scheme
 from tests.moonshot_oracle import temporary_modules
 

@@ -173,7 +173,7 @@ def test_tp_must_divide_kda_heads(k3_synth, tmp_path):
 def test_ep_placement_of_896_experts():
     """K3's 896 experts over ep=8: 112 contiguous experts per rank; with measured loads
     and 8 redundant copies, 113 slots per rank, every expert placed, the hottest copied."""
-    from k3convert.shard.layout import place_experts
+    from k3convert.layout import place_experts
 
     ranks = place_experts(896, 8)
     assert [len(r) for r in ranks] == [112] * 8 and ranks[1][0] == 112
@@ -200,9 +200,10 @@ def test_k3_synth_quantize_shard_forward(tmp_path, encoding):
     quantized checkpoint's bit for bit; tp2 x ep2 streams agree to float32 rounding
     (weight-only FP8: with activation quantization a row-parallel rank takes its scales
     over its own slice, as serving kernels do, so tp > 1 legitimately differs)."""
-    from k3convert.parallel import ParallelRuntime, stream_ranks
-    from k3convert.quant import quantize
+    from k3convert.pipeline import quantize
     from k3convert.runtime import Runtime
+    from k3convert.runtime.parallel import ParallelRuntime
+    from k3convert.runtime.ranks import stream_ranks
     from k3convert.stream import open_stream
 
     src = tmp_path / "synth"
@@ -240,7 +241,7 @@ def test_kept_experts_stay_as_released(tmp_path, preset, encoding):
     """--keep on experts a release stores in a compressed-tensors format copies their parts
     byte for byte and describes them by that format's config group; the rest is requantized
     and the model still runs."""
-    from k3convert.quant import quantize
+    from k3convert.pipeline import quantize
     from k3convert.runtime import Runtime
 
     src, out = tmp_path / "src", tmp_path / "out"
@@ -275,7 +276,7 @@ def test_kept_experts_stay_as_released(tmp_path, preset, encoding):
 
 def test_kept_expert_with_a_nan_exponent_is_refused(tmp_path):
     from k3convert.errors import CheckpointError
-    from k3convert.quant import quantize
+    from k3convert.pipeline import quantize
 
     src = tmp_path / "src"
     synthesize(config="kimi-k3", out=src, tiny=True, seed=2)
@@ -296,8 +297,9 @@ def test_kept_expert_with_a_nan_exponent_is_refused(tmp_path):
 def test_kimi_linear_stream_from_transformers_checkpoint(model_factory, tmp_path):
     """transformers' own kimi_linear checkpoint: tp2 x ep2 shards reassemble bit for bit
     (A_log [1, 1, H, 1] split along its head dim) and the stream runs like the source."""
-    from k3convert.parallel import ParallelRuntime, stream_ranks
     from k3convert.runtime import Runtime
+    from k3convert.runtime.parallel import ParallelRuntime
+    from k3convert.runtime.ranks import stream_ranks
     from k3convert.stream import open_stream
 
     src = model_factory("kimi_linear")
@@ -320,7 +322,7 @@ def test_kimi_linear_stream_from_transformers_checkpoint(model_factory, tmp_path
 def test_attention_rules_cover_kda_layers(k3_synth, tmp_path):
     """A recipe's ``attention`` rule (as the Kimi-K2 recipes write it) quantizes the KDA
     layers' projections too, not just the MLA layers'; their small gates stay kept."""
-    from k3convert.quant.writer import plan_quantization
+    from k3convert.pipeline.quantize import plan_quantization
 
     r = tmp_path / "r.yaml"
     r.write_text(

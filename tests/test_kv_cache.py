@@ -33,8 +33,9 @@ from safetensors.torch import load_file, save_file
 from k3convert.arch import resolve, validate_source
 from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import CheckpointError, ConfigError, NonFiniteError
-from k3convert.quant import quantize
-from k3convert.quant.kvcache import FP8_MAX, kv_cache_scheme, kv_scale_tensors
+from k3convert.formats import FP8_MAX
+from k3convert.pipeline import quantize
+from k3convert.quant.kvcache import kv_cache_scheme, kv_scale_tensors
 from k3convert.runtime import Runtime
 from k3convert.runtime.cache import KVCache
 from tests.models import save_model
@@ -462,8 +463,8 @@ def test_shard_tp2_and_verify(llama, tmp_path):
     # the parallel runtime reads the scales back from the shards: a tp=2 pp=2 stream of the
     # unquantized source with the same scales (no activation quantization, whose
     # row-parallel local slices would differ from tp=1 by themselves) == the checkpoint
-    from k3convert.parallel.ranks import stream_ranks
-    from k3convert.parallel.runtime import ParallelRuntime
+    from k3convert.runtime.parallel import ParallelRuntime
+    from k3convert.runtime.ranks import stream_ranks
     from k3convert.stream import open_stream
 
     scales = {n: ref.get(n) for n in ref.names() if n.endswith(("k_scale", "v_scale"))}

@@ -13,6 +13,7 @@ from k3convert.arch import resolve
 from k3convert.checkpoint import open_checkpoint
 from k3convert.cli import main
 from k3convert.errors import ConfigError
+from k3convert.layout import Layout
 from k3convert.memplan import (
     DEVICES,
     LayerModel,
@@ -27,11 +28,10 @@ from k3convert.memplan import (
     plan_memory,
     quantized_tensors,
 )
-from k3convert.quant import quantize
-from k3convert.quant.writer import plan_quantization
+from k3convert.pipeline import quantize
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.recipe import load_recipe
 from k3convert.shard import shard
-from k3convert.shard.layout import Layout
 from k3convert.stream import read_manifest_doc
 from k3convert.synth import preset_config, synthesize
 
@@ -295,10 +295,10 @@ def test_recipe_layout_and_quantize_are_defaults(tiny, tmp_path, capsys):
         f"source: {{path: {tiny['kimi-k25']}}}\nlayout: {{tp: 2, pp: 2, moe_ep: 2}}\n" + MIXED
     )
     listed, _ = _manifest_bytes(tiny["k25-mixed.stream"])
-    p = plan_memory(recipe=r, search=False)
+    p = plan_memory(recipe=load_recipe(r), search=False)
     assert (p.layout.tp, p.layout.pp, p.layout.moe_ep) == (2, 2, 2)
     assert [x.weights for x in p.ranks] == listed and "recipe" in p.model["weights_from"]
-    p1 = plan_memory(recipe=r, tp=1, pp=1, ep=1, search=False)  # explicit flags win
+    p1 = plan_memory(recipe=load_recipe(r), tp=1, pp=1, ep=1, search=False)  # explicit flags win
     ck = open_checkpoint(tiny["k25-mixed"])  # what quantize wrote
     assert p1.layout.world == 1 and p1.ranks[0].weights == sum(
         ck.meta(n).nbytes for n in ck.names()
@@ -307,7 +307,7 @@ def test_recipe_layout_and_quantize_are_defaults(tiny, tmp_path, capsys):
     assert rc == 0 and "tp 2 x pp 2 = 4 rank(s)" in out and "recipe" in out, err
     with pytest.raises(ConfigError, match="model_type"):
         r.write_text(f"source: {{path: {tiny['kimi-k25']}, model_type: llama}}\n")
-        plan_memory(recipe=r, search=False)
+        plan_memory(recipe=load_recipe(r), search=False)
 
 
 # -- command line ------------------------------------------------------------------------------

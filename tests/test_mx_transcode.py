@@ -168,7 +168,7 @@ def test_int4_search_is_the_first_best_candidate(path, scheme, shape):
     got = fp4_requant.requantize(p, s, name="t")
     scale, q = _brute(x, s.group_size)
     assert torch.equal(got["weight_scale"].view(torch.int16), scale.view(torch.int16))
-    from k3convert.quant.packing import unpack_int32
+    from k3convert.formats.intn import unpack_int32
 
     assert torch.equal(unpack_int32(got["weight_packed"], 4, tuple(x.shape)), q.to(torch.int8))
 

@@ -94,7 +94,7 @@ def test_decodes_through_reused_memory_stay_exact():
             packed = torch.randint(0, 256, (256, 2048), generator=g, dtype=torch.uint8)
             codes = torch.randint(110, 130, (256, 128), generator=g, dtype=torch.uint8)
             p = {"weight_packed": packed, "weight_scale": codes}
-            got = fmt._deq_mxfp4(p, fmt.QuantParams(), dtype)
+            got = fmt.fp4.decode_mxfp4(p, fmt.QuantParams(), dtype)
             want = fmt.mxfp4_reference(p, fmt.QuantParams(), dtype)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, seed)
             del got

@@ -24,16 +24,13 @@ import pytest
 import torch
 
 from k3convert.checkpoint import open_checkpoint
-from k3convert.parallel import (
-    Layout,
-    ParallelRuntime,
-    SimulatedCollectives,
-    planned_ranks,
-    stream_ranks,
-)
-from k3convert.quant import quantize
+from k3convert.layout import Layout
+from k3convert.parallel import SimulatedCollectives
+from k3convert.pipeline import quantize
 from k3convert.runtime import Runtime
 from k3convert.runtime.cache import FP8, KVCache
+from k3convert.runtime.parallel import ParallelRuntime
+from k3convert.runtime.ranks import planned_ranks, stream_ranks
 from k3convert.runtime.source import Lazy
 from k3convert.shard.writer import shard
 from k3convert.stream import open_stream

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3convert.quant import quantize
+from k3convert.pipeline import quantize
 from k3convert.shard.writer import shard
 from k3convert.verify.run import run_verify
 from tests.models import save_model

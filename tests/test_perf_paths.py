@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter, map_chunks, read_header
-from k3convert.quant import quantize
+from k3convert.pipeline import quantize
 from k3convert.quant.schemes import NonFiniteWeightError, get_scheme
 from tests.models import save_model
 

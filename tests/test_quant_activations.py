@@ -108,7 +108,7 @@ def test_activation_spec_for_our_output(tmp_path):
     from tests.models import save_model
 
     src = save_model("llama", tmp_path / "m", hidden_size=128, intermediate_size=256)
-    from k3convert.quant import quantize
+    from k3convert.pipeline import quantize
 
     quantize(src=src, out=tmp_path / "o", scheme="fp8-block", progress=False)
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())

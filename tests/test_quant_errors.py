@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3convert.errors import CheckpointError, ConfigError, K3Error, OutputError
-from k3convert.quant import GroupSizeError, NonFiniteWeightError, UnknownSchemeError, quantize
+from k3convert.pipeline import quantize
+from k3convert.quant import GroupSizeError, NonFiniteWeightError, UnknownSchemeError
 
 SMALL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
@@ -106,7 +107,7 @@ def test_unrepresentable_weight_refused_with_name(llama, tmp_path):
 
 
 def test_non_finite_input_scale_is_never_written(llama, tmp_path):
-    from k3convert.quant import plan_quantization
+    from k3convert.pipeline import plan_quantization
 
     _, plan = plan_quantization(src=llama, scheme="fp8")
     scales = {r.module: 0.01 for r in plan.quantized}
@@ -158,7 +159,7 @@ def test_scheme_xor_recipe(llama, tmp_path):
 def test_static_fp8_needs_calibrated_scales(llama, tmp_path):
     with pytest.raises(ConfigError, match="calibration"):
         quantize(src=llama, out=tmp_path / "o", scheme="fp8", progress=False)
-    from k3convert.quant import plan_quantization
+    from k3convert.pipeline import plan_quantization
 
     _, plan = plan_quantization(src=llama, scheme="fp8")
     scales = {r.module: 0.01 for r in plan.quantized}

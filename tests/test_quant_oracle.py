@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from k3convert.checkpoint import open_checkpoint
-from k3convert.quant import quantize
+from k3convert.pipeline import quantize
 from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS
 
 #: max ||w - deq|| / ||w|| per tensor (Gaussian N(0, 0.02) init weights)

@@ -11,7 +11,8 @@ import torch
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import ConfigError
-from k3convert.quant import get_scheme, plan_quantization, quantize
+from k3convert.pipeline import plan_quantization, quantize
+from k3convert.quant import get_scheme
 from k3convert.recipe import load_recipe, parse_recipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

@@ -25,7 +25,7 @@ import torch
 from k3convert.arch import resolve
 from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import ConfigError
-from k3convert.parallel import Layout, ParallelRuntime, planned_ranks, stream_ranks
+from k3convert.layout import Layout
 from k3convert.runtime import Runtime
 from k3convert.runtime.cache import KVCache
 from k3convert.runtime.decoder import (
@@ -36,6 +36,8 @@ from k3convert.runtime.decoder import (
     text_settings,
 )
 from k3convert.runtime.ops import SiTU
+from k3convert.runtime.parallel import ParallelRuntime
+from k3convert.runtime.ranks import planned_ranks, stream_ranks
 from k3convert.runtime.source import Weights
 from k3convert.shard.writer import shard
 from k3convert.stream import open_stream

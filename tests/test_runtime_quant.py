@@ -1,7 +1,7 @@
 """The runtime on quantized compressed-tensors checkpoints, against external oracles.
 
 For llama, qwen3_moe and deepseek_v3 tiny models (every Linear input dim a multiple of
-128) quantized by ``k3convert.quant.quantize`` with fp8-block, fp8-dynamic, w8a8, w4a16:
+128) quantized by ``k3convert.pipeline.quantize`` with fp8-block, fp8-dynamic, w8a8, w4a16:
 
 (a) weights: compressed-tensors' own ``CompressedTensorsDequantizer`` turns OUT into a
     dense float32 checkpoint DENSE; our runtime on OUT with activation quantization OFF
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import CheckpointError, ConfigError
-from k3convert.quant import quantize
-from k3convert.quant.writer import plan_quantization
+from k3convert.pipeline import quantize
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.runtime import Runtime
 from k3convert.runtime.forward_cmd import run_forward
 from tests.models import QUANT_FAMILIES, QUANT_SCHEMES, RELOAD_GAPS, save_model

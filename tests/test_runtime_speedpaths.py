@@ -183,7 +183,7 @@ def test_flash_values_layouts_agree(dims, masked):
 
 
 def test_fused_mla_off_under_activation_quantization(quant_sources, tmp_path):
-    from k3convert.quant.writer import quantize
+    from k3convert.pipeline.quantize import quantize
 
     out = tmp_path / "fp8"
     quantize(src=quant_sources["deepseek_v3"], out=out, scheme="fp8-dynamic", progress=False)

@@ -35,9 +35,9 @@ from k3convert.calibrate.sensitivity import (
 )
 from k3convert.checkpoint import open_checkpoint
 from k3convert.errors import ConfigError
-from k3convert.quant import quantize
+from k3convert.pipeline import quantize
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.quant.schemes import get_scheme
-from k3convert.quant.writer import plan_quantization
 from tests.test_calibrate_moe import _transformers_counts
 from tests.trained import (  # noqa: F401  (fixtures)
     corpus_documents,

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from k3convert.cli import main
-from k3convert.quant.writer import plan_quantization
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.serving import KERNELS, ServingError, ServingTarget, check_plan, kernel_class
 from tests.models import QUANT_FAMILIES
 

@@ -20,7 +20,7 @@ import zstandard
 from safetensors.torch import load, load_file, save_file
 
 from k3convert.arch import resolve
-from k3convert.quant.packing import pack_int32
+from k3convert.formats.intn import pack_int32
 from k3convert.stream import read_manifest_doc
 from tests.models import unit_hash
 

@@ -347,7 +347,7 @@ _KILL_SCRIPT = """
 import sys, time
 import k3convert.shard.unit_io as io
 import k3convert.shard.writer as w
-real_unit, real_bytes = w.write_unit, io._tensor_bytes
+real_unit, real_bytes = w.write_unit, io.tensor_bytes
 def slow_bytes(*a, **k):
     time.sleep(0.01)
     return real_bytes(*a, **k)
@@ -355,7 +355,7 @@ def unit(*a, **k):
     r = real_unit(*a, **k)
     print("unit", flush=True)
     return r
-w.write_unit, io._tensor_bytes = unit, slow_bytes
+w.write_unit, io.tensor_bytes = unit, slow_bytes
 w.shard(src=sys.argv[1], out=sys.argv[2], tp=2, pp=2, ep=2, progress=False, workers=1,
         compress=sys.argv[3])
 print("finished", flush=True)

@@ -138,7 +138,7 @@ def stream(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quantized(quant_sources, tmp_path_factory):
     """scheme -> quantized checkpoint of quant_sources['llama']."""
-    from k3convert.quant.writer import quantize
+    from k3convert.pipeline.quantize import quantize
 
     cache: dict = {}
     root = tmp_path_factory.mktemp("verify_quant")
@@ -393,7 +393,7 @@ def test_weight_scale_off_by_2x_localised_against_original(quantized, stream, tm
 # -- 3. bad input ---------------------------------------------------------------------
 @pytest.fixture
 def no_forward(monkeypatch):
-    from k3convert.parallel.runtime import ParallelRuntime
+    from k3convert.runtime.parallel import ParallelRuntime
 
     def boom(self, *a, **k):
         raise AssertionError("ParallelRuntime.forward ran on bad input")
@@ -473,7 +473,7 @@ def test_bad_inputs_exit_2_with_one_line(tiny_models, stream, tmp_path, capsys, 
 
 
 def test_bad_kv_cache_rejected_before_computing(tiny_models, stream, capsys, monkeypatch):
-    from k3convert.parallel.runtime import ParallelRuntime
+    from k3convert.runtime.parallel import ParallelRuntime
 
     calls = []
     orig = ParallelRuntime.forward

@@ -47,8 +47,8 @@ import pytest
 import torch
 
 from k3convert.checkpoint import open_checkpoint
-from k3convert.quant import quantize
-from k3convert.quant.writer import plan_quantization
+from k3convert.pipeline import quantize
+from k3convert.pipeline.quantize import plan_quantization
 from k3convert.serving import check_plan
 from tests.trained import (
     corpus_documents,

@@ -164,16 +164,34 @@ class Instance:
 
 @dataclass
 class Arch:
-    """A model family: its config parser and its tensor table."""
+    """A model family: its config parser, its tensor table and what the runtime and the
+    KV-cache code ask of it (attention and router kinds, where the decoder's config is)."""
 
     name: str
     aliases: tuple[str, ...]
     parse_config: Callable[[dict], Any]
     specs: Callable[[Any], list[TensorSpec]]
     doc: str = ""
+    #: the attention of the layers that cache K / V: ``gqa`` or ``mla``
+    attention: str = "gqa"
+    #: the MoE router: ``softmax``, ``sigmoid_group``, or None for a dense model
+    router: str | None = None
+    #: KDA linear-attention layers mixed with ``attention`` ones (``cfg.is_kda_layer``)
+    hybrid: bool = False
+    #: a multimodal release: the decoder's config.json section (``text_config``)
+    text_key: str | None = None
 
     def config(self, raw: dict) -> Any:
         return self.parse_config(raw)
+
+    def text_raw(self, raw: dict) -> dict:
+        """The decoder's part of a config.json dict."""
+        return raw.get(self.text_key) if self.text_key else raw
+
+    def attention_of(self, cfg: Any, layer: int) -> str:
+        """Attention kind of decoder layer ``layer``: gqa, mla or kda."""
+        text = getattr(cfg, "text", cfg)
+        return "kda" if self.hybrid and text.is_kda_layer(layer) else self.attention
 
     def table(self, cfg: Any) -> list[TensorSpec]:
         return [s for s in self.specs(cfg) if s.when(cfg)]
@@ -186,10 +204,13 @@ class Arch:
         for spec in self.table(cfg):
             if spec.optional and not optional:
                 continue
-            for idx in _indices(spec.scope, cfg, mtp):
+            for idx in scope_indices(spec.scope, cfg, mtp):
                 name = spec.pattern.format(**idx)
                 yield Instance(
-                    name, tuple(spec.shape(cfg)), _role(spec, idx, cfg), _stored(spec, cfg)
+                    name,
+                    tuple(spec.shape(cfg)),
+                    role_of(spec, idx, cfg),
+                    stored_shape_of(spec, cfg),
                 )
 
     def match(self, cfg: Any, names: Iterable[str], where: str = "") -> dict[str, Match]:
@@ -207,10 +228,10 @@ class Arch:
                     idx = {k: int(v) for k, v in m.groupdict().items()}
                     if _in_range(spec.scope, idx, cfg):
                         out[n] = Match(
-                            _role(spec, idx, cfg),
+                            role_of(spec, idx, cfg),
                             spec.pattern.format(**idx),
                             tuple(spec.shape(cfg)),
-                            _stored(spec, cfg),
+                            stored_shape_of(spec, cfg),
                         )
                         break
             else:
@@ -278,7 +299,7 @@ class Arch:
         return {n: m.shape for n, m in self.match(cfg, names, where).items()}
 
 
-def _stored(spec: TensorSpec, cfg: Any) -> tuple[int, ...] | None:
+def stored_shape_of(spec: TensorSpec, cfg: Any) -> tuple[int, ...] | None:
     shape = spec.stored(cfg) if spec.stored is not None else None
     return tuple(shape) if shape is not None else None
 
@@ -301,7 +322,7 @@ def _layer_kinds(cfg) -> list[str]:
     return ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_layers)]
 
 
-def _indices(scope: str, cfg, mtp: bool) -> Iterator[dict[str, int]]:
+def scope_indices(scope: str, cfg, mtp: bool) -> Iterator[dict[str, int]]:
     if scope == "global":
         yield {}
     elif scope in ("kda_layer", "mla_layer"):
@@ -352,7 +373,7 @@ def _in_range(scope: str, idx: dict[str, int], cfg) -> bool:
     return not ("E" in idx and idx["E"] >= cfg.num_experts)
 
 
-def _role(spec: TensorSpec, idx: dict[str, int], cfg) -> Role:
+def role_of(spec: TensorSpec, idx: dict[str, int], cfg) -> Role:
     layer = idx.get("L")
     is_mtp = layer is not None and layer >= cfg.num_layers
     r = Role(

@@ -185,5 +185,7 @@ DEEPSEEK_V3 = register(
         parse,
         specs,
         doc="MLA + sigmoid-routed MoE with shared experts and MTP (DeepSeek-V3 / Kimi-K2)",
+        attention="mla",
+        router="sigmoid_group",
     )
 )

@@ -143,5 +143,8 @@ KIMI_K25 = register(
         parse,
         specs,
         doc="MoonViT + projector + DeepSeek-V3 decoder (Kimi-K2.5)",
+        attention="mla",
+        router="sigmoid_group",
+        text_key="text_config",
     )
 )

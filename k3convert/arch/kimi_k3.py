@@ -68,5 +68,9 @@ KIMI_K3 = register(
         parse,
         specs,
         doc="MoonViT3d + projector + KDA/MLA hybrid decoder with latent MoE (Kimi K3)",
+        attention="mla",
+        router="sigmoid_group",
+        hybrid=True,
+        text_key="text_config",
     )
 )

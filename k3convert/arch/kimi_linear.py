@@ -419,5 +419,8 @@ KIMI_LINEAR = register(
         parse,
         specs,
         doc="KDA linear attention + MLA hybrid with sigmoid-routed MoE (Kimi-Linear)",
+        attention="mla",
+        router="sigmoid_group",
+        hybrid=True,
     )
 )

@@ -79,5 +79,12 @@ def specs(c: MoeConfig):
 
 
 QWEN3_MOE = register(
-    Arch("qwen3_moe", ("mixtral",), parse, specs, doc="Softmax top-k MoE (qwen3_moe / mixtral)")
+    Arch(
+        "qwen3_moe",
+        ("mixtral",),
+        parse,
+        specs,
+        doc="Softmax top-k MoE (qwen3_moe / mixtral)",
+        router="softmax",
+    )
 )

@@ -256,7 +256,7 @@ class ResolvedDataset:
     definition: DatasetDefinition | None = None
 
 
-def _looks_like_path(text: str) -> bool:
+def looks_like_path(text: str) -> bool:
     return (
         text.startswith((".", "/", "~"))
         or (os.sep in text.rstrip(os.sep) and not _HUB_NAME.match(text))
@@ -296,7 +296,7 @@ def resolve_dataset(name: str | os.PathLike) -> ResolvedDataset:
         return ResolvedDataset("files", str(p.resolve()), _local_files(p.resolve(), text))
     if text.startswith(HUB_PREFIX):
         return ResolvedDataset("hub", text[len(HUB_PREFIX) :])
-    if _looks_like_path(text):
+    if looks_like_path(text):
         raise CalibrationDataError(
             f"calibration dataset path {text} does not exist; check the path (relative paths "
             f"are taken from {Path.cwd()})."

@@ -16,7 +16,7 @@ the one llm-compressor computes (tests/test_gptq.py checks it):
   (:mod:`k3convert.quant.mse_observer`: each group's range searched, as llm-compressor's
   ``observer="mse"``), so GPTQ rounds against the searched scales;
 - ``act_order=True`` is recorded in config.json as ``actorder: static``
-  (:func:`k3convert.quant.writer._mark_actorder`);
+  (:func:`k3convert.quant.writer.mark_actorder`);
 - dampening: dead columns (``H[j, j] == 0``) get ``H[j, j] = 1`` and a zero weight
   column, then ``dampening * mean(diag H)`` is added to the diagonal; ``H^-1`` comes from
   a Cholesky factorisation and is used as its upper Cholesky factor. A Hessian that is
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, NonFiniteError, short_repr
-from ..quant.packing import pack_int32, unpack_int32
+from ..formats.intn import pack_int32, unpack_int32
 from ..quant.schemes import (
     FP8_MAX,
     FP8Scheme,

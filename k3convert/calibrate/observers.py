@@ -30,13 +30,14 @@ import math
 import torch
 
 from ..errors import ConfigError
+from ..formats import FP8_MAX
 
 OBSERVERS = ("minmax", "percentile", "mse")
 
 
 def _qmax(kind: str, bits: int) -> float:
     if kind == "float" and bits == 8:
-        return 448.0
+        return FP8_MAX
     if kind == "int" and 2 <= bits <= 8:
         return float(2 ** (bits - 1) - 1)
     raise ConfigError(

@@ -60,7 +60,7 @@ are scored 0 and listed there too.
 :func:`choose_keeps` spends a :class:`Budget` (:func:`parse_budget`: ``5%`` of the
 scored rows' output bytes, ``1.5GB`` / ``300MiB`` / plain bytes, or ``4.5bpw``) greedily
 by gain per extra byte, never over the budget; extra bytes come from the writer's own
-planned output entries (:func:`k3convert.quant.writer._entries`) for the row as
+planned output entries (:func:`k3convert.quant.planning.row_entries`) for the row as
 quantized, kept (its source dtype, as the writer keeps rows) or under the ladder scheme.
 :func:`auto_keep` does all three in one call. :func:`apply_selection` turns a plan and a
 selection into the plan the writer runs
@@ -87,6 +87,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..quant.rules import Decision, Plan
 from ..quant.schemes import Scheme, get_scheme
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
+from ..units import NUMBER, SIZE_UNITS
 from .data import CalibrationSet
 from .sequential import _dequantized, token_mask
 
@@ -101,12 +102,6 @@ BUDGET_FORMS = (
     "a byte count ('1.5GB', '300MiB', '2000000'), "
     "or a target average bits per weight including scales ('4.5bpw')"
 )
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-}  # fmt: skip
 
 
 # -- budget -----------------------------------------------------------------------------
@@ -128,9 +123,6 @@ class Budget:
         return math.floor(self.value * params / 8.0) - int(base_bytes)
 
 
-_NUM = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
-
-
 def parse_budget(text) -> Budget:
     """``5%`` / ``1.5GB`` / ``300MiB`` / ``2000000`` / ``4.5bpw`` -> :class:`Budget`."""
     if isinstance(text, bool):
@@ -140,9 +132,9 @@ def parse_budget(text) -> Budget:
     if not isinstance(text, str):
         raise ConfigError(f"--auto-keep budget {text!r} is not a budget; give {BUDGET_FORMS}.")
     s = text.strip()
-    m = re.fullmatch(rf"({_NUM})\s*(%|bpw|[a-zA-Z]*)", s)
-    unit = m.group(3).lower() if m else None
-    if m is None or (unit not in _UNITS and unit not in ("%", "bpw")):
+    m = re.fullmatch(rf"({NUMBER})\s*(%|bpw|[a-zA-Z]*)", s)
+    unit = m.group(2).lower() if m else None
+    if m is None or (unit not in SIZE_UNITS and unit not in ("%", "bpw")):
         raise ConfigError(f"--auto-keep budget '{text}' is not understood; give {BUDGET_FORMS}.")
     v = float(m.group(1))
     if not math.isfinite(v):
@@ -158,7 +150,7 @@ def parse_budget(text) -> Budget:
                 f"most 64 (e.g. '4.5bpw')."
             )
         return Budget("bpw", v, s)
-    n = v * _UNITS[unit]
+    n = v * SIZE_UNITS[unit]
     if unit in ("", "b") and v != int(v):
         raise ConfigError(f"--auto-keep budget '{text}': a byte count is a whole number.")
     return Budget("bytes", float(int(n)), s)
@@ -359,7 +351,7 @@ def scan_sensitivity(
 ) -> SensitivityReport:
     """Score every quantized row of ``plan`` on ``calib`` (see the module doc).
 
-    ckpt / plan: :func:`~k3convert.quant.writer.plan_quantization`'s pair; ladder: a
+    ckpt / plan: :func:`~k3convert.quant.planning.plan_quantization`'s pair; ladder: a
     scheme name (or Scheme) also scored for every row; method: ``layer`` (default),
     ``output`` or ``kl``; batch_size: samples per forward micro-batch; dtype: the
     runtime's compute dtype; log: called with one line per scored layer.
@@ -643,9 +635,9 @@ def _kl_sum(ref_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> f
 
 # -- selection --------------------------------------------------------------------------
 def _row_bytes(r: Decision) -> int:
-    from ..quant.writer import _entries
+    from ..quant.planning import row_entries
 
-    return sum(math.prod(s) * d.itemsize for _, d, s in _entries(r))
+    return sum(math.prod(s) * d.itemsize for _, d, s in row_entries(r))
 
 
 def _kept_row(r: Decision, reason: str) -> Decision:
@@ -683,7 +675,7 @@ class Selection:
 
     def summary(self) -> str:
         what = "kept in high precision" if self.ladder is None else f"moved to {self.action}"
-        from ..inspect import human_bytes
+        from ..units import human_bytes
 
         s = (
             f"auto-keep {self.budget.text}: {len(self.names)} tensor(s) {what}, "

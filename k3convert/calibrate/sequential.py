@@ -42,6 +42,7 @@ Activation quantization is not applied during calibration (the runtime runs with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -49,7 +50,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,7 @@ from safetensors.torch import save_file
 from .. import __version__ as _k3_version
 from .. import formats as fmt
 from ..errors import ConfigError
+from ..formats import FP4_MAX, FP8_MAX
 from ..quant import fp4_requant, mse_observer
 from ..quant.mse_observer import GroupGram
 from ..quant.schemes import FP8Scheme, IntScheme, Scheme
@@ -86,7 +88,7 @@ from .smooth import (
 ALGORITHMS = ("rtn", "gptq", "static", "awq", "smoothquant", "smoothquant+gptq")
 #: algorithms that smooth (scale migration, :mod:`.smooth`) before quantizing
 SMOOTHING = {"awq": "awq", "smoothquant": "smoothquant", "smoothquant+gptq": "smoothquant"}
-_GPTQ = ("gptq", "smoothquant+gptq")
+GPTQ_ALGORITHMS = ("gptq", "smoothquant+gptq")
 _JOURNAL = "journal.json"
 _JOURNAL_VERSION = "k3convert-sequential-v2"
 
@@ -195,6 +197,37 @@ class SequentialOptions:
                 f"got {self.awq_duo_scaling!r}."
             )
 
+    def set_options(self) -> set[str]:
+        """The options that differ from their defaults (what a recipe section sets)."""
+        return {f.name for f in dataclasses.fields(SequentialOptions)
+                if getattr(self, f.name) != f.default}  # fmt: skip
+
+    def check_applicable(
+        self, algorithm: str, given: Collection[str], name: Callable[[str], str] = str
+    ) -> None:
+        """Refuse options that ``algorithm`` (or the observer) would not use: ``given``
+        names the options the user set, ``name(option)`` how the message spells one (a
+        flag, a recipe key), ``name("algorithm")`` / ``name("observer")`` included. The
+        same checks for the command line and a recipe's ``quantize.calibrate``."""
+        if "gptq_fp_target" in given and algorithm not in GPTQ_ALGORITHMS:
+            raise ConfigError(
+                f"{name('gptq_fp_target')} only applies with {name('algorithm')} gptq or "
+                f"smoothquant+gptq."
+            )
+        if "awq_clip" in given and algorithm != "awq":
+            raise ConfigError(f"{name('awq_clip')} only applies with {name('algorithm')} awq.")
+        if ({"alpha", "alpha_search"} & set(given)) and not algorithm.startswith("smoothquant"):
+            raise ConfigError(
+                f"{name('alpha')} / {name('alpha_search')} only apply with "
+                f"{name('algorithm')} smoothquant[+gptq]."
+            )
+        if "alpha" in given and self.alpha_search:
+            raise ConfigError(f"give {name('alpha')} or {name('alpha_search')}, not both.")
+        if "percentile" in given and self.observer != "percentile":
+            raise ConfigError(
+                f"{name('percentile')} only applies with {name('observer')} percentile."
+            )
+
     def algorithm_options(self, algorithm: str | None = None) -> dict:
         """The options that change results (the journal's fingerprint, the provenance)."""
         return {"block_size": self.block_size, "dampening": float(self.dampening),
@@ -207,7 +240,7 @@ class SequentialOptions:
                 **self._smoothing_options(algorithm)}  # fmt: skip
 
     def _gptq_options(self, algorithm: str | None) -> dict:
-        if algorithm is None or algorithm in _GPTQ:
+        if algorithm is None or algorithm in GPTQ_ALGORITHMS:
             return {"gptq_fp_target": float(self.gptq_fp_target)}
         return {}
 
@@ -327,7 +360,7 @@ def _dequantized(scheme: Scheme, parts: dict) -> torch.Tensor:
 def _qmax(scheme: Scheme) -> float:
     act = scheme.act
     if act.type == "float":
-        return 448.0 if act.num_bits == 8 else 6.0
+        return FP8_MAX if act.num_bits == 8 else FP4_MAX
     return float(2 ** (act.num_bits - 1) - 1)
 
 
@@ -368,7 +401,7 @@ def _nv_input(scheme: Scheme) -> bool:
 #: NVFP4's input global scale is e4m3's max times E2M1's over the Linear's largest |input|
 #: (compressed-tensors' ``generate_gparam``, as llm-compressor calibrates it); below this
 #: largest |input| it would not be a finite float32
-_NV_GLOBAL_NUM = 448.0 * 6.0
+_NV_GLOBAL_NUM = FP8_MAX * FP4_MAX
 _NV_MIN_AMAX = _NV_GLOBAL_NUM / float(torch.finfo(torch.float32).max)
 
 
@@ -514,7 +547,7 @@ def check_algorithm(plan, algorithm: str) -> None:
                 f"fused Linears share one global scale); use --algorithm rtn, or a scheme "
                 f"without a global scale (int, fp8, mxfp4)."
             )
-    if algorithm in _GPTQ:
+    if algorithm in GPTQ_ALGORITHMS:
         bad = sorted({r.scheme.name for r in rows if not gptq_supported(r.scheme)})
         if bad:
             raise ConfigError(
@@ -551,7 +584,7 @@ def calibrate_sequential(
     the journal, and every process reads all of them before the quantized layer runs.
     Process 0 alone writes the journal's state and the hidden-state checkpoints.
 
-    plan: :func:`~k3convert.quant.writer.plan_quantization`'s plan (which rows are
+    plan: :func:`~k3convert.quant.planning.plan_quantization`'s plan (which rows are
     quantized with which scheme); calib: the calibration set; journal: the directory of
     the resume journal and the per-layer GPTQ parts (also the spill directory of the
     hidden states when ``options.offload_dir`` is set: then pass it as ``journal``).
@@ -603,7 +636,7 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
     hidden = _Hidden(len(batches), journal, spill=options.offload_dir is not None,
                      writer=group.leader)  # fmt: skip
     fp = None  # gptq_fp_target: the full-precision model's hidden states, beside hidden
-    if options.gptq_fp_target and algorithm in _GPTQ:
+    if options.gptq_fp_target and algorithm in GPTQ_ALGORITHMS:
         fp = _Hidden(len(batches), journal, spill=options.offload_dir is not None,
                      writer=group.leader, prefix="fphidden")  # fmt: skip
     pos = [rt.default_positions(b_ids) for b_ids, _ in batches]
@@ -735,7 +768,7 @@ def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, mas
     entries = rt.plan.units[unit]
     by_name = {e.name: e for e in entries.values()}
     mine = {n: rows[n] for n in by_name if n in rows}
-    gptq = {n for n, r in mine.items() if algorithm in _GPTQ and gptq_supported(r.scheme)}
+    gptq = {n for n, r in mine.items() if algorithm in GPTQ_ALGORITHMS and gptq_supported(r.scheme)}
     # AWQ's clip step: every group-wise integer Linear's ranges searched on its output
     # error (per channel the Gram block would be the whole [in, in] matrix and each
     # candidate a full quadratic form: those keep the scheme's own rounding)

@@ -483,15 +483,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raw[part.name] = part
     if wm is not None:
         _check_index(root, wm, raw)
-    qcfg = QuantConfig(_quant_config(config))
+    qcfg = QuantConfig(quant_config_of(config))
     claims: list[tuple[str, str]] = []
-    metas = _group(raw, qcfg, claims)
+    metas = group_parts(raw, qcfg, claims)
     ck = Checkpoint(root, config, metas, files, claims)
     ck.aux_files  # noqa: B018  (refuses an aux file that links outside, up front)
     return ck
 
 
-def _quant_config(config: dict) -> dict | None:
+def quant_config_of(config: dict) -> dict | None:
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")
@@ -527,7 +527,7 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
         )
 
 
-def _group(
+def group_parts(
     raw: dict[str, PartMeta],
     qcfg: QuantConfig,
     claims: list[tuple[str, str]] | None = None,

@@ -2,7 +2,7 @@
 
 ``fp4_kernels.c`` holds table gathers keyed by (group key, stored byte) and the per-group
 maximum E2M1 code: the MXFP4 / NVFP4 decode and the MXFP4 requantization
-(:mod:`k3convert.quant.fp4_decode`, :mod:`k3convert.quant.fp4_requant`) run through them
+(:mod:`k3convert.formats.fp4`, :mod:`k3convert.quant.fp4_requant`) run through them
 when they are available, and through torch ops giving the same bytes otherwise
 (tests/test_fp4_requant.py checks both paths against each other and against the
 reference).

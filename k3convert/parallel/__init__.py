@@ -1,11 +1,9 @@
-"""Parallel execution: what each rank of a layout holds and how ranks combine.
-
-``Layout`` and the split rules are the shard planner's (``k3convert.shard.layout`` /
-``k3convert.shard.split``): one copy, used by ``shard`` to write and by the parallel
-runtime to slice an unsharded checkpoint on the fly.
+"""Distributed primitives: the collectives a parallel runtime uses (simulated in one process
+or ``torch.distributed``) and the torchrun job the conversion stages split their work over
+(:mod:`.procs`). What each rank of a layout holds and the parallel runtime itself are in
+:mod:`k3convert.runtime.ranks` and :mod:`k3convert.runtime.parallel`.
 """
 
-from ..shard.layout import Layout
 from .collectives import (
     Collectives,
     SimulatedCollectives,
@@ -14,19 +12,12 @@ from .collectives import (
     ordered_sum,
     under_torchrun,
 )
-from .ranks import RankSet, planned_ranks, stream_ranks
-from .runtime import ParallelRuntime
 
 __all__ = [
     "Collectives",
-    "Layout",
-    "ParallelRuntime",
-    "RankSet",
     "SimulatedCollectives",
     "TorchDistributedCollectives",
     "init_distributed",
     "ordered_sum",
-    "planned_ranks",
-    "stream_ranks",
     "under_torchrun",
 ]

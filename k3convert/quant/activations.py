@@ -39,9 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import ConfigError
-from ..formats import FP4_MAX, INPUT_GLOBAL_SCALE, INPUT_SCALE, NV_GROUP
-
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+from ..formats import FP4_MAX, FP8_MAX, INPUT_GLOBAL_SCALE, INPUT_SCALE, NV_GROUP
 
 STRATEGIES = ("token", "tensor", "group", "tensor_group")
 _SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn}
@@ -300,7 +298,7 @@ def _fake_quant_nvfp4(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     op for op: group min / max in x's dtype, ``amax / 6`` in x's dtype, times the global
     scale (float32), rounded to e4m3, zero -> 0.125; zero points are fp8 zeros, added and
     subtracted as compressed-tensors does (which turns -0.0 into +0.0)."""
-    from .packing import _E2M1, fp4_codes
+    from ..formats.fp4 import E2M1, fp4_codes
 
     g = spec.group_size
     gs = spec.global_scale
@@ -328,7 +326,7 @@ def _fake_quant_nvfp4(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     scaled = torch.clamp(scaled, torch.tensor(-FP4_MAX), torch.tensor(FP4_MAX))
     if scaled.dtype != torch.float32:
         raise ValueError(f"NVFP4 activations are computed in float32, not {scaled.dtype}")
-    q = _E2M1[fp4_codes(scaled).to(torch.int64)]
+    q = E2M1[fp4_codes(scaled).to(torch.int64)]
     out = (q.to(scale.dtype) - zp.to(scale.dtype)) * scale
     return out.flatten(start_dim=-2).to(x.dtype)
 

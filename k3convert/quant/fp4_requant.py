@@ -55,8 +55,10 @@ import torch
 
 from .. import formats as fmt
 from .. import native
-from . import fp4_decode, mx_int4
-from .packing import E2M1_VALUES, fp4_codes, unpack_int32
+from ..formats import fp4
+from ..formats.fp4 import E2M1_VALUES, fp4_codes
+from ..formats.intn import unpack_int32
+from . import mx_int4
 from .schemes import FP4Scheme, FP8Scheme, IntScheme, NonFiniteWeightError, Scheme, WeightRangeError
 
 #: E8M0 codes for which the int path is exact (every nonzero value and scale normal, far
@@ -75,7 +77,7 @@ def supported(scheme: Scheme) -> bool:
 
 
 def _supported(scheme: Scheme) -> bool:
-    if not fp4_decode.LITTLE_ENDIAN:
+    if not fp4.LITTLE_ENDIAN:
         return False
     if isinstance(scheme, FP4Scheme):
         return scheme.encoding == fmt.NVFP4
@@ -139,13 +141,13 @@ def _gather_bytes(packed: torch.Tensor, rowkey: torch.Tensor, table: torch.Tenso
     res = torch.empty(packed.shape, dtype=torch.uint8)
     if native.gather(packed.contiguous(), rowkey.contiguous().view(-1), table, res):
         return res
-    return fp4_decode.keyed_gather(packed, rowkey, table, res)
+    return fp4.keyed_gather(packed, rowkey, table, res)
 
 
 def _values() -> torch.Tensor:
     """float32 [256 codes, 16 nibbles]: the reference decode of each nibble under each
     E8M0 code."""
-    return fmt._mx_values(torch.float32)
+    return fp4.mx_values(torch.float32)
 
 
 def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -297,7 +299,7 @@ def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name
     fast = _fp8_bytes(packed, codes, scheme)
     if fast is not None:
         return fast
-    w = fmt._deq_mxfp4({"weight_packed": packed, "weight_scale": codes}, fmt.QuantParams(),
+    w = fp4.decode_mxfp4({"weight_packed": packed, "weight_scale": codes}, fmt.QuantParams(),
                        torch.bfloat16)  # fmt: skip
     return dataclasses.replace(scheme, scale_fmt="ue8m0").quantize(w, name=name)
 
@@ -313,7 +315,7 @@ def _fp8_byte_values() -> torch.Tensor:
     values above 448 - a key no group reaches - saturated): the decode kernel's table."""
     e2m1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
     k = torch.arange(256, dtype=torch.float64)  # float64: 2**128 x 0 is 0, not NaN
-    v = (e2m1[None, :] * torch.exp2(k - 127)[:, None]).clamp_(-448.0, 448.0).float()
+    v = (e2m1[None, :] * torch.exp2(k - 127)[:, None]).clamp_(-fmt.FP8_MAX, fmt.FP8_MAX).float()
     return v.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16).view(torch.bfloat16)
 
 
@@ -348,7 +350,7 @@ def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme):
         res = native.fp4_decode(packed, keys, vals, torch.bfloat16, fmt.MX_GROUP,
                                 table=_fp8_byte_table())  # fmt: skip
     if res is None:
-        res = fp4_decode.decode(packed, keys, fmt.MX_GROUP, _fp8_pair_table(), torch.bfloat16)
+        res = fp4.decode(packed, keys, fmt.MX_GROUP, _fp8_pair_table(), torch.bfloat16)
     q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
     q.view(torch.uint8).copy_(res.view(torch.int16))  # each value's low byte (high: 0)
     scale = torch.ldexp(torch.ones(r, c), (e - 8).float())
@@ -364,7 +366,7 @@ def _fp8_byte_table() -> torch.Tensor:
 def _fp8_pair_table() -> torch.Tensor:
     v = _fp8_byte_values()
     b = torch.arange(256)
-    return fp4_decode.pair_table(torch.stack([v[:, b & 15], v[:, b >> 4]], -1).contiguous(),
+    return fp4.pair_table(torch.stack([v[:, b & 15], v[:, b >> 4]], -1).contiguous(),
                                  torch.bfloat16)  # fmt: skip
 
 

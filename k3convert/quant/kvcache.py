@@ -23,16 +23,18 @@ scale = max(absmax, TINY) / 448, with 448 the largest e4m3 value. The writer cal
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..arch import resolve
 from ..errors import ConfigError
+from ..formats import FP8_MAX
 
 #: the largest finite float8 e4m3fn value
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 #: the smallest absmax a scale is computed from: compressed-tensors clamps scales at
 #: float32's eps, so an all-zero observation gives that scale, never 0
 TINY = FP8_MAX * float(torch.finfo(torch.float32).eps)
@@ -92,14 +94,8 @@ def _layout(settings_or_config: Any) -> tuple[str, int, Any]:
     """(family, num_layers, attention_of) of a TextSettings, a Runtime or a config.json."""
     ts = getattr(settings_or_config, "text", settings_or_config)
     if isinstance(settings_or_config, Mapping):
-        from ..arch import resolve
-        from ..runtime.decoder import text_settings
-
-        raw = dict(settings_or_config)
-        arch, cfg = resolve(raw, "config.json")
-        text_raw = raw.get("text_config") if arch.name in ("kimi_k25", "kimi_k3") else raw
-        ts = text_settings(arch.name, getattr(cfg, "text", cfg), text_raw, "config.json")
-        return ts.family, cfg_layers(cfg), ts.attention_of
+        arch, cfg = resolve(dict(settings_or_config), "config.json")
+        return arch.name, cfg_layers(cfg), functools.partial(arch.attention_of, cfg)
     if not hasattr(ts, "attention_of") or not hasattr(ts, "family"):
         raise TypeError(
             "kv_scale_tensors needs the model's TextSettings, a Runtime or a config.json "

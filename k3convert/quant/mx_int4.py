@@ -42,7 +42,7 @@ import torch
 
 from .. import formats as fmt
 from .. import native
-from .packing import E2M1_VALUES
+from ..formats.fp4 import E2M1_VALUES
 
 #: the candidate ratios' denominators, minmax's (7.5) first, then outward by distance
 DENOMS = tuple(sorted((5.5 + 0.25 * i for i in range(15)), key=lambda t: (abs(t - 7.5), t)))

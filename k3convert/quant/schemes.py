@@ -56,12 +56,14 @@ import torch
 
 from .. import formats as fmt
 from ..errors import CheckpointError, ConfigError, short_repr
+from ..formats import FP8_MAX
+from ..formats.dtypes import FLOAT_DTYPES
+from ..formats.fp4 import fp4_codes, pack_fp4
+from ..formats.intn import pack_int32, packed_len, unpack_int32
 from .activations import ActivationSpec
-from .packing import fp4_codes, pack_fp4, pack_int32, packed_len, unpack_int32
 
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 _F32_MAX = float(torch.finfo(torch.float32).max)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = FLOAT_DTYPES
 
 
 class UnknownSchemeError(ConfigError):

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..formats import FP8_MAX
 
 MLA_CACHES = ("expanded", "latent")
 KV_DTYPES = (None, "fp8")
 FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
 
 
 @dataclass

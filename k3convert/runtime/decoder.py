@@ -1,7 +1,7 @@
 """Decoder layers of the text families: GQA, MLA or KDA attention, dense MLP or routed MoE.
 
-A family is a row of :data:`FAMILIES` (attention kind, router kind), keyed by the
-architecture name, so qwen2 / qwen3 / mistral run llama's row and mixtral runs
+A family is its :class:`k3convert.arch.Arch` (attention kind, router kind, hybrid), keyed
+by the architecture name, so qwen2 / qwen3 / mistral run llama's and mixtral runs
 qwen3_moe's. Every setting that the parsed architecture config does not carry (norm eps,
 activation, rope, router scoring, rope interleave, sliding window) is read here from the
 raw config dict, once, into :class:`TextSettings`.
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..arch.base import finite
-from ..errors import ConfigError, NonFiniteError
+from ..arch.base import Arch, finite, get_arch
+from ..errors import ArchError, ConfigError, NonFiniteError
 from ..quant.activations import ActivationSpec, fake_quant_activation
 from .ops import activation, attend, rms_norm, situ
 from .rope import Rotary, apply_rope, apply_rope_interleaved, rope_config, yarn_mscale
@@ -89,23 +89,11 @@ class TextSettings:
         return self.layer_attention[layer] if self.layer_attention else self.attention
 
 
-@dataclass(frozen=True)
-class Family:
-    attention: str
-    router: str | None
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family("gqa", None),
-    "qwen3_moe": Family("gqa", "softmax"),
-    "deepseek_v3": Family("mla", "sigmoid_group"),
-    "kimi_k25": Family("mla", "sigmoid_group"),
-    # KDA + MLA hybrids: ``attention`` names the full-attention (cached K/V) kind
-    "kimi_linear": Family("mla", "sigmoid_group"),
-    "kimi_k3": Family("mla", "sigmoid_group"),
-}
-#: families whose layers mix KDA and MLA attention
-HYBRID = ("kimi_linear", "kimi_k3")
+def _family(arch_name: str, where: str) -> Arch:
+    try:
+        return get_arch(arch_name)
+    except ArchError:
+        raise ConfigError(f"{where}: the runtime has no forward pass for '{arch_name}'.") from None
 
 
 def _windows(raw: dict, n: int) -> tuple[int | None, ...]:
@@ -120,11 +108,9 @@ def _windows(raw: dict, n: int) -> tuple[int | None, ...]:
 
 def text_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettings:
     """Settings of the decoder; ``raw`` is the text config dict (text_config for kimi_k25)."""
-    fam = FAMILIES.get(arch_name)
-    if fam is None:
-        raise ConfigError(f"{where}: the runtime has no forward pass for '{arch_name}'.")
-    if arch_name in HYBRID:
-        return _hybrid_settings(arch_name, cfg, raw, where)
+    fam = _family(arch_name, where)
+    if fam.hybrid:
+        return _hybrid_settings(fam, cfg, raw, where)
     act = activation(raw.get("hidden_act"), where)
     eps = finite(raw.get("rms_norm_eps"), "rms_norm_eps", where, 1e-6)
     windows = _windows(raw, cfg.num_layers)
@@ -188,8 +174,9 @@ def text_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettin
     )
 
 
-def _hybrid_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettings:
+def _hybrid_settings(fam: Arch, cfg: Any, raw: dict, where: str) -> TextSettings:
     """kimi_linear (transformers 5.24) / kimi_k3 text (Moonshot's modeling_kimi_linear)."""
+    arch_name = fam.name
     eps = finite(raw.get("rms_norm_eps"), "rms_norm_eps", where, 1e-6)
     name = raw.get("hidden_act")
     if name == "situ":
@@ -237,8 +224,8 @@ def _hybrid_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSet
     top_k = cfg.num_experts_per_tok
     return TextSettings(
         family=arch_name,
-        attention=FAMILIES[arch_name].attention,
-        router=FAMILIES[arch_name].router,
+        attention=fam.attention,
+        router=fam.router,
         hidden_size=cfg.hidden_size,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_heads,

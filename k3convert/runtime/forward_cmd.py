@@ -51,7 +51,7 @@ def parse_ids(text: str) -> torch.Tensor:
     return torch.tensor(seqs, dtype=torch.long)
 
 
-def _load_safetensors(path: str | os.PathLike, what: str) -> dict[str, torch.Tensor]:
+def load_safetensors(path: str | os.PathLike, what: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     p = Path(path)
@@ -67,8 +67,8 @@ def load_ids_file(path, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(input_ids [B, S] integer, attention_mask [B, S] or None) from a safetensors
     file; a 1-D file is one sequence. Shapes and dtypes are checked, with ``what`` (the
     option) in every message."""
-    d = _load_safetensors(path, what)
-    ids = _need(d, "input_ids", path, what)
+    d = load_safetensors(path, what)
+    ids = need_tensor(d, "input_ids", path, what)
     mask = d.get("attention_mask")
     if ids.ndim == 1:
         ids = ids[None]
@@ -91,7 +91,7 @@ def load_ids_file(path, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     return ids, mask
 
 
-def _need(d: dict, key: str, path, what: str) -> torch.Tensor:
+def need_tensor(d: dict, key: str, path, what: str) -> torch.Tensor:
     if key not in d:
         raise ConfigError(
             f"{what} {path}: no tensor '{key}' (it holds {', '.join(sorted(d)) or 'nothing'})."
@@ -99,7 +99,7 @@ def _need(d: dict, key: str, path, what: str) -> torch.Tensor:
     return d[key]
 
 
-def _tokenizer(src: Path) -> tuple[object | None, str | None]:
+def load_tokenizer(src: Path) -> tuple[object | None, str | None]:
     """(tokenizer or None, a note for the report). Never runs code from the model
     directory: a tokenizer that needs its own Python (an ``auto_map``) is not loaded."""
     if not any((src / f).is_file() for f in TOKENIZER_FILES):
@@ -171,16 +171,17 @@ def run_forward(
         input_ids, mask = load_ids_file(ids_file, "--ids-file")
     pv = grid = None
     if pixel_values is not None:
-        d = _load_safetensors(pixel_values, "--pixel-values")
-        pv = _need(d, "pixel_values", pixel_values, "--pixel-values")
-        grid = _need(d, "image_grid_thw", pixel_values, "--pixel-values")
+        d = load_safetensors(pixel_values, "--pixel-values")
+        pv = need_tensor(d, "pixel_values", pixel_values, "--pixel-values")
+        grid = need_tensor(d, "image_grid_thw", pixel_values, "--pixel-values")
     if save_logits is not None:
         _check_logits_path(Path(save_logits), Path(src))
     ckpt = open_source(src)
     aq = None if act_quant else False
     if getattr(ckpt, "world", 1) != 1:
         # every rank of the stream, simulated in this process (k3convert verify compares)
-        from ..parallel import ParallelRuntime, stream_ranks
+        from .parallel import ParallelRuntime
+        from .ranks import stream_ranks
 
         rt = ParallelRuntime(stream_ranks(ckpt), device=device, dtype=compute, act_quant=aq)
     else:
@@ -248,7 +249,7 @@ def _linear_line(rt: Runtime) -> str:
 
 
 def _report(src, rt, input_ids, mask, logits, top, dtype, device, saved) -> str:
-    tok, note = _tokenizer(src if src.is_dir() else src.parent)
+    tok, note = load_tokenizer(src if src.is_dir() else src.parent)
     b, s = input_ids.shape
     k = min(top, logits.shape[-1])
     lines = [

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from ..arch import kv_cache_scheme_of, resolve, validate_source
 from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, NonFiniteError
+from ..formats.dtypes import FLOAT_DTYPES, SHORT_DTYPES
 from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
 from ..quant.kvcache import check_scheme
 from .cache import KVCache
@@ -74,14 +75,8 @@ from .source import Plan, UnitLoader, Weights, WeightSource, make_plan
 from .vision import VisionSettings, encode_images, vision_settings
 from .vision_k3 import VisionSettingsK3, encode_images_k3, vision_settings_k3
 
-DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+#: compute dtypes by either name (``bf16`` / ``bfloat16``)
+DTYPES = {**SHORT_DTYPES, **FLOAT_DTYPES}
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -178,7 +173,7 @@ class Runtime:
         if not isinstance(raw, dict) or not raw:
             raise ConfigError(f"{where}: the weight source has no config; the runtime needs one.")
         self.arch, self.cfg = resolve(raw, where)
-        text_raw = raw.get("text_config") if self.arch.name in ("kimi_k25", "kimi_k3") else raw
+        text_raw = self.arch.text_raw(raw)
         self.text: TextSettings = text_settings(
             self.arch.name, _text_cfg(self.cfg), text_raw, where
         )

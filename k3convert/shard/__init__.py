@@ -5,9 +5,9 @@ all validated before writing) and writes one directory per rank of layer-ordered
 ``check(out)`` verifies a written directory. ``Layout`` is the rank arithmetic.
 """
 
+from ..layout import Layout, partition_layers, place_experts
 from ..stream.check import CheckReport, check
 from ..stream.format import ShardError, SplitError
-from .layout import Layout, partition_layers, place_experts
 from .plan import Plan, build_plan
 from .split import legal_degrees, split_tensor
 from .writer import ShardResult, shard

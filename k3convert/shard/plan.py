@@ -24,8 +24,8 @@ from ..arch.base import Role
 from ..checkpoint import Checkpoint, TensorMeta
 from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import ConfigError, short_list
+from ..layout import Layout, partition_layers, place_experts
 from ..stream.format import SplitError, build_header, unit_file
-from .layout import Layout, partition_layers, place_experts
 from .split import PartSlice, Piece, split_tensor, whole
 
 _UNIT_RX = re.compile(r"(embed|vision|head)|(layer|mtp)\.(\d+)\Z")
@@ -136,7 +136,7 @@ def load_expert_load(expert_load) -> dict[int, list[float]] | None:
     return out
 
 
-def _stage_units(units: list[str], ranges: list[tuple[int, int]]) -> list[list[str]]:
+def units_by_stage(units: list[str], ranges: list[tuple[int, int]]) -> list[list[str]]:
     pp = len(ranges)
     stages: list[list[str]] = [[] for _ in range(pp)]
     for u in units:
@@ -174,7 +174,7 @@ def _physical(logical: str, part: str, pm_name: str, tied_base: str | None) -> s
     return logical if part == "weight" else f"{tied_base}.{part}"
 
 
-class _Splitter:
+class Splitter:
     """Applies the DESIGN.md split rules of one role under the layout."""
 
     def __init__(self, cfg, layout: Layout):
@@ -297,7 +297,7 @@ def build_plan(
     ranges = partition_layers(
         layer_bytes, layout.pp, first_fixed=first, last_fixed=last, explicit=pp_layers
     )
-    stage_units = _stage_units(unit_names, ranges)
+    stage_units = units_by_stage(unit_names, ranges)
     for s, us in enumerate(stage_units):
         if not us:
             raise ConfigError(
@@ -308,7 +308,7 @@ def build_plan(
 
     experts = _place(cfg, roles, layout, load_expert_load(expert_load), redundant_experts)
 
-    splitter = _Splitter(cfg, layout)
+    splitter = Splitter(cfg, layout)
     per_rank: dict[int, list[UnitPlan]] = {r: [] for r in range(layout.world)}
     write_order: list[UnitPlan] = []
     for s, us in enumerate(stage_units):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from ..checkpoint import PartMeta, TensorMeta
 from ..formats import COPY, FORMATS, AxisMap, UnsplittableError
 from ..formats import LOCAL_SHAPE as SHAPE
+from ..layout import divisors
 from ..stream.format import SplitError
-from .layout import divisors
 
 
 @dataclass(frozen=True)

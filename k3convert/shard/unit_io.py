@@ -23,7 +23,7 @@ import zstandard
 
 from ..checkpoint import Checkpoint
 from ..stream import hashing as unit_hashing
-from ..stream.format import ALIGN, FORMAT, JOURNAL, PAD_PREFIX, VERSION, dump_manifest
+from ..stream.format import ALIGN, FORMAT, JOURNAL, PAD_PREFIX, VERSION
 from .plan import TensorPlan, UnitPlan
 
 ZSTD_LEVEL = 3
@@ -185,7 +185,7 @@ class Syncer:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _SourceMaps:
+class SourceMaps:
     """Whole-file read-only mappings of the source, for the duration of one unit.
 
     One mapping per source file instead of one per tensor part keeps the per-tensor cost
@@ -221,7 +221,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _tensor_bytes(src: _SourceMaps, tp: TensorPlan) -> memoryview:
+def tensor_bytes(src: SourceMaps, tp: TensorPlan) -> memoryview:
     """The local tensor's bytes: a slice of the source part, zero-padded."""
     ps = tp.slice
     if ps.contents == "local_shape":
@@ -259,7 +259,7 @@ def write_unit(
     path = out / up.file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
-    src = _SourceMaps(ck)
+    src = SourceMaps(ck)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         try:
@@ -276,7 +276,7 @@ def write_unit(
                 if t.name.startswith(PAD_PREFIX):
                     raw.write(_ZEROS[: t.nbytes])
                 else:
-                    mv = _tensor_bytes(src, by_name[t.name])
+                    mv = tensor_bytes(src, by_name[t.name])
                     if len(mv) != t.nbytes:
                         raise AssertionError(f"{up.file}: {t.name} size {len(mv)} != {t.nbytes}")
                     if cw is None:
@@ -348,39 +348,10 @@ def resumable(out: Path, up: UnitPlan, key: str) -> dict | None:
     return {k: rec[k] for k in ("bytes", "hash", "raw_bytes", "raw_hash")}
 
 
-def atomic_json(path: Path, doc: dict | str, fsync: bool = True) -> None:
-    """Write ``doc`` (or its ready rendering) to a temporary name, [fsync], rename."""
-    text = doc if isinstance(doc, str) else render(doc)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)  # one write: json.dump would issue one per token
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def render(doc: dict) -> str:
-    return dump_manifest(doc)  # == json.dumps(doc, indent=1) + "\n", faster
-
-
 def fsync_path(path: Path) -> None:
     """fsync a file or directory (durability before the manifest commits)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)

@@ -49,6 +49,7 @@ from ..checkpoint.output import (
     reports_write_errors,
 )
 from ..errors import ConfigError, OutputError
+from ..layout import Layout
 from ..parallel import procs
 from ..parallel.procs import ProcessGroup
 from ..stream import hashing as unit_hashing
@@ -60,13 +61,11 @@ from ..stream.format import (
     VERSION,
     rank_units_file,
 )
-from ..stream.manifest_doc import write_manifest_doc
-from .layout import Layout
+from ..stream.manifest_doc import atomic_json, write_manifest_doc
 from .plan import ROUTING_COUNTS, Plan, UnitPlan, build_plan
 from .unit_io import (
     SourceHasher,
     Syncer,
-    atomic_json,
     file_sha256,
     fsync_path,
     journal_path,

@@ -13,6 +13,8 @@ too, so what a test writes back is laid out exactly as a conversion lays it out.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 from . import hashing
@@ -100,8 +102,6 @@ def write_manifest_doc(root, doc: dict, *, fsync: bool = True) -> Path:
     directories fsynced, then manifest.json, the commit marker, last; a version 1 / 2
     document as manifest.json alone. Rendering is deterministic (same document, same
     bytes). Returns the manifest's path."""
-    from ..shard.unit_io import atomic_json, fsync_dir
-
     root = Path(root)
     top, files = split_manifest(doc)
     top_text = dump_manifest(top)  # everything rendered (or refused) before a write
@@ -117,3 +117,32 @@ def write_manifest_doc(root, doc: dict, *, fsync: bool = True) -> Path:
     if fsync:
         fsync_dir(root)
     return mp
+
+
+def atomic_json(path: Path, doc: dict | str, fsync: bool = True) -> None:
+    """Write ``doc`` (or its ready rendering) to a temporary name, [fsync], rename."""
+    text = doc if isinstance(doc, str) else render(doc)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)  # one write: json.dump would issue one per token
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def render(doc: dict) -> str:
+    return dump_manifest(doc)  # == json.dumps(doc, indent=1) + "\n", faster
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

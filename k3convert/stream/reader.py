@@ -38,6 +38,7 @@ from ..checkpoint.encodings import ENCODINGS, FORMATS
 from ..checkpoint.output import is_unfinished_stream
 from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError, K3Error
+from ..layout import Layout
 from . import hashing as unit_hashing
 from .consistency import (
     check_header_layout,
@@ -634,7 +635,7 @@ def load_unit(root: Path, rank: int, u: dict, verify: bool = True) -> Unit:
 
 
 # -- readers --------------------------------------------------------------------------
-def _quant(q: dict | None, encoding: str) -> QuantParams:
+def quant_params_of(q: dict | None, encoding: str) -> QuantParams:
     """A manifest entry's quant metadata, with the encoding's default block applied."""
     q = q or {}
     default = ENCODINGS[encoding].default_block if encoding in ENCODINGS else None
@@ -754,7 +755,9 @@ class RankReader:
         shape = tuple(e0["logical_shape"])
         if any(e["split_dim"] is not None or e["contents"] == "local_shape" for e in es):
             shape = self._local_shape(name, es)
-        return TensorMeta(name, shape, e0["encoding"], parts, _quant(e0["quant"], e0["encoding"]))
+        return TensorMeta(
+            name, shape, e0["encoding"], parts, quant_params_of(e0["quant"], e0["encoding"])
+        )
 
     def _local_shape(self, name: str, es: list[dict]) -> tuple[int, ...]:
         by = {e["part"]: e for e in es}
@@ -779,7 +782,7 @@ class RankReader:
             t = parts["weight"]
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         try:
-            w = ENCODINGS[enc].dequantize_to(parts, _quant(es[0]["quant"], enc), dtype)
+            w = ENCODINGS[enc].dequantize_to(parts, quant_params_of(es[0]["quant"], enc), dtype)
         except (ValueError, ArithmeticError, RuntimeError, LookupError, TypeError) as e:
             u = self.unit_entries[i]
             raise StreamCorruptError(
@@ -796,8 +799,6 @@ class Stream:
     def __init__(
         self, root: Path, manifest: dict, verify_hashes: bool = True, checked=None
     ) -> None:
-        from ..shard.layout import Layout
-
         self.root = root
         self.manifest = manifest
         self.verify_hashes = verify_hashes

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, short_repr
-from ..runtime.forward_cmd import _tokenizer, load_ids_file
+from ..runtime.forward_cmd import load_ids_file, load_tokenizer
 from .metrics import IGNORE_INDEX
 
 # A .txt file is read up to this many characters per wanted token (no token is longer),
@@ -121,7 +121,7 @@ class _Tok:
         if self.tok is None:
             note = None
             if self.dir is not None:
-                self.tok, note = _tokenizer(Path(self.dir))
+                self.tok, note = load_tokenizer(Path(self.dir))
             if self.tok is None:
                 why = note or (
                     f"no tokenizer in {self.dir}" if self.dir is not None else "no tokenizer given"

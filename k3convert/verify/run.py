@@ -28,17 +28,16 @@ import torch
 
 from ..arch import resolve
 from ..errors import CheckpointError, ConfigError, K3Error, NonFiniteError
+from ..layout import Layout
 from ..parallel import (
-    Layout,
-    ParallelRuntime,
     SimulatedCollectives,
     TorchDistributedCollectives,
     init_distributed,
-    planned_ranks,
-    stream_ranks,
     under_torchrun,
 )
 from ..runtime.cache import KVCache
+from ..runtime.parallel import ParallelRuntime
+from ..runtime.ranks import planned_ranks, stream_ranks
 from ..runtime.runtime import Runtime, parse_dtype
 from ..stream.format import StreamCorruptError
 from . import inputs as vin
@@ -439,11 +438,11 @@ def run_verify(
             avoid.add(int(cand.vision.video_token_id))
     pv = grid = None
     if pixel_values is not None:
-        from ..runtime.forward_cmd import _load_safetensors, _need
+        from ..runtime.forward_cmd import load_safetensors, need_tensor
 
-        d = _load_safetensors(pixel_values, "--pixel-values")
-        pv = _need(d, "pixel_values", pixel_values, "--pixel-values")
-        grid = _need(d, "image_grid_thw", pixel_values, "--pixel-values").long()
+        d = load_safetensors(pixel_values, "--pixel-values")
+        pv = need_tensor(d, "pixel_values", pixel_values, "--pixel-values")
+        grid = need_tensor(d, "image_grid_thw", pixel_values, "--pixel-values").long()
         if cand.vision is None:
             raise ConfigError(
                 f"--pixel-values {pixel_values}: '{cand.arch.name}' has no vision tower; only "

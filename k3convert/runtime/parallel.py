@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import CheckpointError, ConfigError
-from ..runtime.decoder import (
+from ..parallel.collectives import Collectives, SimulatedCollectives
+from .decoder import (
     AttnResState,
     attention_block,
     blocks_before,
@@ -59,11 +60,10 @@ from ..runtime.decoder import (
     res_post_attention,
     res_pre_attention,
 )
-from ..runtime.ops import rms_norm
-from ..runtime.runtime import Runtime, _finite, check_vocab
-from ..runtime.source import Lazy, Plan, Weights, activation_params, to_compute
-from .collectives import Collectives, SimulatedCollectives
+from .ops import rms_norm
 from .ranks import RankSet
+from .runtime import Runtime, _finite, check_vocab
+from .source import Lazy, Plan, Weights, activation_params, to_compute
 
 #: components a phase loads (unit keys are ``component.kind``)
 ATTENTION_PHASE = ("attention", "linear_attention", "norms", "attn_res")

@@ -1,124 +1,32 @@
-"""Storage formats of a logical weight: the one registry every stage reads.
-
-A released or quantized checkpoint stores some weights as several physical tensors
-(*parts*) under one logical name ``...weight``. Everything k3convert knows about such a
-layout lives here, one :class:`Encoding` per format, in :data:`FORMATS`:
-
-- its name (the compressed-tensors ``format`` string where one exists) and the
-  compressed-tensors formats it covers (:attr:`Encoding.ct_formats`);
-- its parts and their roles (values, scale, zero point, global scale, shape), the
-  dtypes they may have, which are required and which forbidden - the detector
-  (:func:`detect_encoding`) matches stored parts against exactly these;
-- where the logical shape comes from, the geometry the parts must have
-  (:meth:`Encoding.problem`) and how config.json's quantization_config resolves for it
-  (:meth:`Encoding.resolve_quant`);
-- its dequantizer (bit for bit what compressed-tensors' decompressor computes);
-- how every part follows a split of each logical dim (:meth:`Encoding.axis_maps`: the
-  granule is an FP8 block, an int group, a packed int32 word of ``32 / bits`` values,
-  or an FP4 byte of 2 values inside a group of 32 / 16);
-- for the fixed formats (MXFP4 / NVFP4), the quantization_config weights they imply
-  (:attr:`Encoding.weight_args`).
-
-=========================  ===================================================  ==============
-encoding                   parts (logical weight [out, in])                     source
-=========================  ===================================================  ==============
-``plain``                  ``weight`` any dtype                                 every release
-``fp8-block``              ``weight`` fp8 + ``weight_scale_inv`` [ceil(out/128),  DeepSeek-V3,
-                           ceil(in/128)] (fp32 or ue8m0)                        Kimi-K2
-``pack-quantized``         ``weight_packed`` int32 [out, ceil(in*b/32)] +       compressed-
-                           ``weight_scale`` + ``weight_shape`` [2] (+ zero      tensors int-N
-                           point int32 [ceil(out*b/32), groups])
-``float-quantized``        ``weight`` fp8 + ``weight_scale`` (tensor / channel   compressed-
-                           / group / block)                                     tensors FP8
-``int-quantized``          ``weight`` int8 + ``weight_scale`` (+ zero point)    compressed-
-                                                                                tensors INT8
-``mxfp4-pack-quantized``   ``weight_packed`` uint8 [out, in/2] (FP4 E2M1, low   Kimi K3
-                           nibble = even column) + ``weight_scale`` uint8       experts
-                           [out, in/32] (E8M0 exponents, bias 127)
-``nvfp4-pack-quantized``   ``weight_packed`` uint8 [out, in/2] + ``weight_scale``  compressed-
-                           fp8 e4m3 [out, in/16] + ``weight_global_scale``      tensors NVFP4
-                           fp32 [1]
-=========================  ===================================================  ==============
-
-Activation parameters (``input_scale``, ``input_global_scale`` ...) ride along as parts
-of every encoding (plain included); they do not change the weight and are copied whole
-by a split.
-
-FP4 arithmetic (compressed-tensors 0.20: ``nvfp4/helpers.py``, ``mx_utils.py``,
-``lifecycle/forward.py``): an MXFP4 value is ``e2m1 * 2**(e - 127)``; an NVFP4 value is
-``e2m1 * (scale / global_scale)`` computed in float32. Both are returned in float32;
-compressed-tensors' decompressors hand out the same numbers rounded to bfloat16 (MXFP4
-products are exact in bfloat16, so only NVFP4 differs, by that final rounding).
-
-The codecs themselves (int-N words, FP4 nibbles, E2M1 rounding) are in
-:mod:`k3convert.quant.packing`; they are imported when first used, so that this module
-imports nothing of k3convert but the errors (every other layer imports it).
-"""
+"""The encodings: one :class:`Encoding` per storage format, detection and the
+quantization_config each implies (see the package docstring)."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointError
-
-# -- part names and roles -------------------------------------------------------------
-VALUES = "values"
-SCALE = "scale"
-ZERO_POINT = "zero_point"
-GLOBAL_SCALE = "global_scale"
-SHAPE = "shape"
-G_IDX = "g_idx"
-ACTIVATION = "activation"
-
-#: the role of every part suffix k3convert knows
-PART_ROLES: dict[str, str] = {
-    "weight": VALUES,
-    "weight_scale_inv": SCALE,
-    "weight_packed": VALUES,
-    "weight_scale": SCALE,
-    "weight_shape": SHAPE,
-    "weight_zero_point": ZERO_POINT,
-    "weight_g_idx": G_IDX,
-    "weight_global_scale": GLOBAL_SCALE,
-    "input_scale": ACTIVATION,
-    "input_zero_point": ACTIVATION,
-    "input_global_scale": ACTIVATION,
-    "output_scale": ACTIVATION,
-}
-#: suffixes that attach to a weight instead of being tensors of their own
-ACTIVATION_PARTS = tuple(p for p, r in PART_ROLES.items() if r == ACTIVATION)
-WEIGHT_PARTS = tuple(p for p, r in PART_ROLES.items() if r != ACTIVATION)
-ALL_PARTS = WEIGHT_PARTS + ACTIVATION_PARTS
-
-#: activation parameters, by what they hold: a static per-tensor scale (and zero point)
-#: of a calibrated FP8 / INT8 input, the global scale of an NVFP4 input
-INPUT_SCALE = "input_scale"
-INPUT_ZERO_POINT = "input_zero_point"
-INPUT_GLOBAL_SCALE = "input_global_scale"
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
-FP4_MAX = 6.0  # largest E2M1 magnitude
-MX_GROUP = 32  # OCP MX: one E8M0 exponent per 32 values
-NV_GROUP = 16  # NVFP4: one e4m3 scale per 16 values
-E8M0_BIAS = 127
-
-PartSig = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # part -> (shape, dtype)
-
-
-@dataclass(frozen=True)
-class QuantParams:
-    """What config.json says about a weight's quantization (may be partly unknown)."""
-
-    num_bits: int | None = None
-    block: tuple[int, int] | None = None  # (rows, cols) covered by one scale
-    symmetric: bool | None = None
-    extra: dict = field(default_factory=dict)
+from ..errors import CheckpointError
+from .base import (
+    ACTIVATION,
+    ACTIVATION_PARTS,
+    FP8_DTYPES,
+    GLOBAL_SCALE,
+    MX_GROUP,
+    NV_GROUP,
+    PART_ROLES,
+    SCALE,
+    SHAPE,
+    VALUES,
+    ZERO_POINT,
+    PartSig,
+    QuantParams,
+)
+from .fp4 import decode_mxfp4, decode_nvfp4
+from .intn import unpack_int32
 
 
 # -- scale tiling ---------------------------------------------------------------------
@@ -476,7 +384,6 @@ def _packed_shape(p) -> tuple[int, int]:
 
 
 def _deq_packed(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
-    from .quant.packing import unpack_int32
 
     out, inp = _packed_shape(p)
     packed = p["weight_packed"]
@@ -495,206 +402,6 @@ def _deq_packed(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
         zp = unpack_int32(p["weight_zero_point"], bits, zshape, packed_dim=0)
         vals = vals - expand_scale(zp, (out, inp), q.block)
     return vals * expand_scale(scale, (out, inp), q.block)
-
-
-def _fp4_groups(
-    p: Mapping[str, torch.Tensor], group: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, int, int]:
-    """E2M1 values of ``weight_packed`` as ``dtype`` [out, in / group, group]."""
-    from .quant.packing import unpack_fp4
-
-    out, inp = _check_fp4_groups(p, group)
-    return unpack_fp4(p["weight_packed"], dtype).view(out, inp // group, group), out, inp
-
-
-def _check_fp4_groups(p: Mapping[str, torch.Tensor], group: int) -> tuple[int, int]:
-    """(out, in) of an FP4 weight whose ``weight_scale`` holds one scale per ``group``."""
-    packed, scale = p["weight_packed"], p["weight_scale"]
-    if packed.dtype != torch.uint8 or packed.ndim != 2:
-        raise ValueError(
-            f"FP4 data must be uint8 [rows, cols], got {packed.dtype}{list(packed.shape)}"
-        )
-    out, cols = packed.shape
-    inp = 2 * cols
-    if inp % group or tuple(scale.shape) != (out, inp // group):
-        raise ValueError(
-            f"weight_scale {list(scale.shape)} does not hold one scale per {group} values "
-            f"of the {out} x {inp} weight (expected {[out, inp // group]})"
-        )
-    return out, inp
-
-
-def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """E8M0 exponents (uint8, bias 127) -> their float32 powers of two, exactly.
-
-    0 is 2**-127 (a float32 subnormal), 255 is +inf (as compressed-tensors decodes it).
-    """
-    e32 = e.to(torch.int32)
-    bits = torch.where(e32 == 0, torch.tensor(1 << 22, dtype=torch.int32), e32 << 23)
-    return bits.view(torch.float32)
-
-
-def mxfp4_reference(
-    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """E2M1 x 2**(e - 127): a value of at most 2 significant bits times a power of two,
-    exact in float32 and in bfloat16 (same exponent range), so either is computed
-    directly. The reference the lookup table of :func:`_deq_mxfp4` is built from."""
-    vals, out, inp = _fp4_groups(p, MX_GROUP, dtype)
-    scale = e8m0_to_float(p["weight_scale"]).to(dtype)
-    return vals.mul_(scale.unsqueeze(-1)).view(out, inp)
-
-
-def nvfp4_reference(
-    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """E2M1 x (scale / global_scale) in float32 (as compressed-tensors computes it),
-    rounded to ``dtype`` last. The reference the tables of :func:`_deq_nvfp4` are built
-    from."""
-    vals, out, inp = _fp4_groups(p, NV_GROUP)
-    g = p["weight_global_scale"].to(torch.float32).reshape(1, 1)
-    eff = p["weight_scale"].to(torch.float32) / g  # compressed-tensors: scale / global
-    return vals.mul_(eff.unsqueeze(-1)).view(out, inp).to(dtype)
-
-
-def _all_pairs(scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Parts of a [256, 512] FP4 weight whose row s holds every byte under scale code s
-    (one scale per 16 bytes: each byte appears in its own group when viewed [256, 256, 2])."""
-    packed = torch.arange(256, dtype=torch.uint8).repeat_interleave(16).repeat(256, 1)
-    per = 32 if scale_dtype == torch.uint8 else 16  # values per scale
-    codes = torch.arange(256, dtype=torch.uint8).unsqueeze(1).expand(256, 512 * 16 // per)
-    return {"weight_packed": packed, "weight_scale": codes.contiguous().view(scale_dtype)}
-
-
-def _pair_values(vals: torch.Tensor) -> torch.Tensor:
-    """[256, 256 * 16 * 2] reference output of :func:`_all_pairs` -> [256, 256, 2]."""
-    return vals.view(256, 256, 16, 2)[:, :, 0, :].contiguous()
-
-
-@functools.cache
-def _mx_values(dtype: torch.dtype) -> torch.Tensor:
-    """[256 E8M0 codes, 16 nibbles] ``dtype``: :func:`mxfp4_reference`'s own output for
-    each nibble under each code (one MX group per code, byte k holding nibble k low and 0
-    high), computed once per dtype."""
-    with torch.inference_mode(False):  # plain tensors, whichever mode the first caller runs in
-        packed = torch.arange(16, dtype=torch.uint8).repeat(256, 1)
-        codes = torch.arange(256, dtype=torch.uint8).unsqueeze(1)
-        ref = mxfp4_reference({"weight_packed": packed, "weight_scale": codes}, QuantParams(),
-                              dtype)  # fmt: skip
-        return ref[:, 0::2].contiguous()
-
-
-@functools.cache
-def _mx_kernel(dtype: torch.dtype) -> torch.Tensor:
-    """The decode kernel's table of :func:`_mx_values`, once per dtype."""
-    from . import native
-
-    with torch.inference_mode(False):
-        return native.decode_table(_mx_values(dtype), dtype)
-
-
-@functools.cache
-def _mx_pair_table(dtype: torch.dtype) -> torch.Tensor:
-    """The MXFP4 pair table of the torch path (without the kernels): the reference on
-    every (E8M0 code, byte) pair, once per dtype."""
-    from .quant import fp4_decode
-
-    with torch.inference_mode(False):
-        ref = mxfp4_reference(_all_pairs(torch.uint8), QuantParams(), dtype)
-        return fp4_decode.pair_table(_pair_values(ref), dtype)
-
-
-def _deq_mxfp4(
-    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """:func:`mxfp4_reference` bit for bit: the nibble-table kernel of
-    :mod:`k3convert.native` (every output a copy of :func:`_mx_values`' entry for its
-    code and nibble) where it is available, else one (E8M0 code, byte) pair-table gather
-    (:mod:`k3convert.quant.fp4_decode`)."""
-    from . import native
-    from .quant import fp4_decode
-
-    if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
-        return mxfp4_reference(p, q, dtype)
-    _check_fp4_groups(p, MX_GROUP)
-    packed, codes = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
-    if packed.numel() and native.ENABLED and native.library() is not None:
-        vals = _mx_values(dtype)
-        got = native.fp4_decode(packed, codes, vals, dtype, MX_GROUP, table=_mx_kernel(dtype))
-        if got is not None:
-            return got
-    return fp4_decode.decode(packed, codes, MX_GROUP, _mx_pair_table(dtype), dtype)
-
-
-def _deq_nvfp4(
-    p: Mapping[str, torch.Tensor], q: QuantParams, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """:func:`nvfp4_reference` bit for bit: the reference's own float32 ops (scale / global,
-    times E2M1, rounded to ``dtype``) on every (e4m3 code, nibble) pair of this tensor's
-    global scale, then each value a copy of its pair's: the nibble-table kernel of
-    :mod:`k3convert.native` (4096 values per tensor), else a (code, byte) pair-table gather
-    (65536 pairs, small next to an expert)."""
-    from .quant import fp4_decode
-
-    if not fp4_decode.LITTLE_ENDIAN or dtype not in fp4_decode.PAIR_WORD:
-        return nvfp4_reference(p, q, dtype)
-    _check_fp4_groups(p, NV_GROUP)
-    from . import native
-
-    g = p["weight_global_scale"].to(torch.float32).reshape(1, 1)
-    packed, stored = p["weight_packed"].contiguous(), p["weight_scale"].contiguous()
-    codes = stored.view(torch.uint8)
-    if packed.numel() and native.ENABLED and native.library() is not None:
-        vals, table = _nv_kernel(int(g.reshape(()).view(torch.int32)), dtype)
-        got = native.fp4_decode(packed, codes, vals, dtype, NV_GROUP, table=table)
-        if got is not None:
-            return got
-    return fp4_decode.decode(packed, codes, NV_GROUP, _nv_table(g, dtype), dtype)
-
-
-#: float32 [256, 1, 1]: the value of each e4m3 byte
-_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-_E4M3 = _E4M3.reshape(256, 1, 1)
-
-
-def _nv_eff(g: torch.Tensor) -> torch.Tensor:
-    """float32 [256, 1, 1]: the reference's effective scale (scale / global) of each e4m3
-    scale byte under global scale ``g``."""
-    return _E4M3 / g
-
-
-def _nv_values(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[256 e4m3 codes, 16 nibbles] ``dtype``: the reference's value of each nibble under
-    each scale byte (the pair table's entries for the bytes 0..15, low nibble)."""
-    from .quant.packing import _BYTE_LUT
-
-    vals = torch.empty(256, 16, dtype=dtype)
-    torch.mul(_BYTE_LUT[:16, 0].reshape(1, 16), _nv_eff(g).view(256, 1), out=vals)
-    return vals
-
-
-@functools.lru_cache(maxsize=64)
-def _nv_kernel(bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_nv_values` and the decode kernel's table of them, per (global scale bits,
-    dtype): a checkpoint's experts share a few global scales, so each is built once."""
-    from . import native
-
-    with torch.inference_mode(False):  # plain tensors, whichever mode the first caller runs in
-        g = torch.tensor([bits], dtype=torch.int32).view(torch.float32).reshape(1, 1)
-        vals = _nv_values(g, dtype)
-        return vals, native.decode_table(vals, dtype)
-
-
-def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The (e4m3 code, byte) pair table under global scale ``g``: the reference's own ops."""
-    from .quant import fp4_decode
-    from .quant.packing import _BYTE_LUT
-
-    eff = _nv_eff(g)  # the reference's eff, per code
-    vals = torch.empty(256, 256, 2, dtype=dtype)
-    for c in range(0, 256, 32):  # 16384 products per op: each runs on this thread
-        torch.mul(_BYTE_LUT.view(1, 256, 2), eff[c : c + 32], out=vals[c : c + 32])
-    return fp4_decode.pair_table(vals, dtype)
 
 
 def _deq_plain(p: Mapping[str, torch.Tensor], q: QuantParams) -> torch.Tensor:
@@ -789,7 +496,7 @@ FORMATS: dict[str, Encoding] = {
             MXFP4,
             (PartSpec("weight_packed", VALUES, _U8), PartSpec("weight_scale", SCALE, _U8)),
             ("weight", "weight_shape", "weight_global_scale", "weight_zero_point"),
-            _deq_mxfp4,
+            decode_mxfp4,
             "OCP MXFP4: FP4 E2M1 two per byte, one E8M0 exponent per 32 values",
             shape_part="weight_packed",
             default_block=(1, MX_GROUP),
@@ -809,7 +516,7 @@ FORMATS: dict[str, Encoding] = {
                 PartSpec("weight_global_scale", GLOBAL_SCALE, (torch.float32,)),
             ),
             ("weight", "weight_shape", "weight_zero_point"),
-            _deq_nvfp4,
+            decode_nvfp4,
             "NVFP4: FP4 E2M1 two per byte, one e4m3 scale per 16 values, fp32 global scale",
             shape_part="weight_packed",
             default_block=(1, NV_GROUP),
@@ -866,30 +573,3 @@ def ct_format(weight_type: str, num_bits: int, group_size: int | None, activatio
     if weight_type == "int":
         return "int-quantized" if activations else "pack-quantized"
     return "float-quantized" if activations else "naive-quantized"
-
-
-__all__ = [
-    "ACTIVATION_PARTS",
-    "ALL_PARTS",
-    "COPY",
-    "ENCODINGS",
-    "FORMATS",
-    "FP8_DTYPES",
-    "LOCAL_SHAPE",
-    "MXFP4",
-    "NVFP4",
-    "PART_ROLES",
-    "PLAIN",
-    "WEIGHT_PARTS",
-    "AxisMap",
-    "Encoding",
-    "PartSpec",
-    "QuantParams",
-    "ct_format",
-    "detect_encoding",
-    "e8m0_to_float",
-    "encoding_for_ct_format",
-    "expand_scale",
-    "infer_num_bits",
-    "scale_block",
-]

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 #: the largest parallel degree a layout may ask for (world = tp * pp is bounded by its
 #: square): values past it are typos, and planning them would take hours

@@ -1,6 +1,4 @@
-"""Dense bit-packing of low-bit values: int-N in int32 words, FP4 E2M1 in bytes.
-
-Int-N (compressed-tensors ``pack-quantized``):
+"""Int-N values packed in int32 words (compressed-tensors ``pack-quantized``).
 
 The layout is the one compressed-tensors' ``pack-quantized`` format uses, so its own
 loader reads what we write and we read what it writes: signed ``num_bits`` values are
@@ -9,14 +7,6 @@ offset by ``2**(num_bits-1)`` to unsigned, element ``i`` of a row occupies bits
 straddle a 32-bit word for 3/5/6/7 bits), and a row of ``n`` values takes
 ``ceil(n*num_bits/32)`` words. ``packed_dim=0`` packs along columns instead (used for
 zero points). Vectorised: one gather / scatter per call, no Python loop over elements.
-
-FP4 E2M1 (compressed-tensors ``mxfp4-pack-quantized`` / ``nvfp4-pack-quantized``): a
-code is ``sign << 3 | index`` with index 0..7 the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6;
-two codes per byte, the even column in the LOW nibble. :func:`fp4_codes` rounds to the
-nearest E2M1 value with ties to the even index (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
-1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, which is compressed-tensors' ``cast_to_fp4``),
-and a value below zero keeps its sign even when it rounds to zero (-0.1 -> code 8),
-while -0.0 itself is code 0 (``cast_to_fp4`` multiplies by ``sign(x)``, which is 0 there).
 """
 
 from __future__ import annotations
@@ -122,76 +112,3 @@ def unpack_int32(
     vals = ((lo | hi) & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))
     vals = vals.to(torch.int8)
     return (vals.t() if packed_dim == 0 else vals).contiguous()
-
-
-# -- FP4 E2M1 -------------------------------------------------------------------------
-#: E2M1 magnitudes by index; codes 8..15 are their negatives (8 is -0.0)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-#: byte -> (value of the low nibble, value of the high nibble)
-_BYTE_LUT = torch.stack(
-    [_E2M1[torch.arange(256) & 15], _E2M1[torch.arange(256) >> 4]], dim=1
-).contiguous()
-
-
-def _e2m1_index(v: float) -> int:
-    """Index of the E2M1 magnitude nearest to ``v`` >= 0, a tie to the even index."""
-    d = [abs(v - m) for m in E2M1_VALUES]
-    best = min(d)
-    return min(i for i, x in enumerate(d) if x == best and (d.count(best) == 1 or i % 2 == 0))
-
-
-#: every rounding boundary (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 1/4, so
-#: the index is constant on each open quarter (k/4, (k+1)/4): entry 2k holds it, entry
-#: 2k + 1 the index of k/4 itself (0 <= k <= 24, |x| <= 6)
-_QUARTER_LUT = torch.tensor(
-    [_e2m1_index(k / 4 + (j == 0) / 8) for k in range(26) for j in (0, 1)], dtype=torch.uint8
-)
-
-
-def fp4_codes(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """E2M1 codes (uint8, ``sign << 3 | index``) of float32 ``x``, already clamped to
-    [-6, 6]: round to nearest, ties to the even index (see the module docstring).
-
-    One gather: key = 2 * floor(4|x|) + (4|x| is an integer) into a 52-entry table.
-    out: an optional uint8 tensor of x's shape to write into. ``x`` is left unchanged.
-    """
-    if x.dtype != torch.float32:
-        raise ValueError(f"fp4_codes expects float32 values, got {x.dtype}")
-    a = x.abs().mul_(4)  # exact: a power of two
-    f = torch.floor(a)
-    key = f.to(torch.int32).mul_(2).add_(torch.eq(a, f))
-    idx = _QUARTER_LUT.index_select(0, key.view(-1)).view(x.shape)
-    codes = idx if out is None else out.copy_(idx)
-    return codes.bitwise_or_((x < 0).to(torch.uint8) << 3)
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [rows, n] (n even) -> bytes [rows, n/2], even column in the low nibble."""
-    if codes.ndim != 2 or codes.shape[1] % 2:
-        raise ValueError(f"pack_fp4 expects [rows, even n] codes, got {tuple(codes.shape)}")
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-#: byte -> its two values as one word (float32 pairs in an int64, bfloat16 pairs in an
-#: int32): one gather per byte, viewed back as the float dtype (low nibble first)
-_PAIR_LUT = {
-    torch.float32: _BYTE_LUT.contiguous().view(torch.int64).reshape(256),
-    torch.bfloat16: _BYTE_LUT.to(torch.bfloat16).contiguous().view(torch.int32).reshape(256),
-}
-
-
-def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 bytes [rows, cols] -> E2M1 values [rows, 2 * cols] in ``dtype`` (float32 or
-    bfloat16; both exact)."""
-    if packed.dtype != torch.uint8 or packed.ndim != 2:
-        raise ValueError(
-            f"FP4 data must be uint8 [rows, cols], got {packed.dtype}{list(packed.shape)}"
-        )
-    if dtype not in _PAIR_LUT:
-        raise ValueError(f"unpack_fp4 gives float32 or bfloat16, not {dtype}")
-    rows, cols = packed.shape
-    idx = packed.reshape(-1).to(torch.int32)
-    if torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0] != 1:  # big-endian host
-        return _BYTE_LUT.index_select(0, idx).view(rows, 2 * cols).to(dtype)
-    return _PAIR_LUT[dtype].index_select(0, idx).view(dtype).view(rows, 2 * cols)

@@ -25,8 +25,8 @@ import torch
 
 from ..checkpoint import TensorMeta
 from ..checkpoint.safetensors_io import ST_DTYPES
-from ..shard.layout import Layout
-from ..stream.reader import RankReader, Stream, Unit, _quant, part_meta
+from ..layout import Layout
+from ..stream.reader import RankReader, Stream, Unit, part_meta, quant_params_of
 
 
 @dataclass
@@ -74,7 +74,7 @@ class GlobalView:
             tuple(e0["logical_shape"]),
             e0["encoding"],
             parts,
-            _quant(e0["quant"], e0["encoding"]),
+            quant_params_of(e0["quant"], e0["encoding"]),
         )
 
 
@@ -168,18 +168,18 @@ class _SlicedTensors(dict):
 
     def __init__(self, ck, plans: dict):
         super().__init__()
-        from ..shard.unit_io import _SourceMaps
+        from ..shard.unit_io import SourceMaps
 
         self._plans = plans
-        self._src = _SourceMaps(ck)
+        self._src = SourceMaps(ck)
 
     def __missing__(self, name: str) -> torch.Tensor:
-        from ..shard.unit_io import _tensor_bytes
+        from ..shard.unit_io import tensor_bytes
 
         tp = self._plans[name]
         e = tp.entry
         dtype = ST_DTYPES[e["dtype"]][0]
-        mv = _tensor_bytes(self._src, tp)
+        mv = tensor_bytes(self._src, tp)
         if not len(mv):
             return torch.empty(e["shape"], dtype=dtype)
         with warnings.catch_warnings():  # read-only mapping: the runtime never writes

@@ -1,0 +1,22 @@
+"""The commands' pipelines, on top of every other layer: a job resolved once (recipe,
+options, plan), then its stages run in order. :mod:`.quantize` is ``k3convert quantize``;
+``convert`` (:mod:`k3convert.convert`) composes the same preparation with shard and
+verify."""
+
+from .quantize import (
+    Prepared,
+    QuantizeResult,
+    UncalibratedInputWarning,
+    plan_quantization,
+    prepare_quantization,
+    quantize,
+)
+
+__all__ = [
+    "Prepared",
+    "QuantizeResult",
+    "UncalibratedInputWarning",
+    "plan_quantization",
+    "prepare_quantization",
+    "quantize",
+]
