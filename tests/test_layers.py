@@ -124,6 +124,55 @@ def test_no_private_name_crosses_a_package():
     assert not bad, "private names used across packages:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("limit", [120])
-def test_function_sizes(limit):
-    pytest.skip("not yet")
+#: functions over 120 lines and modules over 800 lines that are still to be split, with
+#: their size now: one may shrink or go, none may grow, and no new one may appear
+LONG_FUNCTIONS = {
+    "calibrate/sequential.py:_layer": 381,
+    "cli.py:quantize": 329,
+    "verify/run.py:run_verify": 299,
+    "shard/writer.py:write_stream": 180,
+    "convert.py:convert": 165,
+    "stream/schema.py:_compile": 157,
+    "cli_plan.py:register": 155,
+    "cli_plan.py:plan": 151,
+    "inspect.py:format_report": 146,
+    "memplan.py:plan_memory": 138,
+    "pipeline/quantize.py:prepare_quantization": 129,
+    "calibrate/data.py:build_calibration_set": 121,
+}
+LONG_MODULES = {
+    "calibrate/sequential.py": 1334,
+    "memplan.py": 1314,
+    "quant/schemes.py": 1064,
+    "stream/reader.py": 909,
+    "recipe.py": 896,
+    "convert.py": 895,
+    "calibrate/sensitivity.py": 850,
+    "cli.py": 817,
+    "verify/run.py": 801,
+}
+
+
+def _sizes():
+    funcs, mods = {}, {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        mods[rel] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                funcs[f"{rel}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return funcs, mods
+
+
+@pytest.mark.parametrize(
+    ("kind", "limit", "known"), [("function", 120, LONG_FUNCTIONS), ("module", 800, LONG_MODULES)]
+)
+def test_sizes_only_shrink(kind, limit, known):
+    sizes = _sizes()[0 if kind == "function" else 1]
+    bad = [
+        f"{name}: {n} lines" + (f" (was {known[name]})" if name in known else " (new)")
+        for name, n in sorted(sizes.items())
+        if n > limit and n > known.get(name, limit)
+    ]
+    assert not bad, f"{kind}s over {limit} lines that grew or are new:\n" + "\n".join(bad)

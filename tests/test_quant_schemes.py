@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from k3convert.errors import ConfigError, K3Error
+from k3convert.formats.intn import pack_int32, unpack_int32
 from k3convert.quant import (
     GroupSizeError,
     IntScheme,
     UnknownSchemeError,
     get_scheme,
     known_schemes,
-    pack_int32,
-    unpack_int32,
 )
 
 #: the int and FP8 families, whose scale rules (calculate_qparams scales stored as they

@@ -400,3 +400,39 @@ def test_absurd_layout_degrees_fail_at_once(tmp_path, key):
         load_recipe(rp, [f"{key}=100000000"])
     with pytest.raises(ConfigError, match="empty key path"):
         load_recipe(rp, [".=3"])
+
+
+@pytest.mark.parametrize(
+    ("calibrate", "message"),
+    [
+        ("{algorithm: gptq, alpha: 0.8}",
+         "quantize.calibrate.alpha / quantize.calibrate.alpha_search only apply with "
+         "quantize.calibrate.algorithm smoothquant"),
+        ("{algorithm: smoothquant, alpha: 0.8, alpha_search: true}",
+         "give quantize.calibrate.alpha or quantize.calibrate.alpha_search, not both"),
+        ("{algorithm: awq, gptq_fp_target: 0.5}",
+         "quantize.calibrate.gptq_fp_target only applies with quantize.calibrate.algorithm gptq"),
+        ("{algorithm: gptq, awq_clip: false}",
+         "quantize.calibrate.awq_clip only applies with quantize.calibrate.algorithm awq"),
+        ("{algorithm: static, percentile: 99.9}",
+         "quantize.calibrate.percentile only applies with quantize.calibrate.observer percentile"),
+    ],
+)  # fmt: skip
+def test_recipe_calibrate_gets_the_flags_cross_option_checks(calibrate, message, tmp_path):
+    """The checks `quantize --alpha` etc. get on the command line hold for a recipe's
+    quantize.calibrate section too (they used to be the CLI's alone)."""
+    rp = tmp_path / "r.yaml"
+    rp.write_text(f"quantize:\n  scheme: w8a8\n  calibrate: {calibrate}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(rp)
+    assert message in str(e.value) and str(rp) in str(e.value)
+
+
+def test_recipe_calibrate_options_that_apply_are_accepted(tmp_path):
+    rp = tmp_path / "r.yaml"
+    rp.write_text(
+        "quantize:\n  scheme: w8a8\n  calibrate: {algorithm: smoothquant+gptq, alpha: 0.8, "
+        "gptq_fp_target: 0.5, observer: percentile, percentile: 99.9}\n"
+    )
+    cal = load_recipe(rp).quantize.calibrate
+    assert (cal.alpha, cal.gptq_fp_target, cal.percentile) == (0.8, 0.5, 99.9)
