@@ -635,15 +635,19 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
     from .pipeline.quantize import prepare_quantization
 
     def log(line: str) -> None:
-        if line.startswith("calibrated layer"):
-            ui.bar.update(1)
         ui.item(line.split(":")[0])
         if say is not ui.write:
             say(line)
 
     ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
+
+    def step(i: int) -> None:
+        ui.bar.update(1)
+
+    lead = group.leader
     return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out, force=force,
-                                log=log if group.leader else None, group=group)  # fmt: skip
+                                log=log if lead else None, group=group,
+                                on_layer=step if lead else None)  # fmt: skip
 
 
 def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:

@@ -127,7 +127,6 @@ def test_no_private_name_crosses_a_package():
 #: functions over 120 lines and modules over 800 lines that are still to be split, with
 #: their size now: one may shrink or go, none may grow, and no new one may appear
 LONG_FUNCTIONS = {
-    "calibrate/sequential.py:_layer": 381,
     "cli.py:quantize": 329,
     "verify/run.py:run_verify": 299,
     "shard/writer.py:write_stream": 180,
@@ -141,7 +140,6 @@ LONG_FUNCTIONS = {
     "calibrate/data.py:build_calibration_set": 121,
 }
 LONG_MODULES = {
-    "calibrate/sequential.py": 1334,
     "memplan.py": 1314,
     "quant/schemes.py": 1064,
     "stream/reader.py": 909,

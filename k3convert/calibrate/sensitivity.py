@@ -89,7 +89,7 @@ from ..quant.schemes import Scheme, get_scheme
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
 from ..units import NUMBER, SIZE_UNITS
 from .data import CalibrationSet
-from .sequential import _dequantized, token_mask
+from .passes import dequantized, token_mask
 
 METHODS = ("output", "layer", "kl")
 REPORT_FORMAT = "k3convert-sensitivity-v1"
@@ -544,7 +544,7 @@ class _Scan:
                     return None
                 lad = cur["ladder"]
                 parts = self._parts(cache, name)[1 if lad else 0]
-                wq = _dequantized(self.ladder if lad else self.rows[name].scheme, parts)
+                wq = dequantized(self.ladder if lad else self.rows[name].scheme, parts)
                 if not lad:
                     self.scores[name]["tokens"] += int(rows_mask(name, x).sum())
                 bias = rt.loader.get(unit).get(by_name[name].key + "_bias")
@@ -558,9 +558,9 @@ class _Scan:
             xr = x[m.to(torch.bool)].to(torch.float32)
             w = self.ckpt.get(name).to(torch.float32)
             parts, lparts = self._parts(cache, name)
-            s["score"] += _energy(xr, w - _dequantized(self.rows[name].scheme, parts)) / cur["norm"]
+            s["score"] += _energy(xr, w - dequantized(self.rows[name].scheme, parts)) / cur["norm"]
             if lparts is not None:
-                s["ladder"] += _energy(xr, w - _dequantized(self.ladder, lparts)) / cur["norm"]
+                s["ladder"] += _energy(xr, w - dequantized(self.ladder, lparts)) / cur["norm"]
             return None
 
         # routed experts of a plain MoE (the routed sum added to the layer output as it

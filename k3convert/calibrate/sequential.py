@@ -1,5 +1,7 @@
 """Layer-sequential calibration on the runtime: GPTQ weights and static input scales.
 
+This module is the driver (options, the hidden states between layers, the journal); one
+layer's loop is :mod:`.layer` and each algorithm's share of it a pass of :mod:`.passes`.
 The calibration batch is embedded once (in micro-batches); then, one decoder layer at a
 time:
 
@@ -43,13 +45,11 @@ Activation quantization is not applied during calibration (the runtime runs with
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,46 +59,29 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__ as _k3_version
-from .. import formats as fmt
 from ..errors import ConfigError
-from ..formats import FP4_MAX, FP8_MAX
-from ..quant import fp4_requant, mse_observer
-from ..quant.mse_observer import GroupGram
-from ..quant.schemes import FP8Scheme, IntScheme, Scheme
-from ..runtime.decoder import ROUTERS, AttnResState, gated_mlp, layer_output
+from ..runtime.decoder import AttnResState
 from .data import CalibrationSet
-from .gptq import (
-    CrossAccumulator,
-    GPTQFallbackWarning,
-    HessianAccumulator,
-    fp_target_weight,
-    gptq_quantize,
+from .layer import calibrate_layer
+from .observers import OBSERVERS, check_percentile
+from .passes import (
+    ALGORITHMS,
+    GPTQ_ALGORITHMS,
+    SMOOTHING,
+    ExpertFallbackWarning,
+    gptq_supported,
+    static_input,
 )
-from .observers import OBSERVERS, check_percentile, make_observer
 from .smooth import (
-    SQ_ALPHAS,
-    Smoothing,
-    Statistics,
-    awq_scales,
     check_alpha,
-    layer_mappings,
-    smoothquant_search,
 )
 
-ALGORITHMS = ("rtn", "gptq", "static", "awq", "smoothquant", "smoothquant+gptq")
-#: algorithms that smooth (scale migration, :mod:`.smooth`) before quantizing
-SMOOTHING = {"awq": "awq", "smoothquant": "smoothquant", "smoothquant+gptq": "smoothquant"}
-GPTQ_ALGORITHMS = ("gptq", "smoothquant+gptq")
 _JOURNAL = "journal.json"
 _JOURNAL_VERSION = "k3convert-sequential-v2"
 
 #: observer(layer, weight name, input, mask or None): every Linear input the engine feeds
 #: to an accumulator (tests recompute Hessians from it; raising aborts the run)
 Observer = Callable[[int, str, torch.Tensor, torch.Tensor | None], None]
-
-
-class ExpertFallbackWarning(UserWarning):
-    """A routed expert saw no calibration token: it is rounded to nearest instead."""
 
 
 @dataclass(frozen=True)
@@ -353,72 +336,6 @@ class OverlaySource:
         return getattr(self._src, item)
 
 
-def _dequantized(scheme: Scheme, parts: dict) -> torch.Tensor:
-    return scheme.dequantize(parts).to(torch.float32)
-
-
-def _qmax(scheme: Scheme) -> float:
-    act = scheme.act
-    if act.type == "float":
-        return FP8_MAX if act.num_bits == 8 else FP4_MAX
-    return float(2 ** (act.num_bits - 1) - 1)
-
-
-def gptq_supported(scheme: Scheme) -> bool:
-    return isinstance(scheme, (IntScheme, FP8Scheme))
-
-
-def _group_of(scheme: IntScheme, shape) -> int:
-    """Input channels per scale group of an integer scheme on a weight of ``shape``."""
-    return int(shape[1]) // scheme._ngroups(int(shape[1]))
-
-
-def _round_to_nearest(ckpt, name: str, scheme: Scheme, w: torch.Tensor, smoothed: bool):
-    """A rounded-to-nearest Linear's parts as the writer will store them: an MXFP4 source
-    (not smoothed) through :mod:`..quant.fp4_requant` (the exact NVFP4 / FP8 transcode,
-    int4's searched scales), so the layers after it calibrate on the written values;
-    else the scheme's own quantize of ``w``. (Its transcode warning is the writer's.)"""
-    if not smoothed and ckpt.meta(name).encoding == fmt.MXFP4 and fp4_requant.supported(scheme):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", fp4_requant.TranscodeLossWarning)
-            parts = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name)
-        if parts is not None:
-            return parts
-    return scheme.quantize(w, name=name)
-
-
-def _static(scheme: Scheme) -> bool:
-    """A scheme with a calibrated per-Linear input parameter: a static input scale, or
-    NVFP4's input global scale (:func:`_nv_input`)."""
-    return (scheme.needs_input_scale and scheme.act.strategy == "tensor") or _nv_input(scheme)
-
-
-def _nv_input(scheme: Scheme) -> bool:
-    """NVFP4 activations: local scales on the fly under a static ``input_global_scale``."""
-    return scheme.act is not None and scheme.act.strategy == "tensor_group"
-
-
-#: NVFP4's input global scale is e4m3's max times E2M1's over the Linear's largest |input|
-#: (compressed-tensors' ``generate_gparam``, as llm-compressor calibrates it); below this
-#: largest |input| it would not be a finite float32
-_NV_GLOBAL_NUM = FP8_MAX * FP4_MAX
-_NV_MIN_AMAX = _NV_GLOBAL_NUM / float(torch.finfo(torch.float32).max)
-
-
-def _input_value(scheme: Scheme, clip: float) -> float | None:
-    """What calibration stores for a Linear whose inputs' clip value is ``clip``: its
-    static input scale (``clip / qmax``), or NVFP4's input global scale (float32, from
-    the largest |input|); None where no finite positive value follows (no real input)."""
-    if _nv_input(scheme):
-        if not math.isfinite(clip) or clip < _NV_MIN_AMAX:
-            return None
-        # scalar / tensor, as compressed-tensors writes it (torch computes it as the
-        # tensor's reciprocal times the scalar: the same float32 bits)
-        g = float(_NV_GLOBAL_NUM / torch.tensor([clip], dtype=torch.float32))
-        return g if math.isfinite(g) and g > 0 else None
-    return max(clip, torch.finfo(torch.float32).tiny) / _qmax(scheme)
-
-
 def _fingerprint(ckpt, plan, algorithm: str, opts: SequentialOptions, calib) -> str:
     h = hashlib.sha256()
     root = Path(ckpt.root)
@@ -517,19 +434,6 @@ def _unpack(d: dict[str, torch.Tensor]):
     return d["hidden"]
 
 
-def token_mask(valid: torch.Tensor, tok: torch.Tensor | None, x: torch.Tensor, what: str):
-    """Which rows of a Linear's input ``x`` are real tokens: ``valid`` the micro-batch's
-    mask [B, S]; ``tok`` the token rows routed to an expert (None: x covers the batch)."""
-    if tok is not None:
-        return valid.reshape(-1)[tok.to(valid.device)]
-    if valid.numel() == math.prod(x.shape[:-1]):
-        return valid.reshape(x.shape[:-1])
-    raise ConfigError(
-        f"{what} has shape {tuple(x.shape)}, which does not map onto the batch's "
-        f"{tuple(valid.shape)} tokens."
-    )
-
-
 def check_algorithm(plan, algorithm: str) -> None:
     """Errors before any work: unknown algorithm, schemes GPTQ cannot handle, nothing for
     ``static`` to calibrate."""
@@ -554,7 +458,7 @@ def check_algorithm(plan, algorithm: str) -> None:
                 f"GPTQ handles int and FP8 schemes; scheme(s) {', '.join(bad)} are not "
                 f"supported. Use --algorithm rtn (or static) for them, or another scheme."
             )
-    if algorithm == "static" and not any(_static(r.scheme) for r in rows):
+    if algorithm == "static" and not any(static_input(r.scheme) for r in rows):
         names = ", ".join(sorted({r.scheme.name for r in rows})) or "none"
         raise ConfigError(
             f"--algorithm static calibrates static input scales, but no quantized Linear's "
@@ -574,6 +478,7 @@ def calibrate_sequential(
     observer: Observer | None = None,
     log: Callable[[str], None] | None = None,
     group=None,
+    on_layer: Callable[[int], None] | None = None,
 ) -> SequentialResult:
     """Calibrate every decoder layer of ``ckpt`` in order (see the module doc).
 
@@ -583,6 +488,7 @@ def calibrate_sequential(
     being most of them - are split over the processes by cost, each writes its parts to
     the journal, and every process reads all of them before the quantized layer runs.
     Process 0 alone writes the journal's state and the hidden-state checkpoints.
+    on_layer(i): called when layer ``i`` is calibrated (progress; ``log`` gets the line).
 
     plan: :func:`~k3convert.quant.planning.plan_quantization`'s plan (which rows are
     quantized with which scheme); calib: the calibration set; journal: the directory of
@@ -620,12 +526,26 @@ def calibrate_sequential(
     rt = Runtime(src, dtype=options.dtype, prefetch=False, act_quant=False)
     try:
         return _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer,
-                    log, group)  # fmt: skip
+                    log, group, on_layer)  # fmt: skip
     finally:
         rt.close()
 
 
-def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observer, log, group):
+def _run(
+    rt,
+    src,
+    ckpt,
+    plan,
+    calib,
+    algorithm,
+    options,
+    journal,
+    state,
+    observer,
+    log,
+    group,
+    on_layer=None,
+):
     ids, mask = calib.input_ids, calib.attention_mask
     bs = options.batch_size
     if calib.images:  # one sample a micro-batch, its placeholders widened to its images
@@ -668,8 +588,8 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         _absorb(res, rec)
     for i in range(done, rt.num_layers):
         t0 = time.perf_counter()
-        rec = _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks,
-                     amasks, journal, observer, group, fp)  # fmt: skip
+        rec = calibrate_layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden,
+                              pos, masks, amasks, journal, observer, group, fp)  # fmt: skip
         rec["seconds"] = time.perf_counter() - t0
         last = i + 1 == rt.num_layers
         if not last:
@@ -691,6 +611,8 @@ def _run(rt, src, ckpt, plan, calib, algorithm, options, journal, state, observe
         _absorb(res, rec)
         fb = f", {len(rec['fallbacks'])} expert(s) fell back to RTN" if rec["fallbacks"] else ""
         log(f"calibrated layer {i} in {rec['seconds']:.2f} s{fb}")
+        if on_layer is not None:
+            on_layer(i)
     return res
 
 
@@ -760,541 +682,6 @@ def _absorb(res: SequentialResult, rec: dict) -> None:
         while len(res.solves_per_process) <= r:
             res.solves_per_process.append(0)
         res.solves_per_process[r] += k
-
-
-def _layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks, amasks,
-           journal, observer, group, fp=None) -> dict:  # fmt: skip
-    unit = f"layer.{i}"
-    entries = rt.plan.units[unit]
-    by_name = {e.name: e for e in entries.values()}
-    mine = {n: rows[n] for n in by_name if n in rows}
-    gptq = {n for n, r in mine.items() if algorithm in GPTQ_ALGORITHMS and gptq_supported(r.scheme)}
-    # AWQ's clip step: every group-wise integer Linear's ranges searched on its output
-    # error (per channel the Gram block would be the whole [in, in] matrix and each
-    # candidate a full quadratic form: those keep the scheme's own rounding)
-    clip = set()
-    if algorithm == "awq" and options.awq_clip:
-        clip = {n for n, r in mine.items()
-                if isinstance(r.scheme, IntScheme) and r.scheme.strategy == "group"}  # fmt: skip
-    static = {n for n, r in mine.items() if _static(r.scheme)}
-    # under torchrun each process solves (and accumulates the Hessians of) its share of
-    # the GPTQ Linears, balanced by the solve's cost; the others' come from the journal
-    others: set[str] = set()
-    if group.world > 1:
-        from ..parallel.procs import balance
-
-        def cost(n: str) -> int:  # the Hessian's Cholesky and the column sweep
-            o, k = mine[n].shape
-            return int(k) * int(k) * (int(k) + int(o))
-
-        order = sorted(gptq | clip)
-        others = set(order) - set(balance(order, cost, group.world)[group.rank])
-    acc = {n: HessianAccumulator(int(mine[n].shape[1]), n) for n in gptq if n not in others}
-    # gptq_fp_target: each solved Linear's cross term against the full-precision inputs
-    # (the FP stream ``fp`` runs through every layer on every process, solved here or not)
-    cross = {}
-    if fp is not None:
-        cross = {n: CrossAccumulator(int(mine[n].shape[1]), n) for n in acc}
-    fp_experts = sorted({by_name[n].role.expert for n in cross
-                         if by_name[n].role.expert is not None})  # fmt: skip
-    gram = {n: GroupGram(int(mine[n].shape[1]), _group_of(mine[n].scheme, mine[n].shape), n)
-            for n in clip if n not in others}  # fmt: skip
-    # static input scales' observers; capacity: real tokens x input width bounds what
-    # any Linear of the layer sees (a token reaches an expert at most once)
-    real = sum(int(m.sum()) for m in masks)
-    # (NVFP4's global scale is always the largest |input|'s, as compressed-tensors sets it)
-    obs = {n: make_observer("minmax" if _nv_input(mine[n].scheme) else options.observer,
-                            percentile=float(options.percentile),
-                            capacity=max(1, real * int(mine[n].shape[1])),
-                            act_type=mine[n].scheme.act.type,
-                            act_bits=int(mine[n].scheme.act.num_bits))
-           for n in static}  # fmt: skip
-    seen: dict[str, int] = dict.fromkeys(mine, 0)  # tokens in the statistics
-    routed: dict[str, int] = dict.fromkeys(mine, 0)  # tokens routed (experts)
-    cur: dict = {}  # the micro-batch's valid mask and per-expert token rows
-    router = next((e.name for e in entries.values() if e.key == "router.router"), None)
-    latent_in = next((e.name for e in entries.values()
-                      if e.key == "latent.routed_expert_down_proj"), None)  # fmt: skip
-    n_exp = rt.text.num_experts
-    routing = [0] * n_exp if router is not None else None
-    all_experts = bool(options.moe_all_experts) and router is not None
-    # experts with a calibrated Linear: the ones the all-experts pass runs
-    calibrated_experts = sorted({by_name[n].role.expert for n in mine
-                                 if by_name[n].role.expert is not None})  # fmt: skip
-    # smoothing (AWQ / SmoothQuant): its mappings, and the Linears whose inputs it observes
-    kind = SMOOTHING.get(algorithm)
-    maps = []
-    if kind is not None:
-        keys = {e.key: e.name for e in entries.values()}
-        fixed = any(n.endswith((".k_scale", ".v_scale")) for n in allrows)  # kept scales
-        maps = layer_mappings(rt.text, i, keys, allrows, norms_only=False, cache_fixed=fixed)
-    stats = Statistics(options.smooth_tokens, hidden.n)
-    sources = {m.source for m in maps}
-    # every smoothing choice is judged on sampled rows (SmoothQuant's too: a mapping is
-    # smoothed only where it helps, see smooth.SQ_MIN_GAIN)
-    sampled = sources | {n for m in maps for n in m.routed}
-    stat_names = sources | sampled
-
-    # gptq_fp_target: the full-precision inputs of this micro-batch's solved Linears, in
-    # call order (the FP pass records them, the quantized pass takes them), and the FP
-    # stream's routed-expert input (every expert's: the post-attention-norm rows)
-    fp_in: dict[str, list[torch.Tensor]] = {}
-    fp_state: dict = {}
-
-    def fp_expert_inputs(tok: dict | None) -> None:
-        """Run the solved routed experts on the FP stream's expert input at the rows the
-        quantized pass routes to each (``tok``; None: every row), recording their
-        Linears' inputs (gate / up: those rows; down: what the FP expert computes)."""
-        _experts_pass(rt, unit, cur, fp_experts, fp_state.get("expert_input"), "fp_sub",
-                      "gptq_fp_target (full-precision input)", tok)  # fmt: skip
-
-    def on_router(name, x, y):
-        if cur.get("mute"):  # AWQ's loss runs: no statistics
-            return
-        if cur.get("fp"):  # the FP pass: its routing is not used, only its expert input
-            if latent_in is None:
-                fp_state["expert_input"] = x
-            return
-        if cur.get("refine") or cur.get("smooth"):
-            w = rt.loader.get(unit)
-            _, idx = ROUTERS[rt.text.router](rt.text, y, w)
-            order = idx.reshape(-1).argsort(stable=True)
-            counts = torch.bincount(idx.reshape(-1), minlength=n_exp).tolist()
-            cur["experts"] = dict(enumerate((order // idx.shape[1]).split(counts)))
-            if all_experts and latent_in is None:
-                cur["expert_input"] = x
-            return
-        w = rt.loader.get(unit)
-        _, idx = ROUTERS[rt.text.router](rt.text, y, w)
-        k = idx.shape[1]
-        eid = idx.reshape(-1)
-        order = eid.argsort(stable=True)
-        tok = order // k
-        counts = torch.bincount(eid, minlength=n_exp).tolist()
-        cur["experts"] = dict(enumerate(tok.split(counts)))
-        valid = cur["mask"].reshape(-1).to(idx.device)
-        real = torch.bincount(idx[valid].reshape(-1), minlength=n_exp).tolist()
-        for j, c in enumerate(real):
-            routing[j] += int(c)
-        if all_experts and latent_in is None:
-            cur["expert_input"] = x  # [T, D] float32: every token, the experts' input
-        if fp_experts and not all_experts:  # FP inputs at the rows routed here
-            fp_expert_inputs(cur["experts"])
-
-    def on_latent_input(name, x, y):
-        if cur.get("fp"):
-            fp_state["expert_input"] = y
-        elif not cur.get("fp_sub"):
-            cur["expert_input"] = y
-
-    def rows_mask(name, e, x):
-        routed = e.role.expert is not None and not cur.get("all")
-        tok = cur["experts"][e.role.expert] if routed else None
-        return token_mask(cur["mask"], tok, x, f"calibration: the input of '{name}'")
-
-    def on_linear(name, x, y):
-        e = by_name.get(name)
-        if e is None or cur.get("mute"):
-            return
-        if cur.get("fp") or cur.get("fp_sub"):  # the FP stream: inputs recorded only
-            if name in cross and (cur.get("fp_sub") or e.role.expert is None):
-                fp_in.setdefault(name, []).append(x)
-            return
-        if cur.get("smooth"):  # smoothing statistics of the unsmoothed layer
-            if name in stat_names:
-                m = rows_mask(name, e, x).reshape(-1).to(torch.bool)
-                stats.add(name, x.reshape(-1, x.shape[-1])[m], sample=name in sampled)
-            return
-        if name not in mine:
-            return
-        valid = cur["mask"]
-        if e.role.expert is not None and all_experts and not cur.get("all"):
-            # routed pass: counted, statistics come from the all-tokens pass
-            if cur.get("refine"):
-                return
-            tok = cur["experts"][e.role.expert]
-            routed[name] += int(valid.reshape(-1)[tok.to(valid.device)].sum())
-            return
-        m = rows_mask(name, e, x)
-        if cur.get("refine"):  # second pass: observers that need one (mse)
-            if name in static and obs[name].needs_refine:
-                obs[name].refine(x[m.to(torch.bool)])
-            return
-        if observer is not None:
-            observer(i, name, x, m)
-        if name in acc:
-            acc[name].add(x, m)
-        if name in cross:
-            got = fp_in.get(name)
-            if not got:
-                raise ConfigError(
-                    f"calibration: gptq_fp_target found no full-precision input for "
-                    f"'{name}' in layer {i}; calibrate without it."
-                )
-            cross[name].add(x, got.pop(0), m)
-        if name in gram:
-            gram[name].add(x, m)
-        n = int(m.sum())
-        seen[name] += n
-        if e.role.expert is not None and not all_experts:
-            routed[name] += n
-        if name in static and n:
-            obs[name].update(x[m.to(torch.bool)])
-
-    handles = [rt.add_hook(on_linear, set(mine) | stat_names)]
-    if router is not None:
-        handles.append(rt.add_hook(on_router, {router}))
-    if (all_experts or fp_experts) and latent_in is not None:
-        handles.append(rt.add_hook(on_latent_input, {latent_in}))
-    sm = Smoothing()
-    last = i + 1 == rt.num_layers
-    try:
-        if maps:
-            for b in range(hidden.n):
-                cur.clear()
-                cur["mask"], cur["smooth"] = masks[b], True
-                rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
-            rt.loader.release()
-            loss = None
-            if kind == "awq":
-                cur.clear()
-                cur["mute"] = True
-                loss = _LayerLoss(rt, src, i, hidden, pos, masks, amasks, options.smooth_tokens)
-            sm = _choose_smoothing(ckpt, allrows, maps, stats, kind, options, loss)
-            loss = None
-            cur.clear()
-            stats = None  # its samples are not needed any more
-        touched = sm.touched()
-
-        def smoothed(n: str) -> torch.Tensor:
-            """A smoothed tensor: float32 for a quantized row, the output dtype if kept."""
-            t = sm.apply(n, ckpt.get(n).float())
-            return t if n in mine else t.to(allrows[n].out_dtype)
-
-        # the layer runs on its smoothed (unquantized) weights for the statistics below
-        src.overrides = {n: functools.partial(smoothed, n) for n in touched}
-        for b in range(hidden.n):
-            if fp is not None and (cross or not last):
-                # the full-precision stream: this layer (unquantized) on the FP model's
-                # own hidden states; its Linears' inputs are the targets' Xf
-                fp_in.clear()
-                fp_state.clear()
-                cur.clear()
-                cur["fp"] = True
-                y = rt.run_layer(i, fp.get(b), pos[b], amasks[b])
-                if not last:
-                    fp.put_next(b, y)
-                del y
-            cur.clear()
-            cur["mask"] = masks[b]
-            rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
-            if all_experts and calibrated_experts:
-                if fp_experts:
-                    fp_expert_inputs(None)
-                _all_experts_pass(rt, unit, cur, calibrated_experts)
-        if any(o.needs_refine for o in obs.values()):  # the same inputs again
-            for b in range(hidden.n):
-                cur.clear()
-                cur["mask"], cur["refine"] = masks[b], True
-                rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
-                if all_experts and calibrated_experts:
-                    _all_experts_pass(rt, unit, cur, calibrated_experts)
-    finally:
-        for h in handles:
-            h.remove()
-        rt.loader.release()
-        src.overrides = {}
-
-    rec: dict = {"layer": i, "scales": {}, "expert_tokens": {}, "fallbacks": [], "parts": [],
-                 "kept": [], "routing": routing, "smoothing": sm.chosen}  # fmt: skip
-    for n in mine:
-        if by_name[n].role.expert is not None:
-            rec["expert_tokens"][n] = routed[n]
-    parts_out: dict[str, torch.Tensor] = {}
-    overrides: dict[str, torch.Tensor] = {}
-    for n in sorted(mine):
-        r = mine[n]
-        if n in others:  # another process's solve
-            continue
-        w = smoothed(n) if n in touched else ckpt.get(n)
-        if n in gptq and acc[n].tokens:
-            H = acc[n].hessian()
-            target = None
-            if n in cross:  # gptq_fp_target: the weight whose outputs on X match the target
-                target = fp_target_weight(w, H, cross.pop(n).cross(),
-                                          strength=float(options.gptq_fp_target),
-                                          dampening=float(options.dampening), name=n)  # fmt: skip
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", GPTQFallbackWarning)
-                parts = gptq_quantize(w, H, r.scheme, block_size=options.block_size,
-                                      dampening=float(options.dampening),
-                                      act_order=bool(options.act_order), name=n,
-                                      target=target)  # fmt: skip
-            del target
-            for c in caught:  # not positive definite: rounded to nearest (listed too)
-                warnings.warn(c.message, c.category, stacklevel=2)
-                if issubclass(c.category, GPTQFallbackWarning) and n not in rec["fallbacks"]:
-                    rec["fallbacks"].append(n)
-            rec["parts"].append(n)
-            parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
-            del acc[n]  # [in, in] float32 each: freed as soon as it is used
-        elif n in gram and gram[n].tokens:  # AWQ's clip step on the smoothed weight
-            parts = mse_observer.quantize(r.scheme, w, name=n, gram=gram.pop(n).blocks())
-            rec["parts"].append(n)
-            parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
-        else:
-            if n in gptq or n in clip or (n in static and not seen[n]):
-                why = "saw no calibration token"
-                warnings.warn(
-                    f"calibration: '{n}' {why}; rounded to nearest"
-                    + (" (input scale from its sibling experts)" if n in static else ""),
-                    ExpertFallbackWarning, stacklevel=2,
-                )  # fmt: skip
-                rec["fallbacks"].append(n)
-            parts = _round_to_nearest(ckpt, n, r.scheme, w, n in touched)
-            if n in touched:  # the smoothed weight's parts (the source's are not these)
-                rec["parts"].append(n)
-                parts_out.update({f"{r.module}.{k}": v.contiguous() for k, v in parts.items()})
-        overrides[n] = functools.partial(_dequantized, r.scheme, parts)
-        del w
-    if group.world == 1:
-        rec["solves"] = [len(parts_out_names(parts_out, mine))]
-    else:
-        weight = lambda n: smoothed(n) if n in touched else ckpt.get(n)  # noqa: E731
-        _share_solves(group, journal, i, mine, others, weight, rec, parts_out, overrides)
-    for n in sorted(touched - set(mine)):  # kept tensors smoothing changed (norms, router)
-        t = smoothed(n).contiguous()
-        parts_out[n] = t
-        overrides[n] = t
-        rec["kept"].append(n)
-    for n in sorted(static):
-        if seen[n]:
-            v = _input_value(mine[n].scheme, float(obs[n].clip()))
-            if v is not None:
-                rec["scales"][mine[n].module] = v
-    for n in sorted(static):  # experts without tokens: their siblings' widest range
-        mod = mine[n].module
-        if mod in rec["scales"]:
-            continue
-        leaf = by_name[n].key.rsplit(".", 1)[-1]
-        nv = _nv_input(mine[n].scheme)
-        same = [m for m in static if mine[m].module in rec["scales"]
-                and _nv_input(mine[m].scheme) == nv]  # fmt: skip
-        sib = [rec["scales"][mine[m].module] for m in same
-               if by_name[m].key.rsplit(".", 1)[-1] == leaf]  # fmt: skip
-        if not sib:
-            sib = [rec["scales"][mine[m].module] for m in same]
-        if not sib:
-            raise ConfigError(
-                f"calibration: no calibration token reached any Linear of layer {i} with a "
-                f"static input scale{' or NVFP4 input global scale' if nv else ''} (or only "
-                f"zeros did); use more (or unpadded) calibration samples."
-            )
-        if n not in rec["fallbacks"] and seen[n]:  # tokens came, all of them zero
-            warnings.warn(f"calibration: '{n}' saw only zero inputs; its input "
-                          f"{'global ' if nv else ''}scale is its siblings'",
-                          ExpertFallbackWarning, stacklevel=2)  # fmt: skip
-            rec["fallbacks"].append(n)
-        # the widest range: the largest input scale, the smallest NVFP4 global scale
-        rec["scales"][mod] = min(sib) if nv else max(sib)
-    if parts_out and group.leader:
-        tmp = journal / f"layer-{i}.tmp"
-        save_file(parts_out, str(tmp))
-        os.replace(tmp, journal / f"layer-{i}.safetensors")
-    kv = options.kv_cache is not None and rt.text.attention_of(i) != "kda"
-    if last and not kv:
-        return rec
-    # re-run the layer with its quantized weights: the next layer's inputs, and what
-    # enters its KV cache as served (the layer's own weights quantized)
-    kv_max: dict[str, float] = {}
-    batch_mask: list = [None]
-
-    def on_kv(layer, kind, t):
-        if layer != i:
-            return
-        m = batch_mask[0].to(t.device)
-        if kind in ("k", "v"):  # [B, heads, S, d]
-            sel = t.transpose(1, 2)[m]
-        elif kind == "k_rot":  # [B, 1, S, rope]
-            sel = t[:, 0][m]
-        else:  # latent [B, S, r]
-            sel = t[m]
-        a = float(sel.abs().max()) if sel.numel() else 0.0
-        kv_max[kind] = max(kv_max.get(kind, 0.0), a)
-
-    handle = rt.add_kv_hook(on_kv) if kv else None
-    src.overrides = overrides
-    try:
-        for b in range(hidden.n):
-            batch_mask[0] = masks[b]
-            y = rt.run_layer(i, hidden.get(b), pos[b], amasks[b])
-            if not last:
-                hidden.put_next(b, y)
-    finally:
-        if handle is not None:
-            handle.remove()
-        rt.loader.release()
-        src.overrides = {}
-    if kv:
-        if not all(math.isfinite(v) for v in kv_max.values()):
-            raise ConfigError(
-                f"calibration: non-finite values entered layer {i}'s KV cache; check the "
-                f"source weights and the calibration data."
-            )
-        rec["kv"] = kv_max
-    return rec
-
-
-def _share_solves(group, journal: Path, i: int, mine, others, weight, rec, parts_out,
-                  overrides) -> None:  # fmt: skip
-    """Under torchrun: write the parts of this process's share of layer ``i``'s GPTQ
-    Linears, wait for every process, then take the others' parts (and their fallbacks)
-    as if solved here. A Linear of another share that wrote no parts saw no token and was
-    rounded to nearest: that is recomputed here (cheap, the same bytes). The record's
-    lists keep the one-process order (sorted names)."""
-    path = journal / f"layer-{i}.gptq-{group.rank}.safetensors"
-    err = None
-    try:
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in parts_out.items()}, str(tmp))
-        os.replace(tmp, path)
-    except OSError as e:
-        err = e
-    mine_solved = sum(1 for n in parts_out_names(parts_out, mine) if n not in others)
-    lists = group.gather((rec["fallbacks"], rec["parts"], mine_solved))
-    group.agree(err, f"writing its GPTQ parts of layer {i}")
-    by_module = {mine[n].module: n for n in others}
-    got: dict[str, dict[str, torch.Tensor]] = {}
-    for r in range(group.world):
-        if r == group.rank:
-            continue
-        with safe_open(str(journal / f"layer-{i}.gptq-{r}.safetensors"), "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                module, _, part = k.rpartition(".")
-                if module in by_module:
-                    t = f.get_tensor(k)
-                    parts_out[k] = t
-                    got.setdefault(by_module[module], {})[part] = t
-    for n in sorted(others):
-        parts = got.get(n)
-        if parts is None:  # no token reached it: its owner rounded it to nearest
-            parts = mine[n].scheme.quantize(weight(n), name=n)
-        overrides[n] = functools.partial(_dequantized, mine[n].scheme, parts)
-    fb = {n for f, _, _ in lists for n in f}
-    done = {n for _, p, _ in lists for n in p}
-    rec["solves"] = [k for _, _, k in lists]
-    rec["fallbacks"] = [n for n in sorted(mine) if n in fb]
-    rec["parts"] = [n for n in sorted(mine) if n in done]
-
-
-def parts_out_names(parts_out: dict, mine: dict) -> set[str]:
-    """The quantized rows whose parts are in ``parts_out``."""
-    mods = {k.rpartition(".")[0] for k in parts_out}
-    return {n for n, r in mine.items() if r.module in mods}
-
-
-class _LayerLoss:
-    """AWQ's block loss: the squared error of layer ``i``'s output over the real tokens of
-    the first micro-batches (at least ``tokens`` of them) when the weights the caller
-    names are replaced, against the exact layer."""
-
-    def __init__(self, rt, src, i, hidden, pos, masks, amasks, tokens: int):
-        self.rt, self.src, self.i = rt, src, i
-        self.batches: list[int] = []
-        n = 0
-        for b in range(hidden.n):
-            self.batches.append(b)
-            n += int(masks[b].sum())
-            if n >= tokens:
-                break
-        self.inputs = {b: hidden.get(b) for b in self.batches}
-        self.args = {b: (pos[b], amasks[b], masks[b]) for b in self.batches}
-        self.ref = self._outputs()
-
-    def _outputs(self) -> dict[int, torch.Tensor]:
-        """The layer's outputs on the sample batches (its weights loaded once)."""
-        try:
-            return {b: layer_output(self.rt.run_layer(self.i, self.inputs[b], p, am)).float()
-                    for b, (p, am, _) in self.args.items()}  # fmt: skip
-        finally:
-            self.rt.loader.release()
-
-    def __call__(self, names, fake) -> float:
-        self.src.overrides = {n: functools.partial(fake, n) for n in names}
-        try:
-            out = self._outputs()
-        finally:
-            self.src.overrides = {}
-        total = 0.0
-        for b, y in out.items():
-            d = (y - self.ref[b])[self.args[b][2].to(torch.bool)]
-            total += float(d.pow(2).sum())
-        return total
-
-
-def _choose_smoothing(ckpt, allrows, maps, stats: Statistics, kind: str, options,
-                      layer_loss=None) -> Smoothing:  # fmt: skip
-    """The layer's smoothing scales from its unsmoothed statistics (AWQ: searched per
-    mapping; SmoothQuant: closed form with ``options.alpha``). A mapping whose input saw
-    no real token is left alone."""
-    sm = Smoothing()
-
-    def weight(n: str) -> torch.Tensor:
-        return ckpt.get(n).float()
-
-    def scheme_of(n: str):
-        return allrows[n].scheme
-
-    # routed experts: their inputs are not quantized where the checkpoint runs (see
-    # runtime.runtime's module doc), so SmoothQuant scores their weights alone
-    plain = frozenset(n for m in maps for n in m.balance if allrows[n].role.expert is not None)
-
-    for m in maps:
-        if not stats.count.get(m.source):
-            continue
-        if kind == "awq":
-            s, ratio = awq_scales(m, weight, scheme_of, stats, options.awq_grid,
-                                  options.awq_duo_scaling, layer_loss)  # fmt: skip
-            sm.chosen[m.label] = ratio
-            if ratio is None:
-                continue
-        else:
-            alphas = SQ_ALPHAS if options.alpha_search else (float(options.alpha),)
-            s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas, plain)
-            sm.chosen[m.label] = alpha
-            if alpha is None:
-                continue
-        sm.add(m, s)
-    return sm
-
-
-@torch.inference_mode()
-def _experts_pass(rt, unit: str, cur: dict, experts: list[int], x, flag: str, what: str,
-                  rows: dict | None = None) -> None:  # fmt: skip
-    """Run the routed ``experts`` on the captured expert input ``x`` (every row, or
-    ``rows[e]`` for expert e) with ``cur[flag]`` set, so the hooks take what ``what``
-    needs; the outputs are discarded."""
-    if x is None:
-        raise ConfigError(
-            f"calibration: {what} could not capture the routed experts' input in {unit}; "
-            f"run without it."
-        )
-    w = rt.loader.get(unit)
-    cur[flag] = True
-    try:
-        x = x.to(rt.dtype)
-        for e in experts:
-            r = x if rows is None else x.index_select(0, rows[e].to(x.device))
-            if r.shape[0]:
-                gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", r)
-    finally:
-        cur[flag] = False
-
-
-def _all_experts_pass(rt, unit: str, cur: dict, experts: list[int]) -> None:
-    """Run every calibrated routed expert on all of the micro-batch's tokens (the hooks
-    take their statistics; the outputs are discarded)."""
-    _experts_pass(rt, unit, cur, experts, cur.get("expert_input"), "all", "moe_all_experts")
 
 
 def _read_journal(journal: Path) -> dict | None:

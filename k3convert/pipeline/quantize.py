@@ -308,6 +308,7 @@ def prepare_quantization(
     group=None,
     serving=None,
     weight_observer: str | None = None,
+    on_layer=None,
 ) -> Prepared:
     """:func:`quantize` up to its first output byte: the plan, the auto-keep scan, the
     calibration and the fused global scales. check_out(need_bytes): checks OUT before
@@ -318,7 +319,8 @@ def prepare_quantization(
     shared; calibration runs on every process together
     (:func:`k3convert.calibrate.sequential.calibrate_sequential`). serving: a
     :class:`k3convert.serving.ServingTarget`: the plan is checked against it before any
-    scan or calibration (``Prepared.serving`` holds the problems; strict raises)."""
+    scan or calibration (``Prepared.serving`` holds the problems; strict raises).
+    on_layer(i): progress, called as calibration finishes layer ``i``."""
 
     group = group if group is not None else ProcessGroup()
     if (scheme is None) == (recipe is None):
@@ -391,7 +393,7 @@ def prepare_quantization(
         # the scan's set is calibration's too when both come from the same options
         reuse = scan_set if sensitivity_data is None else None
         calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log, reuse,
-                                journal=journal, group=group)  # fmt: skip
+                                journal=journal, group=group, on_layer=on_layer)  # fmt: skip
         prepared.calibrated = calibrated
         prepared.input_scales = {**calibrated.input_scales, **input_scales}
         provenance = {
@@ -517,7 +519,7 @@ def _calibrated_modules(plan: Plan) -> set[str]:
 
 def _calibrate(
     ckpt, plan: Plan, out: Path, force: bool, opts, algorithm: str, log, calib=None,
-    journal: Path | None = None, group=None,
+    journal: Path | None = None, group=None, on_layer=None,
 ):  # fmt: skip
     """Build the calibration set and run layer-sequential calibration (before anything
     is written: a bad dataset or an existing OUT fails first). journal: given by a caller
@@ -551,6 +553,7 @@ def _calibrate(
             journal=journal,
             log=log,
             group=group,
+            on_layer=on_layer,
         )
     except OSError as e:  # disk full or read-only while writing the journal / spill
         raise write_error(e, journal, "writing the calibration journal") from e

@@ -427,12 +427,12 @@ def resolve(
     if bad:
         more = ""
         if len(bad) > 1:
-            names = [str(e).split(" of '", 1)[1].split("'", 1)[0] for e in bad[1:4]]
+            names = [e.tensor or "?" for e in bad[1:4]]
             more = (
                 f" {len(bad) - 1} more tensor(s) have the same problem: {', '.join(names)}"
                 + (", ..." if len(bad) > 4 else "")
                 + "."
             )
-        raise GroupSizeError(f"{bad[0]}{more}")
+        raise GroupSizeError(f"{bad[0]}{more}", bad[0].tensor)
     warnings = [f"--keep {p} matches no tensor" for p in keep if p not in used_keep]
     return Plan(rows, arch, warnings, tuple(unstored))

@@ -71,7 +71,12 @@ class UnknownSchemeError(ConfigError):
 
 
 class GroupSizeError(ConfigError):
-    """A group size that does not divide a tensor's input dimension."""
+    """A group size that does not divide a tensor's input dimension; ``tensor``: its name
+    (None where not known)."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class NonFiniteWeightError(CheckpointError):
@@ -128,7 +133,8 @@ class Scheme:
                 f"scheme '{self.name}' quantizes input activations in groups of "
                 f"{act.group_size} channels, which does not divide the input dimension "
                 f"{shape[1]} of '{tensor}' (shape {tuple(shape)}); use a per-token scheme "
-                f"such as fp8-dynamic for it, or keep it with --keep '{tensor}'."
+                f"such as fp8-dynamic for it, or keep it with --keep '{tensor}'.",
+                tensor,
             )
 
     def parts(self, shape: tuple[int, int]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -504,7 +510,8 @@ class IntScheme(Scheme):
             raise GroupSizeError(
                 f"scheme '{self.name}': group size {self.group_size} does not divide the "
                 f"input dimension {shape[1]} of '{tensor}' (shape {tuple(shape)}); {hint}, "
-                f"or keep it with --keep '{tensor}'."
+                f"or keep it with --keep '{tensor}'.",
+                tensor,
             )
 
     def _ngroups(self, inp: int) -> int:
@@ -803,7 +810,8 @@ class FP4Scheme(Scheme):
             raise GroupSizeError(
                 f"scheme '{self.name}' stores {self.encoding}, whose groups of {self.group} "
                 f"values must tile the input dimension {shape[1]} of '{tensor}' (shape "
-                f"{tuple(shape)}); keep it with --keep '{tensor}' or use an int scheme."
+                f"{tuple(shape)}); keep it with --keep '{tensor}' or use an int scheme.",
+                tensor,
             )
 
     def parts(self, shape):
@@ -846,7 +854,8 @@ class FP4Scheme(Scheme):
         g = self.group
         if inp % g:
             raise GroupSizeError(
-                f"scheme '{self.name}': '{name}' has {inp} columns, not a multiple of {g}."
+                f"scheme '{self.name}': '{name}' has {inp} columns, not a multiple of {g}.",
+                name,
             )
         cdt = w.dtype if w.dtype in _FP4_COMPUTE else torch.float32
         w = w.contiguous() if w.dtype in _SIGNLESS else w.float().contiguous()
