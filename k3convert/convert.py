@@ -51,15 +51,31 @@ import torch
 from tqdm import tqdm
 
 from . import __version__
+from .arch import resolve, validate_source
 from .checkpoint import Checkpoint, open_checkpoint
-from .checkpoint.output import guard_out, reports_write_errors
+from .checkpoint.output import check_output, guard_out, reports_write_errors
 from .checkpoint.reader import PartMeta, QuantConfig, group_parts, quant_config_of
 from .errors import ConfigError, K3Error, OutputError
 from .parallel import procs
+from .pipeline.quantize import (
+    fuse_scales,
+    prepare_quantization,
+    routing_counts_doc,
+    write_checkpoint,
+)
+from .quant import fidelity
+from .quant.writer import output_entries, re_encodes, row_tensors, torch_threads
 from .recipe import CALIBRATION, Recipe, apply_overrides, load_recipe, parse_recipe, recipe_to_dict
-from .shard.plan import build_plan
-from .shard.writer import carried_files, write_stream
+from .report_html import write_html
+from .serving import ServingTarget
+from .serving import report as serving_report
+from .shard.plan import ROUTING_COUNTS, build_plan
+from .shard.writer import ShardResult, carried_files, write_stream
 from .stream.format import JOURNAL, MANIFEST
+from .stream.reader import load_manifest
+from .units import human_bytes
+from .verify.report import write_json
+from .verify.run import run_verify
 
 #: computed tensors kept for their later readers at most (then recomputed on demand)
 DEFAULT_CACHE_BYTES = 2 << 30
@@ -78,8 +94,6 @@ class PlannedCheckpoint(Checkpoint):
     writes), so a produced row is dropped right after its last reader."""
 
     def __init__(self, prepared, cache_bytes: int = DEFAULT_CACHE_BYTES):
-        from .quant.writer import output_entries
-
         ck = prepared.ckpt
         self.prepared = prepared
         self.config_doc = prepared.output_config()
@@ -154,8 +168,6 @@ class PlannedCheckpoint(Checkpoint):
         return self._outputs(r)[pm.name]
 
     def _outputs(self, r) -> dict[str, torch.Tensor]:
-        from .quant.writer import row_tensors
-
         p = self.prepared
         # mapped from the source as stored (not a tensor calibration's smoothing changed)
         smoothed = p.calibrated is not None and r.name in p.calibrated.kept_rows
@@ -408,8 +420,6 @@ def convert(
             f"conversion, or run `k3convert quantize` for the checkpoint."
         )
     if inter is not None:
-        from .checkpoint.output import check_output
-
         check_output(inter, force=force, need_bytes=0, source=ck.root)
     stages = [*(["calibrate"] if _needs_data(r) else []), "write",
               *(["verify"] if r.verify.enabled else [])]  # fmt: skip
@@ -429,8 +439,6 @@ def convert(
         prep = None
         pending = lay.expert_load == CALIBRATION  # counts come after calibration
         if r.quantize is not None:
-            from .pipeline.quantize import prepare_quantization
-
             with _key_path(r, "quantize"):
                 prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
             _check_serving(r, prep, ck, say if group.leader else None)
@@ -453,8 +461,6 @@ def convert(
             data = PlannedCheckpoint(prep, cache_bytes)
             times["calibrate"] = time.perf_counter() - t
         elif r.quantize is not None and done is None:
-            from .pipeline.quantize import fuse_scales
-
             fuse_scales(prep)  # the plan-only preparation is complete: no data needed
         if _needs_data(r) and done is None:  # calibration changed the checkpoint: re-plan
             if pending:
@@ -476,7 +482,6 @@ def convert(
             say(f"{out}: already a complete stream of this recipe and source; verifying it")
         carry = _carry_list(ck, prep)
         identity = _fingerprint(prep, data.config)
-        from .quant.writer import torch_threads
 
         workers = r.output.workers or procs.cores_per_process()
         # units are written (and their tensors quantized) on `workers` threads, one core
@@ -490,12 +495,10 @@ def convert(
                 on_unit=lambda up: ui.item(f"rank {up.rank} {up.name}"),
             )  # fmt: skip
         times["write"] = time.perf_counter() - t
-        from .quant import fidelity
 
         mine = list(data.losses.values()) if isinstance(data, PlannedCheckpoint) else []
         got = {e.name: e for part in group.gather(mine) for e in part}
         # a resumed run produces only the units it writes: the rest are not measured
-        from .quant.writer import re_encodes
 
         todo = [] if prep is None or done is not None else [
             r.name for r in prep.plan.rows if re_encodes(r) and r.name not in got
@@ -524,8 +527,6 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
     """Process 0, after the stream is committed: the sidecar, the loss report, the
     intermediate checkpoint (before the calibration journal it reads is removed), verify,
     the report files."""
-    from .quant import fidelity
-
     if done is None and losses is not None and (len(losses) or losses.unmeasured):
         losses.write(out / fidelity.FILE)
     elif done is not None:  # verified again: the report its run wrote, if any
@@ -536,8 +537,6 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
             side["quantize"] = _quantize_summary(prep, run=False)
         (out / SIDECAR).write_text(json.dumps(side, indent=1) + "\n")
     if inter is not None and prep is not None:
-        from .pipeline.quantize import write_checkpoint
-
         write_checkpoint(prep, inter, force=force, progress=False)
     if prep is not None and prep.calibrated is not None:
         prep.calibrated.cleanup()
@@ -556,12 +555,9 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
         times["verify"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
     report = _report(r, ck, out, prep, plan, res, times, vrep, group, inter, done, losses)
-    from .verify.report import write_json
 
     write_json(report, out / REPORT)
     if report_html is not None:
-        from .report_html import write_html
-
         write_html(report, vrep, report_html)
     return report, vrep
 
@@ -590,8 +586,6 @@ def _key_path(r: Recipe, section: str):
 
 def _from_manifest(out: Path):
     """The write stage's result for a complete stream found in OUT (nothing written)."""
-    from .shard.writer import ShardResult
-    from .stream.reader import load_manifest
 
     man = load_manifest(out)  # validated, the rank files too: damage is a clean error
     units = [u for rk in man["ranks"] for u in rk["units"]]
@@ -601,8 +595,6 @@ def _from_manifest(out: Path):
 def _even_load(ck) -> dict[int, list[float]]:
     """Equal routing counts for every MoE layer: the placement planned (and checked)
     before calibration has measured the real ones."""
-    from .arch import resolve, validate_source
-
     arch, cfg = resolve(ck.config, f"{ck.root}/config.json")
     roles = validate_source(arch, cfg, ck, str(ck.root))
     layers = {m.role.layer for m in roles.values() if m.role.expert is not None}
@@ -618,12 +610,10 @@ def _check_serving(r: Recipe, prep, ck, log) -> None:
     """vLLM's load-time rules at the recipe's layout (:mod:`k3convert.serving`): a
     warning per problem through ``log``, or with ``output.strict_serving`` an error
     before any work."""
-    from .serving import ServingTarget, report
-
     lay = r.layout.layout()
     target = ServingTarget(tp=lay.tp, moe_ep=lay.moe_ep, device=r.output.serving_device,
                            strict=r.output.strict_serving)  # fmt: skip
-    report(target.check(prep.plan, ck.config), log=log, plan=prep.plan)
+    serving_report(target.check(prep.plan, ck.config), log=log, plan=prep.plan)
 
 
 def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, say):
@@ -631,8 +621,6 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
     together: the auto-keep scan on process 0 (its choice shared), calibration with each
     layer's GPTQ solves split over the processes
     (:func:`k3convert.calibrate.sequential.calibrate_sequential`)."""
-    from .arch import resolve
-    from .pipeline.quantize import prepare_quantization
 
     def log(line: str) -> None:
         ui.item(line.split(":")[0])
@@ -641,34 +629,26 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
 
     ui.stage("calibrate", total=resolve(ck.config, str(ck.root))[1].num_layers, unit="layer")
 
-    def step(i: int) -> None:
-        ui.bar.update(1)
-
-    lead = group.leader
+    bar = (lambda i: ui.bar.update(1)) if group.leader else None  # progress: a layer done
     return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out, force=force,
-                                log=log if lead else None, group=group,
-                                on_layer=step if lead else None)  # fmt: skip
+                                log=log if group.leader else None, group=group,
+                                on_layer=bar)  # fmt: skip
 
 
 def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
     """config.json (the quantized one), the source's aux files, and calibration's
     routing counts when there are any (auto-keep's sensitivity report, which records
     its own timing, is written next to the report instead, outside the manifest)."""
-    from .shard.plan import ROUTING_COUNTS
-
     # files this run writes next to the manifest itself: a source's own (a quantize
     # output's sensitivity report, an earlier convert's report) are not carried over them
     ours = {REPORT, SIDECAR, "sensitivity.json"}
     if prep is None:
         return [(n, p) for n, p in carried_files(ck) if n not in ours]
-    from .quant import fidelity
 
     ours.add(fidelity.FILE)  # this run's loss report (written next to the manifest)
     cal = prep.calibrated
     routing = None
     if cal is not None and cal.routing_counts:
-        from .pipeline.quantize import routing_counts_doc
-
         doc = routing_counts_doc(cal)
         routing = (json.dumps(doc, indent=1) + "\n").encode()
         ours.add(ROUTING_COUNTS)  # this calibration's counts replace the source's
@@ -691,8 +671,6 @@ def _verify_reference(r: Recipe, ck) -> str:
 
 
 def _run_verify(r: Recipe, out: Path, ref: str) -> dict:
-    from .verify.run import run_verify
-
     v = r.verify
     return run_verify(
         candidate=out,
@@ -734,7 +712,6 @@ def _quantize_summary(prep, run: bool = True) -> dict:
 
 def _read_losses(out: Path):
     """The loss report a conversion left in ``out`` (None: none, or not readable as one)."""
-    from .quant import fidelity
 
     try:
         return fidelity.LossReport.from_json(json.loads((out / fidelity.FILE).read_text()))
@@ -747,7 +724,6 @@ def _fidelity_summary(losses) -> dict | None:
     worst tensors (every tensor is in OUT/transcode_report.json)."""
     if losses is None or not (len(losses) or losses.unmeasured):
         return None
-    from .quant import fidelity
 
     doc = losses.to_json()
     doc.pop("entries")
@@ -807,7 +783,6 @@ def _verify_summary(v: dict) -> dict:
 
 def render_summary(rep: dict) -> str:
     """The end-of-run table: sizes in and out, time per stage, verify's parity figures."""
-    from .units import human_bytes
 
     s = rep["sizes"]
     lay = rep["layout"]
@@ -876,8 +851,6 @@ def check_against(r: Recipe, model) -> str:
         )
     data: Checkpoint = ck
     if r.quantize is not None:
-        from .pipeline.quantize import prepare_quantization
-
         with _key_path(r, "quantize"):
             prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
         _check_serving(r, prep, ck, None)

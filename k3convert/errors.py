@@ -61,6 +61,29 @@ class NonFiniteError(K3Error):
 
 
 # -- values in messages ---------------------------------------------------------------
+# -- quantization (raised by k3convert.quant.schemes) ---------------------------------
+class UnknownSchemeError(ConfigError):
+    """A scheme name that is not registered (the message lists the known ones)."""
+
+
+class GroupSizeError(ConfigError):
+    """A group size that does not divide a tensor's input dimension; ``tensor``: its name
+    (None where not known)."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A source weight holds NaN or Inf (or a scale about to be written is not finite)."""
+
+
+class WeightRangeError(CheckpointError):
+    """A finite weight too large for the scheme: no finite scale of its scale dtype (or
+    no finite dequantized value) represents it."""
+
+
 SHORT = 60
 
 _REPR = reprlib.Repr()

@@ -23,8 +23,6 @@ from k3convert.memplan import (
     checkpoint_tensors,
     config_tensors,
     device_budget,
-    parse_size,
-    parse_tokens,
     plan_memory,
     quantized_tensors,
 )
@@ -34,6 +32,7 @@ from k3convert.recipe import load_recipe
 from k3convert.shard import shard
 from k3convert.stream import read_manifest_doc
 from k3convert.synth import preset_config, synthesize
+from k3convert.units import parse_size, parse_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -104,6 +104,12 @@ JOBS: list[tuple[str, list[str]]] = [
                    "--decode", "2", "--json", "{w}/verify-k3.json"]),
     ("verify-gptq", ["verify", "{w}/s-gptq", "--reference", "{w}/llama", "--random", "2",
                      "--json", "{w}/verify-gptq.json"]),
+    ("plan-k3", ["plan", "{w}/k3", "--tp", "2", "--pp", "2", "--ep", "2", "--context", "4k",
+                 "--device", "h100", "--json", "{w}/plan-k3.json"]),
+    ("plan-preset", ["plan", "kimi-k3", "--recipe", "recipes/kimi-k3-int4-experts.yaml",
+                     "--json", "{w}/plan-preset.json"]),
+    ("plan-dsv3", ["plan", "{w}/dsv3", "--scheme", "w4a16", "--tp", "2", "--device-mem",
+                   "1GiB", "--json", "{w}/plan-dsv3.json"]),
 ]
 # fmt: on
 
@@ -137,7 +143,7 @@ def _digest(path: Path, work: Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def run(work: Path) -> dict:
+def run(work: Path, only: set[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     # Pre-tokenized calibration rows (the synthetic models have no tokenizer).
     rows = [[(i * 37 + j * 11) % 250 + 1 for j in range(40)] for i in range(6)]
@@ -145,6 +151,8 @@ def run(work: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", K3CONVERT_NO_PROGRESS="1")
     jobs = {}
     for name, argv in JOBS:
+        if only and name not in only:
+            continue
         args = [a.replace("{w}", str(work)) for a in argv]
         t0 = time.perf_counter()
         proc = subprocess.run(
@@ -155,7 +163,9 @@ def run(work: Path) -> dict:
         if proc.returncode not in (0, 1):
             print(proc.stderr[-3000:], file=sys.stderr)
         jobs[name] = {"rc": proc.returncode}
-    (work / "jobs.json").write_text(json.dumps(jobs))
+    done = work / "jobs.json"  # an --only run adds to the earlier run's record
+    jobs = {**(json.loads(done.read_text()) if done.exists() else {}), **jobs}
+    done.write_text(json.dumps(jobs))
     return digest(work)
 
 
@@ -191,6 +201,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("work", type=Path)
+    r.add_argument("--only", nargs="*", help="run these jobs alone (their inputs must exist)")
     h = sub.add_parser("hash", help="digest a work dir written by an earlier run")
     h.add_argument("work", type=Path)
     c = sub.add_parser("compare")
@@ -198,7 +209,7 @@ def main() -> int:
     c.add_argument("b", type=Path)
     args = parser.parse_args()
     if args.cmd == "run":
-        json.dump(run(args.work.resolve()), sys.stdout, indent=1)
+        json.dump(run(args.work.resolve(), set(args.only or ())), sys.stdout, indent=1)
         return 0
     if args.cmd == "hash":
         json.dump(digest(args.work.resolve()), sys.stdout, indent=1)

@@ -351,18 +351,7 @@ def prepare_quantization(
         calibrate.check()
         check_algorithm(plan, algorithm)
         _check_source_kv(ckpt, plan, calibrate)
-    if plot is not None and auto_keep is None:
-        raise ConfigError("plot is the sensitivity chart of auto_keep; give auto_keep too.")
-    if auto_keep is not None and plot is not None:
-        guard_out(plot, [ckpt.root])
-        parent = Path(plot).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise OutputError(
-                f"{plot}: the chart's directory {parent} does not exist or is not "
-                f"writable; create it or choose another --plot path."
-            )
-    if auto_keep is not None:
-        parse_budget(auto_keep)
+    _check_auto_keep(auto_keep, plot, ckpt.root)
     _check_input_scales(plan, input_scales, calibrate)
     prepared = Prepared(ckpt, plan, input_scales, {}, plot=plot)
     if serving is not None:
@@ -396,22 +385,41 @@ def prepare_quantization(
                                 journal=journal, group=group, on_layer=on_layer)  # fmt: skip
         prepared.calibrated = calibrated
         prepared.input_scales = {**calibrated.input_scales, **input_scales}
-        provenance = {
-            "algorithm": algorithm,
-            "dataset": calibrated.calibration,
-            "options": calibrate.algorithm_options(algorithm),
-            "rtn_fallbacks": list(calibrated.fallbacks),
-        }
         if calibrate.kv_cache:
             prepared.kv_tensors = kv_scale_tensors(calibrated.kv_absmax, ckpt.config)
-        if calibrated.smoothing:
-            provenance["smoothed_mappings"] = sum(
-                v is not None for v in calibrated.smoothing.values()
-            )
-            provenance["mappings"] = len(calibrated.smoothing)
-        prepared.provenance = provenance
+        prepared.provenance = _provenance(calibrated, calibrate, algorithm)
     fuse_scales(prepared, workers)
     return prepared
+
+
+def _check_auto_keep(auto_keep, plot, root) -> None:
+    """The auto-keep budget and the chart's path, before any work."""
+    if plot is not None and auto_keep is None:
+        raise ConfigError("plot is the sensitivity chart of auto_keep; give auto_keep too.")
+    if auto_keep is not None and plot is not None:
+        guard_out(plot, [root])
+        parent = Path(plot).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise OutputError(
+                f"{plot}: the chart's directory {parent} does not exist or is not "
+                f"writable; create it or choose another --plot path."
+            )
+    if auto_keep is not None:
+        parse_budget(auto_keep)
+
+
+def _provenance(calibrated, calibrate, algorithm: str) -> dict:
+    """config.json's ``k3convert.calibration``: what calibrated the checkpoint."""
+    provenance = {
+        "algorithm": algorithm,
+        "dataset": calibrated.calibration,
+        "options": calibrate.algorithm_options(algorithm),
+        "rtn_fallbacks": list(calibrated.fallbacks),
+    }
+    if calibrated.smoothing:
+        provenance["smoothed_mappings"] = sum(v is not None for v in calibrated.smoothing.values())
+        provenance["mappings"] = len(calibrated.smoothing)
+    return provenance
 
 
 def fuse_scales(prepared: Prepared, workers: int = 1) -> None:

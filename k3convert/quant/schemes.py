@@ -55,7 +55,14 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .. import formats as fmt
-from ..errors import CheckpointError, ConfigError, short_repr
+from ..errors import (
+    ConfigError,
+    GroupSizeError,
+    NonFiniteWeightError,
+    UnknownSchemeError,
+    WeightRangeError,
+    short_repr,
+)
 from ..formats import FP8_MAX
 from ..formats.dtypes import FLOAT_DTYPES
 from ..formats.fp4 import fp4_codes, pack_fp4
@@ -64,28 +71,6 @@ from .activations import ActivationSpec
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _DTYPES = FLOAT_DTYPES
-
-
-class UnknownSchemeError(ConfigError):
-    """A scheme name that is not registered (the message lists the known ones)."""
-
-
-class GroupSizeError(ConfigError):
-    """A group size that does not divide a tensor's input dimension; ``tensor``: its name
-    (None where not known)."""
-
-    def __init__(self, message: str, tensor: str | None = None):
-        super().__init__(message)
-        self.tensor = tensor
-
-
-class NonFiniteWeightError(CheckpointError):
-    """A source weight holds NaN or Inf (or a scale about to be written is not finite)."""
-
-
-class WeightRangeError(CheckpointError):
-    """A finite weight too large for the scheme: no finite scale of its scale dtype (or
-    no finite dequantized value) represents it."""
 
 
 def _positive_int(v) -> bool:
