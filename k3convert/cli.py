@@ -18,6 +18,15 @@ from typing import Annotated
 import typer
 
 from . import __version__
+from .cli_options import (
+    ComputeDType,
+    Device,
+    ExpertLoad,
+    Force,
+    PPLayers,
+    RedundantExperts,
+    StrictServing,
+)
 from .errors import ConfigError, K3Error
 
 app = typer.Typer(
@@ -122,7 +131,7 @@ def synth(
         float, typer.Option(help="Split into files of about this many MB, with an index.")
     ] = 0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT.")] = False,
+    force: Force = False,
 ):
     """Write a random checkpoint with the exact names, dtypes and layout of an architecture."""
     from .synth import synthesize
@@ -173,12 +182,12 @@ def forward(
         Path | None,
         typer.Option(help="safetensors with pixel_values and image_grid_thw (kimi_k25)."),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Compute dtype: fp32 or bf16.")] = "fp32",
+    dtype: ComputeDType = "fp32",
     save_logits: Annotated[
         Path | None, typer.Option(help="Write the logits (batch x seq x vocab, float32) here.")
     ] = None,
     top: Annotated[int, typer.Option(help="Top-K next tokens to print.")] = 5,
-    device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
+    device: Device = "cpu",
     act_quant: Annotated[
         bool,
         typer.Option(
@@ -245,7 +254,7 @@ def quantize(
     full_table: Annotated[
         bool, typer.Option("--full-table", help="With --dry-run: one row per tensor.")
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT.")] = False,
+    force: Force = False,
     workers: Annotated[
         int | None,
         typer.Option(help="Tensors quantized in parallel (default: the CPU cores, at most 8)."),
@@ -396,14 +405,7 @@ def quantize(
     serving_device: Annotated[
         str, typer.Option(help="Device class vLLM will serve OUT on: cuda or cpu.")
     ] = "cuda",
-    strict_serving: Annotated[
-        bool,
-        typer.Option(
-            "--strict-serving",
-            help="Refuse (exit 2, nothing written) instead of warning when vLLM would not "
-            "load OUT at --serving-tp on --serving-device.",
-        ),
-    ] = False,
+    strict_serving: StrictServing = False,
 ):
     """Quantize to FP8 / INT8 / low-bit, writing a compressed-tensors checkpoint."""
     from .pipeline import quantize as do_quantize
@@ -565,24 +567,10 @@ def shard(
     workers: Annotated[
         int | None, typer.Option(help="Units written in parallel (default: CPU count).")
     ] = None,
-    pp_layers: Annotated[
-        str | None, typer.Option(help="Explicit layers per stage, e.g. '20,21,20'.")
-    ] = None,
-    expert_load: Annotated[
-        Path | None,
-        typer.Option(
-            help="JSON: layer -> tokens per expert (a calibrated quantize's "
-            "routing_counts.json), to balance EP."
-        ),
-    ] = None,
-    redundant_experts: Annotated[
-        int,
-        typer.Option(
-            help="Extra replicas of the hottest experts per layer (EPLB); without "
-            "--expert-load, SRC/routing_counts.json is used when present."
-        ),
-    ] = 0,
-    force: Annotated[bool, typer.Option("--force", help="Replace a complete OUT.")] = False,
+    pp_layers: PPLayers = None,
+    expert_load: ExpertLoad = None,
+    redundant_experts: RedundantExperts = 0,
+    force: Force = False,
     check: Annotated[
         bool,
         typer.Option(
@@ -688,17 +676,11 @@ def verify(
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG plot of the report here.")] = None,
-    dtype: Annotated[str, typer.Option(help="Compute dtype: fp32 or bf16.")] = "fp32",
-    device: Annotated[str, typer.Option(help="torch device: cpu, cuda, musa, ...")] = "cpu",
-    pp_layers: Annotated[
-        str | None, typer.Option(help="With --layout: layers per stage, e.g. '20,21,20'.")
-    ] = None,
-    expert_load: Annotated[
-        Path | None, typer.Option(help="With --layout: JSON layer -> tokens per expert.")
-    ] = None,
-    redundant_experts: Annotated[
-        int, typer.Option(help="With --layout: extra replicas of the hottest experts.")
-    ] = 0,
+    dtype: ComputeDType = "fp32",
+    device: Device = "cpu",
+    pp_layers: PPLayers = None,
+    expert_load: ExpertLoad = None,
+    redundant_experts: RedundantExperts = 0,
     resident: Annotated[
         bool,
         typer.Option(

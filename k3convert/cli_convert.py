@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from .cli_options import Force, StrictServing
 from .errors import ConfigError
 
 SET_HELP = (
@@ -45,18 +46,9 @@ def convert_cmd(
         Path | None,
         typer.Option(help="Also write a self-contained HTML report (summary table, plots)."),
     ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace a complete OUT from an earlier run.")
-    ] = False,
+    force: Force = False,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
-    strict_serving: Annotated[
-        bool,
-        typer.Option(
-            "--strict-serving",
-            help="Refuse (exit 2, before any work) when vLLM would not load the result at "
-            "the layout's tp (same as --set output.strict_serving=true).",
-        ),
-    ] = False,
+    strict_serving: StrictServing = False,  # same as --set output.strict_serving=true
 ):
     """Quantize (calibrating when the recipe asks) -> shard -> verify in one streaming pass.
 

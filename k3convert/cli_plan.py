@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from .cli_options import ExpertLoad, PPLayers, RedundantExperts, StrictServing
 from .errors import ConfigError, OutputError
 
 
@@ -34,16 +35,9 @@ def register(app: typer.Typer) -> None:
         ep: Annotated[
             int | None, typer.Option(help="Expert-parallel degree, dividing tp (default 1).")
         ] = None,
-        redundant_experts: Annotated[
-            int | None, typer.Option(help="Extra expert copies per MoE layer (EPLB).")
-        ] = None,
-        pp_layers: Annotated[
-            str | None, typer.Option(help="Explicit layers per stage, e.g. '20,21,20'.")
-        ] = None,
-        expert_load: Annotated[
-            Path | None,
-            typer.Option(help="JSON: layer -> tokens per expert, to place experts as shard."),
-        ] = None,
+        redundant_experts: RedundantExperts = None,
+        pp_layers: PPLayers = None,
+        expert_load: ExpertLoad = None,
         scheme: Annotated[
             str | None,
             typer.Option(help="Plan the weights as quantize --scheme NAME would write them."),
@@ -94,13 +88,7 @@ def register(app: typer.Typer) -> None:
                 "recipe's output.serving_device, else cuda)."
             ),
         ] = None,
-        strict_serving: Annotated[
-            bool,
-            typer.Option(
-                "--strict-serving",
-                help="Exit 2 when vLLM would not load the planned quantization at this tp.",
-            ),
-        ] = False,
+        strict_serving: StrictServing = False,
     ):
         """Memory per rank for a layout and a workload: weights (as shard writes them),
         KV cache, KDA state, activations (an estimate) against a device's memory; lists

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("quant", "runtime", "shard", "sources"),
     ("calibrate", "verify", "inspect", "synth", "serving", "memplan"),
     ("pipeline", "recipe", "convert", "demo", "report_html"),
-    ("cli", "cli_plan", "cli_convert", "__main__"),
+    ("cli", "cli_plan", "cli_convert", "cli_options", "__main__"),
 ]  # fmt: skip
 LAYER = {p: i for i, names in enumerate(LAYERS) for p in names}
 
