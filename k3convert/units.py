@@ -9,12 +9,12 @@ import re
 
 from .errors import ConfigError
 
-#: byte units, case-insensitive: powers of 1000 (``GB``, or ``G``) and of 1024 (``GiB``)
+#: byte units, case-insensitive: powers of 1000 (``GB``) and of 1024 (``GiB``); a bare
+#: ``G`` is refused (10^9 or 2^30 bytes? a budget off by 7 % is not a detail)
 SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 }  # fmt: skip
 #: token-count units: k = 1024, M = 1024**2 (a 1M context is 1,048,576 tokens)
 TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}

@@ -424,10 +424,10 @@ def test_a_stale_rank_file_of_an_interrupted_run_is_overwritten(tiny_models, pri
 def test_rank_files_are_committed_before_the_manifest(tiny_models, tmp_path, monkeypatch):
     """Interrupted after the rank files but before manifest.json: an incomplete stream,
     which a rerun completes to the same bytes."""
-    import k3convert.shard.unit_io as unit_io
+    import k3convert.stream.manifest_doc as manifest_doc
 
     present: list[str] = []
-    real = unit_io.atomic_json
+    real = manifest_doc.atomic_json
 
     def fail_on_manifest(path, doc, fsync=True):
         if path.name == "manifest.json":
@@ -439,7 +439,7 @@ def test_rank_files_are_committed_before_the_manifest(tiny_models, tmp_path, mon
             raise OSError(28, "No space left on device")
         return real(path, doc, fsync)
 
-    monkeypatch.setattr(unit_io, "atomic_json", fail_on_manifest)
+    monkeypatch.setattr(manifest_doc, "atomic_json", fail_on_manifest)
     with pytest.raises(Exception, match="No space left"):
         shard(src=tiny_models["llama"], out=tmp_path / "o", tp=2, progress=False)
     monkeypatch.undo()

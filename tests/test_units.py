@@ -13,13 +13,15 @@ from k3convert.units import human_bytes, parse_size, parse_tokens
 @pytest.mark.parametrize(
     ("text", "n"),
     [("141GB", 141 * 10**9), ("140GiB", 140 * 2**30), ("1.5TB", 15 * 10**11),
-     (" 80000000000 ", 80 * 10**9), (4096, 4096), ("2k", 2000), ("1.5e3 MiB", 1500 * 2**20)],
+     (" 80000000000 ", 80 * 10**9), (4096, 4096), ("1.5e3 MiB", 1500 * 2**20)],
 )  # fmt: skip
 def test_parse_size(text, n):
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", ["12 parsecs", "GB", "-1GB", "0.1", "", True, None, "nan GB"])
+@pytest.mark.parametrize(
+    "text", ["12 parsecs", "GB", "-1GB", "0.1", "", True, None, "nan GB", "1G", "2k"]
+)
 def test_parse_size_refuses_with_the_option(text):
     with pytest.raises(ConfigError, match="--device-mem"):
         parse_size(text)
@@ -51,8 +53,16 @@ def test_human_bytes():
 @pytest.mark.parametrize(
     ("text", "kind", "value"),
     [("5%", "percent", 5.0), ("300MiB", "bytes", 300 * 2**20), ("1.5GB", "bytes", 1.5e9),
-     ("2000000", "bytes", 2e6), ("4.5bpw", "bpw", 4.5), ("2g", "bytes", 2e9)],
+     ("2000000", "bytes", 2e6), ("4.5bpw", "bpw", 4.5), ("2GB", "bytes", 2e9)],
 )  # fmt: skip
 def test_budget_reads_the_same_units(text, kind, value):
     b = parse_budget(text)
     assert (b.kind, b.value) == (kind, value)
+
+
+@pytest.mark.parametrize("text", ["2g", "1G", "5k"])
+def test_budget_refuses_the_ambiguous_units_size_options_refuse(text):
+    """One unit table for every size option: a bare G (GB or GiB?) is refused by
+    --auto-keep as by --device-mem."""
+    with pytest.raises(ConfigError, match="not understood"):
+        parse_budget(text)
