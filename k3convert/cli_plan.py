@@ -111,6 +111,7 @@ def register(app: typer.Typer) -> None:
         for opt, p in (("--json", json_out), ("--plot", plot)):
             if p is not None and not Path(p).parent.is_dir():
                 raise OutputError(f"{opt} {p}: the directory {Path(p).parent} does not exist.")
+        layers = int_list(pp_layers, "--pp-layers") if pp_layers else None
         res = plan_memory(
             src=src,
             recipe=load_recipe(recipe) if recipe is not None else None,
@@ -118,7 +119,7 @@ def register(app: typer.Typer) -> None:
             pp=pp,
             ep=ep,
             redundant_experts=redundant_experts,
-            pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
+            pp_layers=layers,
             expert_load=expert_load,
             scheme=scheme,
             context=context,

@@ -70,6 +70,6 @@ def parse_tokens(text: str | int, option: str = "--context") -> int:
             f"1,048,576 tokens (128k = 131072, 1M = 1048576)."
         )
     v = got[0] * TOKEN_UNITS[got[1]]
-    if s.startswith("-") or v < 1 or v != int(v):
+    if s.startswith("-") or not math.isfinite(v) or v < 1 or v != int(v):
         raise ConfigError(f"{option} '{text}' must be a positive whole number of tokens.")
     return int(v)

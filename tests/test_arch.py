@@ -391,3 +391,35 @@ def test_bad_config_values(tiny_models, family, edit, key):
     raw = {**A.load_config(tiny_models[family]), **edit}
     with pytest.raises(ConfigError, match=key):
         A.resolve(raw)
+
+
+@pytest.mark.parametrize("preset", __import__("k3convert.synth", fromlist=["PRESETS"]).PRESETS)
+def test_arch_family_facts_are_the_runtimes(preset):
+    """The family facts the KV-cache code reads from the Arch (attention kind per layer,
+    router, where the decoder's config is) are the ones the runtime's decoder settings
+    use, for every bundled release."""
+    from k3convert.arch import resolve
+    from k3convert.runtime.decoder import text_settings
+    from k3convert.synth import preset_config
+
+    raw = preset_config(preset)
+    arch, cfg = resolve(raw, preset)
+    text = getattr(cfg, "text", cfg)
+    ts = text_settings(arch.name, text, arch.text_raw(raw), preset)
+    kinds = [arch.attention_of(cfg, i) for i in range(text.num_layers)]
+    assert kinds == [ts.attention_of(i) for i in range(text.num_layers)]
+    assert (ts.family, ts.attention, ts.router) == (arch.name, arch.attention, arch.router)
+    assert ("kda" in kinds) == arch.hybrid
+
+
+def test_the_runtime_refuses_an_alias_name():
+    """text_settings takes the canonical family name, as the runtime passes it."""
+    from k3convert.arch import resolve
+    from k3convert.runtime.decoder import text_settings
+    from k3convert.synth import preset_config
+
+    raw = preset_config("kimi-k2")
+    arch, cfg = resolve(raw, "kimi-k2")
+    assert arch.name == "deepseek_v3" and "kimi_k2" in arch.aliases
+    with pytest.raises(ConfigError, match="no forward pass for 'kimi_k2'"):
+        text_settings("kimi_k2", cfg, raw, "x")

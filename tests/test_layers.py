@@ -1,9 +1,11 @@
 """The package's import structure, read from the code's own imports (``ast``).
 
-The packages sit in layers (``LAYERS``, bottom first). A module may import its own
-package and the layers below; an import that points at a higher layer, or a cycle
-between packages (counted with the imports inside functions too: hidden ones are still
-cycles), fails. ``docs/architecture.md`` draws the same layers.
+The packages sit in layers (``LAYERS``, bottom first). A module may import packages of
+its own layer and of the layers below; an import that points at a higher layer, or a
+cycle between packages (counted with the imports inside functions too: hidden ones are
+still cycles), fails. ``docs/architecture.md`` draws the same layers. Sizes: the
+functions and modules still over the limits are listed with their size, which may only
+go down (the table is lowered with them).
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ def _imports():
     return out
 
 
+def test_the_reader_sees_the_package():
+    assert len(_modules()) > 50 and len(_imports()) > 500
+
+
 def test_every_package_has_a_layer():
     missing = sorted({_package(m) for m in _modules()} - set(LAYER))
     assert not missing, f"place these in LAYERS: {missing}"
@@ -127,14 +133,14 @@ def test_no_private_name_crosses_a_package():
 #: functions over 120 lines and modules over 800 lines that are still to be split, with
 #: their size now: one may shrink or go, none may grow, and no new one may appear
 LONG_FUNCTIONS = {
-    "cli.py:quantize": 329,
+    "cli.py:quantize": 322,
     "verify/run.py:run_verify": 299,
     "shard/writer.py:write_stream": 180,
     "stream/schema.py:_compile": 157,
     "convert.py:convert": 156,
-    "cli_plan.py:register": 155,
-    "cli_plan.py:plan": 151,
     "inspect.py:format_report": 146,
+    "cli_plan.py:register": 143,
+    "cli_plan.py:plan": 139,
     "memplan/plan.py:plan_memory": 138,
     "calibrate/data.py:build_calibration_set": 121,
 }
@@ -144,7 +150,6 @@ LONG_MODULES = {
     "recipe.py": 896,
     "convert.py": 872,
     "calibrate/sensitivity.py": 850,
-    "cli.py": 817,
     "verify/run.py": 801,
 }
 
@@ -157,7 +162,8 @@ def _sizes():
         mods[rel] = text.count("\n")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                funcs[f"{rel}:{node.name}"] = node.end_lineno - node.lineno + 1
+                key, n = f"{rel}:{node.name}", node.end_lineno - node.lineno + 1
+                funcs[key] = max(n, funcs.get(key, 0))  # same-named ones: the longest
     return funcs, mods
 
 
@@ -172,3 +178,8 @@ def test_sizes_only_shrink(kind, limit, known):
         if n > limit and n > known.get(name, limit)
     ]
     assert not bad, f"{kind}s over {limit} lines that grew or are new:\n" + "\n".join(bad)
+    lower = [f"{name}: {sizes.get(name, 0)} lines, listed as {n}" for name, n in known.items()
+             if sizes.get(name, 0) < n]  # fmt: skip
+    assert not lower, f"{kind}s that shrank: lower (or drop) them in the table:\n" + "\n".join(
+        lower
+    )

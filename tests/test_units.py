@@ -66,3 +66,9 @@ def test_budget_refuses_the_ambiguous_units_size_options_refuse(text):
     --auto-keep as by --device-mem."""
     with pytest.raises(ConfigError, match="not understood"):
         parse_budget(text)
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e309k", "nan", "inf"])
+def test_parse_tokens_refuses_what_no_count_is(text):
+    with pytest.raises(ConfigError, match="--context"):
+        parse_tokens(text)

@@ -144,6 +144,8 @@ def _digest(path: Path, work: Path) -> str:
 
 
 def run(work: Path, only: set[str] | None = None) -> dict:
+    if not only and work.exists() and any(work.iterdir()):
+        sys.exit(f"{work} is not empty: a full run starts from an empty work dir")
     work.mkdir(parents=True, exist_ok=True)
     # Pre-tokenized calibration rows (the synthetic models have no tokenizer).
     rows = [[(i * 37 + j * 11) % 250 + 1 for j in range(40)] for i in range(6)]

@@ -192,7 +192,7 @@ class GPTQPass:
         del target
         fell_back = False
         for c in caught:  # not positive definite: rounded to nearest (listed too)
-            warnings.warn(c.message, c.category, stacklevel=3)
+            warnings.warn(c.message, c.category, stacklevel=4)
             fell_back |= issubclass(c.category, GPTQFallbackWarning)
         del self.acc[name]  # [in, in] float32 each: freed as soon as it is used
         return parts, fell_back

@@ -50,12 +50,12 @@ FP4 arithmetic (compressed-tensors 0.20: ``nvfp4/helpers.py``, ``mx_utils.py``,
 compressed-tensors' decompressors hand out the same numbers rounded to bfloat16 (MXFP4
 products are exact in bfloat16, so only NVFP4 differs, by that final rounding).
 
-The package's modules, each importing only those above it in this list:
-:mod:`.base` (part names, constants, :class:`QuantParams`), :mod:`.dtypes` (dtype
-names), :mod:`.intn` (int-N words), :mod:`.fp4` (E2M1 codes, the FP4 references and the
-table decode with the native kernels' wrappers), :mod:`.fp8` (e4m3 values),
-:mod:`.registry` (the encodings); this package imports nothing of k3convert but the
-errors and the native kernels (every other layer imports it).
+The package's modules, each importing only those above it in this list: :mod:`.base`
+(part names, constants, :class:`QuantParams`), :mod:`.dtypes` (dtype names),
+:mod:`.intn` (int-N words), :mod:`.fp4` (E2M1 codes, the FP4 references and the table
+decode with the native kernels' wrappers), :mod:`.registry` (the encodings); this
+package imports nothing of k3convert but the errors and the native kernels (every other
+layer imports it).
 """
 
 from . import fp4, intn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -86,10 +87,12 @@ def plan_memory(
     recipe's ``output.serving_device``, else cuda) at the layout's
     tp (:mod:`k3convert.serving`): ``warnings`` lists what it would refuse;
     ``strict_serving`` (or the recipe's ``output.strict_serving``) raises instead."""
-    rec = recipe
-    rlay = getattr(rec, "layout", None)
-    if src is None and rec is not None:
-        src = getattr(getattr(rec, "source", None), "path", None)
+    if isinstance(recipe, (str, os.PathLike)):  # loading one is the caller's (a layer up)
+        raise TypeError(f"plan_memory takes a loaded Recipe (k3convert.recipe.load_recipe), "
+                        f"not the path {recipe}")  # fmt: skip
+    rlay = getattr(recipe, "layout", None)
+    if src is None and recipe is not None:
+        src = getattr(getattr(recipe, "source", None), "path", None)
     tp = tp if tp is not None else getattr(rlay, "tp", 1)
     pp = pp if pp is not None else getattr(rlay, "pp", 1)
     ep = ep if ep is not None else getattr(rlay, "moe_ep", 1)
@@ -103,7 +106,7 @@ def plan_memory(
             even_load = True  # equal counts, as convert plans before calibrating
         else:
             expert_load = rlay.expert_load
-    target = getattr(rec, "target", None)
+    target = getattr(recipe, "target", None)
     if target is not None:
         if device is None and device_mem is None:
             device = target.device
@@ -120,17 +123,17 @@ def plan_memory(
         raise ConfigError(f"--top must be a positive integer, got {top!r}.")
     layout = Layout(tp=tp, pp=pp, moe_ep=ep)
     t = load_source(src)
-    want = getattr(getattr(rec, "source", None), "model_type", None)
+    want = getattr(getattr(recipe, "source", None), "model_type", None)
     if want is not None and t.config.get("model_type") != want:
         raise ConfigError(
-            f"{rec.origin}: source.model_type is '{want}' but {src} is a "
+            f"{recipe.origin}: source.model_type is '{want}' but {src} is a "
             f"'{t.config.get('model_type')}' model; plan the model the recipe was written "
             f"for (or change source.model_type)."
         )
     if scheme is not None:
         t = quantized_tensors(t, scheme=scheme)
-    elif rec is not None and rec.quantize is not None:
-        t = quantized_tensors(t, recipe=rec)
+    elif recipe is not None and recipe.quantize is not None:
+        t = quantized_tensors(t, recipe=recipe)
     load = load_expert_load(expert_load)
     if even_load:
         n = getattr(getattr(t.cfg, "text", t.cfg), "num_experts", 0) or 0
@@ -145,7 +148,7 @@ def plan_memory(
         )
     serving = []
     if t.qplan is not None:
-        out_sec = getattr(rec, "output", None)
+        out_sec = getattr(recipe, "output", None)
         target = ServingTarget(
             tp=layout.tp, moe_ep=layout.moe_ep,
             device=serving_device or getattr(out_sec, "serving_device", "cuda"),

@@ -5,6 +5,7 @@ verify."""
 
 from .quantize import (
     Prepared,
+    QuantizeJob,
     QuantizeResult,
     UncalibratedInputWarning,
     plan_quantization,
@@ -14,6 +15,7 @@ from .quantize import (
 
 __all__ = [
     "Prepared",
+    "QuantizeJob",
     "QuantizeResult",
     "UncalibratedInputWarning",
     "plan_quantization",

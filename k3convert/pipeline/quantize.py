@@ -1,5 +1,10 @@
 """``quantize``: a checkpoint into a compressed-tensors directory, resolved once (recipe,
-plan, auto-keep, calibration), then written by :mod:`k3convert.quant.writer`."""
+plan, auto-keep, calibration), then written by :mod:`k3convert.quant.writer`.
+
+Everything that can be checked is checked before the first byte (scheme names, group
+divisibility, static activation scales, OUT, free disk). The output is written to a
+hidden ``.OUT.partial-PID`` directory and renamed at the end, so OUT either does not
+exist or is complete; a failure while writing removes the partial output."""
 
 from __future__ import annotations
 
@@ -59,7 +64,7 @@ class QuantizeResult:
     #: ``auto_keep``: the sensitivity report and the selection applied to the plan
     sensitivity: object | None = None
     selection: object | None = None
-    #: what re-encoding the release did to its values (:class:`.fidelity.LossReport`)
+    #: what re-encoding the release did to its values (:class:`k3convert.quant.fidelity.LossReport`)
     fidelity: fidelity.LossReport | None = None
 
     def table(self, collapse: bool = True) -> str:
@@ -146,8 +151,8 @@ def quantize(
 
     weight_observer: ``mse`` searches each group's clip ratio for every integer scheme
     of the plan (round to nearest, GPTQ's fixed scales, and the AWQ rows its clip step
-    does not search: no tokens, per-channel schemes; :mod:`.mse_observer`), ``minmax``
-    the full range; None: the schemes' own (a recipe rule can set ``observer: mse`` in
+    does not search: no tokens, per-channel schemes; :mod:`k3convert.quant.mse_observer`),
+    ``minmax`` the full range; None: the schemes' own (a recipe rule can set ``observer: mse`` in
     its options).
     """
     t0 = time.perf_counter()
@@ -159,16 +164,18 @@ def quantize(
 
     group = procs.current()
 
-    p = prepare_quantization(
-        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
+    job = QuantizeJob.resolve(
+        scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
         kept_as_stored=kept_as_stored, input_scales=input_scales, calibrate=calibrate,
-        algorithm=algorithm, log=log if group.leader else None, auto_keep=auto_keep,
-        auto_keep_scheme=auto_keep_scheme, sensitivity=sensitivity, plot=plot,
-        sensitivity_data=sensitivity_data, workers=workers, dry_run=dry_run,
+        algorithm=algorithm, auto_keep=auto_keep, auto_keep_scheme=auto_keep_scheme,
+        sensitivity=sensitivity, plot=plot, sensitivity_data=sensitivity_data,
+        serving=serving, weight_observer=weight_observer,
+    )  # fmt: skip
+    p = prepare_quantization(
+        src=src, job=job, log=log if group.leader else None, workers=workers,
+        dry_run=dry_run, journal=None, out=out, force=force, group=group,
         check_out=lambda need, root: check_output(out, force=force, need_bytes=need,
                                                   source=root),
-        journal=None, out=out, force=force, group=group, serving=serving,
-        weight_observer=weight_observer,
     )  # fmt: skip
     plan, sens, sel = p.plan, p.sensitivity, p.selection
     if p.serving and group.leader:
@@ -281,23 +288,57 @@ class Prepared:
         return cfg
 
 
+@dataclass(frozen=True)
+class QuantizeJob:
+    """What a quantization does, resolved once from a recipe and / or keyword options
+    (:meth:`resolve`): the rules (a default ``scheme`` or a ``recipe``'s), the keeps, the
+    calibration (``calibrate``: :class:`k3convert.calibrate.sequential.SequentialOptions`,
+    with its ``algorithm``), the budgeted exceptions (``auto_keep`` ...), the serving
+    target and the weight observer; see :func:`quantize` for each field."""
+
+    scheme: str | None = None
+    recipe: object | None = None
+    keep: tuple[str, ...] = ()
+    default_keep: bool = True
+    kept_as_stored: bool = True
+    input_scales: Mapping | None = None
+    calibrate: object | None = None
+    algorithm: str = "rtn"
+    auto_keep: str | None = None
+    auto_keep_scheme: str | None = None
+    sensitivity: str = "layer"
+    plot: str | os.PathLike | None = None
+    sensitivity_data: object | None = None
+    serving: object | None = None
+    weight_observer: str | None = None
+
+    @classmethod
+    def resolve(cls, *, recipe=None, **options) -> QuantizeJob:
+        """The job of ``options`` (the fields above) over a recipe (a path or a loaded
+        :class:`k3convert.recipe.Recipe`): its ``quantize.calibrate`` and ``auto_keep``
+        sections apply unless the options give calibration / auto-keep themselves."""
+        if (options.get("scheme") is None) == (recipe is None):
+            raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
+        if isinstance(recipe, (str, os.PathLike)):
+            recipe = load_recipe(recipe)
+        if recipe is not None:
+            q = recipe.require_quantize()
+            if options.get("calibrate") is None and q.calibrate is not None:
+                options["calibrate"] = q.calibrate.options()  # the recipe's calibration
+                options["algorithm"] = q.calibrate.algorithm
+            if options.get("auto_keep") is None and q.auto_keep is not None:
+                ak = q.auto_keep
+                options.update(auto_keep=ak.budget, auto_keep_scheme=ak.scheme,
+                               sensitivity=ak.sensitivity, plot=ak.plot)  # fmt: skip
+        options["keep"] = tuple(options.get("keep") or ())
+        return cls(recipe=recipe, **options)
+
+
 def prepare_quantization(
     *,
     src,
-    scheme: str | None = None,
-    recipe=None,
-    keep: Sequence[str] = (),
-    default_keep: bool = True,
-    kept_as_stored: bool = True,
-    input_scales: Mapping | None = None,
-    calibrate=None,
-    algorithm: str = "rtn",
+    job: QuantizeJob | None = None,
     log=None,
-    auto_keep: str | None = None,
-    auto_keep_scheme: str | None = None,
-    sensitivity: str = "layer",
-    plot=None,
-    sensitivity_data=None,
     workers: int = 1,
     dry_run: bool = False,
     check_out=None,
@@ -306,45 +347,33 @@ def prepare_quantization(
     force: bool = False,
     plan_only: bool = False,
     group=None,
-    serving=None,
-    weight_observer: str | None = None,
     on_layer=None,
+    **options,
 ) -> Prepared:
     """:func:`quantize` up to its first output byte: the plan, the auto-keep scan, the
-    calibration and the fused global scales. check_out(need_bytes): checks OUT before
+    calibration and the fused global scales, for ``job`` (or a job resolved from
+    ``options``: :meth:`QuantizeJob.resolve`). check_out(need_bytes): checks OUT before
     hours of scanning / calibrating; journal: the calibration journal (default
     ``OUT.calib/``); plan_only: stop after the plan and every check that needs no data
     (``convert`` validates a recipe this way before any work). group: the torchrun job
     (every process calls this): the sensitivity scan runs on process 0 and its choice is
     shared; calibration runs on every process together
-    (:func:`k3convert.calibrate.sequential.calibrate_sequential`). serving: a
-    :class:`k3convert.serving.ServingTarget`: the plan is checked against it before any
-    scan or calibration (``Prepared.serving`` holds the problems; strict raises).
-    on_layer(i): progress, called as calibration finishes layer ``i``."""
-
+    (:func:`k3convert.calibrate.sequential.calibrate_sequential`). The job's serving
+    target is checked before any scan or calibration (``Prepared.serving`` holds the
+    problems; strict raises). on_layer(i): progress, called as calibration finishes
+    layer ``i``."""
+    if job is None:
+        job = QuantizeJob.resolve(**options)
+    elif options:
+        raise TypeError(f"give a job or its options, not both: {sorted(options)}")
     group = group if group is not None else ProcessGroup()
-    if (scheme is None) == (recipe is None):
-        raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
-    if isinstance(recipe, (str, os.PathLike)):
-        recipe = load_recipe(recipe)
-    if recipe is not None:
-        recipe.require_quantize()
-    if recipe is not None and calibrate is None and recipe.quantize.calibrate is not None:
-        calibrate = recipe.quantize.calibrate.options()  # the recipe's calibration section
-        algorithm = recipe.quantize.calibrate.algorithm
-    if recipe is not None and auto_keep is None and recipe.quantize.auto_keep is not None:
-        ak = recipe.quantize.auto_keep
-        auto_keep, auto_keep_scheme, sensitivity, plot = (
-            ak.budget,
-            ak.scheme,
-            ak.sensitivity,
-            ak.plot,
-        )
+    calibrate, algorithm, auto_keep, plot = job.calibrate, job.algorithm, job.auto_keep, job.plot
     ckpt, plan = plan_quantization(
-        src=src, scheme=scheme, recipe=recipe, keep=keep, default_keep=default_keep,
-        kept_as_stored=kept_as_stored, weight_observer=weight_observer,
+        src=src, scheme=job.scheme, recipe=job.recipe, keep=job.keep,
+        default_keep=job.default_keep, kept_as_stored=job.kept_as_stored,
+        weight_observer=job.weight_observer,
     )  # fmt: skip
-    input_scales = dict(input_scales or {})
+    input_scales = dict(job.input_scales or {})
     if calibrate is None and algorithm != "rtn":
         raise ConfigError(f"algorithm '{algorithm}' needs calibration (pass calibrate=...).")
     if calibrate is not None:
@@ -354,8 +383,8 @@ def prepare_quantization(
     _check_auto_keep(auto_keep, plot, ckpt.root)
     _check_input_scales(plan, input_scales, calibrate)
     prepared = Prepared(ckpt, plan, input_scales, {}, plot=plot)
-    if serving is not None:
-        prepared.serving = serving.check(plan, ckpt.config)  # strict: raises here
+    if job.serving is not None:
+        prepared.serving = job.serving.check(plan, ckpt.config)  # strict: raises here
     if plan_only:
         return prepared
     sens = sel = scan_set = None
@@ -364,8 +393,8 @@ def prepare_quantization(
             check_out(plan.totals()[1], ckpt.root)
 
         def scan():
-            return _auto_keep(ckpt, plan, auto_keep, auto_keep_scheme, sensitivity,
-                              sensitivity_data or calibrate, log)  # fmt: skip
+            return _auto_keep(ckpt, plan, auto_keep, job.auto_keep_scheme, job.sensitivity,
+                              job.sensitivity_data or calibrate, log)  # fmt: skip
 
         plan, sens, sel, scan_set = _on_leader(group, scan, "the sensitivity scan")
         if calibrate is not None:
@@ -380,7 +409,7 @@ def prepare_quantization(
         if check_out is not None:
             check_out(need, ckpt.root)
         # the scan's set is calibration's too when both come from the same options
-        reuse = scan_set if sensitivity_data is None else None
+        reuse = scan_set if job.sensitivity_data is None else None
         calibrated = _calibrate(ckpt, plan, out, force, calibrate, algorithm, log, reuse,
                                 journal=journal, group=group, on_layer=on_layer)  # fmt: skip
         prepared.calibrated = calibrated
@@ -569,6 +598,8 @@ def _calibrate(
 
 def plan_quantization(*, src, scheme: str | None = None, recipe=None, **kw):
     """:func:`k3convert.quant.planning.plan_quantization` with ``recipe`` also a path."""
+    if (scheme is None) == (recipe is None):  # before a bad recipe path, as that does
+        raise ConfigError("give exactly one of --scheme NAME or --recipe R.yaml.")
     if isinstance(recipe, (str, os.PathLike)):
         recipe = load_recipe(recipe)
     return planning.plan_quantization(src=src, scheme=scheme, recipe=recipe, **kw)

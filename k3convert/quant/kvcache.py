@@ -34,7 +34,6 @@ from ..arch import resolve
 from ..errors import ConfigError
 from ..formats import FP8_MAX
 
-#: the largest finite float8 e4m3fn value
 #: the smallest absmax a scale is computed from: compressed-tensors clamps scales at
 #: float32's eps, so an all-zero observation gives that scale, never 0
 TINY = FP8_MAX * float(torch.finfo(torch.float32).eps)

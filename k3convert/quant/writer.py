@@ -1,15 +1,13 @@
-"""``quantize``: stream a checkpoint tensor by tensor into a compressed-tensors directory.
+"""The tensors of a quantization plan, streamed one by one into compressed-tensors files.
 
 Nothing holds the model: each tensor is mapped from the source, dequantized if the
 source is encoded (an FP8-block release re-quantizes to int4 experts without a bf16
 copy), quantized, written at its place in the output file, and dropped; at most
 ``workers`` tensors are in flight, each worker on one core. Tensors kept as they are
-stored are copied by the kernel (``copy_file_range``) after a chunked NaN / Inf check.
-Everything that can be checked is checked before the first byte (scheme names, group
-divisibility, static activation scales, OUT, free disk); a NaN / Inf found while
-streaming aborts the run and removes the partial output. The output is written to a
-hidden ``.OUT.partial-PID`` directory and renamed at the end, so OUT either does not
-exist or is complete.
+stored are copied by the kernel (``copy_file_range``) after a chunked NaN / Inf check;
+a NaN / Inf found while streaming aborts the run. The ``quantize`` job around this
+(recipe, plan, checks before the first byte, calibration, the staged OUT renamed when
+complete) is :mod:`k3convert.pipeline.quantize`.
 
 Output layout (Hugging Face + compressed-tensors): ``config.json`` with
 ``quantization_config`` (quant_method compressed-tensors, format, config_groups,

@@ -90,10 +90,14 @@ class TextSettings:
 
 
 def _family(arch_name: str, where: str) -> Arch:
+    """The architecture named ``arch_name`` (its canonical name, not an alias)."""
     try:
-        return get_arch(arch_name)
+        fam = get_arch(arch_name)
     except ArchError:
-        raise ConfigError(f"{where}: the runtime has no forward pass for '{arch_name}'.") from None
+        fam = None
+    if fam is None or fam.name != arch_name:
+        raise ConfigError(f"{where}: the runtime has no forward pass for '{arch_name}'.")
+    return fam
 
 
 def _windows(raw: dict, n: int) -> tuple[int | None, ...]:
