@@ -181,7 +181,9 @@ class SequentialOptions:
             )
 
     def set_options(self) -> set[str]:
-        """The options that differ from their defaults (what a recipe section sets)."""
+        """The options that differ from their defaults: what a recipe section sets, as
+        far as its values tell (a key written with its default value is not seen: a
+        resolved recipe, ``recipe show``, lists every default and must parse again)."""
         return {f.name for f in dataclasses.fields(SequentialOptions)
                 if getattr(self, f.name) != f.default}  # fmt: skip
 

@@ -21,12 +21,16 @@ import os
 import resource
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from ..arch import resolve
+from ..checkpoint import load_json, open_checkpoint
+from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, K3Error, NonFiniteError
 from ..layout import Layout
 from ..parallel import (
@@ -35,17 +39,20 @@ from ..parallel import (
     init_distributed,
     under_torchrun,
 )
+from ..parallel.collectives import process_flags
+from ..quant import fidelity
 from ..runtime.cache import KVCache
+from ..runtime.forward_cmd import load_safetensors, need_tensor
 from ..runtime.parallel import ParallelRuntime
 from ..runtime.ranks import planned_ranks, stream_ranks
-from ..runtime.runtime import Runtime, parse_dtype
+from ..runtime.runtime import Runtime, check_vocab, parse_dtype
+from ..stream import open_stream
+from ..stream.check import check as check_stream_dir
 from ..stream.format import StreamCorruptError
 from . import inputs as vin
 from . import metrics as vm
-
-#: decode check where bit-exactness cannot hold (FP8 KV cache, dynamic activation
-#: scales): mean KL(full forward || incremental decode) limit
-FP8_KV_MAX_KLD = 0.05
+from .decode import decode_check, special_tokens
+from .report import plot, write_json
 
 
 def parse_layout(text: str | None) -> Layout | None:
@@ -103,9 +110,6 @@ def _open_candidate(
     path: Path, layout: Layout | None, check_stream: bool, placement: dict, only_rank=None
 ):
     """(RankSet, kind, source path of provenance or None)."""
-    from ..checkpoint import open_checkpoint
-    from ..stream import open_stream
-
     if _is_stream(path) or (path.is_dir() and (path / "journal").is_dir()):
         if layout is not None or any(placement.values()):
             raise ConfigError(
@@ -114,9 +118,7 @@ def _open_candidate(
                 f"for a checkpoint cut on the fly)."
             )
         if check_stream:
-            from ..stream.check import check
-
-            rep = check(path, ranks=None if only_rank is None else {only_rank})
+            rep = check_stream_dir(path, ranks=None if only_rank is None else {only_rank})
             if rep.status == "not_stream":
                 raise ConfigError(rep.problems[0] if rep.problems else f"{path}: not a stream.")
             if not rep.ok:
@@ -139,8 +141,6 @@ def _open_candidate(
 def _original(path: Path, seen: int = 0) -> tuple[Path, str | None]:
     """Follow quantize's provenance (``config.json: k3convert.source``) to the
     unquantized original, where it still exists: (path, a note when it does not)."""
-    from ..checkpoint import load_json
-
     cfg_path = path / "config.json"
     if seen > 4 or not cfg_path.is_file():
         return path, None
@@ -278,7 +278,6 @@ def _need_transformers():
 
 def _transformers_reference(path: Path, ids, mask, pv, grid) -> tuple[torch.Tensor, list]:
     transformers = _need_transformers()
-    from ..checkpoint import load_json
 
     cfg = load_json(path / "config.json")
     auto = (
@@ -307,8 +306,6 @@ def _fidelity_of(cand: Path) -> dict | None:
     """What the conversion that made ``cand`` did to the release's values: its loss report
     (``transcode_report.json``, written by quantize / convert and carried by shard), in
     brief; None where the candidate has none (a source that was not re-encoded)."""
-    from ..quant import fidelity
-
     f = cand / fidelity.FILE
     if not f.is_file():
         return None
@@ -356,64 +353,17 @@ def run_verify(
     distributed: False runs every rank in this process even under torchrun (convert's
     process 0 does, after the others have written their units); None: torchrun decides."""
     t_start = time.perf_counter()
-    cand_path = Path(candidate)
-    if not cand_path.exists():
-        raise ConfigError(f"{cand_path}: no such candidate (a stream directory or a checkpoint).")
-    lay = parse_layout(layout) if isinstance(layout, str) or layout is None else layout
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ConfigError(f"--seq-len must be a positive integer, got {seq_len!r}.")
-    if not isinstance(decode, int) or decode < 0:
-        raise ConfigError(f"--decode must be a non-negative integer, got {decode!r}.")
-    if not isinstance(random, int) or random < 1:
-        raise ConfigError(f"--random must be a positive number of sequences, got {random!r}.")
-    compute = parse_dtype(dtype)
-    for flag, out in (("--json", json_path), ("--plot", plot_path)):
-        _check_output(flag, out)
-    if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError("--plot needs matplotlib (pip install matplotlib).") from None
-    if decode:
-        KVCache(mla=mla_cache, kv_dtype=kv_cache)  # bad values fail here, before any work
-    elif kv_cache is not None or mla_cache != "expanded":
-        raise ConfigError(
-            "--kv-cache / --mla-cache choose the decode check's cache; add --decode N."
-        )
+    cand_path, lay, compute = _checked_args(candidate, layout, seq_len, decode, random, dtype,
+                                            json_path, plot_path, kv_cache, mla_cache)  # fmt: skip
     dist_run = under_torchrun() if distributed is None else distributed
     if dist_run:
-        from ..device import resolve_device
-
         init_distributed(resolve_device(device))
+    me = dist.get_rank() if dist_run else 0
     placement = dict(
         pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
     )
-    me = 0
-    if dist_run:
-        import torch.distributed as dist
-
-        me = dist.get_rank()
-    err = None
-    try:
-        only = me if dist_run else None
-        ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement, only)
-    except K3Error as e:
-        err = e
-    if dist_run:  # each process checked its own rank's units: agree on the verdict
-        from ..parallel.collectives import process_flags
-
-        failed = process_flags(err is not None)
-        if err is None and any(failed):
-            err = StreamCorruptError(
-                f"{cand_path}: torchrun process {failed.index(True)} could not open or "
-                f"check its part of the candidate (its error is printed above); nothing "
-                f"was run."
-            )
-    if err is not None:
-        raise err
+    ranks, cand_kind, prov = _open_ranks(cand_path, lay, check_stream, placement, dist_run, me)
     ref_kind, ref_path, ref_note = _resolve_reference(reference, prov, cand_path)
-    from ..checkpoint import load_json, open_checkpoint
-
     ref_cfg = load_json(ref_path / "config.json")
     _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
     th = _thresholds(ranks.config, ref_cfg, ranks.layout, compute, max_kld, min_top1, max_rel_err)
@@ -429,8 +379,122 @@ def run_verify(
             f"--mla-cache {mla_cache}: '{cand.arch.name}' has no MLA attention (its cache is "
             f"per-head K/V); drop --mla-cache."
         )
+    inp = _inputs(cand, data, ref_path, cand_path, seq_len, random, seed, pixel_values)
+    base = dict(
+        candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
+        reference_kind=ref_kind, reference_note=ref_note, layout=ranks.layout.to_json(),
+        experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
+        device=str(cand.device), inputs=inp.kind, thresholds=asdict(th),
+        act_quant=_act_note(cand),
+    )  # fmt: skip
+    report, nonfinite, t_fwd, t_ref = _lockstep_forward(
+        cand, coll, inp, me, ref_kind, ref_path, device, compute, progress, base
+    )
+    t1 = time.perf_counter()
+    if decode and nonfinite is None:
+        dec = decode_check(cand, inp.ids, inp.mask, inp.pv, inp.grid, decode, kv_cache,
+                           mla_cache, inp.avoid)  # fmt: skip
+        if me == 0:
+            report["decode"] = dec
+    t_dec = time.perf_counter() - t1
+    cand.close()
+    rss_all = [_peak_rss_mib()]
+    if dist_run:
+        world = tuple(range(ranks.world))
+        got = coll.all_gather({me: torch.tensor([rss_all[0]], dtype=torch.float64)}, world)
+        rss_all = [float(t[0]) for t in got]
+        # leave the process group cleanly: gloo's threads abort a process that exits
+        # while they are still up
+        dist.barrier()
+        dist.destroy_process_group()
+    if me != 0:
+        return report
+    report["time_s"] = round(time.perf_counter() - t_start, 3)
+    report["time_breakdown_s"] = {
+        # the reference runs in lockstep inside the candidate's forward
+        "candidate_with_lockstep_reference": round(t_fwd, 3),
+        "reference_head_and_metrics": round(t_ref, 3),
+        "decode": round(t_dec, 3),
+    }
+    _verdict(report, th, nonfinite, rss_all, dist_run, cand_path)
+    if json_path is not None:
+        write_json(report, json_path)
+    if plot_path is not None:
+        plot(report, plot_path)
+    return report
 
-    # -- inputs ------------------------------------------------------------------------
+
+def _checked_args(candidate, layout, seq_len, decode, random, dtype, json_path, plot_path,
+                  kv_cache, mla_cache):  # fmt: skip
+    """(candidate path, layout, compute dtype): every argument checked before any work."""
+    cand_path = Path(candidate)
+    if not cand_path.exists():
+        raise ConfigError(f"{cand_path}: no such candidate (a stream directory or a checkpoint).")
+    lay = parse_layout(layout) if isinstance(layout, str) or layout is None else layout
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ConfigError(f"--seq-len must be a positive integer, got {seq_len!r}.")
+    if not isinstance(decode, int) or decode < 0:
+        raise ConfigError(f"--decode must be a non-negative integer, got {decode!r}.")
+    if not isinstance(random, int) or random < 1:
+        raise ConfigError(f"--random must be a positive number of sequences, got {random!r}.")
+    compute = parse_dtype(dtype)
+    for flag, out in (("--json", json_path), ("--plot", plot_path)):
+        _check_output(flag, out)
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401  (optional: only --plot needs it)
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib (pip install matplotlib).") from None
+    if decode:
+        KVCache(mla=mla_cache, kv_dtype=kv_cache)  # bad values fail here, before any work
+    elif kv_cache is not None or mla_cache != "expanded":
+        raise ConfigError(
+            "--kv-cache / --mla-cache choose the decode check's cache; add --decode N."
+        )
+    return cand_path, lay, compute
+
+
+def _open_ranks(cand_path: Path, lay, check_stream: bool, placement: dict, dist_run: bool,
+                me: int):  # fmt: skip
+    """(ranks, candidate kind, provenance); under torchrun each process opens and checks
+    its own rank, and every process fails when one did."""
+    err = None
+    ranks = cand_kind = prov = None
+    try:
+        only = me if dist_run else None
+        ranks, cand_kind, prov = _open_candidate(cand_path, lay, check_stream, placement, only)
+    except K3Error as e:
+        err = e
+    if dist_run:  # each process checked its own rank's units: agree on the verdict
+        failed = process_flags(err is not None)
+        if err is None and any(failed):
+            err = StreamCorruptError(
+                f"{cand_path}: torchrun process {failed.index(True)} could not open or "
+                f"check its part of the candidate (its error is printed above); nothing "
+                f"was run."
+            )
+    if err is not None:
+        raise err
+    return ranks, cand_kind, prov
+
+
+@dataclass
+class _Inputs:
+    """The sequences verify runs: ids, their mask (None: no padding), whether they are
+    text (next-token targets), images (pixel values and grid), the ids a random input
+    avoids (the vision placeholders) and the report's description."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    is_text: bool
+    pv: torch.Tensor | None
+    grid: torch.Tensor | None
+    avoid: set
+    kind: dict
+
+
+def _inputs(cand, data, ref_path: Path, cand_path: Path, seq_len: int, random: int, seed: int,
+            pixel_values) -> _Inputs:  # fmt: skip
     avoid = set()
     if cand.vision is not None:
         avoid = {cand.vision.image_token_id}
@@ -438,8 +502,6 @@ def run_verify(
             avoid.add(int(cand.vision.video_token_id))
     pv = grid = None
     if pixel_values is not None:
-        from ..runtime.forward_cmd import load_safetensors, need_tensor
-
         d = load_safetensors(pixel_values, "--pixel-values")
         pv = need_tensor(d, "pixel_values", pixel_values, "--pixel-values")
         grid = need_tensor(d, "image_grid_thw", pixel_values, "--pixel-values").long()
@@ -464,9 +526,7 @@ def run_verify(
         mask = None
     input_kind.update(batch=int(ids.shape[0]), seq_len=int(ids.shape[1]),
                       images=0 if grid is None else int(grid.shape[0]))  # fmt: skip
-    from ..runtime.runtime import check_vocab
-
-    check_vocab(ids.masked_fill(_special(ids, avoid), 0) if avoid else ids, cand.vocab)
+    check_vocab(ids.masked_fill(special_tokens(ids, avoid), 0) if avoid else ids, cand.vocab)
     if cand.vision is not None:  # up front: under torchrun only stage 0 would notice
         n_img = int((ids == cand.vision.image_token_id).sum())
         merged = (
@@ -480,12 +540,17 @@ def run_verify(
                 f"the images give {merged} merged patches; the prompt and the images do not "
                 f"match."
             )
+    return _Inputs(ids, mask, is_text, pv, grid, avoid, input_kind)
 
-    # -- the forward, in lockstep with the reference ----------------------------------
+
+def _lockstep_forward(cand, coll, inp: _Inputs, me: int, ref_kind: str, ref_path: Path,
+                      device, compute, progress: bool, base: dict):  # fmt: skip
+    """The candidate's forward with the reference in lockstep (rank 0 compares each
+    layer's hidden state), then the logits' metrics: (report, the non-finite error or
+    None, forward seconds, reference head and metrics seconds)."""
+    ids, mask, pv, grid = inp.ids, inp.mask, inp.pv, inp.grid
     bar = None
     if progress and me == 0:
-        from tqdm import tqdm
-
         bar = tqdm(total=cand.num_layers, desc="verify: layers", unit="layer", file=sys.stderr,
                    leave=False)  # fmt: skip
     pos = cand.default_positions(ids)
@@ -528,13 +593,6 @@ def run_verify(
             nonfinite, logits = str(e), None
         t_fwd = time.perf_counter() - t0
         report: dict = {"rank": me}
-        base = dict(
-            candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
-            reference_kind=ref_kind, reference_note=ref_note, layout=ranks.layout.to_json(),
-            experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
-            device=str(cand.device), inputs=input_kind, thresholds=asdict(th),
-            act_quant=_act_note(cand),
-        )  # fmt: skip
         if me == 0 and nonfinite is not None:
             layers = list(lock.layers) if isinstance(lock, _Lockstep) else []
             report.update(base, logits=None, layers=layers)
@@ -551,7 +609,7 @@ def run_verify(
                     layers.append({"layer": i, "rel_l2": _finite_or_none(err)})
             targets = (
                 vin.next_token_targets(ids, mask if mask is not None else torch.ones_like(ids))
-                if is_text
+                if inp.is_text
                 else None
             )
             metrics = vm.compare_logits(ref_logits, logits, mask=mask, targets=targets)
@@ -566,35 +624,13 @@ def run_verify(
             bar.close()
         if ref_rt is not None:
             ref_rt.close()
+    return report, nonfinite, t_fwd, t_ref
 
-    # -- decode check --------------------------------------------------------------------
-    t1 = time.perf_counter()
-    if decode and nonfinite is None:
-        dec = _decode_check(cand, ids, mask, pv, grid, decode, kv_cache, mla_cache, avoid)
-        if me == 0:
-            report["decode"] = dec
-    t_dec = time.perf_counter() - t1
-    cand.close()
-    rss_all = [_peak_rss_mib()]
-    if dist_run:
-        world = tuple(range(ranks.world))
-        got = coll.all_gather({me: torch.tensor([rss_all[0]], dtype=torch.float64)}, world)
-        rss_all = [float(t[0]) for t in got]
-        # leave the process group cleanly: gloo's threads abort a process that exits
-        # while they are still up
-        dist.barrier()
-        dist.destroy_process_group()
-    if me != 0:
-        return report
-    rss = max(rss_all)
-    report["time_s"] = round(time.perf_counter() - t_start, 3)
-    report["time_breakdown_s"] = {
-        # the reference runs in lockstep inside the candidate's forward
-        "candidate_with_lockstep_reference": round(t_fwd, 3),
-        "reference_head_and_metrics": round(t_ref, 3),
-        "decode": round(t_dec, 3),
-    }
-    report["peak_rss_mib"] = round(rss, 1)
+
+def _verdict(report: dict, th, nonfinite, rss_all: list, dist_run: bool, cand_path) -> None:
+    """Peak memory, pass / fail (the logits and layers against the thresholds, then the
+    decode check) and the candidate's release fidelity, into ``report``."""
+    report["peak_rss_mib"] = round(max(rss_all), 1)
     if dist_run:
         report["peak_rss_scope"] = "the largest of the torchrun processes"
         report["peak_rss_mib_per_rank"] = [round(x, 1) for x in rss_all]
@@ -610,15 +646,6 @@ def run_verify(
     report["passed"] = passed
     report["failure"] = why
     report["fidelity"] = _fidelity_of(cand_path)
-    if json_path is not None:
-        from .report import write_json
-
-        write_json(report, json_path)
-    if plot_path is not None:
-        from .report import plot
-
-        plot(report, plot_path)
-    return report
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -638,13 +665,6 @@ class _Collect:
             self.keep.append(h)
         if self.bar is not None:
             self.bar.update(1)
-
-
-def _special(ids: torch.Tensor, avoid: set) -> torch.Tensor:
-    m = torch.zeros_like(ids, dtype=torch.bool)
-    for t in avoid:
-        m |= ids == t
-    return m
 
 
 def _place_images(ids: torch.Tensor, grid: torch.Tensor, token: int, vs) -> torch.Tensor:
@@ -685,117 +705,6 @@ def _act_note(cand: ParallelRuntime) -> str | None:
             "as serving engines do"
         )
     return f"{note}; {kv}" if cand.kv_quant else note
-
-
-def _kv_cache_scales(cand: ParallelRuntime, mla_cache: str) -> dict | None:
-    """``{layer: {kind: scale}}`` for :class:`KVCache` from the candidate's k_scale /
-    v_scale (read from the first rank of the layer's stage; the scales are replicated):
-    GQA layers cache K / V; MLA layers only in the latent layout (the expanded layout
-    caches kv_b_proj's outputs, which no calibrated scale describes); KDA layers none.
-    None when the candidate has no kv_cache_scheme or its quantization is off."""
-    if not cand.kv_quant:
-        return None
-    out: dict[int, dict[str, float]] = {}
-    for i in range(cand.num_layers):
-        kind = cand.text.attention_of(i)
-        if kind == "kda" or (kind == "mla" and mla_cache != "latent"):
-            continue
-        unit = f"layer.{i}"
-        reader = cand.ranks.rank(cand.ranks.tp_group(cand._stage_of[unit])[0])
-        entries = cand.plan.units[unit]
-
-        def value(k: str, reader=reader, entries=entries) -> float:
-            name = entries[f"attention.{k}_scale"].name
-            return float(reader.get(name, torch.float32).reshape(-1)[0])
-
-        k = value("k")
-        out[i] = {"k": k, "v": value("v")} if kind == "gqa" else {"latent": k, "k_rot": k}
-    return out or None
-
-
-def _decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> dict:
-    """Greedy decode of ``n`` tokens with a KV cache, against full forwards. An FP8 cache
-    of a candidate with calibrated KV-cache scales stores with those scales (what a
-    serving engine loads), where they describe what the cache holds."""
-    scales = _kv_cache_scales(cand, mla_cache) if kv_cache == "fp8" else None
-    cache = KVCache(mla=mla_cache, kv_dtype=kv_cache, scales=scales)
-    prompt_note = None
-    if mask is not None:
-        # right-padded rows would continue after their padding: decode from the longest
-        # prefix every row really has (when that keeps the images' tokens)
-        lens = mask.long().sum(-1)
-        prefix = bool((mask.bool() == (torch.arange(mask.shape[1]) < lens[:, None])).all())
-        cut = int(lens.min())
-        keeps_images = not avoid or bool((_special(ids[:, cut:], avoid) == 0).all())
-        if prefix and cut >= 1 and (pv is None or keeps_images):
-            ids, mask = ids[:, :cut], None
-            prompt_note = f"prompts cut to the {cut} tokens every row has (right padding)"
-    b = ids.shape[0]
-    ones = torch.ones(b, 1, dtype=torch.long, device=ids.device)
-    full_mask = mask
-    step_logits = [cand.forward(ids, attention_mask=mask, pixel_values=pv, image_grid_thw=grid,
-                                cache=cache)[:, -1:]]  # fmt: skip
-    seq = ids
-    special = sorted(avoid)
-    for _ in range(n - 1):
-        nxt = step_logits[-1][:, -1]
-        if special:  # greedy, but never an image / video placeholder (it needs pixels)
-            nxt = nxt.clone()
-            nxt[:, special] = float("-inf")
-        tok = nxt.argmax(-1, keepdim=True)
-        seq = torch.cat((seq, tok.to(seq.device)), dim=1)
-        if full_mask is not None:
-            full_mask = torch.cat((full_mask, ones), dim=1)
-        step_logits.append(cand.forward(tok, attention_mask=full_mask, cache=cache))
-    inc = torch.cat(step_logits, dim=1)  # [B, n, V]
-    full = cand.forward(seq, attention_mask=full_mask, pixel_values=pv, image_grid_thw=grid)
-    full = full[:, ids.shape[1] - 1 :]
-    err = float(((inc - full).abs().max() / full.abs().max().clamp_min(1e-30)).item())
-    same = bool((inc.argmax(-1) == full.argmax(-1)).all())
-    out = {"steps": n, "kv_cache": cache.describe(cand.text.attention), "max_rel_err": err,
-           "argmax_equal": same,
-           # every rank's cache when simulated; this process's ranks under torchrun
-           "cache_mib_this_process": round(cache.nbytes() / 2**20, 3)}  # fmt: skip
-    if scales:
-        out["kv_scales"] = f"calibrated, from the candidate ({len(scales)} layers)"
-    if prompt_note:
-        out["prompt"] = prompt_note
-    # activation specs that run (routed experts' only with act_quant_experts)
-    specs = {
-        n: sp for n, sp in cand.act_specs.items()
-        if cand.act_quant and (cand.act_quant_experts or n not in cand._routed)
-    }  # fmt: skip
-    dynamic = any(sp.dynamic for sp in specs.values())
-    latent_kvb = mla_cache == "latent" and any("kv_b_proj" in n for n in specs)
-    if kv_cache == "fp8" or dynamic or latent_kvb:
-        # not bit-for-bit: an e4m3 cache rounds K / V; dynamic activation scales depend
-        # on the chunk a Linear sees (MLA's kv_b_proj takes one scale per sequence, as
-        # transformers feeds it), so a one-token step quantizes differently; the latent
-        # cache absorbs kv_b_proj as a weight, without its input quantization
-        why = (
-            "an FP8 KV cache" if kv_cache == "fp8"
-            else "dynamic activation quantization" if dynamic
-            else "the latent MLA cache (kv_b_proj's input quantization is absorbed away)"
-        )  # fmt: skip
-        kld = vm.compare_logits(full, inc)["kld"]
-        out["kld_vs_full"] = kld["mean"]
-        out["kld_vs_full_max"] = kld["max"]
-        out["compared_by"] = f"mean KLD (not bit-exact with {why})"
-        ok = bool(kld["mean"] is not None and kld["mean"] <= FP8_KV_MAX_KLD)
-        out["passed"] = ok
-        out["failure"] = None if ok else (
-            f"decode with {why}: mean KLD {kld['mean']:.3g} vs the full forward exceeds "
-            f"{FP8_KV_MAX_KLD}"
-        )  # fmt: skip
-    else:
-        limit = 1e-5 if cand.dtype == torch.float32 else 2e-2
-        ok = same and err <= limit
-        out["passed"] = ok
-        out["failure"] = None if ok else (
-            f"incremental decode differs from the full forward: max rel err {err:.3g} "
-            f"(limit {limit:g}), argmax {'equal' if same else 'differs'}"
-        )  # fmt: skip
-    return out
 
 
 __all__ = ["parse_layout", "run_verify"]
