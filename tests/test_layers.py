@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("quant", "runtime", "shard", "sources"),
     ("calibrate", "verify", "inspect", "synth", "serving", "memplan"),
     ("pipeline", "recipe", "convert", "demo", "report_html"),
-    ("cli", "cli_plan", "cli_convert", "cli_options", "__main__"),
+    ("cli", "cli_plan", "cli_convert", "cli_quantize", "cli_options", "__main__"),
 ]  # fmt: skip
 LAYER = {p: i for i, names in enumerate(LAYERS) for p in names}
 
@@ -133,7 +133,7 @@ def test_no_private_name_crosses_a_package():
 #: functions over 120 lines and modules over 800 lines that are still to be split, with
 #: their size now: one may shrink or go, none may grow, and no new one may appear
 LONG_FUNCTIONS = {
-    "cli.py:quantize": 322,
+    "cli_quantize.py:quantize": 231,
     "shard/writer.py:write_stream": 180,
     "stream/schema.py:_compile": 157,
     "convert.py:convert": 156,
