@@ -134,13 +134,13 @@ def test_no_private_name_crosses_a_package():
 #: their size now: one may shrink or go, none may grow, and no new one may appear
 LONG_FUNCTIONS = {
     "cli_quantize.py:quantize": 231,
-    "shard/writer.py:write_stream": 180,
     "stream/schema.py:_compile": 157,
     "convert.py:convert": 156,
     "inspect.py:format_report": 146,
     "cli_plan.py:register": 143,
     "cli_plan.py:plan": 139,
     "memplan/plan.py:plan_memory": 138,
+    "shard/writer.py:write_stream": 124,
     "calibrate/data.py:build_calibration_set": 121,
 }
 LONG_MODULES = {

@@ -242,27 +242,9 @@ def write_stream(
     # serial jobs (one file each); cancelled if writing fails
     hasher = None
     syncer: Syncer | None = None
-    results: dict[int, dict] = {}
-    skipped = written = 0
     try:
-        err = None
         total = sum(up.header()[2] for up in plan.units)
-        if group.leader:
-            try:
-                _prepare_out(out, force)
-                probe_writable(out, inside=True)
-                held = sum(f.stat().st_size for f in out.glob("rank*/*") if f.is_file())
-                free = free_bytes(out) + held
-                if free < total:  # zstd rarely saves more than a few percent on weights
-                    raise OutputError(
-                        f"{out}: needs about {total / 1e9:.2f} GB (uncompressed size; zstd "
-                        f"saves little on weights) but {free / 1e9:.2f} GB are free; free "
-                        f"space or choose another OUT."
-                    )
-                out.mkdir(parents=True, exist_ok=True)
-                (out / JOURNAL).mkdir(exist_ok=True)
-            except BaseException as e:
-                err = e
+        err = _prepare_stream_dir(out, force, total) if group.leader else None
         group.agree(err, f"preparing {out}")
         hasher = SourceHasher(source.root, my_files, workers, tick)
         with lock:
@@ -276,40 +258,13 @@ def write_stream(
         if identity is not None:
             source_id.append({"identity": identity})
         syncer = Syncer()
-        expect, skip = getattr(data, "expect", None), getattr(data, "skip", None)
+        expect = getattr(data, "expect", None)
         if expect is not None:
             expect(mine)
-
-        def do_unit(up: UnitPlan) -> None:
-            nonlocal skipped, written
-            if on_unit is not None:
-                on_unit(up)
-            key = plan_key(up, compress, source_id, unit_hash)
-            rec = resumable(out, up, key)
-            if rec is not None:
-                if skip is not None:
-                    skip(up)
-                tick(rec["raw_bytes"])
-                with lock:
-                    skipped += 1
-            else:
-                rec = write_unit(
-                    data, up, out, compress, on_bytes=tick, fsync=False, unit_hash=unit_hash
-                )
-                syncer.submit(out / up.file)
-                atomic_json(journal_path(out, up), {"key": key, **rec}, fsync=False)
-                with lock:
-                    written += 1
-            results[up_id(up)] = rec
-
+        units = _UnitWriter(data, out, compress, unit_hash, source_id, tick, lock, syncer,
+                            on_unit)  # fmt: skip
         try:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k3shard") as pool:
-                futs = [pool.submit(do_unit, up) for up in mine]
-                done, pending = wait(futs, return_when=FIRST_EXCEPTION)
-                for f in pending:
-                    f.cancel()
-                for f in done:
-                    f.result()
+            units.write(mine, workers)
             sha = hasher.result()
             synced = syncer.finish()
             to_sync = [out / up.file for up in mine if out / up.file not in synced]
@@ -321,7 +276,7 @@ def write_stream(
                 raise
             err, sha = e, {}
         group.agree(err, f"writing its units of {out}")
-        shares = group.gather((results, sha, written, skipped))
+        shares = group.gather((units.results, sha, units.written, units.skipped))
     except BaseException:
         if hasher is not None:
             hasher.cancel()
@@ -336,35 +291,105 @@ def write_stream(
     for r, h, _, _ in shares:
         all_results.update(r)
         all_sha.update(h)
-    written = sum(s[2] for s in shares)
-    skipped = sum(s[3] for s in shares)
-    manifest_path = out / MANIFEST
+    err = None
     if group.leader:
         try:
-            files = _carry(carry, out)
-            doc = _manifest(plan, source, all_results, all_sha, files, compress, recipe)
-            with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
-                list(pool.map(fsync_path, [out / f["name"] for f in files]))
-            # the rank files (each rank's units), fsynced, then manifest.json: the commit
-            write_manifest_doc(out, doc)
-            _cleanup(out, plan)
-            err = None
+            _commit(out, plan, source, all_results, all_sha, carry, compress, recipe, workers)
         except BaseException as e:
             if not isinstance(e, Exception) or group.world == 1:
                 raise
             err = e
-    else:
-        err = None
     group.agree(err, f"committing {out}")
     return ShardResult(
         out,
-        manifest_path,
-        written,
-        skipped,
+        out / MANIFEST,
+        sum(s[2] for s in shares),
+        sum(s[3] for s in shares),
         sum(r["bytes"] for r in all_results.values()),
         time.perf_counter() - t0,
         None,
     )
+
+
+def _prepare_stream_dir(out: Path, force: bool, total: int) -> BaseException | None:
+    """Process 0's preparation of OUT (replaced with ``force``, writable, room for
+    ``total`` bytes, the journal directory): the error, for every process to agree on."""
+    try:
+        _prepare_out(out, force)
+        probe_writable(out, inside=True)
+        held = sum(f.stat().st_size for f in out.glob("rank*/*") if f.is_file())
+        free = free_bytes(out) + held
+        if free < total:  # zstd rarely saves more than a few percent on weights
+            raise OutputError(
+                f"{out}: needs about {total / 1e9:.2f} GB (uncompressed size; zstd "
+                f"saves little on weights) but {free / 1e9:.2f} GB are free; free "
+                f"space or choose another OUT."
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / JOURNAL).mkdir(exist_ok=True)
+    except BaseException as e:
+        return e
+    return None
+
+
+class _UnitWriter:
+    """Writes this process's units (``workers`` at a time), or takes a unit a rerun
+    finds intact (its journal entry matches the unit's key): ``results`` by unit,
+    ``written`` / ``skipped`` counts. ``data.skip(unit)``, when ``data`` has it, is told
+    of each unit taken as it is."""
+
+    def __init__(self, data, out: Path, compress: str, unit_hash: str, source_id, tick, lock,
+                 syncer: Syncer, on_unit):  # fmt: skip
+        self.data, self.out, self.compress, self.unit_hash = data, out, compress, unit_hash
+        self.source_id, self.tick, self.lock, self.syncer = source_id, tick, lock, syncer
+        self.on_unit = on_unit
+        self.skip = getattr(data, "skip", None)
+        self.results: dict[tuple[int, int], dict] = {}
+        self.written = self.skipped = 0
+
+    def unit(self, up: UnitPlan) -> None:
+        if self.on_unit is not None:
+            self.on_unit(up)
+        out = self.out
+        key = plan_key(up, self.compress, self.source_id, self.unit_hash)
+        rec = resumable(out, up, key)
+        if rec is not None:
+            if self.skip is not None:
+                self.skip(up)
+            self.tick(rec["raw_bytes"])
+            with self.lock:
+                self.skipped += 1
+        else:
+            rec = write_unit(self.data, up, out, self.compress, on_bytes=self.tick, fsync=False,
+                             unit_hash=self.unit_hash)  # fmt: skip
+            self.syncer.submit(out / up.file)
+            atomic_json(journal_path(out, up), {"key": key, **rec}, fsync=False)
+            with self.lock:
+                self.written += 1
+        self.results[up_id(up)] = rec
+
+    def write(self, units: list[UnitPlan], workers: int) -> None:
+        """Every unit of ``units``; the first failure cancels the ones not started."""
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="k3shard") as pool:
+            futs = [pool.submit(self.unit, up) for up in units]
+            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in done:
+                f.result()
+
+
+def _commit(out: Path, plan: Plan, source, results: dict, sha: dict, carry, compress: str,
+            recipe, workers: int) -> None:  # fmt: skip
+    """Process 0's commit: the carried files, fsynced; the rank files, then manifest.json
+    (the commit); the journal removed."""
+    files = _carry(carry, out)
+    doc = _manifest(plan, source, results, sha, files, compress, recipe)
+    with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
+        list(pool.map(fsync_path, [out / f["name"] for f in files]))
+    # the rank files (each rank's units), fsynced, then manifest.json: the commit
+    write_manifest_doc(out, doc)
+    _cleanup(out, plan)
 
 
 def up_id(up: UnitPlan) -> tuple[int, int]:
