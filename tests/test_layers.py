@@ -144,7 +144,6 @@ LONG_FUNCTIONS = {
     "calibrate/data.py:build_calibration_set": 121,
 }
 LONG_MODULES = {
-    "quant/schemes.py": 1058,
     "stream/reader.py": 909,
     "recipe.py": 896,
     "convert.py": 872,
