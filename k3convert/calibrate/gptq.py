@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, NonFiniteError, short_repr
+from ..formats import FP8_MAX
 from ..formats.intn import pack_int32, unpack_int32
 from ..quant.schemes import (
-    FP8_MAX,
     FP8Scheme,
     IntScheme,
     NonFiniteWeightError,

@@ -34,11 +34,11 @@ class IntScheme(Scheme):
     symmetric: False adds a zero point; scale_dtype: 'float32' | 'bfloat16' | 'float16'.
     observer: how each group's range is chosen - 'minmax' (its full range, the default)
     or 'mse' (the range shrunk per group to the clip ratio with the smallest rounding
-    error, :mod:`.mse_observer`: ratios ``1 - i / mse_grid`` down to ``1 - mse_maxshrink``,
-    error ``sum |w - dq(w)| ** mse_norm``) or 'search' (each group's scale with the
-    smallest squared error among 15 candidates, for an MXFP4 source: :mod:`.mx_int4`,
-    which the plan sets by default there; on any other input it is minmax); the parts are
-    the same tensors either way.
+    error, :mod:`k3convert.quant.mse_observer`: ratios ``1 - i / mse_grid`` down to
+    ``1 - mse_maxshrink``, error ``sum |w - dq(w)| ** mse_norm``) or 'search' (each
+    group's scale with the smallest squared error among 15 candidates, for an MXFP4
+    source: :mod:`k3convert.quant.mx_int4`, which the plan sets by default there; on any
+    other input it is minmax); the parts are the same tensors either way.
     Weight-only schemes are stored pack-quantized (int32 words, dense bits); schemes
     with activation quantization are stored int-quantized (one int8 per value), as
     compressed-tensors infers.
@@ -152,10 +152,10 @@ class IntScheme(Scheme):
         Works on bands of rows so float32 temporaries stay cache-sized; symmetric
         schemes take the fused path (:meth:`_quantize_symmetric`) where it applies.
         The ``mse`` observer searches each group's clip ratio first
-        (:func:`.mse_observer.quantize`).
+        (:func:`k3convert.quant.mse_observer.quantize`).
         """
         if self.observer == "mse":
-            from . import mse_observer
+            from .. import mse_observer
 
             return mse_observer.quantize(self, w, name=name)
         fast = self._quantize_symmetric(w) if self.symmetric else None
