@@ -180,6 +180,9 @@ class Arch:
     hybrid: bool = False
     #: a multimodal release: the decoder's config.json section (``text_config``)
     text_key: str | None = None
+    #: its vision tower: ``moonvit`` (Kimi-K2.5) or ``moonvit3d`` (Kimi K3, which widens
+    #: each image's placeholder to the image's merged patches); None: text only
+    vision: str | None = None
 
     def config(self, raw: dict) -> Any:
         return self.parse_config(raw)

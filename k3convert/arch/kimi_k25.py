@@ -146,5 +146,6 @@ KIMI_K25 = register(
         attention="mla",
         router="sigmoid_group",
         text_key="text_config",
+        vision="moonvit",
     )
 )

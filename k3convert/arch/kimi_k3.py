@@ -72,5 +72,6 @@ KIMI_K3 = register(
         router="sigmoid_group",
         hybrid=True,
         text_key="text_config",
+        vision="moonvit3d",
     )
 )

@@ -178,13 +178,13 @@ class Runtime:
             self.arch.name, _text_cfg(self.cfg), text_raw, where
         )
         self.vision: VisionSettings | VisionSettingsK3 | None = None
-        if self.arch.name == "kimi_k25":
+        if self.arch.vision == "moonvit":
             self.vision = vision_settings(raw, self.cfg, where)
-        elif self.arch.name == "kimi_k3" and self.cfg.vision is not None:  # (None: text only)
+        elif self.arch.vision == "moonvit3d" and self.cfg.vision is not None:  # None: text only
             self.vision = vision_settings_k3(raw, self.cfg, where)
-        #: kimi_k3 widens each image's placeholder (expand_media); Moonshot zeroes the
+        #: MoonViT3d widens each image's placeholder (expand_media); Moonshot zeroes the
         #: embeddings of this token id when it merges images in
-        self._widens = self.arch.name == "kimi_k3" and self.vision is not None
+        self._widens = self.arch.vision == "moonvit3d" and self.vision is not None
         self._pad_id = raw.get("pad_token_id", 0)
         # shapes against config.json and completeness: the same checks as every verb
         matched = validate_source(self.arch, self.cfg, source, where)
@@ -426,7 +426,7 @@ class Runtime:
 
     def _encode(self, w: Weights, pixel_values, image_grid_thw) -> torch.Tensor:
         grid = torch.as_tensor(image_grid_thw).long().cpu()
-        if self.arch.name == "kimi_k3":
+        if self.arch.vision == "moonvit3d":
             return encode_images_k3(self.vision, self._linear, w, pixel_values, grid, self.dtype)
         feats, _ = encode_images(self.vision, self._linear, w, pixel_values, grid, self.dtype)
         return feats
