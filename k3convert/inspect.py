@@ -281,6 +281,12 @@ def render_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def format_report(r: dict) -> str:
     """Human-readable rendering of :func:`inspect_path`'s report."""
+    return "\n".join(["\n".join(_summary(r)), "", *_tables(r)])
+
+
+def _summary(r: dict) -> list[str]:
+    """The report's summary lines: the model, its attention / experts / vision, the
+    parameters, what is stored."""
     head = [
         f"{r['path']}: {r['model_type']}" + (f" (alias of {r['arch']})" if r["alias_of"] else "")
     ]
@@ -353,7 +359,12 @@ def format_report(r: dict) -> str:
                 f"tensor(s) the files store plain (e.g. {claimed[0]['tensor']}); they are "
                 f"read as stored"
             )
-    out = ["\n".join(head), ""]
+    return head
+
+
+def _tables(r: dict) -> list[str]:
+    """The report's tables: by component, dtype, encoding, and (``--tensors``) per tensor."""
+    out = []
     rows = [
         [
             c,
@@ -424,4 +435,4 @@ def format_report(r: dict) -> str:
                 trows,
             )
         )
-    return "\n".join(out)
+    return out

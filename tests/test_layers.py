@@ -136,10 +136,8 @@ LONG_FUNCTIONS = {
     "cli_quantize.py:quantize": 231,
     "stream/schema.py:_compile": 157,
     "convert.py:convert": 156,
-    "inspect.py:format_report": 146,
     "cli_plan.py:register": 143,
     "cli_plan.py:plan": 139,
-    "memplan/plan.py:plan_memory": 138,
     "shard/writer.py:write_stream": 124,
     "calibrate/data.py:build_calibration_set": 121,
 }

@@ -146,18 +146,43 @@ def plan_memory(
             f"--pp-layers lists {len(pp_layers)} stage(s) but --pp is {layout.pp}; give one "
             f"layer count per stage."
         )
-    serving = []
-    if t.qplan is not None:
-        out_sec = getattr(recipe, "output", None)
-        target = ServingTarget(
-            tp=layout.tp, moe_ep=layout.moe_ep,
-            device=serving_device or getattr(out_sec, "serving_device", "cuda"),
-            strict=strict_serving or bool(getattr(out_sec, "strict_serving", False)),
-        )  # fmt: skip
-        serving = [f"serving: {p.line()}" for p in target.check(t.qplan, t.config)]
+    serving = _serving_warnings(t, layout, recipe, serving_device, strict_serving)
     ranks, ranges = planner.ranks(layout, pp_layers)
     L = planner.layers
-    model = {
+    plan = MemoryPlan(
+        source=str(src),
+        model=_model_info(t, L),
+        layout=layout,
+        redundant_experts=redundant_experts,
+        workload=workload,
+        stages=ranges,
+        ranks=ranks,
+        budget=budget,
+        device=label,
+        warnings=serving,
+    )
+    plan.notes += _notes(L, layout)
+    if budget is not None and search:
+        plan.search, plan.search_note = planner.search(budget, top)
+    return plan
+
+
+def _serving_warnings(t, layout: Layout, recipe, serving_device, strict_serving) -> list[str]:
+    """What vLLM would refuse of the planned quantization (strict: raises)."""
+    if t.qplan is None:
+        return []
+    out_sec = getattr(recipe, "output", None)
+    target = ServingTarget(
+        tp=layout.tp, moe_ep=layout.moe_ep,
+        device=serving_device or getattr(out_sec, "serving_device", "cuda"),
+        strict=strict_serving or bool(getattr(out_sec, "strict_serving", False)),
+    )  # fmt: skip
+    return [f"serving: {p.line()}" for p in target.check(t.qplan, t.config)]
+
+
+def _model_info(t, L) -> dict:
+    """The plan's model section: type, layers, attention, where the weights come from."""
+    return {
         "model_type": t.config.get("model_type"),
         "arch": t.arch.name,
         "layers": L.n,
@@ -170,27 +195,18 @@ def plan_memory(
         + (f", quantized by {t.quantized}" if t.quantized else ""),
         "tensors": len(t.names),
     }
-    plan = MemoryPlan(
-        source=str(src),
-        model=model,
-        layout=layout,
-        redundant_experts=redundant_experts,
-        workload=workload,
-        stages=ranges,
-        ranks=ranks,
-        budget=budget,
-        device=label,
-        warnings=serving,
-    )
+
+
+def _notes(L, layout: Layout) -> list[str]:
+    """What the figures leave out or assume, for this model and layout."""
+    notes = []
     if "mla" in L.kinds and layout.tp > 1:
-        plan.notes.append("the MLA latent cache is replicated on every TP rank of a stage.")
+        notes.append("the MLA latent cache is replicated on every TP rank of a stage.")
     if "kda" in L.kinds:
-        plan.notes.append(
+        notes.append(
             "KDA layers keep a fixed state per sequence (float32 recurrent state + bf16 conv "
             "inputs) that does not grow with the context."
         )
     if getattr(L.text, "num_mtp", 0):
-        plan.notes.append("MTP layers' weights are counted; their KV cache is not.")
-    if budget is not None and search:
-        plan.search, plan.search_note = planner.search(budget, top)
-    return plan
+        notes.append("MTP layers' weights are counted; their KV cache is not.")
+    return notes
