@@ -410,6 +410,9 @@ def test_arch_family_facts_are_the_runtimes(preset):
     assert kinds == [ts.attention_of(i) for i in range(text.num_layers)]
     assert (ts.family, ts.attention, ts.router) == (arch.name, arch.attention, arch.router)
     assert ("kda" in kinds) == arch.hybrid
+    # the KV-cache scales' names the arch table declares are under attention_prefix
+    scales = sorted(s.pattern for s in arch.specs(cfg) if s.kind in ("k_scale", "v_scale"))
+    assert scales == [arch.attention_prefix + "k_scale", arch.attention_prefix + "v_scale"]
 
 
 def test_the_runtime_refuses_an_alias_name():

@@ -183,6 +183,9 @@ class Arch:
     #: its vision tower: ``moonvit`` (Kimi-K2.5) or ``moonvit3d`` (Kimi K3, which widens
     #: each image's placeholder to the image's merged patches); None: text only
     vision: str | None = None
+    #: where decoder layer ``{L}``'s attention module lives (its KV-cache scales'
+    #: names: ``k_scale`` / ``v_scale`` appended)
+    attention_prefix: str = "model.layers.{L}.self_attn."
 
     def config(self, raw: dict) -> Any:
         return self.parse_config(raw)

@@ -146,6 +146,7 @@ KIMI_K25 = register(
         attention="mla",
         router="sigmoid_group",
         text_key="text_config",
+        attention_prefix="language_model.model.layers.{L}.self_attn.",
         vision="moonvit",
     )
 )

@@ -72,6 +72,7 @@ KIMI_K3 = register(
         router="sigmoid_group",
         hybrid=True,
         text_key="text_config",
+        attention_prefix="language_model.model.layers.{L}.self_attn.",
         vision="moonvit3d",
     )
 )

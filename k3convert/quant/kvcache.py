@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..arch import resolve
-from ..errors import ConfigError
+from ..arch import get_arch, resolve
+from ..errors import ArchError, ConfigError
 from ..formats import FP8_MAX
 
 #: the smallest absmax a scale is computed from: compressed-tensors clamps scales at
@@ -39,15 +39,6 @@ from ..formats import FP8_MAX
 TINY = FP8_MAX * float(torch.finfo(torch.float32).eps)
 #: what each attention kind observes (Runtime.add_kv_hook kinds)
 KINDS = {"gqa": ("k", "v"), "mla": ("latent", "k_rot")}
-#: where a family's attention modules live
-ATTN_PREFIX = {
-    "llama": "model.layers.{L}.self_attn.",
-    "qwen3_moe": "model.layers.{L}.self_attn.",
-    "deepseek_v3": "model.layers.{L}.self_attn.",
-    "kimi_linear": "model.layers.{L}.self_attn.",
-    "kimi_k25": "language_model.model.layers.{L}.self_attn.",
-    "kimi_k3": "language_model.model.layers.{L}.self_attn.",
-}
 
 
 def kv_cache_scheme() -> dict[str, Any]:
@@ -137,9 +128,12 @@ def kv_scale_tensors(
     config.json dict. dtype: compressed-tensors stores the scales in the attention
     module's dtype; float32 keeps them exact (vLLM and the runtime accept any float)."""
     family, n, attention_of = _layout(settings_or_config)
-    prefix = ATTN_PREFIX.get(family)
-    if prefix is None:
-        raise ConfigError(f"KV-cache scales: no attention naming known for family '{family}'.")
+    try:
+        prefix = get_arch(family).attention_prefix  # where the family's attention lives
+    except ArchError:
+        raise ConfigError(
+            f"KV-cache scales: no attention naming known for family '{family}'."
+        ) from None
     need = [i for i in range(n) if attention_of(i) != "kda"]
     extra = sorted(set(absmax) - set(need))
     if extra:
