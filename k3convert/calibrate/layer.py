@@ -126,15 +126,13 @@ class _Layer:
         return set(order) - set(balance(order, cost, self.group.world)[self.group.rank])
 
     # -- hooks --------------------------------------------------------------------------
-    def _experts(self, tok, x_flag: str, experts, x, what: str) -> None:
-        _experts_pass(self.rt, self.unit, self.cur, experts, x, x_flag, what, tok)
-
     def fp_expert_inputs(self, tok: dict | None) -> None:
         """Run the solved routed experts on the FP stream's expert input at the rows the
         quantized pass routes to each (``tok``; None: every row), recording their
         Linears' inputs (gate / up: those rows; down: what the FP expert computes)."""
-        self._experts(tok, "fp_sub", self.fp_experts, self.fp_state.get("expert_input"),
-                      "gptq_fp_target (full-precision input)")  # fmt: skip
+        _experts_pass(self.rt, self.unit, self.cur, self.fp_experts,
+                      self.fp_state.get("expert_input"), "fp_sub",
+                      "gptq_fp_target (full-precision input)", tok)  # fmt: skip
 
     def on_router(self, name, x, y) -> None:
         cur, rt = self.cur, self.rt

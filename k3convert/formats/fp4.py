@@ -370,3 +370,48 @@ def _nv_table(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     for c in range(0, 256, 32):  # 16384 products per op: each runs on this thread
         torch.mul(_BYTE_LUT.view(1, 256, 2), eff[c : c + 32], out=vals[c : c + 32])
     return pair_table(vals, dtype)
+
+
+#: packed bytes per row chunk of :func:`max_codes`' torch path (its int64 words stay in L2)
+_MAX_CODES_CHUNK = 1 << 18
+#: the low three bits of every byte of a word: E2M1 magnitude codes
+_LOW3 = 0x0707070707070707
+
+
+def max_codes(packed: torch.Tensor, per: int) -> torch.Tensor:
+    """uint8 [out, cols] bytes -> the largest E2M1 magnitude code of each ``per`` bytes
+    (8 or 16: one NVFP4 / MXFP4 group), uint8 [out, cols / per].
+
+    On 64-bit words (8 bytes, 16 nibbles): the low and the high nibbles' magnitudes in
+    byte lanes, their lane-wise maximum, then three folds (the word shifted by 32, 16, 8
+    bits, lane-wise maximum), so byte 0 holds the word's maximum - every op elementwise
+    and vectorised, where a reduction over 8 contiguous bytes is not (measured 2.5x)."""
+    out, cols = packed.shape
+    if cols % per or per not in (8, 16):
+        raise ValueError(f"max codes of {per} bytes need rows of a multiple of {per} bytes")
+    res = torch.empty(out, cols // per, dtype=torch.uint8)
+    if native.max_codes(packed.contiguous(), per, res):
+        return res
+    res = torch.empty(out, cols // 8, dtype=torch.uint8)
+    rows = max(1, _MAX_CODES_CHUNK // max(cols, 1))
+    n0 = min(rows, out) * cols // 8
+    buf = torch.empty(n0, dtype=torch.int64)  # aligned: the source may sit at any offset
+    x = torch.empty(n0, dtype=torch.int64)
+    y = torch.empty(n0, dtype=torch.int64)
+    for r0 in range(0, out, rows):
+        r1 = min(out, r0 + rows)
+        k = (r1 - r0) * cols // 8
+        w = buf[:k]
+        w.view(torch.uint8).view(r1 - r0, cols).copy_(packed[r0:r1])
+        xs, ys = x[:k], y[:k]
+        torch.bitwise_and(w, _LOW3, out=xs)
+        torch.bitwise_right_shift(w, 4, out=ys).bitwise_and_(_LOW3)
+        xb, yb = xs.view(torch.uint8), ys.view(torch.uint8)
+        torch.maximum(xb, yb, out=xb)
+        for shift in (32, 16, 8):  # lanes <= 7: the arithmetic shift brings in zeros
+            torch.bitwise_right_shift(xs, shift, out=ys)
+            torch.maximum(xb, yb, out=xb)
+        res[r0:r1] = xb.view(r1 - r0, cols // 8, 8)[:, :, 0]
+    if per == 16:
+        res = torch.maximum(res[:, 0::2], res[:, 1::2])
+    return res

@@ -67,8 +67,6 @@ INT_CODES = (16, 240)
 #: the d = e_j - exponent(amax) rows of the int table: below D_LO every value rounds to 0
 #: (|x / scale| <= 6 * 2**-7 / (1 / 7.5) < 0.5), above D_HI only zero groups occur
 D_LO, D_HI = -7, 2
-#: packed bytes per row chunk (the int32 index of a chunk stays in L2)
-_CHUNK = 1 << 18
 
 
 def supported(scheme: Scheme) -> bool:
@@ -93,49 +91,6 @@ def _supported(scheme: Scheme) -> bool:
     )
 
 
-#: the low three bits of every byte of a word: E2M1 magnitude codes
-_LOW3 = 0x0707070707070707
-
-
-def _max_codes(packed: torch.Tensor, per: int) -> torch.Tensor:
-    """uint8 [out, cols] bytes -> the largest E2M1 magnitude code of each ``per`` bytes
-    (8 or 16: one NVFP4 / MXFP4 group), uint8 [out, cols / per].
-
-    On 64-bit words (8 bytes, 16 nibbles): the low and the high nibbles' magnitudes in
-    byte lanes, their lane-wise maximum, then three folds (the word shifted by 32, 16, 8
-    bits, lane-wise maximum), so byte 0 holds the word's maximum - every op elementwise
-    and vectorised, where a reduction over 8 contiguous bytes is not (measured 2.5x)."""
-    out, cols = packed.shape
-    if cols % per or per not in (8, 16):
-        raise ValueError(f"max codes of {per} bytes need rows of a multiple of {per} bytes")
-    res = torch.empty(out, cols // per, dtype=torch.uint8)
-    if native.max_codes(packed.contiguous(), per, res):
-        return res
-    res = torch.empty(out, cols // 8, dtype=torch.uint8)
-    rows = max(1, _CHUNK // max(cols, 1))
-    n0 = min(rows, out) * cols // 8
-    buf = torch.empty(n0, dtype=torch.int64)  # aligned: the source may sit at any offset
-    x = torch.empty(n0, dtype=torch.int64)
-    y = torch.empty(n0, dtype=torch.int64)
-    for r0 in range(0, out, rows):
-        r1 = min(out, r0 + rows)
-        k = (r1 - r0) * cols // 8
-        w = buf[:k]
-        w.view(torch.uint8).view(r1 - r0, cols).copy_(packed[r0:r1])
-        xs, ys = x[:k], y[:k]
-        torch.bitwise_and(w, _LOW3, out=xs)
-        torch.bitwise_right_shift(w, 4, out=ys).bitwise_and_(_LOW3)
-        xb, yb = xs.view(torch.uint8), ys.view(torch.uint8)
-        torch.maximum(xb, yb, out=xb)
-        for shift in (32, 16, 8):  # lanes <= 7: the arithmetic shift brings in zeros
-            torch.bitwise_right_shift(xs, shift, out=ys)
-            torch.maximum(xb, yb, out=xb)
-        res[r0:r1] = xb.view(r1 - r0, cols // 8, 8)[:, :, 0]
-    if per == 16:
-        res = torch.maximum(res[:, 0::2], res[:, 1::2])
-    return res
-
-
 def _gather_bytes(packed: torch.Tensor, rowkey: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """out[r, c] = table[rowkey[r, c // per] << 8 | packed[r, c]]: uint8 [out, cols]."""
     res = torch.empty(packed.shape, dtype=torch.uint8)
@@ -156,7 +111,7 @@ def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     shapes (the float path names the problem)."""
     if not _mx_parts(parts):
         return None
-    m = _max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
+    m = fp4.max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
     hit = _present(parts["weight_scale"].contiguous().to(torch.int32).mul_(8).add_(m))
     if not hit.numel():
         return torch.zeros(())
@@ -192,7 +147,7 @@ def top_code(parts: Mapping[str, torch.Tensor]) -> int | None:
     are not MXFP4's shapes."""
     if not _mx_parts(parts):
         return None
-    m = _max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
+    m = fp4.max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
     return _top(parts["weight_scale"].contiguous(), m)
 
 
@@ -234,7 +189,7 @@ def requantize(
             )
         return {**res, **scheme.act_values()}
     if scheme.observer == "search" and mx_int4.applies(scheme):
-        return mx_int4.search(packed, codes, scheme, _max_codes)
+        return mx_int4.search(packed, codes, scheme)
     try:
         return _to_int4(packed, codes, scheme, name)
     except (NonFiniteWeightError, WeightRangeError):
@@ -260,7 +215,7 @@ def nvfp4_exact(packed: torch.Tensor, codes: torch.Tensor, top: int | None = Non
     """(NVFP4 parts of MXFP4 ``packed`` / ``codes``, the number of MX groups rounded): see
     the module doc. ``top``: the E8M0 code the global scale is set from (None: the
     tensor's own :func:`top_code`)."""
-    m = _max_codes(packed, fmt.MX_GROUP // 2)  # [out, in/32] largest magnitude code
+    m = fp4.max_codes(packed, fmt.MX_GROUP // 2)  # [out, in/32] largest magnitude code
     if top is None:
         top = _top(codes, m)
     k = min(135 - (127 if top is None else top), 127)  # global 2**k: the top scale 2**8
@@ -335,7 +290,7 @@ def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme):
     if out % b0 or inp % b1 or b1 % fmt.MX_GROUP:
         return None
     r, c, sub = out // b0, inp // b1, b1 // fmt.MX_GROUP
-    m = _max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp / 32]
+    m = fp4.max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp / 32]
     top = codes.to(torch.int16).sub_(127).add_(_EXP_OF_M[m.long()])  # zero groups: < -16000
     e = top.view(r, b0, c, sub).amax(3).amax(1)  # [r, c]: the block maximum's exponent
     zero = e < -1000
@@ -412,7 +367,7 @@ def _to_int4(packed, codes, scheme: IntScheme, name: str):
     lo, hi = INT_CODES
     if bool(((codes < lo) | (codes > hi)).any()):
         return None
-    m = _max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp/32]
+    m = fp4.max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp/32]
     key = codes.to(torch.int32).mul_(8).add_(m)
     vals = _values()[:, :8].reshape(-1)  # (e, m) -> the value of magnitude code m under e
     sub_max = vals.index_select(0, key.view(-1)).view(out, inp // g, sub)

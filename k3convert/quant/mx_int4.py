@@ -42,7 +42,8 @@ import torch
 
 from .. import formats as fmt
 from .. import native
-from ..formats.fp4 import E2M1_VALUES
+from ..formats.fp4 import E2M1, E2M1_VALUES, max_codes
+from .schemes import IntScheme
 
 #: the candidate ratios' denominators, minmax's (7.5) first, then outward by distance
 DENOMS = tuple(sorted((5.5 + 0.25 * i for i in range(15)), key=lambda t: (abs(t - 7.5), t)))
@@ -52,7 +53,6 @@ CLASSES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 DEPTH = 7
 #: E8M0 codes for which every scale and value stays a normal float32 / bfloat16
 CODES = (16, 240)
-_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 #: values per band of rows (the histogram's bincount and the tables' temporaries)
 _BAND = 1 << 18
 
@@ -60,8 +60,6 @@ _BAND = 1 << 18
 def applies(scheme) -> bool:
     """Whether :func:`search` produces ``scheme`` (symmetric packed int4 in groups that
     are a multiple of 32, bfloat16 scales: the dtype in which its sums are exact)."""
-    from .schemes import IntScheme
-
     return (
         isinstance(scheme, IntScheme)
         and scheme.packed and scheme.symmetric and scheme.num_bits == 4
@@ -86,7 +84,7 @@ def _tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
     ratio = torch.tensor([1.0 / t for t in DENOMS], dtype=torch.float32)
     rel = (cls[:, None] * ratio[None, :]).to(sdtype)  # the stored scale / U
     d = torch.arange(depth + 1, dtype=torch.float32)
-    v = _E2M1[None, :] * torch.exp2(-d)[:, None]  # [depth + 1, 16]: value / U
+    v = E2M1[None, :] * torch.exp2(-d)[:, None]  # [depth + 1, 16]: value / U
     s = rel.float()[:, :, None, None]
     q = torch.round((v[None, None] / s).clamp_(qmin, qmax))
     dq = (q.to(sdtype) * rel[:, :, None, None]).float()  # the loaders' dequantization
@@ -114,13 +112,12 @@ def _byte_errors(sdtype: torch.dtype, qmin: int, qmax: int, depth: int) -> torch
     return lanes.contiguous()
 
 
-def search(packed: torch.Tensor, codes: torch.Tensor, scheme, max_codes) -> dict | None:
+def search(packed: torch.Tensor, codes: torch.Tensor, scheme) -> dict | None:
     """MXFP4 ``packed`` [out, in/2] / ``codes`` [out, in/32] as ``scheme`` with searched
     scales (see the module doc); None where the E8M0 code of an MX group holding a nonzero
-    value lies outside :data:`CODES` (the caller takes the float path). ``max_codes``:
-    :func:`.fp4_requant._max_codes`. The kernel of :mod:`k3convert.native` where it is
-    available, else torch ops: the same bytes (the sums are exact, the first smallest wins
-    in both)."""
+    value lies outside :data:`CODES` (the caller takes the float path). The kernel of
+    :mod:`k3convert.native` where it is available, else torch ops: the same bytes (the
+    sums are exact, the first smallest wins in both)."""
     out, cols = packed.shape
     inp = 2 * cols
     g = scheme.group_size
@@ -142,7 +139,7 @@ def search(packed: torch.Tensor, codes: torch.Tensor, scheme, max_codes) -> dict
             if bad:
                 return None
             return _parts(qbytes, scale.to(scheme.sdtype), out, inp)
-    return _search_torch(packed, codes, scheme, max_codes, sub, ng, depth, zero)
+    return _search_torch(packed, codes, scheme, sub, ng, depth, zero)
 
 
 def _parts(qbytes, scale, out, inp) -> dict:
@@ -153,7 +150,7 @@ def _parts(qbytes, scale, out, inp) -> dict:
     }
 
 
-def _search_torch(packed, codes, scheme, max_codes, sub, ng, depth, zero) -> dict:
+def _search_torch(packed, codes, scheme, sub, ng, depth, zero) -> dict:
     """:func:`search` in torch ops, a band of rows at a time: each int group's histogram
     of (d, nibble) times the error table."""
     out, cols = packed.shape

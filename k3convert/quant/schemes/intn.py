@@ -14,6 +14,7 @@ from ...errors import (
     short_repr,
 )
 from ...formats.intn import pack_int32, packed_len, unpack_int32
+from .. import mse_observer
 from .base import (
     _DTYPES,
     _SIGNLESS,
@@ -155,8 +156,6 @@ class IntScheme(Scheme):
         (:func:`k3convert.quant.mse_observer.quantize`).
         """
         if self.observer == "mse":
-            from .. import mse_observer
-
             return mse_observer.quantize(self, w, name=name)
         fast = self._quantize_symmetric(w) if self.symmetric else None
         return fast if fast is not None else self._quantize_general(w, name)
