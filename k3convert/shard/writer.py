@@ -286,6 +286,14 @@ def write_stream(
     finally:
         if own_bar:
             bar.close()
+    return _commit_shares(out, plan, source, shares, carry, compress, recipe, workers, group, t0)
+
+
+def _commit_shares(out: Path, plan: Plan, source, shares: list, carry, compress: str, recipe,
+                   workers: int, group: ProcessGroup, t0: float) -> ShardResult:  # fmt: skip
+    """Every process's share of the units (``shares``: results, source hashes, written,
+    skipped) merged; process 0 commits, every process agrees on its error; the result
+    (``t0``: when writing started)."""
     all_results: dict[int, dict] = {}
     all_sha: dict[str, str] = {}
     for r, h, _, _ in shares:

@@ -24,7 +24,8 @@ from .format import (
     StreamError,
     StreamVersionError,
 )
-from .reader import header_of, load_manifest, manifest_where, read_unit_bytes
+from .reader import load_manifest, manifest_where
+from .unit_loader import header_of, read_unit_bytes
 
 EXIT = {"intact": 0, "damaged": 1, "not_stream": 2}
 

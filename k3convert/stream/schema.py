@@ -158,7 +158,21 @@ def _compile(s: dict, root: dict, memo: dict):
                 return False
         return None
 
-    memo[id(s)] = run
+    memo[id(s)] = run  # before the subnodes: a node may refer to itself
+    checks.extend(_applicator_checks(s, root, memo))
+    checks.extend(_value_checks(s))
+    if any(k in s for k in ("required", "properties", "additionalProperties", "propertyNames")):
+        checks.append(_object_check(s, root, memo))
+    if any(k in s for k in ("minItems", "maxItems", "items")):
+        checks.append(_array_check(s, root, memo))
+    checks.extend(_scalar_checks(s))
+    return run
+
+
+def _applicator_checks(s: dict, root: dict, memo: dict) -> list:
+    """The checks of node ``s`` that apply other nodes: ``$ref``, ``oneOf``, ``if`` /
+    ``then`` / ``else``, in that order."""
+    checks: list = []
     if "$ref" in s:
         node = root
         for key in s["$ref"].removeprefix("#/").split("/"):
@@ -199,6 +213,12 @@ def _compile(s: dict, root: dict, memo: dict):
             return None
 
         checks.append(if_then_else)
+    return checks
+
+
+def _value_checks(s: dict) -> list:
+    """The checks of node ``s`` on the value itself: ``const``, ``enum``, ``type``."""
+    checks: list = []
     if "const" in s:
         want = s["const"]
 
@@ -227,50 +247,65 @@ def _compile(s: dict, root: dict, memo: dict):
             return False
 
         checks.append(typed)
-    if any(k in s for k in ("required", "properties", "additionalProperties", "propertyNames")):
-        required = tuple(s.get("required", ()))
-        props = {k: _compile(x, root, memo) for k, x in s.get("properties", {}).items()}
-        extra = s.get("additionalProperties", True)
-        extra_f = _compile(extra, root, memo) if isinstance(extra, dict) else None
-        pn = s.get("propertyNames") or {}
-        names = _rx(pn["pattern"]) if "pattern" in pn else None
+    return checks
 
-        def obj(v, p, errs):
-            if not isinstance(v, dict):
-                return None
-            for k in required:
-                if k not in v:
-                    errs.append((p, f"missing required key '{k}'"))
-            for k, x in v.items():
-                if names is not None and not names.search(k):
-                    errs.append((p, f"key '{k}' does not match {pn['pattern']}"))
-                f = props.get(k)
-                if f is not None:
-                    f(x, (p, k), errs)
-                elif extra is False:
-                    errs.append((p, f"unknown key '{k}'"))
-                elif extra_f is not None:
-                    extra_f(x, (p, k), errs)
+
+def _object_check(s: dict, root: dict, memo: dict):
+    """Node ``s``'s ``required``, ``properties``, ``additionalProperties`` and
+    ``propertyNames``, as one check (of objects only)."""
+    required = tuple(s.get("required", ()))
+    props = {k: _compile(x, root, memo) for k, x in s.get("properties", {}).items()}
+    extra = s.get("additionalProperties", True)
+    extra_f = _compile(extra, root, memo) if isinstance(extra, dict) else None
+    pn = s.get("propertyNames") or {}
+    names = _rx(pn["pattern"]) if "pattern" in pn else None
+
+    def obj(v, p, errs):
+        if not isinstance(v, dict):
             return None
+        for k in required:
+            if k not in v:
+                errs.append((p, f"missing required key '{k}'"))
+        for k, x in v.items():
+            if names is not None and not names.search(k):
+                errs.append((p, f"key '{k}' does not match {pn['pattern']}"))
+            f = props.get(k)
+            if f is not None:
+                f(x, (p, k), errs)
+            elif extra is False:
+                errs.append((p, f"unknown key '{k}'"))
+            elif extra_f is not None:
+                extra_f(x, (p, k), errs)
+        return None
 
-        checks.append(obj)
-    if any(k in s for k in ("minItems", "maxItems", "items")):
-        lo, hi = s.get("minItems"), s.get("maxItems")
-        item = _compile(s["items"], root, memo) if "items" in s else None
+    return obj
 
-        def arr(v, p, errs):
-            if not isinstance(v, list):
-                return None
-            if lo is not None and len(v) < lo:
-                errs.append((p, f"needs at least {lo} items"))
-            if hi is not None and len(v) > hi:
-                errs.append((p, f"allows at most {hi} items"))
-            if item is not None:
-                for i, x in enumerate(v):
-                    item(x, (p, i), errs)
+
+def _array_check(s: dict, root: dict, memo: dict):
+    """Node ``s``'s ``minItems``, ``maxItems`` and ``items``, as one check (of arrays
+    only)."""
+    lo, hi = s.get("minItems"), s.get("maxItems")
+    item = _compile(s["items"], root, memo) if "items" in s else None
+
+    def arr(v, p, errs):
+        if not isinstance(v, list):
             return None
+        if lo is not None and len(v) < lo:
+            errs.append((p, f"needs at least {lo} items"))
+        if hi is not None and len(v) > hi:
+            errs.append((p, f"allows at most {hi} items"))
+        if item is not None:
+            for i, x in enumerate(v):
+                item(x, (p, i), errs)
+        return None
 
-        checks.append(arr)
+    return arr
+
+
+def _scalar_checks(s: dict) -> list:
+    """The checks of node ``s`` on strings (``minLength``, ``pattern``) and numbers
+    (``maximum``, ``minimum``), in that order."""
+    checks: list = []
     if "minLength" in s or "pattern" in s:
         min_len = s.get("minLength")
         rx = _rx(s["pattern"]) if "pattern" in s else None
@@ -301,4 +336,4 @@ def _compile(s: dict, root: dict, memo: dict):
                 errs.append((p, f"must be >= {minimum}, got {v}"))
 
         checks.append(at_least)
-    return run
+    return checks
