@@ -38,8 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from ..arch import load_config
 from ..errors import ConfigError
+from ..paths import data_dirs
 
 #: file suffix -> ``datasets`` packaged builder
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -156,8 +159,6 @@ def calibration_dirs() -> list[Path]:
     (editable install), then ``<sys.prefix>/share/k3convert/calibration`` (where a wheel
     installs the same files, see pyproject's data-files).
     """
-    from ..paths import data_dirs
-
     return data_dirs(ENV_DIR, "calibration")
 
 
@@ -179,7 +180,7 @@ def builtin_corpus() -> list[str]:
     topic of CPython's ``pydoc_data.topics`` (sorted by key). The topics text follows the
     Python version, which the fingerprint of a built set records through its token ids.
     """
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # a large module: loaded only for this corpus
 
     docs = []
     texts = _definitions_dir() / "texts"
@@ -207,8 +208,6 @@ class DatasetDefinition:
 
 def load_definitions() -> dict[str, DatasetDefinition]:
     """Every ``calibration/*.yaml`` definition by name (``yaml.safe_load``)."""
-    import yaml
-
     out: dict[str, DatasetDefinition] = {}
     for f in sorted(_definitions_dir().glob("*.yaml")):
         try:
@@ -325,6 +324,7 @@ def resolve_dataset(name: str | os.PathLike) -> ResolvedDataset:
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
     """Offline mode for one ``datasets`` call (env and the already-imported constants)."""
+    # datasets / huggingface_hub are heavy to import: imported only when data is read
     import datasets.config as dconfig
     import huggingface_hub.constants as hconst
 
@@ -355,7 +355,7 @@ def _known_names() -> str:
 
 
 def _hub_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
-    import datasets.config as dconfig
+    import datasets.config as dconfig  # heavy: see _offline
 
     return Path(os.path.expanduser(str(cache_dir or dconfig.HF_DATASETS_CACHE)))
 
@@ -375,7 +375,7 @@ def _snake(name: str) -> str:
 
 def load_rows(resolved: ResolvedDataset, *, cache_dir: str | os.PathLike | None = None):
     """The rows of a file or cached hub dataset as a ``datasets.Dataset`` (offline)."""
-    import datasets
+    import datasets  # heavy: see _offline
 
     dl = datasets.DownloadConfig(local_files_only=True)
     if resolved.kind == BUILTIN:
@@ -459,8 +459,6 @@ def _first_id(v: Any) -> int | None:
 
 def model_info(model_dir: str | os.PathLike) -> ModelInfo:
     """config.json limits and, when the directory has tokenizer files, its tokenizer."""
-    from ..arch import load_config
-
     d = Path(model_dir)
     if not d.is_dir():
         raise CalibrationDataError(
@@ -482,7 +480,7 @@ def model_info(model_dir: str | os.PathLike) -> ModelInfo:
         pad_id=_first_id(raw.get("pad_token_id", text.get("pad_token_id"))),
     )
     if any((d / f).is_file() for f in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional and heavy: only with tokenizer files
 
         try:
             with _offline():  # a local directory; never a hub lookup either
@@ -619,6 +617,77 @@ def fingerprint(
     return h.hexdigest()
 
 
+def _packed_samples(
+    ds, col: str, tokenize: _Tokenize, opts: CalibrationOptions, info: ModelInfo, source: str
+) -> tuple[list[list[int]], list[list[int]], int, int]:
+    """packing=True: the rows' ids (each followed by EOS) concatenated and cut into
+    ``seq_len`` blocks -> (rows, masks, rows read, rows skipped)."""
+    S, N = opts.seq_len, opts.num_samples
+    read = skipped = 0
+    stream: list[int] = []
+    for k, row in enumerate(ds.select_columns([col, _ROW] if opts.shuffle else [col])):
+        read += 1
+        ids = tokenize(row[col], row.get(_ROW, k))
+        if not ids:
+            skipped += 1
+            continue
+        stream.extend(ids)
+        if info.eos_id is not None and ids[-1] != info.eos_id:
+            stream.append(info.eos_id)
+        if len(stream) >= N * S:
+            break
+    rows = [stream[k : k + S] for k in range(0, len(stream) - S + 1, S)][:N]
+    masks = [[1] * S for _ in rows]
+    if not rows:
+        raise CalibrationDataError(
+            f"{source}: {read} row(s) give {len(stream)} token(s), fewer than one "
+            f"seq_len block of {S}; the dataset is empty at this seq_len. Lower seq_len "
+            f"or add data."
+        )
+    return rows, masks, read, skipped
+
+
+def _row_samples(
+    ds,
+    col: str,
+    image_col: str | None,
+    tokenize: _Tokenize,
+    opts: CalibrationOptions,
+    info: ModelInfo,
+    base: Path | None,
+    source: str,
+) -> tuple[list[list[int]], list[list[int]], list[list[str]] | None, int, int]:
+    """One sample per row (truncated, right-padded; rows under min_len skipped), with the
+    image paths of an image column -> (rows, masks, images, rows read, rows skipped)."""
+    S, N = opts.seq_len, opts.num_samples
+    pad = info.pad_id if info.pad_id is not None else (info.eos_id or 0)
+    rows: list[list[int]] = []
+    masks: list[list[int]] = []
+    images: list[list[str]] | None = [] if image_col is not None else None
+    read = skipped = 0
+    min_len = opts.effective_min_len
+    cols = [col] if image_col is None else [col, image_col]
+    for k, row in enumerate(ds.select_columns([*cols, _ROW] if opts.shuffle else cols)):
+        i = row.get(_ROW, k)
+        if len(rows) >= N:
+            break
+        read += 1
+        ids = tokenize(row[col], i)[:S]
+        if len(ids) < min_len:
+            skipped += 1
+            continue
+        if images is not None:
+            images.append(_image_paths(row[image_col], base, f"{source}: row {i}"))
+        masks.append([1] * len(ids) + [0] * (S - len(ids)))
+        rows.append(ids + [pad] * (S - len(ids)))
+    if not rows:
+        raise CalibrationDataError(
+            f"{source}: none of {read} row(s) has at least min_len={min_len} tokens, so "
+            f"the calibration set is empty; lower min_len / seq_len or enable packing."
+        )
+    return rows, masks, images, read, skipped
+
+
 def build_calibration_set(
     model_dir: str | os.PathLike,
     dataset: str | os.PathLike = "default",
@@ -676,54 +745,13 @@ def build_calibration_set(
         ds = ds.add_column(_ROW, list(range(len(ds)))).shuffle(seed=opts.seed)
     base = resolved.files[0].parent if resolved.files else None
     tokenize = _Tokenize(info, source, col)
-    S, N = opts.seq_len, opts.num_samples
-    pad = info.pad_id if info.pad_id is not None else (info.eos_id or 0)
-    rows: list[list[int]] = []
-    masks: list[list[int]] = []
-    images: list[list[str]] | None = [] if image_col is not None else None
-    read = skipped = 0
     if opts.packing and image_col is None:
-        stream: list[int] = []
-        for k, row in enumerate(ds.select_columns([col, _ROW] if opts.shuffle else [col])):
-            read += 1
-            ids = tokenize(row[col], row.get(_ROW, k))
-            if not ids:
-                skipped += 1
-                continue
-            stream.extend(ids)
-            if info.eos_id is not None and ids[-1] != info.eos_id:
-                stream.append(info.eos_id)
-            if len(stream) >= N * S:
-                break
-        rows = [stream[k : k + S] for k in range(0, len(stream) - S + 1, S)][:N]
-        masks = [[1] * S for _ in rows]
-        if not rows:
-            raise CalibrationDataError(
-                f"{source}: {read} row(s) give {len(stream)} token(s), fewer than one "
-                f"seq_len block of {S}; the dataset is empty at this seq_len. Lower seq_len "
-                f"or add data."
-            )
+        rows, masks, read, skipped = _packed_samples(ds, col, tokenize, opts, info, source)
+        images = None
     else:
-        min_len = opts.effective_min_len
-        cols = [col] if image_col is None else [col, image_col]
-        for k, row in enumerate(ds.select_columns([*cols, _ROW] if opts.shuffle else cols)):
-            i = row.get(_ROW, k)
-            if len(rows) >= N:
-                break
-            read += 1
-            ids = tokenize(row[col], i)[:S]
-            if len(ids) < min_len:
-                skipped += 1
-                continue
-            if images is not None:
-                images.append(_image_paths(row[image_col], base, f"{source}: row {i}"))
-            masks.append([1] * len(ids) + [0] * (S - len(ids)))
-            rows.append(ids + [pad] * (S - len(ids)))
-        if not rows:
-            raise CalibrationDataError(
-                f"{source}: none of {read} row(s) has at least min_len={min_len} tokens, so "
-                f"the calibration set is empty; lower min_len / seq_len or enable packing."
-            )
+        rows, masks, images, read, skipped = _row_samples(
+            ds, col, image_col, tokenize, opts, info, base, source
+        )
     input_ids = torch.tensor(rows, dtype=torch.int64)
     attention_mask = torch.tensor(masks, dtype=torch.int64)
     options = asdict(opts)

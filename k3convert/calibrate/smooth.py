@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import ConfigError
+from ..quant.activations import fake_quant_activation
 
 #: Linears that read the attention block's normed input (``input_layernorm``)
 _ATTENTION_READERS = (
@@ -336,8 +337,6 @@ def smoothquant_search(
     mapping with kept readers (an MoE's router) gets power-of-two scales: its compensated
     columns are then exact in bf16 and the router's logits, hence the top-k choice, do
     not move."""
-    from ..quant.activations import fake_quant_activation
-
     width = stats.max[m.source].shape[0]
     if all(n in plain for n in m.balance):
         return torch.ones(width), None
