@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from k3convert.cli import main
-from k3convert.convert import convert
 from k3convert.errors import ConfigError
+from k3convert.pipeline.convert import convert
 from k3convert.recipe import (
     LayoutSection,
     OutputSection,

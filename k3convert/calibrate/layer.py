@@ -34,9 +34,8 @@ from ..errors import ConfigError
 from ..parallel.procs import balance
 from ..quant.schemes import IntScheme
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
+from .options import GPTQ_ALGORITHMS, SMOOTHING
 from .passes import (
-    GPTQ_ALGORITHMS,
-    SMOOTHING,
     ClipPass,
     ExpertFallbackWarning,
     GPTQPass,
@@ -84,10 +83,10 @@ class _Layer:
         self.static = {n for n, r in mine.items() if static_input(r.scheme)}
         self.others = self._others()
         solved = [n for n in self.gptq if n not in self.others]
-        self.gptq_pass = GPTQPass(mine, solved, options, i, fp_target=fp is not None)
+        self.gptq_pass = GPTQPass(mine, solved, options.gptq(), i, fp_target=fp is not None)
         self.clip_pass = ClipPass(mine, [n for n in self.clip if n not in self.others])
         real = sum(int(m.sum()) for m in masks)
-        self.obs = ObserverPass(mine, self.static, options, real)
+        self.obs = ObserverPass(mine, self.static, options.observers(), real)
         self.seen: dict[str, int] = dict.fromkeys(mine, 0)  # tokens in the statistics
         self.routed: dict[str, int] = dict.fromkeys(mine, 0)  # tokens routed (experts)
         self.cur = _Mode()
@@ -107,7 +106,8 @@ class _Layer:
         self.fp_state: dict = {}  # the FP stream's routed-expert input
         keys = {e.key: e.name for e in self.entries.values()}
         self.smoothing = SmoothingPass(SMOOTHING.get(algorithm), rt.text, i, keys, allrows,
-                                       options, hidden.n)  # fmt: skip
+                                       options.awq(), options.smoothquant(),
+                                       hidden.n)  # fmt: skip
         self.last = i + 1 == rt.num_layers
 
     def _others(self) -> set[str]:

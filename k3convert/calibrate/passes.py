@@ -41,6 +41,12 @@ from .gptq import (
     gptq_quantize,
 )
 from .observers import make_observer
+from .options import (
+    AWQOptions,
+    GPTQOptions,
+    ObserverOptions,
+    SmoothQuantOptions,
+)
 from .smooth import (
     SQ_ALPHAS,
     Smoothing,
@@ -49,11 +55,6 @@ from .smooth import (
     layer_mappings,
     smoothquant_search,
 )
-
-ALGORITHMS = ("rtn", "gptq", "static", "awq", "smoothquant", "smoothquant+gptq")
-#: algorithms that smooth (scale migration, :mod:`.smooth`) before quantizing
-SMOOTHING = {"awq": "awq", "smoothquant": "smoothquant", "smoothquant+gptq": "smoothquant"}
-GPTQ_ALGORITHMS = ("gptq", "smoothquant+gptq")
 
 
 class ExpertFallbackWarning(UserWarning):
@@ -147,7 +148,7 @@ class GPTQPass:
     cross term of its quantized-stream inputs against the full-precision stream's, which
     the FP pass records (:meth:`record_fp`) before the quantized pass of a micro-batch."""
 
-    def __init__(self, rows: dict, solved, options, layer: int, fp_target: bool):
+    def __init__(self, rows: dict, solved, options: GPTQOptions, layer: int, fp_target: bool):
         self.options, self.layer = options, layer
         self.acc = {n: HessianAccumulator(int(rows[n].shape[1]), n) for n in solved}
         self.cross = {}
@@ -182,7 +183,7 @@ class GPTQPass:
         target = None
         if name in self.cross:  # gptq_fp_target: the weight whose outputs on X match it
             target = fp_target_weight(w, H, self.cross.pop(name).cross(),
-                                      strength=float(o.gptq_fp_target),
+                                      strength=float(o.fp_target),
                                       dampening=float(o.dampening), name=name)  # fmt: skip
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GPTQFallbackWarning)
@@ -225,7 +226,7 @@ class ObserverPass:
     as a token reaches an expert at most once. NVFP4's global scale is always the largest
     |input|'s, as compressed-tensors sets it."""
 
-    def __init__(self, rows: dict, names, options, real_tokens: int):
+    def __init__(self, rows: dict, names, options: ObserverOptions, real_tokens: int):
         self.obs = {n: make_observer("minmax" if nv_input(rows[n].scheme) else options.observer,
                                      percentile=float(options.percentile),
                                      capacity=max(1, real_tokens * int(rows[n].shape[1])),
@@ -291,15 +292,15 @@ class SmoothingPass:
     judged on sampled rows, SmoothQuant's too: a mapping is smoothed only where it helps,
     see :data:`.smooth.SQ_MIN_GAIN`), and the scales chosen from them."""
 
-    def __init__(self, kind: str | None, text, layer: int, keys: dict, allrows: dict, options,
-                 batches: int):  # fmt: skip
-        self.kind, self.options = kind, options
+    def __init__(self, kind: str | None, text, layer: int, keys: dict, allrows: dict,
+                 awq: AWQOptions, sq: SmoothQuantOptions, batches: int):  # fmt: skip
+        self.kind, self.awq, self.sq = kind, awq, sq
         self.maps = []
         if kind is not None:
             fixed = any(n.endswith((".k_scale", ".v_scale")) for n in allrows)  # kept scales
             self.maps = layer_mappings(text, layer, keys, allrows, norms_only=False,
                                        cache_fixed=fixed)  # fmt: skip
-        self.stats = Statistics(options.smooth_tokens, batches)
+        self.stats = Statistics(awq.tokens, batches)
         sources = {m.source for m in self.maps}
         self.sampled = sources | {n for m in self.maps for n in m.routed}
         #: the Linears whose inputs the statistics take
@@ -316,7 +317,7 @@ class SmoothingPass:
         alpha, or the best of :data:`.smooth.SQ_ALPHAS`). A mapping whose input saw no real
         token is left alone. The statistics are dropped afterwards."""
         sm = Smoothing()
-        stats, options = self.stats, self.options
+        stats, awq, sq = self.stats, self.awq, self.sq
 
         def weight(n: str) -> torch.Tensor:
             return ckpt.get(n).float()
@@ -332,13 +333,13 @@ class SmoothingPass:
             if not stats.count.get(m.source):
                 continue
             if self.kind == "awq":
-                s, ratio = awq_scales(m, weight, scheme_of, stats, options.awq_grid,
-                                      options.awq_duo_scaling, layer_loss)  # fmt: skip
+                s, ratio = awq_scales(m, weight, scheme_of, stats, awq.grid, awq.duo_scaling,
+                                      layer_loss)  # fmt: skip
                 sm.chosen[m.label] = ratio
                 if ratio is None:
                     continue
             else:
-                alphas = SQ_ALPHAS if options.alpha_search else (float(options.alpha),)
+                alphas = SQ_ALPHAS if sq.alpha_search else (float(sq.alpha),)
                 s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas, plain)
                 sm.chosen[m.label] = alpha
                 if alpha is None:

@@ -44,13 +44,11 @@ Activation quantization is not applied during calibration (the runtime runs with
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import math
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,20 +58,16 @@ from safetensors.torch import save_file
 
 from .. import __version__ as _k3_version
 from ..errors import ConfigError
+from ..parallel.procs import ProcessGroup
 from ..runtime.decoder import AttnResState
+from ..runtime.runtime import Runtime
 from .data import CalibrationSet
 from .layer import calibrate_layer
-from .observers import OBSERVERS, check_percentile
+from .options import ALGORITHMS, GPTQ_ALGORITHMS, SMOOTHING, SequentialOptions
 from .passes import (
-    ALGORITHMS,
-    GPTQ_ALGORITHMS,
-    SMOOTHING,
     ExpertFallbackWarning,
     gptq_supported,
     static_input,
-)
-from .smooth import (
-    check_alpha,
 )
 
 _JOURNAL = "journal.json"
@@ -82,165 +76,6 @@ _JOURNAL_VERSION = "k3convert-sequential-v2"
 #: observer(layer, weight name, input, mask or None): every Linear input the engine feeds
 #: to an accumulator (tests recompute Hessians from it; raising aborts the run)
 Observer = Callable[[int, str, torch.Tensor, torch.Tensor | None], None]
-
-
-@dataclass(frozen=True)
-class SequentialOptions:
-    """Calibration options for :func:`calibrate_sequential` / ``quantize(calibrate=)``.
-
-    dataset / num_samples / seq_len / seed / packing: the calibration set
-    (:func:`~.data.build_calibration_set`; None: the dataset definition's or 128 / 512);
-    batch_size: samples per forward micro-batch; block_size / dampening / act_order: GPTQ;
-    offload_dir: keep the hidden states and the journal there instead of in memory and
-    ``<out>.calib/``; dtype: compute dtype of the runtime; moe_all_experts: routed experts'
-    statistics over all calibration tokens (see the module doc); observer / percentile:
-    how static input scales are chosen (:mod:`.observers`: ``minmax``, ``percentile`` of
-    |x|, ``mse``-optimal clipping). AWQ: awq_grid / awq_duo_scaling its scale search;
-    awq_clip (default on, as the original AWQ's ``auto_clip``): after smoothing, each
-    group-wise integer Linear's ranges are searched for the smallest output error over the
-    calibration tokens (:func:`k3convert.quant.mse_observer.quantize` with the group
-    blocks of its inputs' Gram matrix; the scheme's ``mse_grid`` / ``mse_maxshrink``
-    set the grid). gptq_fp_target (GPTAQ-style asymmetric calibration, 0 = off): GPTQ
-    minimises ``||W (X + a (Xf - X)) - Q X||`` instead of ``||W X - Q X||``, X the
-    Linear's inputs from the quantized layers before it, Xf its inputs in the
-    full-precision model on the same tokens, ``a`` this value (1: the full-precision
-    outputs; 0.5 measured best on the trained fixtures). A second, full-precision stream
-    of hidden states is carried beside the quantized one, and each GPTQ Linear
-    accumulates the cross term ``(Xf - X) X^T`` beside its Hessian
-    (:func:`~.gptq.fp_target_weight`; scales stay the weight's own).
-    """
-
-    dataset: str | os.PathLike = "default"
-    num_samples: int | None = None
-    seq_len: int | None = None
-    seed: int = 0
-    packing: bool = True
-    batch_size: int = 8
-    block_size: int = 128
-    dampening: float = 0.01
-    act_order: bool = True  # llm-compressor's default too (actorder static = weight)
-    offload_dir: str | os.PathLike | None = None
-    dtype: str = "fp32"
-    moe_all_experts: bool = False
-    observer: str = "minmax"
-    percentile: float = 99.99
-    alpha: float = 0.5
-    alpha_search: bool = False
-    awq_grid: int = 20
-    awq_duo_scaling: bool = True
-    awq_clip: bool = True
-    smooth_tokens: int = 4096
-    kv_cache: str | None = None
-    gptq_fp_target: float = 0.0
-
-    def check(self) -> None:
-        for key in ("batch_size", "block_size", "awq_grid", "smooth_tokens"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(
-                    f"calibration option {key} must be a positive integer, got {v!r}."
-                )
-        d = self.dampening
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
-            raise ConfigError(f"calibration option dampening must be a number >= 0, got {d!r}.")
-        if not isinstance(self.moe_all_experts, bool):
-            raise ConfigError(
-                f"calibration option moe_all_experts must be True or False, "
-                f"got {self.moe_all_experts!r}."
-            )
-        if self.observer not in OBSERVERS:
-            raise ConfigError(
-                f"calibration observer '{self.observer}' is not known; use one of "
-                f"{', '.join(OBSERVERS)}."
-            )
-        check_percentile(self.percentile)
-        check_alpha(self.alpha)
-        if self.kv_cache not in (None, "fp8"):
-            raise ConfigError(
-                f"calibration option kv_cache must be fp8 or unset, got {self.kv_cache!r}."
-            )
-        if not isinstance(self.alpha_search, bool):
-            raise ConfigError(
-                f"calibration option alpha_search must be True or False, got {self.alpha_search!r}."
-            )
-        if not isinstance(self.awq_clip, bool):
-            raise ConfigError(
-                f"calibration option awq_clip must be True or False, got {self.awq_clip!r}."
-            )
-        a = self.gptq_fp_target
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
-            raise ConfigError(
-                f"calibration option gptq_fp_target must be a number in [0, 1] (0: off, "
-                f"GPTQ's own target; 1: the full-precision model's outputs; 0.5 "
-                f"recommended), got {a!r}."
-            )
-        if not isinstance(self.awq_duo_scaling, bool):
-            raise ConfigError(
-                f"calibration option awq_duo_scaling must be True or False, "
-                f"got {self.awq_duo_scaling!r}."
-            )
-
-    def set_options(self) -> set[str]:
-        """The options that differ from their defaults: what a recipe section sets, as
-        far as its values tell (a key written with its default value is not seen: a
-        resolved recipe, ``recipe show``, lists every default and must parse again)."""
-        return {f.name for f in dataclasses.fields(SequentialOptions)
-                if getattr(self, f.name) != f.default}  # fmt: skip
-
-    def check_applicable(
-        self, algorithm: str, given: Collection[str], name: Callable[[str], str] = str
-    ) -> None:
-        """Refuse options that ``algorithm`` (or the observer) would not use: ``given``
-        names the options the user set, ``name(option)`` how the message spells one (a
-        flag, a recipe key), ``name("algorithm")`` / ``name("observer")`` included. The
-        same checks for the command line and a recipe's ``quantize.calibrate``."""
-        if "gptq_fp_target" in given and algorithm not in GPTQ_ALGORITHMS:
-            raise ConfigError(
-                f"{name('gptq_fp_target')} only applies with {name('algorithm')} gptq or "
-                f"smoothquant+gptq."
-            )
-        if "awq_clip" in given and algorithm != "awq":
-            raise ConfigError(f"{name('awq_clip')} only applies with {name('algorithm')} awq.")
-        if ({"alpha", "alpha_search"} & set(given)) and not algorithm.startswith("smoothquant"):
-            raise ConfigError(
-                f"{name('alpha')} / {name('alpha_search')} only apply with "
-                f"{name('algorithm')} smoothquant[+gptq]."
-            )
-        if "alpha" in given and self.alpha_search:
-            raise ConfigError(f"give {name('alpha')} or {name('alpha_search')}, not both.")
-        if "percentile" in given and self.observer != "percentile":
-            raise ConfigError(
-                f"{name('percentile')} only applies with {name('observer')} percentile."
-            )
-
-    def algorithm_options(self, algorithm: str | None = None) -> dict:
-        """The options that change results (the journal's fingerprint, the provenance)."""
-        return {"block_size": self.block_size, "dampening": float(self.dampening),
-                "act_order": bool(self.act_order), "dtype": self.dtype,
-                "batch_size": self.batch_size,
-                "moe_all_experts": self.moe_all_experts, "observer": self.observer,
-                "percentile": float(self.percentile)
-                if self.observer == "percentile" else None,
-                "kv_cache": self.kv_cache, **self._gptq_options(algorithm),
-                **self._smoothing_options(algorithm)}  # fmt: skip
-
-    def _gptq_options(self, algorithm: str | None) -> dict:
-        if algorithm is None or algorithm in GPTQ_ALGORITHMS:
-            return {"gptq_fp_target": float(self.gptq_fp_target)}
-        return {}
-
-    def _smoothing_options(self, algorithm: str | None) -> dict:
-        kind = SMOOTHING.get(algorithm) if algorithm is not None else "all"
-        out = {}
-        if kind in ("smoothquant", "all"):
-            out["alpha"] = None if self.alpha_search else float(self.alpha)
-            out["alpha_search"] = self.alpha_search
-        if kind in ("awq", "all"):
-            out.update(awq_grid=self.awq_grid, awq_duo_scaling=self.awq_duo_scaling,
-                       awq_clip=self.awq_clip)  # fmt: skip
-        if kind is not None:
-            out["smooth_tokens"] = self.smooth_tokens
-        return out
 
 
 @dataclass
@@ -497,14 +332,10 @@ def calibrate_sequential(
     the resume journal and the per-layer GPTQ parts (also the spill directory of the
     hidden states when ``options.offload_dir`` is set: then pass it as ``journal``).
     """
-    from ..runtime.runtime import Runtime
-
     options.check()
     check_algorithm(plan, algorithm)
     if calib.images:
         _check_media(calib)
-    from ..parallel.procs import ProcessGroup
-
     group = group if group is not None else ProcessGroup()
     log = log or (lambda s: None)
     journal = Path(journal)

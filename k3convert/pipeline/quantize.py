@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from ..calibrate.data import build_calibration_set
+from ..calibrate.options import SequentialOptions
 from ..calibrate.sensitivity import auto_keep as budgeted_keep
 from ..calibrate.sensitivity import parse_budget
-from ..calibrate.sequential import SequentialOptions, calibrate_sequential, check_algorithm
+from ..calibrate.sequential import calibrate_sequential, check_algorithm
 from ..checkpoint.output import check_output, guard_out, staged_output, write_error
 from ..errors import ConfigError, OutputError
 from ..parallel import procs
@@ -127,7 +128,7 @@ def quantize(
     with static activations (``fp8``), normally supplied by calibration; for NVFP4
     activations (``nvfp4``) the module's input global scale (1.0 when not given).
 
-    calibrate: a :class:`k3convert.calibrate.sequential.SequentialOptions` runs
+    calibrate: a :class:`k3convert.calibrate.options.SequentialOptions` runs
     layer-sequential calibration on the runtime first (dataset, samples, GPTQ options,
     offload_dir); algorithm: ``gptq`` (GPTQ weights for int / FP8 schemes), ``static``
     or ``rtn`` (round to nearest); with any of them the static input scales of the
@@ -292,7 +293,7 @@ class Prepared:
 class QuantizeJob:
     """What a quantization does, resolved once from a recipe and / or keyword options
     (:meth:`resolve`): the rules (a default ``scheme`` or a ``recipe``'s), the keeps, the
-    calibration (``calibrate``: :class:`k3convert.calibrate.sequential.SequentialOptions`,
+    calibration (``calibrate``: :class:`k3convert.calibrate.options.SequentialOptions`,
     with its ``algorithm``), the budgeted exceptions (``auto_keep`` ...), the serving
     target and the weight observer; see :func:`quantize` for each field."""
 
