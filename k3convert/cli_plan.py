@@ -12,82 +12,97 @@ import typer
 from .cli_options import ExpertLoad, PPLayers, RedundantExperts, StrictServing
 from .errors import ConfigError, OutputError
 
+# -- plan's options (typer reads help and flag names from these) --
+Src = Annotated[
+    str | None,
+    typer.Argument(
+        help="config.json, a model directory (its stored tensors when it has "
+        "weights) or a preset (kimi-k3, kimi-k2, kimi-k25, ...); optional with a "
+        "--recipe whose source.path names the model."
+    ),
+]
+Recipe = Annotated[
+    Path | None,
+    typer.Option(help="Recipe YAML: its layout and quantize sections are defaults."),
+]
+Tp = Annotated[int | None, typer.Option(help="Tensor-parallel degree (default 1).")]
+Pp = Annotated[int | None, typer.Option(help="Pipeline stages (default 1).")]
+Ep = Annotated[int | None, typer.Option(help="Expert-parallel degree, dividing tp (default 1).")]
+Scheme = Annotated[
+    str | None,
+    typer.Option(help="Plan the weights as quantize --scheme NAME would write them."),
+]
+Context = Annotated[
+    str | None,
+    typer.Option(
+        help="Tokens per sequence: 131072, 128k, 1M (k = 1024, M = 1,048,576); "
+        "default: the recipe's target.context, else 131072."
+    ),
+]
+Batch = Annotated[
+    int | None,
+    typer.Option(help="Sequences served at once (default: the recipe's target, else 1)."),
+]
+KvDtype = Annotated[str, typer.Option(help="KV cache dtype: bf16, fp8, fp16 or fp32.")]
+DeviceMem = Annotated[
+    str | None,
+    typer.Option(help="Memory per device: 141GB (10^9), 140GiB (2^30), 1.5TB, ..."),
+]
+Device = Annotated[
+    str | None,
+    typer.Option(
+        help="A device's published memory: a100, h100, h200, b200, mi300x, mi325x, "
+        "mtt-s5000 (default: the recipe's target.device)."
+    ),
+]
+PrefillChunk = Annotated[
+    str, typer.Option(help="Tokens per prefill chunk, for the activation estimate.")
+]
+Top = Annotated[int, typer.Option(help="Layouts that fit to list.")]
+JsonOut = Annotated[
+    Path | None, typer.Option("--json", help="Write the plan as JSON (bytes) here.")
+]
+Plot = Annotated[
+    Path | None, typer.Option(help="Write a PNG of per-rank memory here (matplotlib).")
+]
+FailIfOver = Annotated[
+    bool,
+    typer.Option("--fail-if-over", help="Exit 1 when a rank is over the budget."),
+]
+ServingDevice = Annotated[
+    str | None,
+    typer.Option(
+        help="Check the planned scheme against vLLM on cuda or cpu (default: the "
+        "recipe's output.serving_device, else cuda)."
+    ),
+]
+
 
 def register(app: typer.Typer) -> None:
     """Add the ``plan`` command to ``app``."""
 
     @app.command("plan")
     def plan(
-        src: Annotated[
-            str | None,
-            typer.Argument(
-                help="config.json, a model directory (its stored tensors when it has "
-                "weights) or a preset (kimi-k3, kimi-k2, kimi-k25, ...); optional with a "
-                "--recipe whose source.path names the model."
-            ),
-        ] = None,
-        recipe: Annotated[
-            Path | None,
-            typer.Option(help="Recipe YAML: its layout and quantize sections are defaults."),
-        ] = None,
-        tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree (default 1).")] = None,
-        pp: Annotated[int | None, typer.Option(help="Pipeline stages (default 1).")] = None,
-        ep: Annotated[
-            int | None, typer.Option(help="Expert-parallel degree, dividing tp (default 1).")
-        ] = None,
+        src: Src = None,
+        recipe: Recipe = None,
+        tp: Tp = None,
+        pp: Pp = None,
+        ep: Ep = None,
         redundant_experts: RedundantExperts = None,
         pp_layers: PPLayers = None,
         expert_load: ExpertLoad = None,
-        scheme: Annotated[
-            str | None,
-            typer.Option(help="Plan the weights as quantize --scheme NAME would write them."),
-        ] = None,
-        context: Annotated[
-            str | None,
-            typer.Option(
-                help="Tokens per sequence: 131072, 128k, 1M (k = 1024, M = 1,048,576); "
-                "default: the recipe's target.context, else 131072."
-            ),
-        ] = None,
-        batch: Annotated[
-            int | None,
-            typer.Option(help="Sequences served at once (default: the recipe's target, else 1)."),
-        ] = None,
-        kv_dtype: Annotated[
-            str, typer.Option(help="KV cache dtype: bf16, fp8, fp16 or fp32.")
-        ] = "bf16",
-        device_mem: Annotated[
-            str | None,
-            typer.Option(help="Memory per device: 141GB (10^9), 140GiB (2^30), 1.5TB, ..."),
-        ] = None,
-        device: Annotated[
-            str | None,
-            typer.Option(
-                help="A device's published memory: a100, h100, h200, b200, mi300x, mi325x, "
-                "mtt-s5000 (default: the recipe's target.device)."
-            ),
-        ] = None,
-        prefill_chunk: Annotated[
-            str, typer.Option(help="Tokens per prefill chunk, for the activation estimate.")
-        ] = "8192",
-        top: Annotated[int, typer.Option(help="Layouts that fit to list.")] = 5,
-        json_out: Annotated[
-            Path | None, typer.Option("--json", help="Write the plan as JSON (bytes) here.")
-        ] = None,
-        plot: Annotated[
-            Path | None, typer.Option(help="Write a PNG of per-rank memory here (matplotlib).")
-        ] = None,
-        fail_if_over: Annotated[
-            bool,
-            typer.Option("--fail-if-over", help="Exit 1 when a rank is over the budget."),
-        ] = False,
-        serving_device: Annotated[
-            str | None,
-            typer.Option(
-                help="Check the planned scheme against vLLM on cuda or cpu (default: the "
-                "recipe's output.serving_device, else cuda)."
-            ),
-        ] = None,
+        scheme: Scheme = None,
+        context: Context = None,
+        batch: Batch = None,
+        kv_dtype: KvDtype = "bf16",
+        device_mem: DeviceMem = None,
+        device: Device = None,
+        prefill_chunk: PrefillChunk = "8192",
+        top: Top = 5,
+        json_out: JsonOut = None,
+        plot: Plot = None,
+        fail_if_over: FailIfOver = False,
+        serving_device: ServingDevice = None,
         strict_serving: StrictServing = False,
     ):
         """Memory per rank for a layout and a workload: weights (as shard writes them),
