@@ -1,5 +1,5 @@
 """``k3convert convert`` and ``k3convert recipe check | show | list``: thin wrappers over
-:func:`k3convert.convert.convert` and :mod:`k3convert.recipe`."""
+:func:`k3convert.pipeline.convert.convert` and :mod:`k3convert.recipe`."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def convert_cmd(
     units. Rerun the same command after an interruption to resume (finished calibration
     layers and units are not redone). Writes OUT/report.json; exit 1 when verify fails.
     Under torchrun the processes share the units (OUT on a shared file system)."""
-    from .convert import convert
     from .parallel import procs
+    from .pipeline.convert import convert
 
     if len(paths) not in (1, 2):
         raise typer.BadParameter("give SRC OUT (or OUT alone when the recipe names source.path).")
@@ -91,7 +91,7 @@ def recipe_check(
 
     r = load_recipe(recipe, list(set_ or ()))
     if model is not None:
-        from .convert import check_against
+        from .pipeline.convert import check_against
 
         typer.echo(f"# {check_against(r, model)}")
     typer.echo(f"# {r.origin}: valid (recipe version {r.version})")

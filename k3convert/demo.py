@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .convert import convert
 from .errors import K3Error, OutputError
+from .pipeline.convert import convert
 from .synth import synthesize
 
 DEMO_PRESET = "demo"

@@ -12,9 +12,12 @@ from typing import Any
 
 
 class K3Error(Exception):
-    """Base class of every error a user can cause with bad input."""
+    """Base class of every error a user can cause with bad input. ``where``: the place
+    the message already names (a recipe key path such as ``R.yaml: quantize.rules[1]``),
+    for callers that add context; None when the message names none."""
 
     exit_code = 2
+    where: str | None = None
 
 
 class CheckpointError(K3Error):

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import k3convert.shard.writer as shard_writer
-from k3convert.convert import PlannedCheckpoint, convert
 from k3convert.errors import OutputError
 from k3convert.pipeline import quantize
+from k3convert.pipeline.convert import PlannedCheckpoint, convert
 from k3convert.recipe import parse_recipe
 from k3convert.shard import shard
 from k3convert.stream import read_manifest_doc

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from k3convert.checkpoint import open_checkpoint
-from k3convert.convert import convert
 from k3convert.layout import Layout
 from k3convert.parallel.procs import ProcessGroup, balance
+from k3convert.pipeline.convert import convert
 from k3convert.shard import shard
 from k3convert.shard.plan import build_plan
 from k3convert.shard.unit_io import journal_path

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from k3convert.convert import convert
 from k3convert.memplan import plan_memory
+from k3convert.pipeline.convert import convert
 from k3convert.recipe import load_recipe
 from k3convert.stream import open_stream, read_manifest_doc
 from k3convert.synth import synthesize

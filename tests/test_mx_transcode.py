@@ -307,7 +307,7 @@ def test_resumed_convert_says_what_it_did_not_measure(tmp_path, monkeypatch):
     """A convert resumed after an interruption re-encodes only the units it writes: the
     report lists the re-encoded tensors it did not measure and says so."""
     from k3convert.cli import main
-    from k3convert.convert import convert
+    from k3convert.pipeline.convert import convert
     from k3convert.recipe import load_recipe
     from tests.test_convert import _interrupt_after, _Stop
 

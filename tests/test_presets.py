@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from k3convert.cli import main
-from k3convert.convert import check_against, convert
+from k3convert.pipeline.convert import check_against, convert
 from k3convert.recipe import load_recipe, presets
 from k3convert.synth import preset_config, synthesize
 from k3convert.verify.metrics import FAMILIES

@@ -348,11 +348,13 @@ def validate_rule_roles(rules: Sequence[Rule], roles: Iterable[Role]) -> None:
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f" Did you mean '{close[0]}'?" if close else ""
-                raise ConfigError(
+                err = ConfigError(
                     f"{rule.where or 'rule'}: unknown role '{name}'.{hint} Roles: "
                     f"{', '.join(sorted(set(COMPONENTS) | set(ROLE_ALIASES)))}, or a tensor "
                     f"kind of this architecture (e.g. q_proj, down_proj)."
                 )
+                err.where = rule.where or None
+                raise err
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,159 @@
+"""``convert``'s report: ``OUT/report.json`` (sizes, time per stage, the quantization,
+the release's fidelity, verify's figures) and its text summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import __version__
+from ..quant import fidelity
+from ..units import human_bytes
+
+REPORT = "report.json"
+REPORT_FORMAT = "k3convert-convert-report-v1"
+
+
+def quantize_summary(prep, run: bool = True) -> dict:
+    """The quantize section of the report; ``run``: with this run's own counts (not
+    kept in the sidecar, which must not depend on how the stream was made)."""
+    pl = prep.plan
+    cal = prep.calibrated
+    out = {
+        "tensors": len(pl.rows),
+        "quantized": len(pl.quantized),
+        "quantized_bytes": pl.totals()[1],
+        "schemes": sorted(pl.schemes()),
+        "calibration": prep.provenance,
+    }
+    if run:
+        # layers a rerun took from the calibration journal instead of recomputing
+        out["calibration_layers_resumed"] = getattr(cal, "resumed_from", None)
+        # calibrated weights (GPTQ solves, smoothed weights) each process produced
+        out["calibrated_rows_per_process"] = getattr(cal, "solves_per_process", None)
+    return out
+
+
+def read_losses(out: Path):
+    """The loss report a conversion left in ``out`` (None: none, or not readable as one)."""
+
+    try:
+        return fidelity.LossReport.from_json(json.loads((out / fidelity.FILE).read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _fidelity_summary(losses) -> dict | None:
+    """report.json's view of the loss report: the totals, the summary line and the ten
+    worst tensors (every tensor is in OUT/transcode_report.json)."""
+    if losses is None or not (len(losses) or losses.unmeasured):
+        return None
+
+    doc = losses.to_json()
+    doc.pop("entries")
+    doc["summary"] = losses.summary()
+    doc["file"] = fidelity.FILE
+    doc["worst"] = [e.to_json() for e in losses.worst(10)]
+    return doc
+
+
+def build_report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=None,
+            losses=None) -> dict:  # fmt: skip
+    src_bytes = sum(f.size for f in ck.files())
+    if done is not None:  # a complete stream verified again: its run's own figures
+        q = done.get("quantize")
+    else:
+        q = quantize_summary(prep) if prep is not None else None
+    rep: dict = {
+        "format": REPORT_FORMAT,
+        "generator": f"k3convert {__version__}",
+        "recipe": r.origin,
+        "description": r.description,
+        "source": str(Path(ck.root).resolve()),
+        "out": str(out.resolve()),
+        "model_type": ck.config.get("model_type"),
+        "layout": {
+            **plan.layout.to_json(),
+            "world": plan.layout.world,
+            "redundant_experts": r.layout.redundant_experts,
+        },
+        "processes": group.world,
+        "sizes": {
+            "source_bytes": src_bytes,
+            "quantized_bytes": q.pop("quantized_bytes", None) if q else None,
+            "stream_bytes": res.bytes_written,
+            "units": len(plan.units),
+        },
+        "units": {"written": res.units_written, "skipped": res.units_skipped},
+        "seconds": {k: round(v, 3) for k, v in times.items()},
+        "intermediate": str(inter) if inter is not None else None,
+        "quantize": q,
+        "fidelity": _fidelity_summary(losses),
+    }
+    if vrep is not None:
+        rep["verify"] = _verify_summary(vrep)
+        rep["passed"] = bool(vrep.get("passed"))
+    else:
+        rep["verify"] = None
+        rep["passed"] = None
+    return rep
+
+
+def _verify_summary(v: dict) -> dict:
+    keep = ("passed", "failure", "thresholds", "logits", "decode", "candidate_kind",
+            "reference_kind", "seconds", "inputs")  # fmt: skip
+    return {k: v[k] for k in keep if k in v}
+
+
+def render_summary(rep: dict) -> str:
+    """The end-of-run table: sizes in and out, time per stage, verify's parity figures."""
+
+    s = rep["sizes"]
+    lay = rep["layout"]
+    lines = [
+        f"convert {rep['source']} -> {rep['out']}  (recipe {rep['recipe']})",
+        f"  layout      tp={lay['tp']} pp={lay['pp']} moe_tp={lay['moe_tp']} "
+        f"moe_ep={lay['moe_ep']} redundant_experts={lay['redundant_experts']}  "
+        f"({lay['world']} ranks, {rep['processes']} process(es))",
+        f"  size        source {human_bytes(s['source_bytes'])}"
+        + (f" -> quantized {human_bytes(s['quantized_bytes'])}" if s["quantized_bytes"] else "")
+        + f" -> stream {human_bytes(s['stream_bytes'])} in {s['units']} units "
+        f"({rep['units']['written']} written, {rep['units']['skipped']} already done)",
+    ]
+    if rep.get("quantize"):
+        q = rep["quantize"]
+        cal = q.get("calibration") or {}
+        lines.append(
+            f"  quantize    {q['quantized']} of {q['tensors']} tensors "
+            f"({', '.join(q['schemes']) or 'none'})"
+            + (f", calibrated ({cal.get('algorithm')})" if cal else "")
+        )
+    if rep.get("fidelity"):
+        lines.append(f"  fidelity    {rep['fidelity']['summary']}")
+    secs = rep["seconds"]
+    lines.append("  time        " + "  ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
+    v = rep.get("verify")
+    if v:
+        lg = v.get("logits") or {}
+        th = v.get("thresholds") or {}
+        kld = lg.get("kld") or {}
+
+        def f(x, spec=".3g"):
+            return "-" if x is None else format(x, spec)
+
+        lines.append(
+            f"  verify      {'PASS' if v.get('passed') else 'FAIL'}: KLD mean "
+            f"{f(kld.get('mean'))} (max {f(th.get('max_kld'))}), top-1 "
+            f"{f(lg.get('top1'), '.3f')} (min {f(th.get('min_top1'))}), max rel err "
+            f"{f(lg.get('max_rel_err'))}"
+            + (
+                f", decode {'ok' if v['decode'].get('passed') else 'FAIL'}"
+                if v.get("decode")
+                else ""
+            )
+            + (f"; {v['failure']}" if v.get("failure") else "")
+        )
+    else:
+        lines.append("  verify      skipped (verify.enabled: false)")
+    lines.append(f"  report      {rep['out']}/{REPORT}")
+    return "\n".join(lines)
