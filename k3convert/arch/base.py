@@ -186,6 +186,10 @@ class Arch:
     #: where decoder layer ``{L}``'s attention module lives (its KV-cache scales'
     #: names: ``k_scale`` / ``v_scale`` appended)
     attention_prefix: str = "model.layers.{L}.self_attn."
+    #: whose modeling code the runtime's forward pass reproduces, where two differ:
+    #: ``transformers`` or ``moonshot`` (the modeling_kimi_linear shipped with Kimi K3: SiTU
+    #: MLPs, sigmoid routing only, MLA without rotary, top-k renormalised only when k > 1)
+    reference: str = "transformers"
 
     def config(self, raw: dict) -> Any:
         return self.parse_config(raw)

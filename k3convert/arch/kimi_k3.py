@@ -74,5 +74,6 @@ KIMI_K3 = register(
         text_key="text_config",
         attention_prefix="language_model.model.layers.{L}.self_attn.",
         vision="moonvit3d",
+        reference="moonshot",
     )
 )

@@ -179,23 +179,24 @@ def text_settings(arch_name: str, cfg: Any, raw: dict, where: str) -> TextSettin
 
 
 def _hybrid_settings(fam: Arch, cfg: Any, raw: dict, where: str) -> TextSettings:
-    """kimi_linear (transformers 5.24) / kimi_k3 text (Moonshot's modeling_kimi_linear)."""
+    """A KDA / MLA hybrid decoder: kimi_linear as transformers 5.24 runs it, or as
+    Moonshot's modeling_kimi_linear does (``Arch.reference``: Kimi K3's text)."""
     arch_name = fam.name
     eps = finite(raw.get("rms_norm_eps"), "rms_norm_eps", where, 1e-6)
     name = raw.get("hidden_act")
     if name == "situ":
-        if arch_name != "kimi_k3":
+        if fam.reference != "moonshot":
             raise ConfigError(f"{where}: hidden_act 'situ' is Kimi K3's; '{arch_name}' has none.")
         glu, act = situ(raw, where), None
     else:
         glu, act = None, activation(name, where)
-        if arch_name == "kimi_linear" and name not in (None, "silu", "swish"):
+        if fam.reference == "transformers" and name not in (None, "silu", "swish"):
             # transformers runs the KDA short convolution with hidden_act, the KDA op with SiLU
             raise ConfigError(
                 f"{where}: kimi_linear with hidden_act '{name}' is not supported (its KDA "
                 f"short convolution would use it); only silu."
             )
-    if arch_name == "kimi_k3":
+    if fam.reference == "moonshot":
         scoring = raw.get("moe_router_activation_func", "sigmoid")
         if scoring != "sigmoid":
             raise ConfigError(
@@ -247,7 +248,7 @@ def _hybrid_settings(fam: Arch, cfg: Any, raw: dict, where: str) -> TextSettings
         top_k=top_k,
         num_experts=cfg.num_experts,
         # Moonshot renormalises only when more than one expert is chosen
-        norm_topk_prob=cfg.norm_topk_prob and (arch_name == "kimi_linear" or top_k > 1),
+        norm_topk_prob=cfg.norm_topk_prob and (fam.reference == "transformers" or top_k > 1),
         n_group=cfg.n_group,
         topk_group=cfg.topk_group,
         routed_scaling_factor=cfg.routed_scaling_factor,

@@ -508,7 +508,7 @@ def _inputs(cand, data, ref_path: Path, cand_path: Path, seq_len: int, random: i
         if cand.vision is None:
             raise ConfigError(
                 f"--pixel-values {pixel_values}: '{cand.arch.name}' has no vision tower; only "
-                f"kimi_k25 takes images."
+                f"a multimodal family (kimi_k25, kimi_k3) takes images."
             )
     if data is not None:
         tok_dir = ref_path if (ref_path / "tokenizer_config.json").exists() else cand_path
