@@ -15,6 +15,8 @@ from typing import Any
 from .arch import COMPONENTS, kv_cache_scheme_of, load_config, resolve, validate_source
 from .checkpoint import open_checkpoint
 from .checkpoint.output import refuse_partial
+from .quant.rules import is_linear_weight
+from .stream import load_manifest
 from .units import human_bytes
 
 _CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -75,8 +77,6 @@ def _describe(cfg: Any) -> dict[str, Any]:
 def _linear_module(name: str, role) -> bool:
     """A Linear a quantization_config's targets could mean (not a router, embedding, head,
     norm or MTP tensor, which releases keep in high precision by design)."""
-    from .quant.rules import is_linear_weight
-
     return (
         not role.mtp
         and role.component not in ("router", "head", "embeddings", "norms")
@@ -240,8 +240,6 @@ def _kv_line(kv: dict) -> str:
 
 def _inspect_stream(p: Path, *, tensors: bool, keep_mtp: bool) -> dict:
     """A stream directory: the model's arithmetic from its config, plus its layout."""
-    from .stream import load_manifest
-
     manifest = load_manifest(p)
     report = inspect_path(path=p / "config.json", tensors=tensors, keep_mtp=keep_mtp)
     lay = manifest["layout"]

@@ -11,10 +11,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from .units import human_bytes
+from .verify.report import plot
+
 
 def _rows(rep: dict) -> list[tuple[str, str]]:
-    from .units import human_bytes
-
     s, lay = rep["sizes"], rep["layout"]
     rows = [
         ("recipe", rep["recipe"]),
@@ -107,8 +108,6 @@ def _plot_uri(verify_report: dict | None) -> str | None:
         import matplotlib  # noqa: F401
     except ImportError:
         return None
-    from .verify.report import plot
-
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "verify.png"
         plot(verify_report, p)

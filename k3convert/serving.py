@@ -27,7 +27,13 @@ import functools
 import re
 from dataclasses import dataclass, replace
 
+from .arch import resolve
+from .checkpoint import TensorMeta
 from .errors import ConfigError
+from .layout import Layout
+from .quant.schemes import FP4Scheme, FP8Scheme, IntScheme
+from .shard.plan import Splitter
+from .stream.format import SplitError
 
 #: device classes a check can target (``--serving-device``)
 DEVICES = ("cuda", "cpu")
@@ -172,8 +178,6 @@ class Problem:
 def kernel_class(scheme) -> str:
     """The class of vLLM kernel a scheme needs (a key of :data:`KERNELS`); cached per
     scheme (a plan of a 3 T model asks once per tensor)."""
-    from .quant.schemes import FP4Scheme, FP8Scheme, IntScheme
-
     act = scheme.act
     if isinstance(scheme, FP8Scheme):
         if scheme.strategy == "block":
@@ -214,12 +218,6 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
     served at tensor-parallel degree ``tp`` (``moe_ep``: experts' EP degree, so routed
     experts are sliced by ``tp / moe_ep``). Problems of layers that differ only in their
     index are reported once, with a count."""
-    from .arch import resolve
-    from .checkpoint import TensorMeta
-    from .layout import Layout
-    from .shard.plan import Splitter
-    from .stream.format import SplitError
-
     engine = _engine(device)
     _, cfg = resolve(config, "config.json")
     layout = Layout(tp=tp, moe_ep=moe_ep)

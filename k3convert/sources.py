@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .checkpoint import open_checkpoint
+from .stream import open_stream
+
 
 def open_source(path: str | os.PathLike):
     """A Checkpoint, or a Stream for a stream directory (single-rank for the runtime)."""
     p = Path(path)
     if p.is_dir() and (p / "manifest.json").is_file():
-        from .stream import open_stream
-
         return open_stream(p)
-    from .checkpoint import open_checkpoint
-
     return open_checkpoint(p)

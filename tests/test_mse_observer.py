@@ -95,7 +95,7 @@ def test_matches_llm_compressor_mse_observer(name):
     scheme = get_scheme(name, observer="mse", scale_dtype="float32")
     w = _weight()
     out, inp = w.shape
-    ng = scheme._ngroups(inp)
+    ng = scheme.ngroups(inp)
     args = _ct_args(scheme)
     token = args.model_copy(update={"strategy": QuantizationStrategy.TOKEN})
     obs = w.view(1, out, ng, inp // ng)  # (observations, *qparams shape, group)
@@ -261,7 +261,7 @@ def test_fast_search_equals_the_exact_one(name):
     scheme = get_scheme(name, observer="mse")
     for dtype in (torch.bfloat16, torch.float32):
         w = _weight(seed=3, dtype=dtype)
-        exact = scheme._quantize_general(
+        exact = scheme.quantize_general(
             w, "w", rows=lambda g, n: mse_observer._rows(scheme, g, n, exact=True)
         )
         fast = scheme.quantize(w)
@@ -292,7 +292,7 @@ def test_gram_search_identity_is_the_squared_error_search():
     choice as the norm-2 search, bit for bit."""
     w = _weight(seed=4)
     scheme = get_scheme("w4a16-asym", observer="mse", mse_norm=2.0)
-    ng = scheme._ngroups(w.shape[1])
+    ng = scheme.ngroups(w.shape[1])
     eye = torch.eye(128).expand(ng, 128, 128).contiguous()
     a = mse_observer.quantize(scheme, w, gram=eye)
     b = scheme.quantize(w)

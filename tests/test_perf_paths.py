@@ -87,7 +87,7 @@ def test_symmetric_int_fused_path_is_the_general_one(name, dtype, shape):
     w = _weights(shape, dtype, seed=shape[0])
     fast = s._quantize_symmetric(w)
     assert fast is not None
-    _same(fast, s._quantize_general(w, "w"))
+    _same(fast, s.quantize_general(w, "w"))
 
 
 def test_symmetric_int_hands_over_inf_and_overflowing_scales():

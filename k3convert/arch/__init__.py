@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import load_json
 from ..errors import ConfigError
 from . import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, llama, qwen3_moe  # noqa: F401  (registration)
 from .base import (
@@ -29,8 +30,6 @@ MAX_LAYER_EXPERTS = 1 << 22
 
 def load_config(path: str | Path) -> dict:
     """config.json from a model directory or the file itself."""
-    from ..checkpoint import load_json
-
     p = Path(path)
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():

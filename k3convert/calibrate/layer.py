@@ -487,7 +487,7 @@ def _experts_pass(rt, unit: str, cur: dict, experts: list[int], x, flag: str, wh
         for e in experts:
             r = x if rows is None else x.index_select(0, rows[e].to(x.device))
             if r.shape[0]:
-                gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", r)
+                gated_mlp(rt.text, rt.linear, w, f"routed_experts.{e}", r)
     finally:
         cur[flag] = False
 

@@ -68,7 +68,7 @@ def gptq_supported(scheme: Scheme) -> bool:
 
 def group_of(scheme: IntScheme, shape) -> int:
     """Input channels per scale group of an integer scheme on a weight of ``shape``."""
-    return int(shape[1]) // scheme._ngroups(int(shape[1]))
+    return int(shape[1]) // scheme.ngroups(int(shape[1]))
 
 
 def static_input(scheme: Scheme) -> bool:

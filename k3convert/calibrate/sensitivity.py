@@ -328,11 +328,11 @@ class _Scan:
                 cur["mask"], cur["experts"] = self.masks[b], rec["experts"]
                 real = self.masks[b].reshape(-1)[rec["experts"][e].to(self.masks[b].device)]
                 wts = rec["weights"][e][:, None].to(torch.float32)
-                ref = gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", x)
+                ref = gated_mlp(rt.text, rt.linear, w, f"routed_experts.{e}", x)
                 for name in names[e]:
                     for lad in variants:
                         cur["target"], cur["ladder"] = name, lad
-                        got = gated_mlp(rt.text, rt._linear, w, f"routed_experts.{e}", x)
+                        got = gated_mlp(rt.text, rt.linear, w, f"routed_experts.{e}", x)
                         d = ((got.to(torch.float32) - ref.to(torch.float32)) * wts)[real]
                         key = "ladder" if lad else "score"
                         self.scores[name][key] += float((d.double() ** 2).sum()) / norm

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..errors import K3Error
 from .collectives import init_distributed, under_torchrun
 
 T = TypeVar("T")
@@ -67,8 +68,6 @@ class ProcessGroup:
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every process when any process failed at this point (its own error on
         itself, a one-line note naming the failed process on the others)."""
-        from ..errors import K3Error
-
         mine = None if error is None else (_brief(error), getattr(error, "exit_code", 1))
         flags = self.gather(mine)
         if error is not None:

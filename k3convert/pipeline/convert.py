@@ -244,10 +244,9 @@ def convert(
         if done is not None:  # a complete stream of this recipe: verify it again
             ui.stages = [s for s in stages if s != "calibrate"]
         elif r.quantize is not None:
-            t = time.perf_counter()
-            _calibrate(st, r, ck, out, force, calib_dir, group, ui, say, cache_bytes)
-            if _needs_data(r):
-                times["calibrate"] = time.perf_counter() - t
+            took = _calibrate(st, r, ck, out, force, calib_dir, group, ui, say, cache_bytes)
+            if took is not None:
+                times["calibrate"] = took
         # (else the plan of step 1 is the one to write: for a complete OUT with
         # expert_load: calibration, its even counts; the manifest holds the real placement)
 
@@ -370,15 +369,18 @@ def _plan(r: Recipe, ck, cache_bytes: int, log) -> _Planned:
 
 
 def _calibrate(st: _Planned, r: Recipe, ck, out, force, calib_dir, group, ui, say,
-               cache_bytes) -> None:  # fmt: skip
+               cache_bytes) -> float | None:  # fmt: skip
     """Step 2: the preparation completed (calibration and the auto-keep scan where the
     recipe asks, the fused scales otherwise) and, when data changed the checkpoint, the
-    units planned again (with calibration's routing counts for ``expert_load``)."""
+    units planned again (with calibration's routing counts for ``expert_load``). Returns
+    the seconds calibration took (None when nothing needed data)."""
     if not _needs_data(r):
         fuse_scales(st.prep)  # the plan-only preparation is complete: no data needed
-        return
+        return None
+    t = time.perf_counter()
     st.prep = _prepare(r, ck, out, force, calib_dir, group, ui, say)
     st.data = PlannedCheckpoint(st.prep, cache_bytes)
+    took = time.perf_counter() - t  # the re-plan below is not calibration's time
     if st.pending:
         cal = st.prep.calibrated
         counts = cal.routing_counts if cal is not None else {}
@@ -389,6 +391,7 @@ def _calibrate(st: _Planned, r: Recipe, ck, out, force, calib_dir, group, ui, sa
             )
         st.load = counts
     st.plan = build_plan(st.data, st.layout, expert_load=st.load, **st.placement)
+    return took
 
 
 def _write(st: _Planned, r: Recipe, ck, out, force, progress, done, group, ui) -> ShardResult:

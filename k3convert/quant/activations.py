@@ -40,6 +40,7 @@ import torch
 
 from ..errors import ConfigError
 from ..formats import FP4_MAX, FP8_MAX, INPUT_GLOBAL_SCALE, INPUT_SCALE, NV_GROUP
+from ..formats.fp4 import E2M1, fp4_codes
 
 STRATEGIES = ("token", "tensor", "group", "tensor_group")
 _SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn}
@@ -298,8 +299,6 @@ def _fake_quant_nvfp4(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     op for op: group min / max in x's dtype, ``amax / 6`` in x's dtype, times the global
     scale (float32), rounded to e4m3, zero -> 0.125; zero points are fp8 zeros, added and
     subtracted as compressed-tensors does (which turns -0.0 into +0.0)."""
-    from ..formats.fp4 import E2M1, fp4_codes
-
     g = spec.group_size
     gs = spec.global_scale
     gs = torch.ones(1) if gs is None else gs.to(torch.float32).reshape(1)

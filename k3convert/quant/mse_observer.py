@@ -6,7 +6,7 @@ group. The ``mse`` observer runs llm-compressor's MSE weight observer search
 (``observers/mse_quant.py::_grid_search_mse``): for ``p = 1 - i / grid``,
 ``i = 0 .. int(maxshrink * grid) - 1`` (20 ratios, 1.00 to 0.81, with the defaults grid
 100, maxshrink 0.2), the scale and zero point of the shrunk range ``p * (min, max)``
-(the scheme's own formulas: :meth:`IntScheme._quantize_rows`, so the scale dtype's
+(the scheme's own formulas: :meth:`IntScheme.quantize_rows`, so the scale dtype's
 rounding and the zero point's formula are the stored ones), the weight rounded against
 them (values beyond the range saturate at the end codes) and dequantized as every
 loader does (``(q - zp) * scale`` in the scale's dtype); each group keeps the ratio with
@@ -99,12 +99,12 @@ def _rows(scheme, g: torch.Tensor, name: str, gram=None, exact: bool = False):
     per group, those of the ratio with the smallest error (see the module doc).
 
     Each candidate's scale and zero point come from the shrunk range by the scheme's
-    own :meth:`IntScheme._range_qparams`, without a clamped copy of the groups; the
+    own :meth:`IntScheme.range_qparams`, without a clamped copy of the groups; the
     winners' codes are rounded once at the end. A band that holds NaN / Inf, or where
     the full range's extreme codes times its scale could overflow the scale dtype,
-    takes :meth:`IntScheme._quantize_rows` of each clamped candidate instead (its
+    takes :meth:`IntScheme.quantize_rows` of each clamped candidate instead (its
     checks and overflow fallbacks: :func:`_exact_candidate`); ``exact`` forces that."""
-    lo, hi = scheme._group_range(g)
+    lo, hi = scheme.group_range(g)
     sd = scheme.sdtype
     span = float(scheme.qmax - scheme.qmin)
     ok = (
@@ -113,11 +113,11 @@ def _rows(scheme, g: torch.Tensor, name: str, gram=None, exact: bool = False):
         and (lo is None or bool(torch.isfinite(lo).all()))
     )
     if ok:  # every candidate's scale is at most the full range's
-        _, raw, _ = scheme._range_qparams(lo, hi)
+        _, raw, _ = scheme.range_qparams(lo, hi)
         ok = bool(torch.isfinite(torch.tensor(span).to(sd) * raw.to(sd)).all())
 
     def fast(r: float):
-        _, raw, zp = scheme._range_qparams(None if lo is None else lo * r, hi * r)
+        _, raw, zp = scheme.range_qparams(None if lo is None else lo * r, hi * r)
         return raw.to(sd), zp
 
     qmin, qmax = float(scheme.qmin), float(scheme.qmax)
@@ -141,7 +141,7 @@ def _exact_candidate(scheme, g, lo, hi, r: float, name: str):
     """(scale, zp) the scheme's quantizer gives the groups clamped to ``r`` times their
     range (a clamped group reads back exactly that range), with its checks and
     overflow fallbacks."""
-    _, scale, zp = scheme._quantize_rows(_clamp(g, lo, hi, r), name)
+    _, scale, zp = scheme.quantize_rows(_clamp(g, lo, hi, r), name)
     return scale, zp
 
 
@@ -153,9 +153,9 @@ def quantize(
     ``mse_norm``'s, or the output error under ``gram``, :meth:`GroupGram.blocks`)."""
     scheme.check(name, tuple(w.shape))
     if gram is not None:
-        ng = scheme._ngroups(int(w.shape[1]))
+        ng = scheme.ngroups(int(w.shape[1]))
         want = (ng, int(w.shape[1]) // ng, int(w.shape[1]) // ng)
         if tuple(gram.shape) != want:
             raise ValueError(f"gram for '{name}' has shape {tuple(gram.shape)}, not {want}")
         gram = gram.to(torch.float32)
-    return scheme._quantize_general(w, name, rows=lambda g, n: _rows(scheme, g, n, gram))
+    return scheme.quantize_general(w, name, rows=lambda g, n: _rows(scheme, g, n, gram))

@@ -63,16 +63,22 @@ def pattern_matches(pattern: str, *names: str) -> bool:
 
 
 def check_pattern(pattern: str, where: str) -> None:
+    """A glob or ``re:`` pattern that compiles; the error names ``where`` (also in its
+    ``where`` field)."""
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigError(
+        err = ConfigError(
             f"{where}: a pattern must be a non-empty string, got {short_repr(pattern)}."
         )
+        err.where = where
+        raise err
     if pattern.startswith("re:"):
         try:
             re.compile(pattern[3:])
         except re.error as e:
             shown = repr(pattern) if len(pattern) <= 60 else short_repr(pattern)
-            raise ConfigError(f"{where}: invalid regex {shown} ({e}).") from e
+            err = ConfigError(f"{where}: invalid regex {shown} ({e}).")
+            err.where = where
+            raise err from e
 
 
 #: components that a broader role also names: a rule for ``attention`` (or ``attn``)

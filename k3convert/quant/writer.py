@@ -46,13 +46,17 @@ from tqdm import tqdm
 
 from .. import __version__ as _k3_version
 from .. import formats as fmt
+from ..arch import kv_cache_scheme_of
 from ..checkpoint.output import (
     group_by_size,
     shard_names,
     write_index,
 )
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
+from ..parallel import procs
+from ..parallel.procs import cores_per_process
 from . import fidelity, fp4_requant
+from .kvcache import kv_cache_scheme
 from .planning import row_entries
 from .rules import Decision, Plan
 from .schemes import NonFiniteWeightError
@@ -270,9 +274,6 @@ def _check_scale(name: str, t: torch.Tensor, where: Path) -> None:
 def output_config(
     config: dict, plan: Plan, src: Path, calibration: dict | None = None, kv_tensors=None
 ) -> dict:
-    from ..arch import kv_cache_scheme_of
-    from .kvcache import kv_cache_scheme
-
     src_kv = kv_cache_scheme_of(config)
     cfg = copy.deepcopy(config)
     cfg.pop("compression_config", None)
@@ -464,8 +465,6 @@ MAX_DEFAULT_WORKERS = 8
 def default_workers() -> int:
     """The cores this process may run on, at most :data:`MAX_DEFAULT_WORKERS`; under
     torchrun the node's cores shared by its processes (``LOCAL_WORLD_SIZE``)."""
-    from ..parallel.procs import cores_per_process
-
     return max(1, min(cores_per_process(), MAX_DEFAULT_WORKERS))
 
 
@@ -478,8 +477,6 @@ def write_shards(
     loss report of every process's rows (:mod:`.fidelity`, written by process 0). group:
     the torchrun job; each process writes its share of the files (balanced by bytes) and
     process 0 the KV file and the index, after :meth:`ProcessGroup.agree`."""
-    from ..parallel import procs
-
     group = group if group is not None else procs.ProcessGroup()
     shards = group_by_size(plan.rows, lambda r: r.out_bytes, shard_size)
     names = shard_names(len(shards) + (1 if extra else 0))

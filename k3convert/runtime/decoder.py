@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from ..arch.base import Arch, finite, get_arch
 from ..errors import ArchError, ConfigError, NonFiniteError
 from ..quant.activations import ActivationSpec, fake_quant_activation
+from .kda import KDASettings, KDAState, kda_attention
 from .ops import activation, attend, rms_norm, situ
+from .ops import attention_mask as build_mask
 from .rope import Rotary, apply_rope, apply_rope_interleaved, rope_config, yarn_mscale
 from .source import Weights
 
@@ -217,8 +219,6 @@ def _hybrid_settings(fam: Arch, cfg: Any, raw: dict, where: str) -> TextSettings
     kinds = tuple("kda" if cfg.is_kda_layer(i) else "mla" for i in range(n))
     kda = None
     if "kda" in kinds:
-        from .kda import KDASettings
-
         kda = KDASettings(
             num_heads=cfg.kda_num_heads,
             head_dim=cfg.kda_head_dim,
@@ -712,8 +712,6 @@ def attention_block(
     h = rms_norm(x, w.need("norms.input_layernorm"), ts.rms_eps)
     kind = ts.attention_of(layer)
     if kind == "kda":
-        from .kda import KDAState, kda_attention
-
         state = None
         if cache is not None:
             if cache.recurrent is None:
@@ -754,8 +752,6 @@ def make_step(
 ) -> Step:
     """Rope tables for the query positions; masks over ``past + S`` keys.
     attention_mask: [B, past + S] (1 = real token) or None. fused_mla: see :class:`Step`."""
-    from .ops import attention_mask as build_mask
-
     b, s = position_ids.shape
     cos = sin = None
     if ts.rotary is not None:

@@ -18,6 +18,9 @@ import torch
 from ..checkpoint.output import guard_out, probe_writable, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import CheckpointError, ConfigError, OutputError
+from ..sources import open_source
+from .parallel import ParallelRuntime
+from .ranks import stream_ranks
 from .runtime import Runtime, parse_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
@@ -157,8 +160,6 @@ def run_forward(
 
     act_quant=False runs a quantized checkpoint without activation fake-quantization
     (dequantized weights only), to isolate the weight error."""
-    from ..sources import open_source
-
     if (ids is None) == (ids_file is None):
         raise ConfigError('give exactly one of --ids "1 2 3" or --ids-file F.safetensors.')
     if not isinstance(top, int) or top < 1:
@@ -180,9 +181,6 @@ def run_forward(
     aq = None if act_quant else False
     if getattr(ckpt, "world", 1) != 1:
         # every rank of the stream, simulated in this process (k3convert verify compares)
-        from .parallel import ParallelRuntime
-        from .ranks import stream_ranks
-
         rt = ParallelRuntime(stream_ranks(ckpt), device=device, dtype=compute, act_quant=aq)
     else:
         rt = Runtime(ckpt, device=device, dtype=compute, act_quant=aq)

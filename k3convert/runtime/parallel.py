@@ -353,7 +353,7 @@ class ParallelRuntime(Runtime):
             if res and r == local[0]:  # replicated vectors: one mix per process
                 x, h = res_pre_attention(ts, w, x, i)
             lc = cache.for_rank(r).layer(i) if cache is not None else None
-            parts[r] = attention_block(ts, self._linear, w, h, i, step, lc)
+            parts[r] = attention_block(ts, self.linear, w, h, i, step, lc)
             del w
             if each:
                 self.loaders[r].release()
@@ -367,7 +367,7 @@ class ParallelRuntime(Runtime):
             w = self.loaders[r].get(unit, MLP_PHASE)
             if res and r == local[0]:
                 x, h = res_post_attention(ts, w, x, a, i)
-            parts[r] = mlp_block(ts, self._linear, w, h, self._slots(r, i))
+            parts[r] = mlp_block(ts, self.linear, w, h, self._slots(r, i))
             del w
             self.loaders[r].release()
         m = self.coll.all_reduce(parts, group)
@@ -385,14 +385,14 @@ class ParallelRuntime(Runtime):
                 x, h = res_post_attention(ts, w, x, a, i)
             hn = rms_norm(h, w.need("norms.post_attention_layernorm"), ts.rms_eps)
             flat = hn.reshape(-1, hn.shape[-1])
-            routed[r] = latent_routed(ts, self._linear, w, flat, self._slots(r, i))
+            routed[r] = latent_routed(ts, self.linear, w, flat, self._slots(r, i))
             if "shared_experts.gate_proj" in w:
-                shared[r] = gated_mlp(ts, self._linear, w, "shared_experts", hn).reshape(flat.shape)
+                shared[r] = gated_mlp(ts, self.linear, w, "shared_experts", hn).reshape(flat.shape)
             del w
             self.loaders[r].release()
         y = self.coll.all_reduce(routed, group)
         w = self.loaders[local[0]].get(unit, ("latent",))
-        out = latent_finish(ts, self._linear, w, y, self.dtype)
+        out = latent_finish(ts, self.linear, w, y, self.dtype)
         del w
         self.loaders[local[0]].release()
         if shared:
@@ -444,7 +444,7 @@ class ParallelRuntime(Runtime):
                 if r == local[0]:
                     hidden = self._head_input(w, hidden)  # (replicated: one mix)
                 h = rms_norm(hidden, w.need("norms.final_norm"), self.text.rms_eps)
-                parts[r] = self._linear(w, "head.lm_head", h).float()
+                parts[r] = self.linear(w, "head.lm_head", h).float()
                 sp = w.splits.get("head.lm_head", {})
                 del w
             gathered = self.coll.all_gather(parts, group)

@@ -26,6 +26,8 @@ import torch
 from ..checkpoint import TensorMeta
 from ..checkpoint.safetensors_io import ST_DTYPES
 from ..layout import Layout
+from ..shard.plan import build_plan
+from ..shard.unit_io import SourceMaps, tensor_bytes
 from ..stream.reader import RankReader, Stream, Unit, part_meta, quant_params_of
 
 
@@ -168,14 +170,10 @@ class _SlicedTensors(dict):
 
     def __init__(self, ck, plans: dict):
         super().__init__()
-        from ..shard.unit_io import SourceMaps
-
         self._plans = plans
         self._src = SourceMaps(ck)
 
     def __missing__(self, name: str) -> torch.Tensor:
-        from ..shard.unit_io import tensor_bytes
-
         tp = self._plans[name]
         e = tp.entry
         dtype = ST_DTYPES[e["dtype"]][0]
@@ -201,8 +199,6 @@ def planned_ranks(
     redundant_experts: int = 0,
 ) -> RankSet:
     """Every rank of ``layout`` over checkpoint ``ck``, by the shard planner's split rules."""
-    from ..shard.plan import build_plan
-
     plan = build_plan(
         ck,
         layout,

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import kv_cache_scheme_of, resolve, validate_source
+from ..checkpoint.reader import Checkpoint
 from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..formats.dtypes import FLOAT_DTYPES, SHORT_DTYPES
@@ -427,8 +428,8 @@ class Runtime:
     def _encode(self, w: Weights, pixel_values, image_grid_thw) -> torch.Tensor:
         grid = torch.as_tensor(image_grid_thw).long().cpu()
         if self.arch.vision == "moonvit3d":
-            return encode_images_k3(self.vision, self._linear, w, pixel_values, grid, self.dtype)
-        feats, _ = encode_images(self.vision, self._linear, w, pixel_values, grid, self.dtype)
+            return encode_images_k3(self.vision, self.linear, w, pixel_values, grid, self.dtype)
+        feats, _ = encode_images(self.vision, self.linear, w, pixel_values, grid, self.dtype)
         return feats
 
     @torch.inference_mode()
@@ -455,7 +456,7 @@ class Runtime:
         step = self._step_for(position_ids, attention_mask, hidden, past)
         w = self.loader.get(f"layer.{i}")
         lc = cache.layer(i) if cache is not None else None
-        return decoder_layer(self.text, self._linear, w, hidden.to(self.dtype), i, step, lc)
+        return decoder_layer(self.text, self.linear, w, hidden.to(self.dtype), i, step, lc)
 
     def _layer_input(self, hidden, i: int):
         """``hidden`` checked as the input of layer ``i`` (``num_layers``: the head)."""
@@ -476,7 +477,7 @@ class Runtime:
         w = self.loader.get("head")
         h = self._head_input(w, hidden.to(self.dtype))
         h = rms_norm(h, w.need("norms.final_norm"), self.text.rms_eps)
-        return self._linear(w, "head.lm_head", h).float()
+        return self.linear(w, "head.lm_head", h).float()
 
     def _head_input(self, w: Weights, hidden):
         if isinstance(hidden, AttnResState):
@@ -513,8 +514,6 @@ class Runtime:
     def _check_kv_values(self, matched: dict, where: str) -> None:
         """A checkpoint's KV-cache scales are read at open (two [1] tensors a layer):
         each must be one finite positive number. Other sources are checked on use."""
-        from ..checkpoint.reader import Checkpoint
-
         if not isinstance(self.source, Checkpoint):
             return
         for name, m in matched.items():
@@ -594,7 +593,7 @@ class Runtime:
             return fake_quant_activation(x[:, None], spec)[:, 0]
         return fake_quant_activation(x, spec)
 
-    def _linear(self, w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, w: Weights, key: str, x: torch.Tensor) -> torch.Tensor:
         name = w.names[key]
         xq = self._quant_input(w, key, name, x) if self.act_quant else x
         y = F.linear(xq, w.need(key), w.get(key + "_bias"))
@@ -701,7 +700,7 @@ def _group_error(where: str, bad: list[tuple[str, int, int]]) -> ConfigError:
     )
 
 
-#: components whose (non-bias) tensors are Linear weights run through ``_linear``
+#: components whose (non-bias) tensors are Linear weights run through ``linear``
 LINEAR_COMPONENTS = ("attention", "linear_attention", "dense_mlp", "shared_experts", "latent",
                      "routed_experts", "head")  # fmt: skip
 #: keys of those components that are not Linear weights (KDA convolutions and gate

@@ -37,6 +37,7 @@ import torch
 
 from ..arch import Role
 from ..arch.base import Match
+from ..checkpoint.reader import Checkpoint
 from ..errors import CheckpointError
 
 
@@ -406,8 +407,6 @@ def plain_runs(source, names: Iterable[str]) -> list[Run]:
     Only the exact ``Checkpoint`` type qualifies: a wrapper or subclass may change what
     ``get`` returns. Encoded, non-float, empty and ``.bin`` tensors are left to ``get``.
     """
-    from ..checkpoint.reader import Checkpoint
-
     if type(source) is not Checkpoint:
         return []
     by_file: dict = {}

@@ -25,7 +25,7 @@ from ..checkpoint import Checkpoint, TensorMeta
 from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import ConfigError, short_list
 from ..layout import Layout, partition_layers, place_experts
-from ..stream.format import SplitError, build_header, unit_file
+from ..stream.format import SplitError, build_header, unit_file, unit_metadata
 from .split import PartSlice, Piece, split_tensor, whole
 
 _UNIT_RX = re.compile(r"(embed|vision|head)|(layer|mtp)\.(\d+)\Z")
@@ -63,8 +63,6 @@ class UnitPlan:
     def header(self) -> tuple[bytes, list, int]:
         """(header prefix, placed tensors, total bytes); computed once, after planning
         (the writer asks for it twice: for the size check and when writing)."""
-        from ..stream.format import unit_metadata
-
         if self._header is None or self._header[0] != len(self.tensors):
             h = build_header(
                 [(t.entry["name"], t.entry["dtype"], t.entry["shape"]) for t in self.tensors],

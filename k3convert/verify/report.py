@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.output import write_error
 from ..errors import ConfigError, OutputError
 from .metrics import Thresholds, check, limit_checks, locate_divergence
 
@@ -206,8 +207,6 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary:
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):
-            from ..checkpoint.output import write_error
-
             raise write_error(e, out) from e
         raise
 

@@ -126,12 +126,12 @@ class IntScheme(Scheme):
                 tensor,
             )
 
-    def _ngroups(self, inp: int) -> int:
+    def ngroups(self, inp: int) -> int:
         return 1 if self.strategy == "channel" else inp // self.group_size
 
     def parts(self, shape):
         out, inp = shape
-        ng = self._ngroups(inp)
+        ng = self.ngroups(inp)
         sd = self.sdtype
         if self.packed:
             p = [
@@ -158,7 +158,7 @@ class IntScheme(Scheme):
         if self.observer == "mse":
             return mse_observer.quantize(self, w, name=name)
         fast = self._quantize_symmetric(w) if self.symmetric else None
-        return fast if fast is not None else self._quantize_general(w, name)
+        return fast if fast is not None else self.quantize_general(w, name)
 
     def _quantize_symmetric(self, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """Bit-identical to the general path, without a float32 copy of the tensor: a
@@ -172,7 +172,7 @@ class IntScheme(Scheme):
         if ints is None or not w.numel():
             return None
         itype, mask = ints
-        ng = self._ngroups(inp)
+        ng = self.ngroups(inp)
         gs = inp // ng
         sd = self.sdtype
         w = w.contiguous()
@@ -215,12 +215,12 @@ class IntScheme(Scheme):
         half = float(self.qmax - self.qmin) / 2
         return _finite_scale(amax / half, self.sdtype).to(self.sdtype)
 
-    def _quantize_general(self, w: torch.Tensor, name: str, rows=None) -> dict[str, torch.Tensor]:
-        """Band by band: ``rows(g, name)`` (default :meth:`_quantize_rows`) gives each
+    def quantize_general(self, w: torch.Tensor, name: str, rows=None) -> dict[str, torch.Tensor]:
+        """Band by band: ``rows(g, name)`` (default :meth:`quantize_rows`) gives each
         band's codes, scales and zero points, then the parts are packed."""
-        rows = self._quantize_rows if rows is None else rows
+        rows = self.quantize_rows if rows is None else rows
         out, inp = w.shape
-        ng = self._ngroups(inp)
+        ng = self.ngroups(inp)
         sd = self.sdtype
         q = torch.empty(out, inp, dtype=torch.int8)
         scale = torch.empty(out, ng, dtype=sd)
@@ -248,15 +248,15 @@ class IntScheme(Scheme):
                 parts["weight_zero_point"] = zp.to(torch.int8)
         return parts
 
-    def _group_range(self, g: torch.Tensor):
+    def group_range(self, g: torch.Tensor):
         """(lo, hi) of float32 groups [rows, ng, gs] as the formulas take them: lo None
         and hi = max |x| for a symmetric scheme; else min <= 0 <= max."""
         if self.symmetric:
             return None, g.abs().amax(-1)
         return g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
 
-    def _range_qparams(self, lo, hi):
-        """(s, raw, zp) of group ranges (:meth:`_group_range`): ``s`` the float32 scale
+    def range_qparams(self, lo, hi):
+        """(s, raw, zp) of group ranges (:meth:`group_range`): ``s`` the float32 scale
         formula, ``raw`` it clamped to the scale dtype's smallest normal (the stored scale
         is ``raw.to(sdtype)``), ``zp`` the zero point from ``raw`` as compressed-tensors'
         calculate_qparams takes it (float32; None when symmetric)."""
@@ -274,19 +274,19 @@ class IntScheme(Scheme):
             zp = torch.round(torch.clamp(self.qmin - lo / raw, self.qmin, self.qmax))
         return s, raw, zp
 
-    def _quantize_rows(self, g: torch.Tensor, name: str = "weight"):
+    def quantize_rows(self, g: torch.Tensor, name: str = "weight"):
         """g: [rows, ng, group] fp32 -> (q int8, scale sd [rows, ng], zp fp32 | None).
 
         compressed-tensors' formulas in float32; a group where they overflow (see the
         module doc) takes a fallback, and what stays non-finite is refused.
         """
         sd = self.sdtype
-        lo, hi = self._group_range(g)
+        lo, hi = self.group_range(g)
         if not bool(torch.isfinite(hi).all()) or (
             lo is not None and not bool(torch.isfinite(lo).all())
         ):
             raise _not_finite(self, name, hi if lo is None else hi - lo)
-        s, raw, zp = self._range_qparams(lo, hi)
+        s, raw, zp = self.range_qparams(lo, hi)
         scale = raw.to(sd)
         if not bool(torch.isfinite(scale).all()):
             big = float(g.abs().amax())
