@@ -187,9 +187,10 @@ class ParallelRuntime(Runtime):
             for r in range(ranks.world)
             if self.coll.runs(r)
         }  # fmt: skip
-        self._stage_of = {u: s.pp_rank for s in ranks.stages for u in s.units}
+        #: unit name -> the pipeline stage that runs it
+        self.stage_of = {u: s.pp_rank for s in ranks.stages for u in s.units}
         for u in self.plan.order:
-            if u not in self._stage_of:
+            if u not in self.stage_of:
                 raise CheckpointError(f"{ranks.where}: no pipeline stage holds unit '{u}'.")
         if self.act_quant:
             self._check_local_groups()
@@ -233,14 +234,14 @@ class ParallelRuntime(Runtime):
             _finite(torch.tensor(float("nan")), what, unit)
 
     def _observed(self, i: int, h) -> torch.Tensor | None:
-        return self._to_rank0(layer_output(h), self._stage_of[f"layer.{i}"])
+        return self._to_rank0(layer_output(h), self.stage_of[f"layer.{i}"])
 
     def _release_units(self) -> None:
         for ld in self.loaders.values():
             ld.release()
 
     def _group(self, unit: str) -> tuple[tuple[int, ...], list[int]]:
-        g = self.ranks.tp_group(self._stage_of[unit])
+        g = self.ranks.tp_group(self.stage_of[unit])
         return g, self.coll.local(g)
 
     def _handoff(self, h, stage: int, layer: int | None = None):
@@ -332,7 +333,7 @@ class ParallelRuntime(Runtime):
         unit = f"layer.{i}"
         if hidden is not None:
             self._shape = tuple(hidden.shape)
-        hidden = self._handoff(hidden, self._stage_of[unit], i)
+        hidden = self._handoff(hidden, self.stage_of[unit], i)
         group, local = self._group(unit)
         if not local:
             return None
@@ -432,7 +433,7 @@ class ParallelRuntime(Runtime):
     def head(self, hidden):
         if hidden is not None:
             self._shape = tuple(hidden.shape)
-        hidden = self._handoff(hidden, self._stage_of["head"])
+        hidden = self._handoff(hidden, self.stage_of["head"])
         group, local = self._group("head")
         src = group[0]
         logits = None

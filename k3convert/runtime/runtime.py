@@ -194,7 +194,7 @@ class Runtime:
         )
         #: routed experts' weight names (left unquantized unless act_quant_experts)
         entries = [e for u in self.plan.units.values() for e in u.values()]
-        self._routed = frozenset(e.name for e in entries if e.role.expert is not None)
+        self.routed_weights = frozenset(e.name for e in entries if e.role.expert is not None)
         self.act_specs: dict[str, ActivationSpec] = self._activation_specs(raw)
         #: the checkpoint's kv_cache_scheme (its scales checked by validate_source), or None
         self.kv_scheme: dict | None = kv_cache_scheme_of(raw)
@@ -538,7 +538,7 @@ class Runtime:
             for name, spec in self.act_specs.items()
             if spec.strategy == "group"
             and meta(name).shape[-1] % spec.group_size
-            and (self.act_quant_experts or name not in self._routed)
+            and (self.act_quant_experts or name not in self.routed_weights)
         ]
         if bad:
             raise _group_error(where, bad)
@@ -573,7 +573,7 @@ class Runtime:
         spec = self.act_specs.get(name)
         if spec is None:
             return x
-        expert = name in self._routed
+        expert = name in self.routed_weights
         if expert and not self.act_quant_experts:
             return x
         if not spec.dynamic:

@@ -36,7 +36,7 @@ def _kv_cache_scales(cand: ParallelRuntime, mla_cache: str) -> dict | None:
         if kind == "kda" or (kind == "mla" and mla_cache != "latent"):
             continue
         unit = f"layer.{i}"
-        reader = cand.ranks.rank(cand.ranks.tp_group(cand._stage_of[unit])[0])
+        reader = cand.ranks.rank(cand.ranks.tp_group(cand.stage_of[unit])[0])
         entries = cand.plan.units[unit]
 
         def value(k: str, reader=reader, entries=entries) -> float:
@@ -98,7 +98,7 @@ def decode_check(cand, ids, mask, pv, grid, n, kv_cache, mla_cache, avoid) -> di
     # activation specs that run (routed experts' only with act_quant_experts)
     specs = {
         n: sp for n, sp in cand.act_specs.items()
-        if cand.act_quant and (cand.act_quant_experts or n not in cand._routed)
+        if cand.act_quant and (cand.act_quant_experts or n not in cand.routed_weights)
     }  # fmt: skip
     dynamic = any(sp.dynamic for sp in specs.values())
     latent_kvb = mla_cache == "latent" and any("kv_b_proj" in n for n in specs)
