@@ -67,6 +67,10 @@ SMALL_CAL = ["--set", "quantize.calibrate.dataset={w}/calib.jsonl",
              "--set", "quantize.calibrate.seq_len=32"]
 
 
+#: a job whose argv starts with this runs under ``torchrun --nproc-per-node 2``
+TORCHRUN = "@torchrun"
+
+
 def _q(src: str, out: str, *args: str) -> list[str]:
     return ["quantize", "{w}/" + src, "{w}/" + out, *args]
 
@@ -85,6 +89,9 @@ JOBS: list[tuple[str, list[str]]] = [
     ("q-gptq-fp", _q("qwen", "q-gptq-fp", "--scheme", "w4a16", *CAL,
                      "--gptq-fp-target", "0.5", "--moe-all-experts")),
     ("q-awq", _q("llama", "q-awq", "--scheme", "w4a16", *CAL, "--algorithm", "awq")),
+    ("q-awq-moe", _q("qwen", "q-awq-moe", "--scheme", "w4a16", *CAL, "--algorithm", "awq")),
+    # two processes (torchrun) sharing the layers' GPTQ solves on the MoE
+    ("q-gptq-dist", [TORCHRUN, *_q("qwen", "q-gptq-dist", "--scheme", "w4a16", *CAL)]),
     ("q-sq", _q("llama", "q-sq", "--scheme", "w8a8", *CAL,
                 "--algorithm", "smoothquant+gptq", "--alpha-search")),
     ("q-static", _q("dsv3", "q-static", "--scheme", "fp8", *CAL, "--algorithm", "static",
@@ -157,9 +164,11 @@ def run(work: Path, only: set[str] | None = None) -> dict:
             continue
         args = [a.replace("{w}", str(work)) for a in argv]
         t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "k3convert", *args], env=env, capture_output=True, text=True
-        )
+        cmd = [sys.executable, "-m", "k3convert", *args]
+        if args[0] == TORCHRUN:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "-m", "k3convert", *args[1:]]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         dt = time.perf_counter() - t0
         print(f"{name:14s} rc={proc.returncode} {dt:6.1f}s", file=sys.stderr)
         if proc.returncode not in (0, 1):
