@@ -3,6 +3,10 @@
 Every K3Error becomes one line on stderr and exit code 2 (no traceback); anything else
 is a bug and keeps its traceback. Commands live in their library modules; this file
 only parses options and prints.
+
+The command modules (this one, ``cli_quantize``, ``cli_plan``, ``cli_convert``) import
+their jobs inside the command functions: ``k3convert --help`` and a usage error must not
+pay for torch (seconds); that start-up laziness is the only reason for those imports.
 """
 
 from __future__ import annotations
