@@ -384,7 +384,10 @@ def verify(
         return
     typer.echo(render_table(rep))
     if not rep["passed"]:
-        typer.echo(f"FAIL: {rep['failure']}", err=True)
+        # the table's RESULT line says it on a terminal; stderr gets it too when stdout
+        # goes elsewhere (a file, a pipe), so a log of stderr alone still holds the verdict
+        if not (sys.stdout.isatty() and sys.stderr.isatty()):
+            typer.echo(f"FAIL: {rep['failure']}", err=True)
         raise typer.Exit(1)
 
 
@@ -396,6 +399,20 @@ from .cli_plan import register as _register_plan  # noqa: E402
 _register_plan(app)
 
 
+#: what an interrupted command says: its outputs are staged or journaled, so a rerun
+#: picks up where it stopped and nothing half-written is taken for a result
+INTERRUPTED = (
+    "interrupted: no partial output is taken for a result; rerun the same command "
+    "(shard, convert and calibration resume where they stopped)."
+)
+
+
+def _interrupted() -> None:
+    """One line on stderr, on a line of its own (a progress bar may hold the cursor)."""
+    sys.stderr.write("\n" + INTERRUPTED + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: K3Error -> one line on stderr, exit 2."""
     try:
@@ -405,17 +422,16 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except typer.Exit as e:
         return e.exit_code
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+    except (typer.Abort, KeyboardInterrupt):  # Ctrl-C (click turns it into Abort)
+        _interrupted()
         return 130
     except Exception as e:  # click usage errors (typer vendors its own click)
         if hasattr(e, "show") and hasattr(e, "exit_code"):
             e.show()
             return 2
         raise
+    if rv == 130:  # typer answers Ctrl-C with exit code 130 and no word (no command does)
+        _interrupted()
     return rv if isinstance(rv, int) else 0
 
 

@@ -177,3 +177,21 @@ def test_not_a_checkpoint_and_bad_yaml(tmp_path, capsys):
     rc = main(["quantize", str(tmp_path), str(tmp_path / "o"), "--recipe", str(notes)])
     err = capsys.readouterr().err
     assert rc == 2 and "notes.yaml:2:1: not valid YAML" in err and err.count("\n") == 1
+
+
+def test_ctrl_c_says_how_to_resume_and_exits_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-command: exit 130 and one line, on a line of its own (a progress bar may
+    hold the cursor), that says what to do; no traceback."""
+    import k3convert.synth
+
+    def interrupted(*args, **kwargs):
+        sys.stderr.write("convert [1/3 write]:   0%|          | 0/5")  # a bar, no newline
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(k3convert.synth, "synthesize", interrupted)
+    rc = main(["synth", "llama3-8b", str(tmp_path / "m"), "--tiny"])
+    err = capsys.readouterr().err
+    assert rc == 130
+    lines = err.splitlines()
+    assert lines[-1].startswith("interrupted: ") and "rerun the same command" in lines[-1]
+    assert lines[-2].endswith("0/5") and "Traceback" not in err, err

@@ -631,3 +631,27 @@ def test_check_of_some_ranks_only(tiny_models, stream, tmp_path):
     (s / _unit(_manifest(s), 1, "layer.1")["file"]).unlink()
     assert check(s, ranks={0}).ok
     assert not check(s, ranks={1}).ok and not check(s).ok
+
+
+def test_a_checkpoint_is_not_compared_with_itself(tiny_models, capsys):
+    """One rank of a checkpoint against itself checks nothing: exit 2 naming what would
+    (a layout, another reference), not a PASS of zeros."""
+    rc, out, err = _verify(capsys, tiny_models["llama"])
+    _one_error_line(err, "with itself", "--layout", "--reference")
+    assert rc == 2 and "PASS" not in out
+
+
+def test_reports_take_the_umask(tiny_models, tmp_path, capsys):
+    """--json / --plot files are ordinary files: the umask's permissions, not mkstemp's
+    0600."""
+    pytest.importorskip("matplotlib")
+    js, png = tmp_path / "r.json", tmp_path / "r.png"
+    old = os.umask(0o022)
+    try:
+        rc, _, err = _verify(capsys, tiny_models["llama"], "--layout", "tp=2", "--json", js,
+                             "--plot", png)  # fmt: skip
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    for f in (js, png):
+        assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))

@@ -190,6 +190,13 @@ def _nonfinite_path(obj: Any, path: str = "report") -> str | None:
     return None
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, then restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary: bool) -> None:
     out = Path(path)
     if out.is_dir():
@@ -202,6 +209,8 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary:
         with f:
             write(f)
             f.flush()
+            # mkstemp creates 0600; a report is an ordinary file: the umask's permissions
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except BaseException as e:

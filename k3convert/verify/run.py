@@ -364,6 +364,19 @@ def run_verify(
     )
     ranks, cand_kind, prov = _open_ranks(cand_path, lay, check_stream, placement, dist_run, me)
     ref_kind, ref_path, ref_note = _resolve_reference(reference, prov, cand_path)
+    if (
+        cand_kind == "checkpoint"
+        and ranks.layout.world == 1
+        and ref_kind == "runtime"
+        and ref_path.resolve() == cand_path.resolve()
+    ):
+        raise ConfigError(
+            f"{cand_path}: verify would compare this checkpoint with itself (one rank, the "
+            f"same weights, the same runtime), so there is nothing to check. Verify what "
+            f"`shard` or `convert` wrote, add --layout tp=2 (or pp / ep) to check a "
+            f"parallel layout of it, or compare with another model: --reference ORIGINAL or "
+            f"--reference transformers."
+        )
     ref_cfg = load_json(ref_path / "config.json")
     _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
     th = _thresholds(ranks.config, ref_cfg, ranks.layout, compute, max_kld, min_top1, max_rel_err)
