@@ -69,6 +69,8 @@ def convert_cmd(
     if not procs.current().leader:
         return
     typer.echo(res.summary())
+    if report_html is not None:
+        typer.echo(f"  html        {report_html}")
     if res.passed is False:
         typer.echo("error: verify failed (see the report); the stream is written.", err=True)
         raise typer.Exit(1)

@@ -353,8 +353,9 @@ def _print_quantize(res, *, dry_run: bool, full_table: bool, plot) -> None:
     if dry_run:
         typer.echo(res.table(collapse=not full_table))
     if res.sensitivity is not None:
-        typer.echo(res.sensitivity.table(top=15))
-        typer.echo(res.selection.summary())
+        typer.echo(res.sensitivity.table(top=15))  # ends with the selection's summary
+        if res.sensitivity.selection is None:
+            typer.echo(res.selection.summary())
         if not dry_run:
             typer.echo(f"sensitivity report: {res.out / 'sensitivity.json'}")
         if plot is not None:

@@ -147,3 +147,18 @@ def test_recipe_auto_keep_takes_the_command_line_data(llama, tmp_path, capsys):
     assert _run(src, tmp_path / "o2", "--recipe", recipe, "--dataset", data) == 2
     assert "quantize.calibrate section sets" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
+
+
+def test_each_line_once_and_a_data_shortfall_said(llama, capsys):
+    """The selection's summary is printed once; fewer samples than asked for (the data ran
+    out) is a warning on the terminal; the throughput is a real rate, not 0.00 GB/s."""
+    root, src, data = llama
+    rc = _run(src, root / "once", "--scheme", "w4a16", "--auto-keep", "10%", "--dataset", data,
+              "--num-samples", "4096", "--seq-len", "16")  # fmt: skip
+    assert rc == 0
+    cap = capsys.readouterr()
+    both = cap.out + cap.err
+    assert both.count("auto-keep 10%:") == 1, both
+    assert "of the 4096 requested samples" in cap.err and "--num-samples" in cap.err
+    summary = cap.out.strip().splitlines()[-1]
+    assert summary.startswith("wrote ") and "GB/s" not in summary and summary.endswith("/s")

@@ -253,9 +253,12 @@ def test_cli_convert_exit_codes(k25, tmp_path):
     assert "Traceback" not in r.stderr
     # other verify thresholds over the same stream: verified again, nothing rewritten
     before = _files(out)
-    r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "verify.decode=0")
+    html = tmp_path / "r.html"
+    r = _cli("convert", k25, out, "-r", rp, "--no-progress", "--set", "verify.decode=0",
+             "--report-html", html)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "0 written, 12 already done" in r.stdout and "verify      PASS" in r.stdout
+    assert f"html        {html}" in r.stdout and html.is_file()  # every written path said
     assert _files(out) == before
     # the same rerun over a stream whose rank file was damaged: exit 1, the file named
     rank1 = out / "rank00001" / "units.json"

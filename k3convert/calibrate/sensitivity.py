@@ -647,9 +647,7 @@ def auto_keep(
     report = scan_sensitivity(ckpt, plan, calib, ladder=ladder, batch_size=batch_size,
                               dtype=dtype, method=method, log=log)  # fmt: skip
     sel = choose_keeps(report, budget, plan, ladder)
-    if log is not None:
-        log(sel.summary())
-    return apply_selection(plan, sel), report, sel
+    return apply_selection(plan, sel), report, sel  # the caller reports sel.summary()
 
 
 def keep_patterns(selection: Selection | Sequence[str]) -> list[str]:

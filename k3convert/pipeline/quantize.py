@@ -76,7 +76,7 @@ class QuantizeResult:
         n = len(self.plan.quantized)
         what = "would write" if self.dry_run else f"wrote {self.out}:"
 
-        rate = f", {before / self.seconds / 1e9:.2f} GB/s" if self.seconds > 0 else ""
+        rate = f", {human_bytes(before / self.seconds)}/s" if self.seconds > 0 else ""
         return (
             f"{what} {n} of {len(self.plan.rows)} tensors quantized "
             f"({', '.join(sorted(self.plan.schemes())) or 'none'}), "
@@ -506,6 +506,18 @@ def _check_source_kv(ckpt, plan: Plan, opts) -> None:
         )
 
 
+def _say_shortfall(calib, log) -> None:
+    """Fewer calibration samples than asked for (the data ran out): said where the user
+    looks, not only in config.json's provenance."""
+    asked = calib.options.get("num_samples")
+    if log is not None and asked and calib.num_samples < asked:
+        log(
+            f"warning: calibration: {calib.num_samples} of the {asked} requested samples "
+            f"({int(calib.attention_mask.sum())} tokens of {calib.seq_len} per sample): "
+            f"{calib.source} ran out; add data or ask for fewer (--num-samples)."
+        )
+
+
 def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
     """The sensitivity scan on the calibration set and the budgeted selection applied:
     (new plan, report, selection, the calibration set). The budget and the ladder are
@@ -517,6 +529,7 @@ def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
         ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
         seed=opts.seed, packing=opts.packing,
     )  # fmt: skip
+    _say_shortfall(calib, log)
     new_plan, report, sel = budgeted_keep(ckpt, plan, calib, b, ladder=ladder, method=method,
                                       batch_size=opts.batch_size, dtype=opts.dtype,
                                       log=log)  # fmt: skip
@@ -570,6 +583,7 @@ def _calibrate(
             ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
             seed=opts.seed, packing=opts.packing,
         )  # fmt: skip
+        _say_shortfall(calib, log)
     if opts.offload_dir:
         journal = Path(opts.offload_dir)
     elif journal is None:
