@@ -184,7 +184,13 @@ def place_experts(
             f"expert_load{loc} has {len(load)} counts but the layer has {num_experts} experts."
         )
     if redundant > num_experts * (ep - 1):
-        raise ConfigError(f"redundant_experts={redundant} exceeds what {ep} ranks can hold.")
+        top = num_experts * (ep - 1)
+        raise ConfigError(
+            f"redundant_experts={redundant} is more than {ep} ranks can hold{loc}: a rank holds "
+            f"an expert at most once, so at most {top} copies ({num_experts} experts x "
+            f"{ep - 1} other rank(s)); lower it (--redundant-experts {top}, or in a recipe "
+            f"--set layout.redundant_experts={top}) or raise ep."
+        )
     loads = [float(x) for x in load]
     for e, x in enumerate(loads):
         if not math.isfinite(x) or x < 0:

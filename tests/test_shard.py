@@ -69,6 +69,11 @@ def test_expert_placement_contiguous_balanced_and_redundant():
         place_experts(8, 4, redundant=4)
     with pytest.raises(ConfigError, match="cannot be spread evenly"):
         place_experts(8, 3)
+    # too many copies: the largest valid count and the fix are named, and it is valid
+    with pytest.raises(ConfigError, match=r"at most 8 copies .*--redundant-experts 8.*"
+                       r"--set layout.redundant_experts=8"):  # fmt: skip
+        place_experts(8, 2, load=load, redundant=10)
+    assert all(sorted(b) == list(range(8)) for b in place_experts(8, 2, load=load, redundant=8))
 
 
 # -- lossless reassembly ----------------------------------------------------------------
