@@ -50,18 +50,14 @@ def _verify_rows(v: dict) -> list[tuple[str, str]]:
     lg = v.get("logits") or {}
     th = v.get("thresholds") or {}
     kld = lg.get("kld") or {}
-    rows = [("verdict", "PASS" if v.get("passed") else f"FAIL: {v.get('failure')}")]
+    rows = []  # the verdict is the page's banner
     for k in ("mean", "p99", "max"):
         rows.append((f"KLD {k}", _num(kld.get(k))))
     rows += [
         ("top-1 agreement", _num(lg.get("top1"))),
         ("max rel err", _num(lg.get("max_rel_err"))),
         ("cosine", _num(lg.get("cosine"))),
-        (
-            "thresholds",
-            f"{th.get('kind')}: KLD <= {_num(th.get('max_kld'))}, top-1 >= "
-            f"{_num(th.get('min_top1'))}, rel err <= {_num(th.get('max_rel_err'))}",
-        ),
+        ("thresholds", _limits(th)),
     ]
     dec = v.get("decode")
     if dec:
@@ -69,6 +65,14 @@ def _verify_rows(v: dict) -> list[tuple[str, str]]:
             ("decode check", "pass" if dec.get("passed") else f"FAIL: {dec.get('failure')}")
         )
     return rows
+
+
+def _limits(th: dict) -> str:
+    """The limits verify applied, the ones it did not set left out (not ``<= -``)."""
+    parts = [f"{what} {op} {_num(th[key])}" for what, op, key in (
+        ("KLD", "<=", "max_kld"), ("top-1", ">=", "min_top1"), ("rel err", "<=", "max_rel_err"),
+    ) if th.get(key) is not None]  # fmt: skip
+    return f"{th.get('kind')}: {', '.join(parts) or 'none'}"
 
 
 def _fidelity(f: dict) -> str:
@@ -128,8 +132,10 @@ def write_html(report: dict, verify_report: dict | None, path: str | os.PathLike
     ]
     passed = report.get("passed")
     if passed is not None:
+        failure = (report.get("verify") or {}).get("failure")
         cls, word = ("pass", "PASS") if passed else ("fail", "FAIL")
-        parts.append(f"<p class='{cls}'><b>verify: {word}</b></p>")
+        tail = f": {html.escape(failure)}" if failure and not passed else ""
+        parts.append(f"<p class='{cls}'><b>verify: {word}</b>{tail}</p>")  # the verdict, once
     parts += ["<h2>Summary</h2>", _table(_rows(report))]
     if report.get("fidelity"):
         parts += ["<h2>Fidelity to the release</h2>", _fidelity(report["fidelity"])]

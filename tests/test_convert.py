@@ -226,6 +226,7 @@ def test_keep_intermediate_writes_quantize_output(k25, tmp_path):
     assert _files(inter) == _files(q)
     html = (tmp_path / "r.html").read_text()
     assert html.startswith("<!doctype html>") and "stream size" in html
+    assert "<= -" not in html  # a limit verify did not set is left out
 
 
 def _cli(*args, cwd=None):
@@ -259,6 +260,7 @@ def test_cli_convert_exit_codes(k25, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "0 written, 12 already done" in r.stdout and "verify      PASS" in r.stdout
     assert f"html        {html}" in r.stdout and html.is_file()  # every written path said
+    assert html.read_text().count("verify: ") == 1  # the verdict once (a banner)
     assert _files(out) == before
     # the same rerun over a stream whose rank file was damaged: exit 1, the file named
     rank1 = out / "rank00001" / "units.json"
