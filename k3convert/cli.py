@@ -29,6 +29,7 @@ from .cli_options import (
     Force,
     PPLayers,
     RedundantExperts,
+    examples,
 )
 from .cli_quantize import quantize
 from .errors import K3Error
@@ -66,7 +67,7 @@ def _root(
     """k3convert: quantize, reshard and verify checkpoints without holding the whole model."""
 
 
-@app.command()
+@app.command(epilog=examples("inspect"))
 def inspect(
     path: Annotated[Path, typer.Argument(help="Model directory, or a config.json alone.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
@@ -87,7 +88,7 @@ def inspect(
         typer.echo(format_report(report))
 
 
-@app.command()
+@app.command(epilog=examples("synth"))
 def synth(
     config: Annotated[
         str,
@@ -162,7 +163,7 @@ def synth(
     typer.echo(summary)
 
 
-@app.command()
+@app.command(epilog=examples("forward"))
 def forward(
     src: Annotated[
         Path, typer.Argument(help="Checkpoint, quantized checkpoint, or single-rank stream dir.")
@@ -213,7 +214,7 @@ def forward(
     )
 
 
-app.command()(quantize)
+app.command(epilog=examples("quantize"))(quantize)
 
 
 def _leader() -> bool:
@@ -222,7 +223,7 @@ def _leader() -> bool:
     return procs.current().leader
 
 
-@app.command()
+@app.command(epilog=examples("shard"))
 def shard(
     src: Annotated[
         Path, typer.Argument(help="Checkpoint to reshard (or, with --check, a stream dir).")
@@ -292,7 +293,7 @@ def shard(
     )
 
 
-@app.command()
+@app.command(epilog=examples("demo"))
 def demo(
     out: Annotated[Path, typer.Option(help="Working directory for the demo.")] = Path("demo-out"),
     family: Annotated[
@@ -306,7 +307,7 @@ def demo(
     run_demo(out=out, preset=family, echo=typer.echo, progress=not no_progress)
 
 
-@app.command()
+@app.command(epilog=examples("verify"))
 def verify(
     candidate: Annotated[
         Path,
@@ -366,8 +367,10 @@ def verify(
         ),
     ] = False,
 ):
-    """Run every rank of CANDIDATE as the cluster will and report parity against the
-    original: exit 0 pass, 1 fail (first failing metric and layer named), 2 bad input."""
+    """Run every rank of CANDIDATE as the cluster will and report parity.
+
+    Compares against the original: exit 0 pass, 1 fail (first failing metric and layer
+    named), 2 bad input."""
     from .config_parse import int_list
     from .verify.report import render_table
     from .verify.run import run_verify

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_options import Force, StrictServing
+from .cli_options import Force, StrictServing, examples
 from .errors import ConfigError
 
 SET_HELP = (
@@ -76,7 +76,7 @@ def convert_cmd(
         raise typer.Exit(1)
 
 
-@recipe_app.command("check")
+@recipe_app.command("check", epilog=examples("recipe check"))
 def recipe_check(
     recipe: Annotated[str, typer.Argument(help="Recipe YAML, or a preset name.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None,
@@ -100,7 +100,7 @@ def recipe_check(
     typer.echo(dump_recipe(r), nl=False)
 
 
-@recipe_app.command("show")
+@recipe_app.command("show", epilog=examples("recipe show"))
 def recipe_show(preset: Annotated[str, typer.Argument(help="A preset name.")]):
     """Print a preset recipe as written (with its comment header)."""
     from .recipe import preset_path, read_recipe_text
@@ -108,7 +108,7 @@ def recipe_show(preset: Annotated[str, typer.Argument(help="A preset name.")]):
     typer.echo(read_recipe_text(preset_path(preset)), nl=False)
 
 
-@recipe_app.command("list")
+@recipe_app.command("list", epilog=examples("recipe list"))
 def recipe_list():
     """The preset recipes and what each is for."""
     from .recipe import preset_summary, presets
@@ -122,5 +122,5 @@ def recipe_list():
 
 
 def register(app: typer.Typer) -> None:
-    app.command("convert")(convert_cmd)
+    app.command("convert", epilog=examples("convert"))(convert_cmd)
     app.add_typer(recipe_app, name="recipe")

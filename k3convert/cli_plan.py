@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_options import ExpertLoad, PPLayers, RedundantExperts, StrictServing
+from .cli_options import ExpertLoad, PPLayers, RedundantExperts, StrictServing, examples
 from .errors import ConfigError, OutputError
 
 # -- plan's options (typer reads help and flag names from these) --
@@ -81,7 +81,7 @@ ServingDevice = Annotated[
 def register(app: typer.Typer) -> None:
     """Add the ``plan`` command to ``app``."""
 
-    @app.command("plan")
+    @app.command("plan", epilog=examples("plan"))
     def plan(
         src: Src = None,
         recipe: Recipe = None,
@@ -105,10 +105,11 @@ def register(app: typer.Typer) -> None:
         serving_device: ServingDevice = None,
         strict_serving: StrictServing = False,
     ):
-        """Memory per rank for a layout and a workload: weights (as shard writes them),
-        KV cache, KDA state, activations (an estimate) against a device's memory; lists
-        the smallest layouts that fit. Exit 0 (over-budget ranks are flagged), 1 with
-        --fail-if-over when one is over, 2 bad input."""
+        """Memory per rank for a layout and a workload, and the layouts that fit.
+
+        Weights (as shard writes them), KV cache, KDA state and activations (an estimate)
+        against a device's memory; lists the smallest layouts that fit. Exit 0 (over-budget
+        ranks are flagged), 1 with --fail-if-over when one is over, 2 bad input."""
         from .config_parse import int_list
         from .memplan import plan_memory, plot_plan
         from .recipe import load_recipe

@@ -23,7 +23,27 @@ Src = Annotated[Path, typer.Argument(help="Source checkpoint (bf16, FP8-block, i
 Out = Annotated[Path, typer.Argument(help="Output compressed-tensors directory.")]
 Scheme = Annotated[
     str | None,
-    typer.Option(help="Scheme for every quantizable Linear: fp8-block, w4a16, w8a8, ..."),
+    typer.Option(
+        help="Scheme for every quantizable Linear: fp8-block, w4a16, w8a8, nvfp4, ... "
+        "(--list-schemes prints them all)."
+    ),
+]
+
+
+def _list_schemes(value: bool) -> None:
+    if value:
+        typer.echo(scheme_table())
+        raise typer.Exit()
+
+
+ListSchemes = Annotated[
+    bool,
+    typer.Option(
+        "--list-schemes",
+        callback=_list_schemes,
+        is_eager=True,
+        help="Print every registered scheme (weights, activations, format) and exit.",
+    ),
 ]
 Recipe = Annotated[Path | None, typer.Option(help="Recipe YAML with ordered rules (see recipes/).")]
 Keep = Annotated[
@@ -206,6 +226,7 @@ def quantize(
     src: Src,
     out: Out,
     scheme: Scheme = None,
+    list_schemes: ListSchemes = False,
     recipe: Recipe = None,
     keep: Keep = None,
     dequantize_kept: DequantizeKept = False,
@@ -340,6 +361,36 @@ def _calibration_flags(*, scheme, recipe, calibrate, algorithm, dataset, num_sam
             + (" or --auto-keep." if not section else ".")
         )
     return None, scan
+
+
+def scheme_table() -> str:
+    """Every registered scheme, one line each: its weights, its activations, its
+    compressed-tensors format (``quantize --list-schemes``)."""
+    from .quant.schemes import get_scheme, known_schemes  # torch: not at start-up
+
+    def args(a: dict | None, weights: bool) -> str:
+        if a is None:
+            return "-"
+        text = f"{a['type']}{a['num_bits']} {a['strategy']}"
+        if a.get("block_structure"):
+            text += " " + "x".join(map(str, a["block_structure"]))
+        elif a.get("group_size"):
+            text += f" g{a['group_size']}"
+        text += "" if a.get("symmetric", True) else " asym"
+        if not weights:
+            text += " dynamic" if a.get("dynamic") else " static (calibrated)"
+        return text
+
+    rows = [("scheme", "weights", "activations", "format")]
+    for name in known_schemes():
+        sc = get_scheme(name)
+        rows.append((name, args(sc.weight_args(), True),
+                     args(sc.act.ct_args() if sc.act else None, False), sc.format))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3]
+        for r in rows
+    )
 
 
 def _flag(key: str) -> str:

@@ -195,3 +195,59 @@ def test_ctrl_c_says_how_to_resume_and_exits_130(tmp_path, capsys, monkeypatch):
     lines = err.splitlines()
     assert lines[-1].startswith("interrupted: ") and "rerun the same command" in lines[-1]
     assert lines[-2].endswith("0/5") and "Traceback" not in err, err
+
+
+def _command(path: str):
+    """The click command behind ``k3convert PATH`` (``recipe check``)."""
+    import typer.main
+
+    from k3convert.cli import app
+
+    cmd = typer.main.get_command(app)
+    for word in path.split():
+        cmd = cmd.commands[word]
+    return cmd
+
+
+def test_every_command_has_examples_that_use_its_own_flags():
+    """Each command's --help ends with examples; every flag an example uses is one of the
+    command's options, so an example cannot drift from the flags it shows."""
+    import shlex
+
+    import typer.main
+
+    from k3convert.cli import app
+    from k3convert.cli_options import EXAMPLES
+
+    group = typer.main.get_command(app)
+    commands = {n for n, c in group.commands.items() if not hasattr(c, "commands")}
+    commands |= {f"recipe {n}" for n in group.commands["recipe"].commands}
+    assert commands == set(EXAMPLES), commands ^ set(EXAMPLES)
+    for path, lines in EXAMPLES.items():
+        cmd = _command(path)
+        assert "Examples:" in (cmd.epilog or ""), path
+        flags = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+        for line in lines:
+            words = shlex.split(line)
+            assert words[: 1 + len(path.split())] == ["k3convert", *path.split()], line
+            used = {w.split("=")[0] for w in words if w.startswith("--")}
+            assert used <= flags, (line, used - flags)
+
+
+def test_short_help_is_one_line_and_schemes_are_one_flag_away(capsys):
+    """The command list shows one line per command; quantize --list-schemes prints every
+    registered scheme (its --help names the flag instead of an ellipsis)."""
+    import typer.main
+
+    from k3convert.cli import app
+    from k3convert.quant.schemes import known_schemes
+
+    for name, cmd in typer.main.get_command(app).commands.items():
+        summary = (cmd.help or "").strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, (name, summary)  # the list's one line
+    assert main(["quantize", "--list-schemes"]) == 0
+    out = capsys.readouterr().out
+    names = [line.split()[0] for line in out.splitlines()[1:]]
+    assert names == known_schemes()
+    scheme = next(p for p in _command("quantize").params if p.name == "scheme")
+    assert "--list-schemes" in scheme.help
