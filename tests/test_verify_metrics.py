@@ -540,3 +540,38 @@ def test_plot_without_matplotlib_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ConfigError, match="install matplotlib or drop --plot"):
         plot(_report(), tmp_path / "p.png")
+
+
+def test_plot_scales_labels_and_limits_say_what_they_mean():
+    """A log axis spans three decades (a 10% change is not a cliff); an exact zero is
+    drawn below the smallest value, not a real value at a floor; the divergence line is
+    named; the summary bars are titled as such, with max_kld drawn over the mean alone;
+    a FAIL title names the failing metric."""
+    pytest.importorskip("matplotlib")
+    from k3convert.verify.report import figure
+
+    r = _report(passed=True)
+    r["layers"] = [{"layer": f"model.layers.{i}", "rel_l2": v}
+                   for i, v in enumerate((6.4e-2, 7.1e-2))]  # fmt: skip
+    lay, kld = figure(r).axes
+    lo, hi = lay.get_ylim()
+    assert hi / lo >= 1e3 and lo < 6.4e-2 and hi > 7.1e-2
+    r["layers"] = [{"layer": "embed", "rel_l2": 0.0}, {"layer": "model.layers.0", "rel_l2": 3e-16}]
+    lay, _ = figure(r).axes
+    ys = lay.lines[0].get_ydata()
+    assert ys[1] == 3e-16 and ys[0] < 3e-16  # the real value where it is; zero below it
+    labels = kld.get_legend_handles_labels()[1]
+    assert kld.get_title() == "KL(ref || cand) per position"
+    assert any(x.startswith("mean ") for x in labels) and any("limits the mean" in x
+                                                               for x in labels)  # fmt: skip
+    del r["logits"]["kld_per_position"]
+    _, kld = figure(r).axes
+    assert kld.get_title() == "KL(ref || cand): summary over positions"
+    (limit,) = kld.collections  # one segment, over the "mean" bar alone
+    (x0, _), (x1, _) = limit.get_segments()[0]
+    assert x1 - x0 < 1 and round((x0 + x1) / 2) == 0  # "mean" is the first bar
+    bad = _report(passed=False)
+    fig = figure(bad)
+    assert fig._suptitle.get_text().startswith("verify: FAIL: kld.mean")
+    lay, _ = fig.axes
+    assert any(x.startswith("first divergence: ") for x in lay.get_legend_handles_labels()[1])

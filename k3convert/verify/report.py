@@ -245,10 +245,19 @@ def _jsonable(x: Any) -> Any:
 
 
 def plot(report: dict, path: str | os.PathLike) -> None:
-    """A PNG: per-layer hidden-state rel L2 error (log y; 0 drawn at 1e-12, inf/NaN as
-    red crosses at the top), and the per-position KLD as a sorted curve (or the KLD
-    summary as bars). Rendered with the Agg canvas (no display, no global pyplot
-    state); written to a temp file and renamed."""
+    """A PNG of :func:`figure`, written to a temp file and renamed."""
+    fig = figure(report)
+    _atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
+
+
+def figure(report: dict):
+    """The plots of a report: per-layer hidden-state rel L2 error (log y over at least
+    three decades, so a small change does not look like a cliff; exact zeros drawn below
+    the smallest value, inf/NaN as red crosses at the top; the first divergence marked and
+    named) and the KLD (per position as a sorted curve with its mean, or the summary as
+    bars; the ``max_kld`` limit drawn against the mean it limits). The title holds the
+    verdict and, on a failure, the failing metric. Agg canvas: no display, no global
+    pyplot state."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -264,11 +273,27 @@ def plot(report: dict, path: str | os.PathLike) -> None:
     per_pos = report.get("kld_per_position") or m.get("kld_per_position")
     th = _thresholds(report)
     _plot_kld(ax2, per_pos, m.get("kld") or {}, th.max_kld if th else None)
-    passed, _ = _verdict(report, m or None, th, report.get("layers"))
+    passed, failure = _verdict(report, m or None, th, report.get("layers"))
     if passed is not None:
-        fig.suptitle(f"verify: {'PASS' if passed else 'FAIL'}", color="green" if passed else "red")
+        title = "verify: PASS" if passed else f"verify: FAIL: {failure or ''}".rstrip(": ")
+        if len(title) > 110:
+            title = title[:107] + "..."
+        fig.suptitle(title, color="green" if passed else "red")
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
+    return fig
+
+
+def _zero_at(values: list[float]) -> float:
+    """Where an exact 0 is drawn on a log axis: a decade below the smallest positive
+    value (never above PLOT_FLOOR), so no real value is drawn at the floor."""
+    pos = [v for v in values if v > 0]
+    return min(PLOT_FLOOR, min(pos) / 10) if pos else PLOT_FLOOR
+
+
+def _log_span(ax, values: list[float], decades: float = 3.0) -> None:
+    """Log-axis limits spanning at least ``decades`` around the values."""
+    lo, hi = min(values), max(values)
+    ax.set_ylim(min(lo / 2, hi / 10**decades), max(hi * 2, lo * 10**decades))
 
 
 def _plot_layers(ax, layers: list[dict], quantized: bool = False) -> None:
@@ -278,46 +303,61 @@ def _plot_layers(ax, layers: list[dict], quantized: bool = False) -> None:
         return
     xs = list(range(len(layers)))
     vals = [e.get("rel_l2") for e in layers]
-    good = [(i, max(v, PLOT_FLOOR)) for i, v in zip(xs, vals, strict=True) if _finite(v)]
+    zero = _zero_at([v for v in vals if _finite(v)])
+    good = [(i, v if v > 0 else zero) for i, v in zip(xs, vals, strict=True) if _finite(v)]
     bad = [i for i, v in zip(xs, vals, strict=True) if not _finite(v)]
     if good:
-        ax.plot([i for i, _ in good], [v for _, v in good], marker=".", lw=1)
+        ax.plot([i for i, _ in good], [v for _, v in good], marker=".", lw=1, label="rel L2")
     top = max([v for _, v in good], default=1.0) * 10
     if bad:
         ax.plot(bad, [top] * len(bad), "x", color="red", label="inf / NaN")
-        ax.legend(loc="upper left")
     ax.set_yscale("log")
+    _log_span(ax, [v for _, v in good] + ([top] if bad else []) or [1.0])
     ax.set_xlabel("layer")
-    ax.set_ylabel(f"rel L2 (0 drawn at {PLOT_FLOOR:g})")
+    ax.set_ylabel(f"rel L2 (0 drawn at {zero:.0e})")
     hit = locate_divergence(layers, quantized)
     if hit is not None:
-        ax.axvline(hit[0], color="orange", ls="--", lw=1)
+        name = str(layers[hit[0]].get("layer", hit[0]))
+        ax.axvline(hit[0], color="orange", ls="--", lw=1, label=f"first divergence: {name}")
     if len(layers) <= 12:
         ax.set_xticks(xs, [str(e.get("layer", i))[-14:] for i, e in enumerate(layers)])
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
 
 
 def _plot_kld(ax, per_pos: list | None, summary: dict, max_kld: float | None) -> None:
-    ax.set_title("KL(ref || cand) per position")
     vals = sorted(v for v in (per_pos or []) if _finite(v))
+    limit = f"max_kld {max_kld:g} (limits the mean)" if max_kld else None
     if vals:
-        n = len(vals)
-        ax.plot([100.0 * (i + 0.5) / n for i in range(n)], [max(v, PLOT_FLOOR) for v in vals])
+        ax.set_title("KL(ref || cand) per position")
+        n, zero = len(vals), _zero_at(vals)
+        shown = [v if v > 0 else zero for v in vals]
+        ax.plot([100.0 * (i + 0.5) / n for i in range(n)], shown, label="per position")
+        mean = sum(vals) / n
+        ax.axhline(max(mean, zero), color="tab:blue", ls=":", lw=1, label=f"mean {mean:.3g}")
+        if max_kld:
+            ax.axhline(max_kld, color="red", ls="--", lw=1, label=limit)
         ax.set_xlabel("positions, sorted (percentile)")
         ax.set_yscale("log")
-        ax.set_ylabel(f"KLD, nats (0 drawn at {PLOT_FLOOR:g})")
+        _log_span(ax, shown + [max(mean, zero)] + ([max_kld] if max_kld else []))
     else:
+        ax.set_title("KL(ref || cand): summary over positions")
         keys = [k for k in _KLD_KEYS if _finite(summary.get(k))]
         if not keys:
             ax.text(0.5, 0.5, "no KLD data", ha="center", va="center", transform=ax.transAxes)
             return
-        ax.bar(keys, [max(summary[k], PLOT_FLOOR) for k in keys])
+        zero = _zero_at([summary[k] for k in keys])
+        shown = [summary[k] if summary[k] > 0 else zero for k in keys]
+        ax.bar(keys, shown)
+        if max_kld and "mean" in keys:  # the limit applies to the mean alone
+            x = keys.index("mean")
+            ax.hlines(max_kld, x - 0.45, x + 0.45, color="red", ls="--", lw=1.5, label=limit)
         ax.set_yscale("log")
-        ax.set_ylabel(f"KLD, nats (0 drawn at {PLOT_FLOOR:g})")
-    if max_kld:
-        ax.axhline(max_kld, color="red", ls="--", lw=1, label=f"max mean KLD {max_kld:g}")
-        ax.legend(loc="upper left")
+        _log_span(ax, shown + ([max_kld] if max_kld else []))
+    ax.set_ylabel(f"KLD, nats (0 drawn at {zero:.0e})")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
 
 
