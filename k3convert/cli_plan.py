@@ -78,6 +78,29 @@ ServingDevice = Annotated[
 ]
 
 
+class _StageBar:
+    """plan's progress on stderr, one line for its stages (a terminal only; it clears
+    itself when the plan is printed)."""
+
+    def __init__(self):
+        from tqdm import tqdm
+
+        from .memplan.plan import STAGES
+
+        self.bar = tqdm(total=len(STAGES), desc="plan", leave=False, disable=None,
+                        bar_format="{desc} [{n}/{total}, {elapsed}]")  # fmt: skip
+        self.started = False
+
+    def stage(self, name: str) -> None:
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_description_str(f"plan: {name}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``plan`` command to ``app``."""
 
@@ -128,26 +151,31 @@ def register(app: typer.Typer) -> None:
             if p is not None and not Path(p).parent.is_dir():
                 raise OutputError(f"{opt} {p}: the directory {Path(p).parent} does not exist.")
         layers = int_list(pp_layers, "--pp-layers") if pp_layers else None
-        res = plan_memory(
-            src=src,
-            recipe=load_recipe(recipe) if recipe is not None else None,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            redundant_experts=redundant_experts,
-            pp_layers=layers,
-            expert_load=expert_load,
-            scheme=scheme,
-            context=context,
-            batch=batch,
-            kv_dtype=kv_dtype,
-            prefill_chunk=prefill_chunk,
-            device_mem=device_mem,
-            device=device,
-            top=top,
-            serving_device=serving_device,
-            strict_serving=strict_serving,
-        )
+        bar = _StageBar()
+        try:
+            res = plan_memory(
+                src=src,
+                recipe=load_recipe(recipe) if recipe is not None else None,
+                tp=tp,
+                pp=pp,
+                ep=ep,
+                redundant_experts=redundant_experts,
+                pp_layers=layers,
+                expert_load=expert_load,
+                scheme=scheme,
+                context=context,
+                batch=batch,
+                kv_dtype=kv_dtype,
+                prefill_chunk=prefill_chunk,
+                device_mem=device_mem,
+                device=device,
+                top=top,
+                serving_device=serving_device,
+                strict_serving=strict_serving,
+                on_stage=bar.stage,
+            )
+        finally:
+            bar.close()
         if fail_if_over and res.budget is None:
             raise ConfigError(
                 "--fail-if-over needs a budget: give --device-mem or --device (the recipe "

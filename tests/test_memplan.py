@@ -26,6 +26,7 @@ from k3convert.memplan import (
     plan_memory,
     quantized_tensors,
 )
+from k3convert.memplan.plan import STAGES
 from k3convert.pipeline import quantize
 from k3convert.pipeline.quantize import plan_quantization
 from k3convert.recipe import load_recipe
@@ -268,7 +269,9 @@ def test_search_lists_layouts_that_fit_by_device_count(tiny):
     kw = dict(context=4096, prefill_chunk=64)
     base = plan_memory(src=src, search=False, **kw)
     budget = int(base.peak * 0.6)  # one device is not enough
-    p = plan_memory(src=src, device_mem=budget, top=4, **kw)
+    stages: list[str] = []
+    p = plan_memory(src=src, device_mem=budget, top=4, on_stage=stages.append, **kw)
+    assert stages == [STAGES[0], STAGES[2], STAGES[3]]  # progress: no quantization here
     assert p.over == [0] and p.search
     devices = [f.devices for f in p.search]
     assert devices == sorted(devices) and len(p.search) == 4

@@ -56,6 +56,11 @@ def _attention_label(L: LayerModel) -> str:
     return ", ".join(f"{n} {k.upper()}" for k, n in counts.items())
 
 
+#: plan_memory's stages, in order (``on_stage``)
+STAGES = ("reading the model", "planning the quantization", "placing every rank's weights",
+          "searching the layouts that fit")  # fmt: skip
+
+
 def plan_memory(
     *,
     src: str | Path | None = None,
@@ -77,6 +82,7 @@ def plan_memory(
     top: int = 5,
     serving_device: str | None = None,
     strict_serving: bool = False,
+    on_stage=None,
 ) -> MemoryPlan:
     """The memory budget of every rank (see the module doc). ``recipe`` (a loaded
     :class:`k3convert.recipe.Recipe`): its ``source.path``, ``layout`` and ``quantize``
@@ -86,7 +92,9 @@ def plan_memory(
     A planned quantization is checked against vLLM on ``serving_device`` (None: the
     recipe's ``output.serving_device``, else cuda) at the layout's
     tp (:mod:`k3convert.serving`): ``warnings`` lists what it would refuse;
-    ``strict_serving`` (or the recipe's ``output.strict_serving``) raises instead."""
+    ``strict_serving`` (or the recipe's ``output.strict_serving``) raises instead.
+    on_stage(name): progress, called as each stage starts (:data:`STAGES`)."""
+    stage = on_stage or (lambda name: None)
     if isinstance(recipe, (str, os.PathLike)):  # loading one is the caller's (a layer up)
         raise TypeError(f"plan_memory takes a loaded Recipe (k3convert.recipe.load_recipe), "
                         f"not the path {recipe}")  # fmt: skip
@@ -122,6 +130,7 @@ def plan_memory(
     if not isinstance(top, int) or top < 1:
         raise ConfigError(f"--top must be a positive integer, got {top!r}.")
     layout = Layout(tp=tp, pp=pp, moe_ep=ep)
+    stage(STAGES[0])
     t = load_source(src)
     want = getattr(getattr(recipe, "source", None), "model_type", None)
     if want is not None and t.config.get("model_type") != want:
@@ -130,15 +139,19 @@ def plan_memory(
             f"'{t.config.get('model_type')}' model; plan the model the recipe was written "
             f"for (or change source.model_type)."
         )
-    if scheme is not None:
-        t = quantized_tensors(t, scheme=scheme)
-    elif recipe is not None and recipe.quantize is not None:
-        t = quantized_tensors(t, recipe=recipe)
+    if scheme is not None or (recipe is not None and recipe.quantize is not None):
+        stage(STAGES[1])
+        t = (
+            quantized_tensors(t, scheme=scheme)
+            if scheme is not None
+            else quantized_tensors(t, recipe=recipe)
+        )
     load = load_expert_load(expert_load)
     if even_load:
         n = getattr(getattr(t.cfg, "text", t.cfg), "num_experts", 0) or 0
         layers = {r.layer for r in t.roles if r.expert is not None}
         load = {L: [1.0] * n for L in layers} if layers else None
+    stage(STAGES[2])
     planner = Planner(t, workload, load=load, redundant=redundant_experts)
     planner.check(layout)
     if pp_layers is not None and len(pp_layers) != layout.pp:
@@ -163,6 +176,7 @@ def plan_memory(
     )
     plan.notes += _notes(L, layout)
     if budget is not None and search:
+        stage(STAGES[3])
         plan.search, plan.search_note = planner.search(budget, top)
     return plan
 
