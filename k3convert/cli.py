@@ -166,7 +166,10 @@ def synth(
 @app.command(epilog=examples("forward"))
 def forward(
     src: Annotated[
-        Path, typer.Argument(help="Checkpoint, quantized checkpoint, or single-rank stream dir.")
+        Path,
+        typer.Argument(
+            help="Checkpoint, quantized checkpoint, or stream dir (every rank run here)."
+        ),
     ],
     ids: Annotated[
         str | None, typer.Option(help='Token ids, e.g. "1 2 3" (";" separates sequences).')

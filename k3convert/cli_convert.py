@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -117,8 +119,11 @@ def recipe_list():
     if not known:
         raise ConfigError("no preset recipes found (set K3CONVERT_RECIPES_DIR).")
     width = max(len(n) for n in known)
+    cols = max(60, shutil.get_terminal_size().columns)  # 80 when not a terminal
     for name, path in known.items():
-        typer.echo(f"{name:<{width}}  {preset_summary(path)}")
+        typer.echo(textwrap.fill(preset_summary(path), width=cols, break_on_hyphens=False,
+                                 initial_indent=f"{name:<{width}}  ",
+                                 subsequent_indent=" " * (width + 2)))  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

@@ -15,7 +15,7 @@ from .stream import open_stream
 
 
 def open_source(path: str | os.PathLike):
-    """A Checkpoint, or a Stream for a stream directory (single-rank for the runtime)."""
+    """A Checkpoint, or a Stream for a stream directory (``forward`` runs every rank of it)."""
     p = Path(path)
     if p.is_dir() and (p / "manifest.json").is_file():
         return open_stream(p)

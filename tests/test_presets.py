@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,7 +260,15 @@ def test_recipe_show_prints_the_file_verbatim(name, capsys):
 def test_recipe_list_lists_every_preset_with_its_description(capsys):
     assert main(["recipe", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = {ln.split()[0]: ln for ln in lines}
+    cols = max(60, shutil.get_terminal_size().columns)
+    assert all(len(ln) <= cols for ln in lines), lines  # wrapped to the terminal
+    entries: list[str] = []
+    for ln in lines:  # a wrapped description continues on indented lines
+        if ln.startswith(" ") and entries:
+            entries[-1] += " " + ln.strip()
+        else:
+            entries.append(ln)
+    rows = {ln.split()[0]: ln for ln in entries}
     assert set(PRESET_NAMES) <= set(rows), lines
     width = max(len(n) for n in presets())
     for name in PRESET_NAMES:
@@ -269,7 +278,8 @@ def test_recipe_list_lists_every_preset_with_its_description(capsys):
             n = r.layout.tp * r.layout.pp
             desc += f" [target: {n} x {r.target.device}, {r.target.context // 1024}K tokens x "
             desc += f"{r.target.batch}]"
-        assert rows[name] == f"{name:<{width}}  {desc}"
+        assert rows[name].split() == f"{name:<{width}}  {desc}".split()
+        assert rows[name].startswith(f"{name:<{width}}  ")
         assert "(invalid" not in rows[name]
 
 
