@@ -251,3 +251,17 @@ def test_short_help_is_one_line_and_schemes_are_one_flag_away(capsys):
     assert names == known_schemes()
     scheme = next(p for p in _command("quantize").params if p.name == "scheme")
     assert "--list-schemes" in scheme.help
+
+
+def test_a_folder_without_weights_points_only_at_what_is_there(tmp_path, capsys):
+    """No weights and no config.json: the error does not suggest inspecting a
+    config.json that does not exist; with a config.json it does."""
+    d = tmp_path / "plain"
+    d.mkdir()
+    (d / "notes.txt").write_text("hi")
+    assert main(["verify", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "no weights found" in err and "config.json`" not in err and "no config.json" in err
+    (d / "config.json").write_text(json.dumps(LLAMA_CFG))
+    assert main(["verify", str(d)]) == 2
+    assert f"k3convert inspect {d / 'config.json'}" in capsys.readouterr().err

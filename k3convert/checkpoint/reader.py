@@ -467,10 +467,14 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     else:
         config = {}
     if not files:
+        hint = (
+            f" For parameter arithmetic on a config alone use `k3convert inspect {cfg_path}`."
+            if cfg_path.is_file()
+            else " Is this the model directory (it has no config.json either)?"
+        )
         raise CheckpointError(
             f"{root}: no weights found (expected model.safetensors, *.safetensors with "
-            f"model.safetensors.index.json, or pytorch_model*.bin). For parameter "
-            f"arithmetic on a config alone use `k3convert inspect {cfg_path}`."
+            f"model.safetensors.index.json, or pytorch_model*.bin).{hint}"
         )
     raw: dict[str, PartMeta] = {}
     for f in files:
