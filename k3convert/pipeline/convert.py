@@ -439,8 +439,8 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
     if r.verify.enabled:
         t = time.perf_counter()
         ui.stage("verify", total=1, unit="run")
-        ui.item("every rank simulated, vs " + ("transformers" if vref == "transformers"
-                                               else Path(vref).name))  # fmt: skip
+        # short: a long postfix squeezes the bar to nothing on an 80-column terminal
+        ui.item("vs " + ("transformers" if vref == "transformers" else Path(vref).name)[:24])
         vrep = _run_verify(r, out, vref)
         ui.bar.update(1)
         times["verify"] = time.perf_counter() - t
