@@ -4,6 +4,7 @@ library), the layout search, sizes, devices and the command line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -27,6 +28,7 @@ from k3convert.memplan import (
     quantized_tensors,
 )
 from k3convert.memplan.plan import STAGES
+from k3convert.memplan.render import plan_figure
 from k3convert.pipeline import quantize
 from k3convert.pipeline.quantize import plan_quantization
 from k3convert.recipe import load_recipe
@@ -273,6 +275,15 @@ def test_search_lists_layouts_that_fit_by_device_count(tiny):
     p = plan_memory(src=src, device_mem=budget, top=4, on_stage=stages.append, **kw)
     assert stages == [STAGES[0], STAGES[2], STAGES[3]]  # progress: no quantization here
     assert p.over == [0] and p.search
+    if importlib.util.find_spec("matplotlib") is not None:  # the chart says what is over
+        import matplotlib.pyplot as plt
+
+        fig = plan_figure(p)
+        ax = fig.axes[0]
+        labels = ax.get_legend_handles_labels()[1]
+        plt.close(fig)
+        assert "over budget (1 rank(s))" in labels and "free" not in labels, labels
+        assert f"; device {p.device};" in ax.get_title()
     devices = [f.devices for f in p.search]
     assert devices == sorted(devices) and len(p.search) == 4
     for f in p.search:  # every listed layout really fits, with the peak reported

@@ -250,8 +250,26 @@ def _render(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
-    """A PNG of per-rank memory stacked by component, the budget as a line. Needs
-    matplotlib (a test extra): a ConfigError says so when it is missing."""
+    """A PNG of :func:`plan_figure`."""
+    out = Path(path)
+    if not out.parent.is_dir():
+        raise ConfigError(f"--plot {out}: the directory {out.parent} does not exist.")
+    fig = plan_figure(plan)
+    try:
+        fig.savefig(out, format="png", dpi=100)
+    except OSError as e:
+        raise ConfigError(f"--plot {out}: cannot write ({e.strerror or e}).") from e
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return out
+
+
+def plan_figure(plan: MemoryPlan):
+    """Per-rank memory stacked by component, the budget as a line, the part of a rank
+    over it hatched in red, the device in the title. Needs matplotlib (a test extra): a
+    ConfigError says so when it is missing. The caller closes it (pyplot)."""
     try:
         import matplotlib
     except ImportError:
@@ -262,9 +280,6 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(path)
-    if not out.parent.is_dir():
-        raise ConfigError(f"--plot {out}: the directory {out.parent} does not exist.")
     top = max([r.total for r in plan.ranks] + [plan.budget or 0])
     unit, gib = next(
         (u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= b
@@ -292,7 +307,14 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     if plan.budget is not None:
         free = [max(0.0, plan.budget / gib - b) for b in bottom]
-        ax.bar(ranks, free, bottom=bottom, color=colors["free"], label=labels["free"])
+        if any(free):  # (a legend entry only for what is drawn)
+            ax.bar(ranks, free, bottom=bottom, color=colors["free"], label=labels["free"])
+        over = [(r.rank, (r.total - plan.budget) / gib) for r in plan.ranks
+                if r.total > plan.budget]  # fmt: skip
+        if over:  # the part of each bar above the budget, hatched and outlined
+            ax.bar([x for x, _ in over], [h for _, h in over], bottom=plan.budget / gib,
+                   fill=False, edgecolor="red", hatch="//", linewidth=1,
+                   label=f"over budget ({len(over)} rank(s))")  # fmt: skip
         ax.axhline(
             plan.budget / gib,
             color="black",
@@ -301,8 +323,9 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
             label=f"budget {plan.budget / gib:.1f} {unit}",
         )
     lay = plan.layout
+    on = f"; device {plan.device}" if plan.device else ""
     ax.set_title(
-        f"{plan.model['model_type']}: tp {lay.tp} x pp {lay.pp}, ep {lay.moe_ep}; "
+        f"{plan.model['model_type']}: tp {lay.tp} x pp {lay.pp}, ep {lay.moe_ep}{on}; "
         f"context {plan.workload.context:,} x batch {plan.workload.batch}"
     )
     ax.set_xlabel("rank")
@@ -314,10 +337,4 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
             if r.total > plan.budget:
                 lbl.set_color("red")
     fig.tight_layout()
-    try:
-        fig.savefig(out, format="png", dpi=100)
-    except OSError as e:
-        raise ConfigError(f"--plot {out}: cannot write ({e.strerror or e}).") from e
-    finally:
-        plt.close(fig)
-    return out
+    return fig
