@@ -428,7 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except typer.Exit as e:
         return e.exit_code
-    except (typer.Abort, KeyboardInterrupt):  # Ctrl-C (click turns it into Abort)
+    except typer.Abort:  # typer's answer to an end of input (EOF) inside a command
+        typer.echo("aborted: unexpected end of input.", err=True)
+        return 130
+    except KeyboardInterrupt:  # Ctrl-C outside typer's own handling (which returns 130)
         _interrupted()
         return 130
     except Exception as e:  # click usage errors (typer vendors its own click)

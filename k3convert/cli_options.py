@@ -71,7 +71,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "convert": (
         "k3convert convert /models/Kimi-K3 /out/k3-b200 --recipe kimi-k3-nvfp4-experts",
-        "k3convert convert /tmp/k3-tiny /tmp/k3-demo --recipe demo --set layout.tp=2",
+        "k3convert convert /tmp/k3-tiny /tmp/k3-demo --recipe demo --set output.compression=none",
     ),
     "plan": (
         "k3convert plan kimi-k3 --recipe kimi-k3-day0",

@@ -89,12 +89,11 @@ class _StageBar:
 
         self.bar = tqdm(total=len(STAGES), desc="plan", leave=False, disable=None,
                         bar_format="{desc} [{n}/{total}, {elapsed}]")  # fmt: skip
-        self.started = False
 
     def stage(self, name: str) -> None:
-        if self.started:
-            self.bar.update(1)
-        self.started = True
+        from .memplan.plan import STAGES
+
+        self.bar.n = STAGES.index(name)  # stages a plan does not need are skipped
         self.bar.set_description_str(f"plan: {name}")
 
     def close(self) -> None:

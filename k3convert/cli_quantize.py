@@ -377,7 +377,9 @@ def scheme_table() -> str:
         elif a.get("group_size"):
             text += f" g{a['group_size']}"
         text += "" if a.get("symmetric", True) else " asym"
-        if not weights:
+        if not weights and a.get("dynamic") == "local":  # NVFP4: per-group scales on the fly
+            text += " dynamic, global scale calibrated"
+        elif not weights:
             text += " dynamic" if a.get("dynamic") else " static (calibrated)"
         return text
 

@@ -383,3 +383,13 @@ def test_smoothed_kept_norms_reach_every_rank(k25, ids_file, tmp_path):
     want, got = _no_identity(_files(ref)), _no_identity(_files(out))
     units = [k for k in want if k.startswith("rank")]
     assert units and all(got[k] == want[k] for k in units)
+
+
+def test_a_calibration_shortfall_is_said_even_without_progress(k25, ids_file, tmp_path, capsys):
+    """Fewer calibration samples than the recipe asks for (the data ran out) is a warning
+    on the terminal, with or without the progress bar (not only in config.json)."""
+    doc = _calibrated(ids_file)
+    doc["quantize"]["calibrate"] = {**doc["quantize"]["calibrate"], "num_samples": 64}
+    convert(src=k25, out=tmp_path / "c", recipe=parse_recipe(doc), progress=False)
+    err = capsys.readouterr().err
+    assert "warning: calibration: 12 of the 64 requested samples" in err, err

@@ -574,4 +574,5 @@ def test_plot_scales_labels_and_limits_say_what_they_mean():
     fig = figure(bad)
     assert fig._suptitle.get_text().startswith("verify: FAIL: kld.mean")
     lay, _ = fig.axes
-    assert any(x.startswith("first divergence: ") for x in lay.get_legend_handles_labels()[1])
+    # the rule's layer (error 0 -> 1e-3 at model.layers.0), named as a jump
+    assert "error jumps at: model.layers.0" in lay.get_legend_handles_labels()[1]

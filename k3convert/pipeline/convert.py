@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -197,9 +198,9 @@ class _Display:
         self.bar.set_postfix_str(text, refresh=False)
 
     def write(self, line: str) -> None:
-        if self.bar.disable:
-            return
-        self.bar.write(line)
+        if self.bar.disable and not line.startswith("warning: "):
+            return  # --no-progress: quiet, but a warning is still said
+        self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()
@@ -517,8 +518,8 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
     together: the auto-keep scan on process 0 (its choice shared), calibration with each
     layer's GPTQ solves split over the processes
     (:func:`k3convert.calibrate.sequential.calibrate_sequential`). The bar counts the
-    layers calibration finishes (its ``on_layer`` events); the log lines go to a caller's
-    ``log`` only."""
+    layers calibration finishes (its ``on_layer`` events); the log lines go to ``say``
+    (above the bar, or the caller's log)."""
     n = resolve(ck.config, str(ck.root))[1].num_layers
     ui.stage("calibrate", total=n, unit="layer")
     if r.quantize.auto_keep is not None:
@@ -528,7 +529,7 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
         ui.item(f"layer {i} calibrated")
         ui.bar.update(1)
 
-    log = say if group.leader and say is not ui.write else None
+    log = say if group.leader else None  # (the bar's write, or the caller's log)
     return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out, force=force,
                                 log=log, group=group,
                                 on_layer=layer_done if group.leader else None)  # fmt: skip

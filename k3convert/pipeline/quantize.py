@@ -506,16 +506,26 @@ def _check_source_kv(ckpt, plan: Plan, opts) -> None:
         )
 
 
+class CalibrationShortfallWarning(UserWarning):
+    """The calibration data ran out before the number of samples asked for."""
+
+
 def _say_shortfall(calib, log) -> None:
     """Fewer calibration samples than asked for (the data ran out): said where the user
-    looks, not only in config.json's provenance."""
+    looks (``log``, else a warning, which the CLI prints), not only in config.json's
+    provenance."""
     asked = calib.options.get("num_samples")
-    if log is not None and asked and calib.num_samples < asked:
-        log(
-            f"warning: calibration: {calib.num_samples} of the {asked} requested samples "
-            f"({int(calib.attention_mask.sum())} tokens of {calib.seq_len} per sample): "
-            f"{calib.source} ran out; add data or ask for fewer (--num-samples)."
-        )
+    if not asked or calib.num_samples >= asked:
+        return
+    text = (
+        f"calibration: {calib.num_samples} of the {asked} requested samples "
+        f"({int(calib.attention_mask.sum())} tokens in all): {calib.source} ran out; add "
+        f"data or ask for fewer (--num-samples, or quantize.calibrate.num_samples)."
+    )
+    if log is not None:
+        log(f"warning: {text}")
+    else:
+        warnings.warn(text, CalibrationShortfallWarning, stacklevel=3)
 
 
 def _auto_keep(ckpt, plan: Plan, budget, ladder, method: str, opts, log):
@@ -583,7 +593,8 @@ def _calibrate(
             ckpt.root, opts.dataset, num_samples=opts.num_samples, seq_len=opts.seq_len,
             seed=opts.seed, packing=opts.packing,
         )  # fmt: skip
-        _say_shortfall(calib, log)
+        if group is None or group.leader:  # said once, by the process that reports
+            _say_shortfall(calib, log)
     if opts.offload_dir:
         journal = Path(opts.offload_dir)
     elif journal is None:

@@ -12,6 +12,7 @@ max_rel_err, argmax_equal[, kv_cache, kld_vs_full]}), ``time_s``, ``peak_rss_mib
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -210,7 +211,9 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], binary:
             write(f)
             f.flush()
             # mkstemp creates 0600; a report is an ordinary file: the umask's permissions
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            # (a file system without modes keeps its own)
+            with contextlib.suppress(OSError):
+                os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except BaseException as e:
@@ -253,9 +256,10 @@ def plot(report: dict, path: str | os.PathLike) -> None:
 def figure(report: dict):
     """The plots of a report: per-layer hidden-state rel L2 error (log y over at least
     three decades, so a small change does not look like a cliff; exact zeros drawn below
-    the smallest value, inf/NaN as red crosses at the top; the first divergence marked and
-    named) and the KLD (per position as a sorted curve with its mean, or the summary as
-    bars; the ``max_kld`` limit drawn against the mean it limits). The title holds the
+    the smallest value, inf/NaN as red crosses at the top; where the error jumps, or else
+    its largest increase, marked and named) and the KLD (per position as a sorted curve
+    with its mean, or the summary as bars; the ``max_kld`` limit drawn against the mean
+    it limits). The title holds the
     verdict and, on a failure, the failing metric. Agg canvas: no display, no global
     pyplot state."""
     try:
@@ -316,9 +320,10 @@ def _plot_layers(ax, layers: list[dict], quantized: bool = False) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel(f"rel L2 (0 drawn at {zero:.0e})")
     hit = locate_divergence(layers, quantized)
-    if hit is not None:
+    if hit is not None:  # (i, True): the error jumps there; (i, False): its largest increase
         name = str(layers[hit[0]].get("layer", hit[0]))
-        ax.axvline(hit[0], color="orange", ls="--", lw=1, label=f"first divergence: {name}")
+        what = "error jumps at" if hit[1] else "largest increase at"
+        ax.axvline(hit[0], color="orange", ls="--", lw=1, label=f"{what}: {name}")
     if len(layers) <= 12:
         ax.set_xticks(xs, [str(e.get("layer", i))[-14:] for i, e in enumerate(layers)])
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)

@@ -369,13 +369,14 @@ def run_verify(
         and ranks.layout.world == 1
         and ref_kind == "runtime"
         and ref_path.resolve() == cand_path.resolve()
+        and not decode  # --decode checks the cached decode against the model's own forward
     ):
         raise ConfigError(
             f"{cand_path}: verify would compare this checkpoint with itself (one rank, the "
             f"same weights, the same runtime), so there is nothing to check. Verify what "
-            f"`shard` or `convert` wrote, add --layout tp=2 (or pp / ep) to check a "
-            f"parallel layout of it, or compare with another model: --reference ORIGINAL or "
-            f"--reference transformers."
+            f"`shard` or `convert` wrote, add --layout tp=2 (or pp=2) to check a parallel "
+            f"layout of it, --decode N to check incremental decoding, or compare with "
+            f"another model: --reference ORIGINAL or --reference transformers."
         )
     ref_cfg = load_json(ref_path / "config.json")
     _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
