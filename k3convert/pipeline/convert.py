@@ -359,13 +359,14 @@ def _plan(r: Recipe, ck, cache_bytes: int, log) -> _Planned:
     if r.quantize is not None:
         with _key_path(r, "quantize"):
             prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
-        _check_serving(r, prep, ck, log)
         data: Checkpoint = PlannedCheckpoint(prep, cache_bytes)
     else:
         data = ck
     with _key_path(r, "layout"):  # raises on a layout the model cannot take
         plan = build_plan(data, layout, expert_load=_even_load(data) if pending else load,
                           **placement)  # fmt: skip
+    if prep is not None:  # after the layout's own error, which says the same thing first
+        _check_serving(r, prep, ck, log)
     return _Planned(prep, data, plan, layout, placement, load, pending)
 
 
