@@ -87,13 +87,12 @@ class _StageBar:
 
         from .memplan.plan import STAGES
 
+        self.stages = STAGES
         self.bar = tqdm(total=len(STAGES), desc="plan", leave=False, disable=None,
                         bar_format="{desc} [{n}/{total}, {elapsed}]")  # fmt: skip
 
     def stage(self, name: str) -> None:
-        from .memplan.plan import STAGES
-
-        self.bar.n = STAGES.index(name)  # stages a plan does not need are skipped
+        self.bar.n = self.stages.index(name)  # stages a plan does not need are skipped
         self.bar.set_description_str(f"plan: {name}")
 
     def close(self) -> None:
