@@ -27,6 +27,7 @@ from .cli_options import (
     Device,
     ExpertLoad,
     Force,
+    NoProgress,
     PPLayers,
     RedundantExperts,
     examples,
@@ -41,6 +42,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: paragraphs rewrapped to the terminal (rich mode keeps the
+    # docstrings' line breaks mid-sentence) and flags without a '<bool>' type column
+    rich_markup_mode=None,
 )
 
 
@@ -131,6 +135,7 @@ def synth(
     ] = 0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     force: Force = False,
+    no_progress: NoProgress = False,
 ):
     """Write a random checkpoint with the exact names, dtypes and layout of an architecture."""
     from .synth import synthesize
@@ -158,7 +163,7 @@ def synth(
         shard_mb=shard_mb,
         seed=seed,
         force=force,
-        progress=True,
+        progress=not no_progress,
     )
     typer.echo(summary)
 
@@ -251,6 +256,7 @@ def shard(
     expert_load: ExpertLoad = None,
     redundant_experts: RedundantExperts = 0,
     force: Force = False,
+    no_progress: NoProgress = False,
     check: Annotated[
         bool,
         typer.Option(
@@ -283,7 +289,7 @@ def shard(
         pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
         expert_load=expert_load,
         redundant_experts=redundant_experts,
-        progress=True,
+        progress=not no_progress,
     )
     if not _leader():  # under torchrun process 0 reports for the job
         return
@@ -302,7 +308,7 @@ def demo(
     family: Annotated[
         str, typer.Option(help="Preset model to rehearse: kimi-k3, kimi-k25, kimi-k2, ...")
     ] = "kimi-k3",
-    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    no_progress: NoProgress = False,
 ):
     """Synth a tiny model and convert it with the demo recipe (quantize -> shard -> verify)."""
     from .demo import run_demo
@@ -369,6 +375,7 @@ def verify(
             "models); default streams them layer by layer.",
         ),
     ] = False,
+    no_progress: NoProgress = False,
 ):
     """Run every rank of CANDIDATE as the cluster will and report parity.
 
@@ -385,6 +392,7 @@ def verify(
         max_rel_err=max_rel_err, json_path=json_out, plot_path=plot, dtype=dtype,
         device=device, pp_layers=int_list(pp_layers, "--pp-layers") if pp_layers else None,
         expert_load=expert_load, redundant_experts=redundant_experts, resident=resident,
+        progress=not no_progress,
     )  # fmt: skip
     if rep.get("rank", 0) != 0:
         return
@@ -419,10 +427,24 @@ def _interrupted() -> None:
     sys.stderr.flush()
 
 
+def command():
+    """The click command of ``app``, its arguments named in capitals (``SRC OUT``, as the
+    docstrings write them; typer would print ``{src} {out}``)."""
+    root = typer.main.get_command(app)
+    todo = [root]
+    while todo:
+        cmd = todo.pop()
+        todo.extend(getattr(cmd, "commands", {}).values())
+        for p in cmd.params:
+            if p.param_type_name == "argument" and p.metavar is None:
+                p.metavar = p.name.upper()
+    return root
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: K3Error -> one line on stderr, exit 2."""
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = command()(args=argv, standalone_mode=False, prog_name="k3convert")
     except K3Error as e:
         typer.echo(f"error: {e}", err=True)
         return e.exit_code

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_options import Force, StrictServing, examples
+from .cli_options import Force, NoProgress, StrictServing, examples
 from .errors import ConfigError
 
 SET_HELP = (
@@ -49,7 +49,7 @@ def convert_cmd(
         typer.Option(help="Also write a self-contained HTML report (summary table, plots)."),
     ] = None,
     force: Force = False,
-    no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    no_progress: NoProgress = False,
     strict_serving: StrictServing = False,  # same as --set output.strict_serving=true
 ):
     """Quantize (calibrating when the recipe asks) -> shard -> verify in one streaming pass.

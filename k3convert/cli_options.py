@@ -40,6 +40,9 @@ StrictServing = Annotated[
         "serving device at its tensor-parallel degree, instead of warning.",
     ),
 ]
+NoProgress = Annotated[
+    bool, typer.Option("--no-progress", help="No progress bar (keeps a log file clean).")
+]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing (complete) OUT.")]
 
 

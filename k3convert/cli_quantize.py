@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_options import Force, StrictServing
+from .cli_options import Force, NoProgress, StrictServing
 from .errors import ConfigError, K3Error
 
 #: calibration / auto-keep options whose flag is not ``--`` + the key (error messages)
@@ -234,6 +234,7 @@ def quantize(
     dry_run: DryRun = False,
     full_table: FullTable = False,
     force: Force = False,
+    no_progress: NoProgress = False,
     workers: Workers = None,
     shard_size_gb: ShardSizeGb = 4.0,
     calibrate: Calibrate = False,
@@ -286,7 +287,7 @@ def quantize(
         dry_run=dry_run,
         force=force,
         workers=workers,
-        progress=True,
+        progress=not no_progress,
         shard_size=max(1, int(shard_size_gb * 2**30)),
         calibrate=cal.options() if cal is not None else None,
         algorithm=cal.algorithm if cal is not None else "rtn",

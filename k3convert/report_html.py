@@ -55,6 +55,7 @@ def _verify_rows(v: dict) -> list[tuple[str, str]]:
         rows.append((f"KLD {k}", _num(kld.get(k))))
     rows += [
         ("top-1 agreement", _num(lg.get("top1"))),
+        *_decisive(lg),
         ("max rel err", _num(lg.get("max_rel_err"))),
         ("cosine", _num(lg.get("cosine"))),
         ("thresholds", _limits(th)),
@@ -65,6 +66,14 @@ def _verify_rows(v: dict) -> list[tuple[str, str]]:
             ("decode check", "pass" if dec.get("passed") else f"FAIL: {dec.get('failure')}")
         )
     return rows
+
+
+def _decisive(lg: dict) -> list[tuple[str, str]]:
+    if "decisive_positions" not in lg:
+        return []
+    n = lg["decisive_positions"]
+    text = f"{_num(lg.get('top1_decisive'))} on {n} positions" if n else "none (not judged)"
+    return [("top-1 where the reference is decisive", text)]
 
 
 def _limits(th: dict) -> str:

@@ -32,6 +32,7 @@ from .formats import FP8_MAX
 from .formats.dtypes import SHORT_DTYPES, SHORT_NAMES
 from .formats.intn import pack_int32
 from .quant.schemes import get_scheme
+from .synth_tokenizer import write_tokenizer
 
 PRESETS = (
     "kimi-k2",
@@ -119,26 +120,41 @@ def _set_experts(t: dict, n: int) -> None:
         t["topk_group"] = min(t.get("topk_group") or 1, t["n_group"])
 
 
+#: the width every block (fp8-block 128x128) and group scheme (w4a16's g128) divides: a
+#: tiny model's Linear inputs are multiples of it, so every preset scheme accepts it
+TINY_WIDTH = 128
+#: a tiny vocabulary holds the synthetic tokenizer's 256 bytes and its special tokens
+TINY_VOCAB = 512
+
+
 def tiny_overrides(raw: dict) -> dict:
-    """Small dimensions that keep every structural feature of the config."""
+    """Small dimensions that keep every structural feature of the config.
+
+    Every Linear's input width is a multiple of :data:`TINY_WIDTH` (hidden 128, MLPs 256,
+    MLA ranks 128 and 4 heads x 64, KDA 4 heads x 128, vision 128), so fp8-block and g128
+    schemes apply as on the release, and the tensors tensor parallelism splits still
+    split into whole 128-blocks at tp 2 (a block scheme at tp 4 would need 512-wide
+    layers); a latent MoE's hidden size is twice its latent width (256) so that the two
+    never coincide."""
     t = text_section(raw)
     mla = "kv_lora_rank" in t
     experts = t.get("n_routed_experts") or t.get("num_experts") or t.get("num_local_experts")
     dense_first = t.get("first_k_dense_replace") or 0
+    latent = bool(t.get("routed_expert_hidden_size"))
     o: dict[str, Any] = {
         "layers": min(t.get("num_hidden_layers", 2), max(2, dense_first + 2)),
-        "hidden": 64,
+        "hidden": 2 * TINY_WIDTH if latent else TINY_WIDTH,
         "heads": 4,
         "kv_heads": 4 if mla else min(t.get("num_key_value_heads") or 4, 2),
-        "intermediate": 128,
-        "vocab": 256,
+        "intermediate": 2 * TINY_WIDTH,
+        "vocab": TINY_VOCAB,
     }
     if _hybrid(t):  # KDA + MLA: enough layers for both kinds, a dense one and 2 residual blocks
         o["layers"] = min(t.get("num_hidden_layers", 5), 5)
     if experts:
         o["experts"] = 8
         o["topk"] = min(t.get("num_experts_per_tok") or t.get("num_experts_per_token") or 2, 2)
-        o["moe_intermediate"] = 32
+        o["moe_intermediate"] = 2 * TINY_WIDTH  # a single shared expert splits at tp 2
     if t.get("num_nextn_predict_layers"):
         o["mtp"] = 1
     if isinstance(raw.get("vision_config"), dict):
@@ -182,34 +198,35 @@ def apply_overrides(raw: dict, o: dict, tiny: bool) -> dict:
     if o.get("mtp") is not None and "num_nextn_predict_layers" in t:
         t["num_nextn_predict_layers"] = o["mtp"]
     if tiny and mla:
+        # 4 heads x 64: o_proj's input and q_b / kv_b's outputs split in 128s at tp 2
         t.update(
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            q_lora_rank=32 if t.get("q_lora_rank") else None,
+            kv_lora_rank=TINY_WIDTH,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            q_lora_rank=TINY_WIDTH if t.get("q_lora_rank") else None,
         )
         if t.get("n_group", 1) > 1:
             t["n_group"], t["topk_group"] = 2, 1
-        t["head_dim"] = 8
-        t["qk_head_dim"] = 24
+        t["head_dim"] = 64
+        t["qk_head_dim"] = 128
     if _hybrid(t):
         _scale_hybrid(t, o, tiny)
     v = cfg.get("vision_config")
     if isinstance(v, dict) and "vt_hidden_size" in v:  # Kimi K3's MoonViT3d
         if tiny:
-            v.update(vt_hidden_size=32, vt_num_attention_heads=2, qkv_hidden_size=32)
-            v.update(vt_intermediate_size=64, init_pos_emb_height=8, init_pos_emb_width=8)
-            v["mm_hidden_size"] = 32
+            v.update(vt_hidden_size=TINY_WIDTH, vt_num_attention_heads=2)
+            v.update(qkv_hidden_size=TINY_WIDTH, vt_intermediate_size=2 * TINY_WIDTH)
+            v.update(init_pos_emb_height=8, init_pos_emb_width=8, mm_hidden_size=TINY_WIDTH)
         if o.get("vision_layers"):
             v["vt_num_hidden_layers"] = o["vision_layers"]
         if "text_hidden_size" in v:
             v["text_hidden_size"] = t["hidden_size"]
     elif isinstance(v, dict):
         if tiny:
-            v.update(hidden_size=32, num_attention_heads=2, intermediate_size=64)
-            v.update(pos_emb_height=8, pos_emb_width=8)
-            cfg["projection_hidden_size"] = 32
+            v.update(hidden_size=TINY_WIDTH, num_attention_heads=2)
+            v.update(intermediate_size=2 * TINY_WIDTH, pos_emb_height=8, pos_emb_width=8)
+            cfg["projection_hidden_size"] = TINY_WIDTH
         if o.get("vision_layers"):
             v["num_hidden_layers"] = o["vision_layers"]
     _fix_token_ids(cfg, t)
@@ -239,10 +256,10 @@ def _scale_hybrid(t: dict, o: dict, tiny: bool) -> None:
             t["attn_res_block_size"] = 2
         elif block and block >= n:
             t["attn_res_block_size"] = max(1, n // 2)
-    if tiny:
-        lac.update(num_heads=4, head_dim=16)
+    if tiny:  # head_dim is the full-rank gate's rank (f_b_proj's input): 128 as released
+        lac.update(num_heads=4, head_dim=TINY_WIDTH)
         if t.get("routed_expert_hidden_size"):
-            t["routed_expert_hidden_size"] = 32
+            t["routed_expert_hidden_size"] = TINY_WIDTH
     if o.get("latent"):  # the latent MoE's width (the routed experts' input)
         if not t.get("routed_expert_hidden_size"):
             raise ConfigError("--latent sets a latent MoE's width; this model has no latent MoE.")
@@ -589,9 +606,12 @@ def synthesize(
             write_index(tmp, weight_map, total)
         out_cfg = output_config(cfg_raw, out_encoding if encoding != "plain" else "plain", dtype)
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
+        t = text_section(cfg_raw)
+        tokenizer = write_tokenizer(tmp, cfg_raw, t, int(t["vocab_size"]))
     n_params = sum(math.prod(p.inst.shape) for p in planned)
     return (
         f"wrote {out}: {arch.name} ({cfg_raw.get('model_type')}), {n_params:,} parameters, "
         f"{len(planned)} tensors, {total / 2**20:.1f} MiB in {len(groups)} file(s), dtype "
-        f"{dtype}, encoding {out_encoding if encoding != 'plain' else 'plain'}"
+        f"{dtype}, encoding {out_encoding if encoding != 'plain' else 'plain'}; "
+        + ("a byte-level tokenizer" if tokenizer else "no tokenizer (vocab under 256 + specials)")
     )

@@ -368,3 +368,40 @@ def test_model_code_never_runs(model, tmp_path):
     with pytest.raises(CalibrationDataError, match="never runs model code"):
         build_calibration_set(evil, "default", num_samples=2, seq_len=8)
     assert not marker.exists()
+
+
+def test_media_placeholder_in_a_row_without_image_is_named_with_its_fix(tmp_path):
+    """Random ids that hit the image placeholder fail at the data, naming the row, the id
+    and the fix (before: the runtime's 'no pixel_values were given' mid-calibration)."""
+    d = tmp_path / "vl"
+    d.mkdir()
+    _config(d, 100, vision=True, media_placeholder_token_id=99)
+    rows = [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 99, 6, 99]}]
+    f = _jsonl(tmp_path / "ids.jsonl", rows)
+    with pytest.raises(CalibrationDataError) as e:
+        build_calibration_set(d, f, seq_len=4, shuffle=False)
+    msg = str(e.value)
+    assert "row 1" in msg and "2 image / video placeholder token(s) (id 99)" in msg
+    assert "drop those ids" in msg and "other 99 ids" in msg
+    ok = _jsonl(tmp_path / "ok.jsonl", [rows[0], {"input_ids": [5, 98, 6, 7]}])
+    assert build_calibration_set(d, ok, seq_len=4, shuffle=False).input_ids.shape[1] == 4
+
+
+def test_synth_tokenizer_calibrates_the_builtin_corpus(tmp_path):
+    """synth writes a byte-level tokenizer that transformers loads without remote code:
+    any text round-trips, BOS leads, and the default (built-in) corpus calibrates the
+    tiny model with no pre-tokenized file."""
+    from k3convert.synth import synthesize
+
+    out = tmp_path / "k3"
+    synthesize(config="kimi-k3", out=out, tiny=True)
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "héllo wörld, 日本語 <x>\n\tend"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == text
+    cfg = json.loads((out / "config.json").read_text())
+    media = cfg["media_placeholder_token_id"]
+    assert tok.convert_ids_to_tokens(media) == "<|media_pad|>" and media not in ids
+    cs = build_calibration_set(out, "default", num_samples=4, seq_len=64)
+    assert cs.input_ids.shape == (4, 64) and "vocab 512" in cs.tokenizer
+    assert int(cs.input_ids.max()) < cfg["text_config"]["vocab_size"]

@@ -268,3 +268,22 @@ def test_a_folder_without_weights_points_only_at_what_is_there(tmp_path, capsys)
     (d / "config.json").write_text(json.dumps(LLAMA_CFG))
     assert main(["verify", str(d)]) == 2
     assert f"k3convert inspect {d / 'config.json'}" in capsys.readouterr().err
+
+
+def test_help_reads_as_prose_with_named_arguments():
+    """--help wraps paragraphs to the terminal (no docstring line break mid-sentence),
+    names arguments in capitals and shows no '<bool>' on flags; every command that
+    writes takes --no-progress."""
+    from k3convert.cli import command
+
+    root = command()
+    for name in ("synth", "quantize", "shard", "verify", "convert", "demo"):
+        cmd = root.commands[name]
+        ctx = cmd.make_context(name, ["--help"], resilient_parsing=True)
+        text = cmd.get_help(ctx)
+        assert "<bool>" not in text and "{src}" not in text, (name, text[:400])
+        assert "--no-progress" in text, name
+    shard = root.commands["shard"]
+    text = shard.get_help(shard.make_context("shard", [], resilient_parsing=True))
+    assert "SRC" in text.splitlines()[0] and "OUT" in text.splitlines()[0], text.splitlines()[0]
+    assert "per-rank, layer-ordered MUSA streaming\nformat" not in text

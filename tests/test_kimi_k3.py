@@ -126,12 +126,12 @@ def test_synth_k3_is_the_release_scaled_down(k3_synth):
     lac = t["linear_attn_config"]
     assert cfg["model_type"] == "kimi_k3" and t["model_type"] == "kimi_linear"
     assert lac["full_attn_layers"] == [4, 5] and lac["kda_layers"] == [1, 2, 3]
-    assert t["attn_res_block_size"] == 2 and t["routed_expert_hidden_size"] == 32
+    assert t["attn_res_block_size"] == 2 and t["routed_expert_hidden_size"] == 128
     with safe_open(k3_synth / "model.safetensors", "pt") as f:
         a_log = f.get_slice("language_model.model.layers.0.self_attn.A_log").get_shape()
         conv = f.get_slice("language_model.model.layers.0.self_attn.q_conv1d.weight")
-        assert a_log == [16]  # padded past its 4 heads, as the release pads 96 to 128
-        assert conv.get_shape() == [64, 1, 4]
+        assert a_log == [128]  # padded past its 4 heads, as the release pads 96 to 128
+        assert conv.get_shape() == [512, 1, 4]  # 4 KDA heads x 128
 
 
 def _source_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -153,7 +153,7 @@ def test_k3_shards_reassemble_bit_exact(k3_synth, tmp_path, tp, ep):
     man = read_manifest_doc(out)
     entries = [e for r in man["ranks"] for u in r["units"] for e in u["tensors"]]
     q = [e for e in entries if e["name"].endswith("layers.0.self_attn.q_proj.weight")]
-    assert len(q) == tp and {e["shape"][0] for e in q} == {64 // tp}
+    assert len(q) == tp and {e["shape"][0] for e in q} == {512 // tp}
     down = [e for e in entries if "routed_expert_down_proj" in e["name"]]
     assert all(e["split_dim"] is None for e in down)  # latent projections replicated
 

@@ -28,6 +28,7 @@ from k3convert.shard.writer import shard
 from k3convert.stream import read_manifest_doc, write_manifest_doc
 from k3convert.verify.run import run_verify
 from tests.models import unit_hash
+from tests.trained import trained_llama  # noqa: F401  (fixture)
 
 EXACT_LIMIT = 1e-6  # a faithful resharding's per-layer rel_l2 stays far below this
 NUM_LAYERS = {"llama": 2, "qwen3_moe": 2, "deepseek_v3": 3}
@@ -220,22 +221,23 @@ def test_transformers_reference_on_llama_tp2(tiny_models, stream, tmp_path, caps
 
 def test_quantized_w4a16_checkpoint_layout_passes(quantized, quant_sources, capsys, tmp_path):
     """Reference resolved through the quantized config's provenance to the original;
-    int4 thresholds. NOTE: on this tiny random model (near-tied logits) top-1 agreement
-    is ~0.77-0.80 for every seed tried although mean KLD is ~1e-3 (50x under int4's
-    0.05), so the default min_top1 0.8 fails by a hair; the KLD limit is kept and
-    min_top1 relaxed to 0.7 here (see test_quantized_w8a8_default_thresholds_pass)."""
+    int4's default thresholds. On this tiny random model (near-tied logits) top-1 over
+    every position is ~0.77-0.80 although mean KLD is ~1e-3 (50x under int4's 0.05):
+    min_top1 judges the positions where the reference's top token leads by 0.5 nats."""
     q = quantized("w4a16")
     rj = tmp_path / "q.json"
-    rc, out, err = _verify(capsys, q, "--layout", "tp=2", "--min-top1", "0.7", "--json", rj)
+    rc, out, err = _verify(capsys, q, "--layout", "tp=2", "--json", rj)
     assert rc == 0, err
     rep = json.loads(rj.read_text())
     assert rep["passed"] is True
     assert rep["candidate_kind"] == "checkpoint"
     assert rep["reference"] == str(quant_sources["llama"])
     th = rep["thresholds"]
-    assert th["max_kld"] == 0.05 and th["min_top1"] == 0.7 and th["max_rel_err"] is None
-    assert th["kind"].startswith("int4") and "flags" in th["kind"]  # overridden limits show
-    assert rep["logits"]["kld"]["mean"] < th["max_kld"] / 10
+    assert th["max_kld"] == 0.05 and th["min_top1"] == 0.8 and th["max_rel_err"] is None
+    assert th["kind"] == "int4"
+    lg = rep["logits"]
+    assert lg["kld"]["mean"] < th["max_kld"] / 10
+    assert lg["decisive_positions"] == 0 or lg["top1_decisive"] >= 0.8
     assert "thresholds: int4" in out
 
 
@@ -376,17 +378,27 @@ def test_weight_scale_off_by_2x_is_localised(quantized, stream, tmp_path, capsys
     assert rep["layers"][0]["rel_l2"] < EXACT_LIMIT < 1e-2 < rep["layers"][1]["rel_l2"]
 
 
-def test_weight_scale_off_by_2x_localised_against_original(quantized, stream, tmp_path, capsys):
-    q = quantized("w8a8")
+def test_weight_scale_off_by_2x_localised_against_original(
+    trained_llama, stream, tmp_path, capsys  # noqa: F811
+):
+    """w8a8 of the trained llama (a random model's flat logits hide a 2x error under the
+    int8 KLD limit: 1.0e-3 against 5.3e-6 clean, with top-1 flips only where the reference
+    hesitates): clean KLD 1.6e-4, 2x on layer 1's down_proj 2.1e-2 > 5e-3."""
+    from k3convert.pipeline.quantize import quantize
+
+    q = tmp_path / "q"
+    quantize(src=trained_llama, out=q, scheme="w8a8", progress=False)
     s = _copy(stream(q, tp=2), tmp_path)
     clean = run_verify(candidate=s, progress=False)
     assert clean["passed"], clean["failure"]  # int8 thresholds, default reference
+    assert clean["thresholds"]["kind"] == "int8"
     _double_scale(s, _manifest(s), 1, "mlp.down_proj")
     _assert_intact(s, capsys)
     rep = run_verify(candidate=s, progress=False)
-    assert rep["passed"] is False  # caught ...
+    assert rep["passed"] is False  # caught by the KLD ...
+    assert rep["failure"].startswith("kld.mean"), rep["failure"]
     errs = [x["rel_l2"] for x in rep["layers"]]
-    assert errs[1] > 10 * errs[0]  # ... and the jump is at layer 1 (0.01 -> 0.2) ...
+    assert errs[1] > 5 * errs[0]  # ... and the jump is at layer 1 (0.013 -> 0.14) ...
     assert _layer_named(rep["failure"], 1), rep["failure"]  # ... and layer 1 is named
 
 

@@ -24,6 +24,7 @@ from k3convert.verify import (
     thresholds_for_quant_config,
 )
 from k3convert.verify.inputs import load_data, next_token_targets, random_ids
+from k3convert.verify.metrics import limit_checks
 from k3convert.verify.report import plot, render_table, write_json
 
 
@@ -576,3 +577,23 @@ def test_plot_scales_labels_and_limits_say_what_they_mean():
     lay, _ = fig.axes
     # the rule's layer (error 0 -> 1e-3 at model.layers.0), named as a jump
     assert "error jumps at: model.layers.0" in lay.get_legend_handles_labels()[1]
+
+
+def test_top1_is_judged_where_the_reference_is_decisive():
+    """A flip where the reference hesitates (top two 0.1 nats apart) says nothing; a flip
+    where it leads by 2 nats fails min_top1; no decisive position: top-1 is not judged."""
+    ref = torch.zeros(1, 4, 8)
+    ref[0, :2, 0], ref[0, :2, 1] = 2.0, 1.9  # hesitant
+    ref[0, 2:, 0] = 2.0  # decisive: 2 nats over the rest
+    cand = ref.clone()
+    cand[0, 0, 1] = 2.1  # flips a hesitant position
+    m = compare_logits(ref, cand)
+    assert (m["top1"], m["decisive_positions"], m["top1_decisive"]) == (0.75, 2, 1.0)
+    th = Thresholds(max_kld=1.0, min_top1=0.9, max_rel_err=None)
+    assert check(m, th) == (True, None)
+    cand[0, 3, 5] = 3.0  # flips a decisive one
+    ok, msg = check(compare_logits(ref, cand), th)
+    assert not ok and msg == "top1_decisive = 0.5 < min_top1 0.9"
+    flat = compare_logits(ref[:, :2], cand[:, :2])
+    assert flat["decisive_positions"] == 0 and flat["top1_decisive"] is None
+    assert [r["metric"] for r in limit_checks(flat, th)] == ["kld.mean"]

@@ -449,12 +449,26 @@ class ModelInfo:
     pad_id: int | None
     tokenizer: Any = None
     tokenizer_name: str | None = None
+    #: image / video placeholder ids: a row without an image must not hold them
+    media_ids: frozenset[int] = frozenset()
+    #: why text rows cannot be tokenized (tokenizer is None)
+    no_tokenizer: str = f"has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)"
 
 
 def _first_id(v: Any) -> int | None:
     if isinstance(v, list):
         v = v[0] if v else None
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _media_ids(raw: dict) -> frozenset[int]:
+    vision = raw.get("vision_config") if isinstance(raw.get("vision_config"), dict) else {}
+    if not vision:
+        return frozenset()
+    keys = ("image_token_id", "video_token_id", "media_placeholder_token_id")
+    return frozenset(
+        i for k in keys for d in (raw, vision) if (i := _first_id(d.get(k))) is not None
+    )
 
 
 def model_info(model_dir: str | os.PathLike) -> ModelInfo:
@@ -478,9 +492,17 @@ def model_info(model_dir: str | os.PathLike) -> ModelInfo:
         has_vision=isinstance(raw.get("vision_config"), dict),
         eos_id=_first_id(raw.get("eos_token_id", text.get("eos_token_id"))),
         pad_id=_first_id(raw.get("pad_token_id", text.get("pad_token_id"))),
+        media_ids=_media_ids(raw),
     )
     if any((d / f).is_file() for f in TOKENIZER_FILES):
-        from transformers import AutoTokenizer  # optional and heavy: only with tokenizer files
+        try:  # optional and heavy: only with tokenizer files, and only text rows need it
+            from transformers import AutoTokenizer
+        except ImportError:
+            info.no_tokenizer = (
+                "has tokenizer files, but transformers (which loads them) is not installed: "
+                "pip install transformers"
+            )
+            return info
 
         try:
             with _offline():  # a local directory; never a hub lookup either
@@ -536,7 +558,23 @@ class _Tokenize:
     def __init__(self, info: ModelInfo, source: str, column: str):
         self.info, self.source, self.column = info, source, column
 
-    def __call__(self, value: Any, row: int) -> list[int]:
+    def __call__(self, value: Any, row: int, *, images: bool = False) -> list[int]:
+        """The row's ids; ``images``: the row comes with images, so it may hold the
+        model's image / video placeholder tokens (a row without images may not)."""
+        ids = self._ids(value, row)
+        media = sorted(self.info.media_ids.intersection(ids)) if not images else []
+        if media:
+            n = sum(i in self.info.media_ids for i in ids)
+            raise CalibrationDataError(
+                f"{self.source}: row {row}, column '{self.column}': holds {n} image / video "
+                f"placeholder token(s) (id {', '.join(map(str, media))}) but the row has no "
+                f"image; drop those ids from the row (random ids: draw them from the other "
+                f"{(self.info.vocab_size or 0) - len(self.info.media_ids)} ids) or give the "
+                f"row an image column."
+            )
+        return ids
+
+    def _ids(self, value: Any, row: int) -> list[int]:
         kind = _kind_of(value)
         where = f"{self.source}: row {row}, column '{self.column}'"
         if kind is None:
@@ -549,9 +587,9 @@ class _Tokenize:
             ids = [int(v) for v in value]
         elif tok is None:
             raise CalibrationDataError(
-                f"{where}: is {kind} but {self.info.model_dir} has no tokenizer files "
-                f"({', '.join(TOKENIZER_FILES[:3])}, ...); give pre-tokenized data: a .jsonl "
-                f"with an 'input_ids' column of integer lists."
+                f"{where}: is {kind}, which needs a tokenizer, but {self.info.model_dir} "
+                f"{self.info.no_tokenizer}. Or give pre-tokenized data: a .jsonl with an "
+                f"'input_ids' column of integer lists."
             )
         elif kind == "text":
             ids = list(tok(value, add_special_tokens=True)["input_ids"])
@@ -672,7 +710,7 @@ def _row_samples(
         if len(rows) >= N:
             break
         read += 1
-        ids = tokenize(row[col], i)[:S]
+        ids = tokenize(row[col], i, images=image_col is not None)[:S]
         if len(ids) < min_len:
             skipped += 1
             continue

@@ -9,6 +9,7 @@ from pathlib import Path
 from .. import __version__
 from ..quant import fidelity
 from ..units import human_bytes
+from ..verify.metrics import top1_text
 
 REPORT = "report.json"
 REPORT_FORMAT = "k3convert-convert-report-v1"
@@ -143,8 +144,8 @@ def render_summary(rep: dict) -> str:
 
         lines.append(
             f"  verify      {'PASS' if v.get('passed') else 'FAIL'}: KLD mean "
-            f"{f(kld.get('mean'))} (max {f(th.get('max_kld'))}), top-1 "
-            f"{f(lg.get('top1'), '.3f')} (min {f(th.get('min_top1'))}), max rel err "
+            f"{f(kld.get('mean'))} (max {f(th.get('max_kld'))}), {top1_text(lg, th)}, "
+            f"max rel err "
             f"{f(lg.get('max_rel_err'))}"
             + (
                 f", decode {'ok' if v['decode'].get('passed') else 'FAIL'}"

@@ -202,13 +202,16 @@ class Plan:
         return [r for r in self.rows if not r.kept]
 
     def schemes(self) -> dict[str, Scheme]:
+        """Each distinct scheme by name; two schemes that describe alike (e.g. w4a16 with
+        minmax and with searched scales) are told apart as ``name``, ``name#2``, ..."""
         out: dict[str, Scheme] = {}
-        for r in self.quantized:
-            key = r.scheme.describe()
-            prev = out.get(key)
-            if prev is not None and prev != r.scheme:
-                key = f"{key}#{len(out)}"
-            out.setdefault(key, r.scheme)
+        for s in self.distinct_schemes():
+            name, n = s.describe(), 1
+            key = name
+            while key in out:
+                n += 1
+                key = f"{name}#{n}"
+            out[key] = s
         return out
 
     def distinct_schemes(self) -> list[Scheme]:

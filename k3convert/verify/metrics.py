@@ -21,6 +21,9 @@ from ..errors import ConfigError, NonFiniteError
 # 163840 vocab, capped at MAX_CHUNK positions for small vocabularies.
 CHUNK_ELEMENTS = 1 << 22
 MAX_CHUNK = 64
+#: logit lead (nats) of the reference's top token over its second that makes a position
+#: decisive: the top token is at least e^0.5 = 1.65x as likely as any other
+DECISIVE_MARGIN = 0.5
 IGNORE_INDEX = -100
 
 
@@ -59,6 +62,11 @@ def compare_logits(
       Rounding may make a KL slightly negative; it is clamped to 0.0, so identical
       logits give exactly 0.0.
     - ``top1``: fraction of positions where the argmax agrees; ``top1_mismatches``.
+    - ``decisive_positions``: positions where the reference's top logit leads its second
+      by at least :data:`DECISIVE_MARGIN`; ``top1_decisive``: the argmax agreement there
+      (None when there are none). Where the reference hesitates between two tokens a
+      flip of its argmax says nothing about the candidate (a random model's near-flat
+      logits flip at the slightest rounding); where it leads, a flip is a real error.
     - with targets: ``ppl_ref``, ``ppl_cand`` (exp of the mean NLL of the target ids),
       ``ppl_ratio`` (cand / ref) and ``ppl_tokens`` (positions with a target; the
       ``ppl_*`` values are None when there are none, or on overflow).
@@ -80,7 +88,7 @@ def compare_logits(
     ref2, cand2 = ref.reshape(-1, v), cand.reshape(-1, v)
     tgt_flat = tgt.reshape(-1) if tgt is not None else None
     max_abs = ref_max = sq_diff = sq_ref = cos_sum = 0.0
-    agree = nonfinite = ppl_tokens = 0
+    agree = nonfinite = ppl_tokens = decisive = agree_decisive = 0
     nll_ref = nll_cand = 0.0
     klds: list[torch.Tensor] = []
     for start in range(0, n, chunk):
@@ -95,7 +103,15 @@ def compare_logits(
             )
         finite = torch.isfinite(c).all(-1)  # on r's device, like everything below
         nonfinite += int((~finite).sum())
-        agree += int(((r.argmax(-1) == c.argmax(-1)) & finite).sum())
+        same = (r.argmax(-1) == c.argmax(-1)) & finite
+        agree += int(same.sum())
+        if v > 1:
+            top2 = r.topk(2, dim=-1).values
+            sure = (top2[:, 0] - top2[:, 1]) >= DECISIVE_MARGIN
+        else:  # one token: nothing to hesitate between
+            sure = torch.ones_like(same)
+        decisive += int(sure.sum())
+        agree_decisive += int((same & sure).sum())
 
         diff = c - r
         max_abs = max(max_abs, float(diff.abs().max()))
@@ -132,6 +148,8 @@ def compare_logits(
         "kld": _kld_summary(kld, bad),
         "top1": agree / n,
         "top1_mismatches": n - agree,
+        "decisive_positions": decisive,
+        "top1_decisive": agree_decisive / decisive if decisive else None,
     }
     if tgt is not None:
         out.update(_ppl(nll_ref, nll_cand, ppl_tokens, bad))
@@ -440,17 +458,22 @@ def limit_checks(metrics: dict[str, Any], th: Thresholds) -> list[dict[str, Any]
     """One row per limit that ``th`` sets: {metric, value, op, limit, passed}.
 
     kld.mean <= max_kld, top1 >= min_top1, max_rel_err <= max_rel_err; a None
-    (non-finite) value fails. Shared by ``check`` and the report table.
+    (non-finite) value fails. Shared by ``check`` and the report table. Top-1 is judged
+    on compare_logits' decisive positions (``top1_decisive``; not at all when there are
+    none), on ``top1`` for metrics that do not have them.
     """
     kld = metrics.get("kld") or {}
+    top1 = ("top1", metrics.get("top1"))
+    if "decisive_positions" in metrics:  # compare_logits' own metrics: judged where it means
+        top1 = ("top1_decisive", metrics.get("top1_decisive"))
     rows = []
     for metric, value, op, limit, name in (
         ("kld.mean", kld.get("mean"), "<=", th.max_kld, "max_kld"),
-        ("top1", metrics.get("top1"), ">=", th.min_top1, "min_top1"),
+        (*top1, ">=", th.min_top1, "min_top1"),
         ("max_rel_err", metrics.get("max_rel_err"), "<=", th.max_rel_err, "max_rel_err"),
     ):
-        if limit is None:
-            continue
+        if limit is None or (metric == "top1_decisive" and not metrics["decisive_positions"]):
+            continue  # (no decisive position: top-1 says nothing, the KLD judges alone)
         ok = (
             value is not None
             and math.isfinite(value)
@@ -460,6 +483,23 @@ def limit_checks(metrics: dict[str, Any], th: Thresholds) -> list[dict[str, Any]
             {"metric": metric, "value": value, "op": op, "limit": limit, "name": name, "passed": ok}
         )
     return rows
+
+
+def top1_text(logits: dict, th: dict) -> str:
+    """'top-1 0.812 (1.000 on 20 decisive positions, min 0.8)': the agreement over every
+    position, and the one the limit judges (the reference's decisive positions)."""
+
+    def f(x, spec=".3f"):
+        return "-" if x is None else format(x, spec)
+
+    lim = f"min {f(th.get('min_top1'), 'g')}"
+    if "decisive_positions" not in logits:
+        return f"top-1 {f(logits.get('top1'))} ({lim})"
+    n = logits["decisive_positions"]
+    if not n:
+        return f"top-1 {f(logits.get('top1'))} (not judged: no decisive position)"
+    judged = f"{f(logits.get('top1_decisive'))} on {n} decisive"
+    return f"top-1 {f(logits.get('top1'))} ({judged}, {lim})"
 
 
 def check(

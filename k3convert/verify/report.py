@@ -89,6 +89,11 @@ def render_table(report: dict) -> str:
             ("top1", _f(m.get("top1"))),
             ("top1_mismatches", _i(m.get("top1_mismatches"))),
         ]
+        if "decisive_positions" in m:
+            rows += [
+                ("decisive_positions", _i(m.get("decisive_positions"))),
+                ("top1_decisive", _f(m.get("top1_decisive"))),
+            ]
         if "ppl_tokens" in m:
             rows += [
                 ("ppl_ref", _p(m.get("ppl_ref"))),
