@@ -397,6 +397,9 @@ def verify(
     if rep.get("rank", 0) != 0:
         return
     typer.echo(render_table(rep))
+    for what, path in (("report", json_out), ("plot", plot)):
+        if path is not None:
+            typer.echo(f"{what} written to {path}")
     if not rep["passed"]:
         # the table's RESULT line says it on a terminal; stderr gets it too when stdout
         # goes elsewhere (a file, a pipe), so a log of stderr alone still holds the verdict

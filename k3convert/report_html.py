@@ -127,8 +127,55 @@ def _plot_uri(verify_report: dict | None) -> str | None:
         return "data:image/png;base64," + base64.b64encode(p.read_bytes()).decode()
 
 
-def write_html(report: dict, verify_report: dict | None, path: str | os.PathLike) -> Path:
-    """Write the page (to a temporary name, then renamed); returns its path."""
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _placement(experts: dict) -> str:
+    """Which routed experts each EP rank holds (the stream manifest's placement): per rank
+    the experts of the first MoE layer, how many it holds per layer, and with routing
+    counts the share of the routed tokens it serves (lowest and highest over layers)."""
+    layers = experts["layers"]
+    first = min(layers, key=int)
+    n_ep = len(layers[first]["ep_rank_experts"])
+    head = (
+        f"<p>{experts['num_experts']} routed experts per layer over {n_ep} EP ranks, "
+        f"placement {html.escape(str(experts['policy']))}"
+        + (f", {experts['redundant']} redundant copies per layer" if experts["redundant"] else "")
+        + f"; {len(layers)} MoE layers.</p>"
+    )
+    rows = ["<tr><th>EP rank</th><th>experts (layer " + html.escape(first) + ")</th>"
+            "<th>experts held per layer</th><th>share of routed tokens</th></tr>"]  # fmt: skip
+    for r in range(n_ep):
+        held = [len(v["ep_rank_experts"][r]) for v in layers.values()]
+        shares = []
+        for v in layers.values():
+            load = v.get("load")
+            if load and sum(load):  # a copied expert's tokens are split over its copies
+                copies = [len(rk) for rk in v["expert_ep_ranks"]]
+                mine = sum(load[e] / copies[e] for e in v["ep_rank_experts"][r])
+                shares.append(mine / sum(load))
+        lo, hi = (f"{min(shares):.1%}", f"{max(shares):.1%}") if shares else ("-", "-")
+        share = lo if lo == hi else f"{lo} - {hi}"
+        count = str(held[0]) if min(held) == max(held) else f"{min(held)} - {max(held)}"
+        ids = _ranges(layers[first]["ep_rank_experts"][r])
+        rows.append(f"<tr><td>{r}</td><td>{html.escape(ids)}</td><td>{count}</td>"
+                    f"<td>{share}</td></tr>")  # fmt: skip
+    return head + "<table>" + "".join(rows) + "</table>"
+
+
+def write_html(
+    report: dict, verify_report: dict | None, path: str | os.PathLike, experts: dict | None = None
+) -> Path:
+    """Write the page (to a temporary name, then renamed); returns its path. experts: the
+    stream's expert placement (``manifest.json`` layout.experts), shown per EP rank."""
     title = f"k3convert convert: {Path(report['source']).name}"
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -146,6 +193,8 @@ def write_html(report: dict, verify_report: dict | None, path: str | os.PathLike
         tail = f": {html.escape(failure)}" if failure and not passed else ""
         parts.append(f"<p class='{cls}'><b>verify: {word}</b>{tail}</p>")  # the verdict, once
     parts += ["<h2>Summary</h2>", _table(_rows(report))]
+    if experts and experts.get("layers"):
+        parts += ["<h2>Expert placement</h2>", _placement(experts)]
     if report.get("fidelity"):
         parts += ["<h2>Fidelity to the release</h2>", _fidelity(report["fidelity"])]
     if report.get("verify"):

@@ -393,3 +393,31 @@ def test_a_calibration_shortfall_is_said_even_without_progress(k25, ids_file, tm
     convert(src=k25, out=tmp_path / "c", recipe=parse_recipe(doc), progress=False)
     err = capsys.readouterr().err
     assert "warning: calibration: 12 of the 64 requested samples" in err, err
+
+
+def test_html_report_shows_expert_placement_per_ep_rank(tmp_path):
+    """The page lists, per EP rank, the experts it holds and the share of routed tokens
+    it serves (a copied expert's tokens split over its copies): the shares add to 100%."""
+    import re
+
+    from k3convert.layout import place_experts
+    from k3convert.report_html import write_html
+
+    load = [40, 1, 1, 1, 30, 1, 1, 25]  # two hot experts get the two redundant copies
+    held = place_experts(8, 2, load=load, redundant=2, where="layer 1")
+    ranks_of = [[r for r, h in enumerate(held) if e in h] for e in range(8)]
+    experts = {"policy": "load", "num_experts": 8, "redundant": 2,
+               "layers": {"1": {"ep_rank_experts": held, "expert_ep_ranks": ranks_of,
+                                "load": load}}}  # fmt: skip
+    rep = {"recipe": "r", "source": "/m", "out": "/o", "model_type": "qwen3_moe",
+           "layout": {"tp": 2, "pp": 1, "moe_tp": 1, "moe_ep": 2, "redundant_experts": 2,
+                      "world": 2}, "processes": 1,
+           "sizes": {"source_bytes": 1, "stream_bytes": 1, "units": 1}, "seconds": {}}  # fmt: skip
+    page = write_html(rep, None, tmp_path / "r.html", experts=experts).read_text()
+    assert "<h2>Expert placement</h2>" in page and "8 routed experts per layer over 2 EP" in page
+    rows = re.findall(r"<tr><td>(\d)</td><td>([^<]*)</td><td>(\d+)</td><td>([\d.]+)%", page)
+    assert [int(r[0]) for r in rows] == [0, 1]
+    assert [int(r[2]) for r in rows] == [len(h) for h in held] and sum(len(h) for h in held) == 10
+    want = [sum(load[e] / len(ranks_of[e]) for e in h) / sum(load) for h in held]
+    assert [float(r[3]) for r in rows] == [round(100 * w, 1) for w in want]
+    assert abs(sum(float(r[3]) for r in rows) - 100) < 0.2

@@ -43,9 +43,9 @@ TESTS = Path(__file__).resolve().parent
 DEMO = TESTS.parent / "recipes" / "demo.yaml"
 SHARD_ARGS = ["--tp", "2", "--pp", "2", "--ep", "2", "--compress", "zstd"]
 AUX = {"tiktoken.model": b"carried tokenizer bytes\n", "tokenizer_config.json": b'{"a": 1}\n'}
-#: a GPTQ recipe for the tiny DeepSeek-V3 (MLA's kv_b_proj input, 16, is below int4-g32's
-#: group: attention stays as released); loose verify thresholds: this file is about the two
-#: runs being identical, parity itself is tests/test_verify.py's
+#: a GPTQ recipe for the tiny DeepSeek-V3 (attention stays as released, FP8 blocks); loose
+#: verify thresholds: this file is about the two runs being identical, parity itself is
+#: tests/test_verify.py's
 GPTQ_RECIPE = """\
 version: 1
 description: dist test - GPTQ int4-g32 MLPs and experts on pre-tokenized ids, tp2 pp2 ep2
@@ -256,8 +256,8 @@ def test_shard_two_processes_byte_identical(srcs, one_proc, two_proc):
     assert {u["compression"] for u in units} == {"zstd"}
     rank_files = [f"rank{r:05d}/units.json" for r in range(4)]  # the leader wrote them
     assert sorted(files) == sorted(
-        [MANIFEST, "config.json", *AUX, *rank_files, *(u["file"] for u in units)]
-    )  # no journal, no temp file left
+        [MANIFEST, "config.json", "tokenizer.json", *AUX, *rank_files, *(u["file"] for u in units)]
+    )  # no journal, no temp file left (tokenizer.json: synth's, carried)
     for name, data in AUX.items():  # carried files: the source's bytes
         assert files[name] == data
     assert files["config.json"] == (srcs["k25"] / "config.json").read_bytes()

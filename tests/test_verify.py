@@ -169,6 +169,8 @@ def test_llama_tp2_stream_passes_with_json_and_plot(tiny_models, stream, tmp_pat
     assert rc == 0, err
     assert "RESULT: PASS" in out and "PASS" in out.split("RESULT")[0]
     assert "FAIL" not in out and "FAIL:" not in err
+    assert f"report written to {rj}" in out  # every written path is printed
+    assert png is None or f"plot written to {png}" in out
     rep = json.loads(rj.read_text())
     assert rep["passed"] is True and rep["failure"] is None
     assert rep["candidate_kind"] == "stream"

@@ -597,3 +597,28 @@ def test_top1_is_judged_where_the_reference_is_decisive():
     flat = compare_logits(ref[:, :2], cand[:, :2])
     assert flat["decisive_positions"] == 0 and flat["top1_decisive"] is None
     assert [r["metric"] for r in limit_checks(flat, th)] == ["kld.mean"]
+
+
+def test_a_group_carried_from_the_reference_sets_no_family():
+    """Kimi K3's MXFP4 experts kept as released next to FP8 attention: judged as fp8, not
+    int4 (only what the conversion changed sets the family; an observer or targets that
+    differ do not make it another encoding). Without the reference: int4."""
+    mx = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+          "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}  # fmt: skip
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+           "dynamic": False}  # fmt: skip
+    ref = {"text_config": {"quantization_config": {
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": mx}}}}}  # fmt: skip
+    cand = {"quantization_config": {"config_groups": {
+        "group_0": {"targets": ["re:.*q_proj$"], "weights": fp8,
+                    "input_activations": {**fp8, "strategy": "token", "dynamic": True}},
+        "group_1": {"targets": ["re:.*experts.*"], "weights": {**mx, "observer": "minmax"}},
+    }}}  # fmt: skip
+    assert thresholds_for_quant_config(cand).kind == "int4"
+    assert thresholds_for_quant_config(cand, ref).kind == "fp8"
+    only_mx = {"quantization_config": {"config_groups": {"g": cand["quantization_config"][
+        "config_groups"]["group_1"]}}}  # fmt: skip
+    assert thresholds_for_quant_config(only_mx, ref).kind == "exact"
+    nvfp4 = {"quantization_config": {"config_groups": {"g": {"weights": {
+        **mx, "group_size": 16, "strategy": "tensor_group", "scale_dtype": None}}}}}  # fmt: skip
+    assert thresholds_for_quant_config(nvfp4, ref).kind == "int4"  # re-encoded: judged

@@ -451,7 +451,7 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
 
     write_json(report, out / REPORT)
     if report_html is not None:
-        write_html(report, vrep, report_html)
+        write_html(report, vrep, report_html, experts=plan.experts)
     return report, vrep
 
 

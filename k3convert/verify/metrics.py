@@ -7,6 +7,7 @@ Python values (finite floats or None) that the report can store as they are.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -395,7 +396,35 @@ def _args_family(args: Any, where: str) -> str:
     raise ConfigError(f"config.json: {where}.type must be 'int' or 'float', got {str(typ)[:30]!r}.")
 
 
-def _qc_families(qc: Any, where: str) -> list[str]:
+_PRECISION_KEYS = ("num_bits", "type", "strategy", "group_size", "block_structure",
+                   "symmetric", "dynamic", "scale_dtype")  # fmt: skip
+
+
+def _group_spec(g: Any) -> str:
+    """A config group's stored precision (weights and input activations): the keys that
+    say how values are encoded, not targets nor how the scales were found (observer)."""
+    if not isinstance(g, dict):
+        return ""
+    parts = [
+        {k: a.get(k) for k in _PRECISION_KEYS} if isinstance(a, dict) else a
+        for a in (g.get("weights"), g.get("input_activations"))
+    ]
+    return json.dumps(parts, sort_keys=True)
+
+
+def _quant_configs(config: dict) -> list[tuple[Any, str]]:
+    found: list[tuple[Any, str]] = []
+    scopes: list[tuple[dict, str]] = [(config, "")]
+    if isinstance(config.get("text_config"), dict):
+        scopes.append((config["text_config"], "text_config."))
+    for scope, prefix in scopes:
+        for key in ("quantization_config", "compression_config"):
+            if scope.get(key) is not None:
+                found.append((scope[key], prefix + key))
+    return found
+
+
+def _qc_families(qc: Any, where: str, carried: frozenset[str] = frozenset()) -> list[str]:
     if not isinstance(qc, dict):
         raise ConfigError(f"config.json: {where} must be an object, got {type(qc).__name__}.")
     method = qc.get("quant_method", "compressed-tensors")
@@ -407,6 +436,8 @@ def _qc_families(qc: Any, where: str) -> list[str]:
         for gname, g in groups.items():
             if not isinstance(g, dict):
                 raise ConfigError(f"config.json: {where}.config_groups.{gname} must be an object.")
+            if _group_spec(g) in carried:
+                continue  # the reference's own encoding, carried over (MXFP4 as released)
             for key in ("weights", "input_activations"):
                 if g.get(key) is not None:
                     out.append(_args_family(g[key], f"{where}.config_groups.{gname}.{key}"))
@@ -424,7 +455,7 @@ def _qc_families(qc: Any, where: str) -> list[str]:
     )
 
 
-def thresholds_for_quant_config(config: dict) -> Thresholds:
+def thresholds_for_quant_config(config: dict, reference: dict | None = None) -> Thresholds:
     """Thresholds for a candidate whose config.json dict is ``config``.
 
     Reads ``quantization_config`` (or ``compression_config``) at the top level and in
@@ -435,21 +466,22 @@ def thresholds_for_quant_config(config: dict) -> Thresholds:
     fp8; a gptq/awq-style ``bits`` -> its int family. No quantization_config -> "exact".
 
     This judges a candidate against an UNQUANTIZED reference; when the reference is the
-    same quantized checkpoint (a resharding), use ``default_thresholds("exact")``.
+    same quantized checkpoint (a resharding), use ``default_thresholds("exact")``. With
+    ``reference`` (its config.json dict), a candidate group of the same precision as one
+    of the reference's groups is the release's own encoding carried over (Kimi K3's MXFP4
+    experts kept as released) and sets no family: only what the conversion changed does.
     """
     if not isinstance(config, dict):
         raise ConfigError(f"config.json must be an object, got {type(config).__name__}.")
-    found: list[tuple[Any, str]] = []
-    scopes: list[tuple[dict, str]] = [(config, "")]
-    if isinstance(config.get("text_config"), dict):
-        scopes.append((config["text_config"], "text_config."))
-    for scope, prefix in scopes:
-        for key in ("quantization_config", "compression_config"):
-            if scope.get(key) is not None:
-                found.append((scope[key], prefix + key))
+    carried = frozenset(
+        _group_spec(g)
+        for qc, _ in (_quant_configs(reference) if isinstance(reference, dict) else [])
+        if isinstance(qc, dict) and isinstance(qc.get("config_groups"), dict)
+        for g in qc["config_groups"].values()
+    )
     families = ["exact"]
-    for qc, where in found:
-        families += _qc_families(qc, where)
+    for qc, where in _quant_configs(config):
+        families += _qc_families(qc, where, carried)
     return FAMILIES[max(families, key=_ORDER.index)]
 
 

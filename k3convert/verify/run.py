@@ -227,7 +227,7 @@ def _thresholds(
     if qc is None or (qc == rq and (layout.tp == 1 or not _dynamic_acts(qc))):
         th = LOW_PRECISION_EXACT.get(compute) or vm.default_thresholds("exact")
     else:
-        th = vm.thresholds_for_quant_config(cand_cfg)
+        th = vm.thresholds_for_quant_config(cand_cfg, ref_cfg)
     over = {k: v for k, v in (("max_kld", max_kld), ("min_top1", min_top1),
                               ("max_rel_err", max_rel_err)) if v is not None}  # fmt: skip
     if over:
