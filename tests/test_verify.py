@@ -381,10 +381,10 @@ def test_weight_scale_off_by_2x_is_localised(quantized, stream, tmp_path, capsys
 
 
 def test_weight_scale_off_by_2x_localised_against_original(
-    trained_llama,
+    trained_llama,  # noqa: F811
     stream,
     tmp_path,
-    capsys,  # noqa: F811
+    capsys,
 ):
     """w8a8 of the trained llama (a random model's flat logits hide a 2x error under the
     int8 KLD limit: 1.0e-3 against 5.3e-6 clean, with top-1 flips only where the reference
