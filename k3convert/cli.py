@@ -264,12 +264,31 @@ def shard(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --check: print JSON.")] = False,
+    target: Annotated[
+        str,
+        typer.Option(
+            help="stream (k3convert's per-rank streaming format) or vllm (vLLM's "
+            "pre-sharded files for load_format='sharded_state'; llama, --tp / --pp)."
+        ),
+    ] = "stream",
 ):
-    """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format."""
+    """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format
+    (or, with --target vllm, into the files vLLM loads with load_format='sharded_state')."""
     from .config_parse import int_list
     from .shard import check as check_stream
     from .shard import shard as do_shard
 
+    if target not in ("stream", "vllm"):
+        raise typer.BadParameter(f"--target is stream or vllm, not '{target}'.")
+    if check and (src / "k3convert-vllm.json").is_file():
+        from .engines.vllm_sharded import check_vllm
+
+        typer.echo(check_vllm(src))
+        return
+    if target == "vllm" and not check:
+        _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant_experts,
+                    force, not no_progress)  # fmt: skip
+        return
     if check:
         report = check_stream(src)
         typer.echo(json.dumps(report.to_json(), indent=2) if as_json else str(report))
@@ -299,6 +318,30 @@ def shard(
         f"wrote {res.out}: {res.units_written} units ({res.units_skipped} already intact, "
         f"skipped), {res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; manifest "
         f"{res.manifest}"
+    )
+
+
+def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
+                progress) -> None:  # fmt: skip
+    from .engines.vllm_sharded import write_vllm
+
+    if out is None:
+        raise typer.BadParameter("OUT is required.")
+    given = [f for f, v in (("--ep", ep != 1), ("--compress", compress != "none"),
+             ("--pp-layers", pp_layers), ("--expert-load", expert_load),
+             ("--redundant-experts", redundant)) if v]  # fmt: skip
+    if given:
+        raise typer.BadParameter(
+            f"{', '.join(given)} apply to the stream target; vLLM's sharded_state takes "
+            f"--tp and --pp (vLLM places layers and experts itself)."
+        )
+    res = write_vllm(src=src, out=out, tp=tp, pp=pp, force=force, progress=progress)
+    typer.echo(
+        f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s), "
+        f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; load it with "
+        f"LLM(model='{res.out}', load_format='sharded_state', tensor_parallel_size={tp}"
+        + (f", pipeline_parallel_size={pp}" if pp > 1 else "")
+        + ")"
     )
 
 

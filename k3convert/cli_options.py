@@ -66,6 +66,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "shard": (
         "k3convert shard /tmp/k3-tiny /tmp/k3-tp4 --tp 4 --ep 4",
         "k3convert shard /tmp/k3-tp4 --check",
+        "k3convert shard /models/llama-w8a8 /models/llama-w8a8-vllm-tp2 --target vllm --tp 2",
     ),
     "demo": ("k3convert demo", "k3convert demo --family kimi-k2 --out /tmp/demo-k2"),
     "verify": (

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent / "k3convert"
 #: bottom first; a "package" is a top-level module or subpackage of k3convert
 LAYERS: list[tuple[str, ...]] = [
     ("k3convert", "presets", "errors", "paths", "device", "config_parse", "units", "native",
-     "formats", "layout", "parallel"),
+     "formats", "layout", "parallel", "synth_tokenizer"),
     ("checkpoint", "arch", "stream"),
-    ("quant", "runtime", "shard", "sources"),
+    ("quant", "runtime", "shard", "sources", "engines"),
     ("calibrate", "verify", "inspect", "synth", "serving", "memplan"),
     ("pipeline", "recipe", "demo", "report_html"),
     ("cli", "cli_plan", "cli_convert", "cli_quantize", "cli_options", "__main__"),

@@ -124,14 +124,16 @@ class Case:
 
 #: preset -> the scale-down it converts, and what the conversion must report
 SCALE_DOWN = {
-    "demo": Case("kimi-k3", "int4", ("fp8-dynamic", "mxfp4")),
-    "kimi-k3-day0": Case("kimi-k3", "int4", ("mxfp4",)),
+    # (a group of the release's own encoding, MXFP4 experts kept, sets no family)
+    "demo": Case("kimi-k3", "fp8", ("fp8-dynamic", "mxfp4")),
+    "kimi-k3-day0": Case("kimi-k3", "exact", ("mxfp4",)),
     "kimi-k3-nvfp4-experts": Case("kimi-k3", "int4", ("nvfp4a16",)),
     "kimi-k3-fp8-experts": Case("kimi-k3-128", "fp8", ("fp8-block",)),
     "kimi-k3-int4-experts": Case("kimi-k3", "int4", ("int4-g32",)),
     "kimi-k25-fp8-block-tp8": Case("kimi-k25", "fp8", ("fp8-block",)),
     "fp8-block-all": Case("kimi-k25", "fp8", ("fp8-block",)),
-    "int4-experts-fp8-attention-ep": Case("kimi-k25-ep", "int4", ("fp8-block", "w4a16")),
+    # (the experts' int4 g32 is the release's own encoding: judged on the fp8 attention)
+    "int4-experts-fp8-attention-ep": Case("kimi-k25-ep", "fp8", ("fp8-block", "w4a16")),
     "kimi-k2-int4-experts": Case("kimi-k2", "int4", ("fp8-block", "w4a16")),
     "w8a8-smoothquant": Case("llama", "int8", ("w8a8",)),
     "w4a16-gptq": Case("llama", "int4", ("w4a16",)),

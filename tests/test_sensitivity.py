@@ -481,8 +481,13 @@ def test_expert_shortcut_equals_layer_rerun(dsv3, monkeypatch):
 
 def test_kimi_k3_latent_experts_and_attention_residuals(tmp_path):
     """Kimi K3 (attention residuals, KDA layers, latent MoE with w1/w2/w3 experts): every
-    method runs; experts' token counts are the calibration engine's; the ``layer`` method
-    reruns the layer per expert tensor there (the latent norm is not linear)."""
+    method runs; each MoE layer routes as many token slots as the calibration engine
+    (top-k x real tokens); the ``layer`` method reruns the layer per expert tensor there
+    (the latent norm is not linear). Per expert the counts may differ: the engine routes
+    the output of the quantized earlier layers, the scan the original's, and a router
+    near-tie (measured: 2nd and 3rd scores 1.1e-4 apart against a 5e-3 int8 shift)
+    sends a token elsewhere."""
+    import re
     import warnings
 
     from k3convert.calibrate.sequential import SequentialOptions, calibrate_sequential
@@ -502,8 +507,13 @@ def test_kimi_k3_latent_experts_and_attention_residuals(tmp_path):
         for t in rep.tensors:
             assert math.isfinite(t.score) and t.score >= 0, t
             assert (t.score > 0) == (t.tokens > 0), (method, t)
+        per_group: dict[str, list[int]] = {}
         for t in experts:
-            assert t.tokens == res.expert_tokens[t.name], t.name
+            key = re.sub(r"experts\.\d+\.", "experts.N.", t.name)
+            per_group.setdefault(key, [0, 0])
+            per_group[key][0] += t.tokens
+            per_group[key][1] += res.expert_tokens[t.name]
+        assert per_group and all(a == b > 0 for a, b in per_group.values()), per_group
 
 
 def _small(calib: CalibrationSet, n: int = 2, s: int = 32) -> CalibrationSet:

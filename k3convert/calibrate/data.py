@@ -47,14 +47,8 @@ from ..paths import data_dirs
 #: file suffix -> ``datasets`` packaged builder
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 #: files whose presence means the model directory ships a tokenizer
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tiktoken.model",
-    "vocab.json",
-    "spiece.model",
-    "tokenizer_config.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                   "spiece.model", "tokenizer_config.json")  # fmt: skip
 IMAGE_COLUMNS = ("images", "image")
 BUILTIN = "builtin"
 HUB_PREFIX = "hub:"
@@ -498,10 +492,8 @@ def model_info(model_dir: str | os.PathLike) -> ModelInfo:
         try:  # optional and heavy: only with tokenizer files, and only text rows need it
             from transformers import AutoTokenizer
         except ImportError:
-            info.no_tokenizer = (
-                "has tokenizer files, but transformers (which loads them) is not installed: "
-                "pip install transformers"
-            )
+            info.no_tokenizer = "has tokenizer files, but transformers (which loads them) is "
+            info.no_tokenizer += "not installed: pip install transformers"
             return info
 
         try:
@@ -564,14 +556,13 @@ class _Tokenize:
         ids = self._ids(value, row)
         media = sorted(self.info.media_ids.intersection(ids)) if not images else []
         if media:
-            n = sum(i in self.info.media_ids for i in ids)
+            n = sum(i in media for i in ids)
+            others = (self.info.vocab_size or 0) - len(self.info.media_ids)
             raise CalibrationDataError(
                 f"{self.source}: row {row}, column '{self.column}': holds {n} image / video "
                 f"placeholder token(s) (id {', '.join(map(str, media))}) but the row has no "
                 f"image; drop those ids from the row (random ids: draw them from the other "
-                f"{(self.info.vocab_size or 0) - len(self.info.media_ids)} ids) or give the "
-                f"row an image column."
-            )
+                f"{others} ids) or give the row an image column.")  # fmt: skip
         return ids
 
     def _ids(self, value: Any, row: int) -> list[int]:

@@ -106,11 +106,7 @@ def compare_logits(
         nonfinite += int((~finite).sum())
         same = (r.argmax(-1) == c.argmax(-1)) & finite
         agree += int(same.sum())
-        if v > 1:
-            top2 = r.topk(2, dim=-1).values
-            sure = (top2[:, 0] - top2[:, 1]) >= DECISIVE_MARGIN
-        else:  # one token: nothing to hesitate between
-            sure = torch.ones_like(same)
+        sure = _decisive(r)
         decisive += int(sure.sum())
         agree_decisive += int((same & sure).sum())
 
@@ -128,13 +124,8 @@ def compare_logits(
         del c
         klds.append((lr.exp() * (lr - lc)).sum(-1).clamp_min(0.0).cpu())
         if tgt_flat is not None:
-            t = tgt_flat.index_select(0, ix).to(lr.device)
-            keep = t != IGNORE_INDEX
-            if bool(keep.any()):
-                tk = t[keep].unsqueeze(-1)
-                nll_ref -= float(lr[keep].gather(-1, tk).sum())
-                nll_cand -= float(lc[keep].gather(-1, tk).sum())
-                ppl_tokens += int(keep.sum())
+            dr, dc, dn = _nll(lr, lc, tgt_flat.index_select(0, ix).to(lr.device))
+            nll_ref, nll_cand, ppl_tokens = nll_ref + dr, nll_cand + dc, ppl_tokens + dn
         del lr, lc
 
     kld = torch.cat(klds).numpy()
@@ -157,6 +148,26 @@ def compare_logits(
     if per_position:
         out["kld_per_position"] = [_finite(float(x)) for x in kld]
     return out
+
+
+def _decisive(r: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the reference's top logit leads its second by DECISIVE_MARGIN (one
+    token: nothing to hesitate between)."""
+    if r.shape[-1] < 2:
+        return torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
+    top2 = r.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) >= DECISIVE_MARGIN
+
+
+def _nll(lr: torch.Tensor, lc: torch.Tensor, t: torch.Tensor) -> tuple[float, float, int]:
+    """Summed NLL of the target ids under the reference and the candidate, and how many
+    positions have a target (``IGNORE_INDEX`` = none)."""
+    keep = t != IGNORE_INDEX
+    if not bool(keep.any()):
+        return 0.0, 0.0, 0
+    tk = t[keep].unsqueeze(-1)
+    return (-float(lr[keep].gather(-1, tk).sum()), -float(lc[keep].gather(-1, tk).sum()),
+            int(keep.sum()))  # fmt: skip
 
 
 def _check_logits(ref: Any, cand: Any) -> tuple[int, int, int]:

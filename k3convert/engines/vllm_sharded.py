@@ -1,0 +1,441 @@
+"""``shard --target vllm``: vLLM's pre-sharded ("sharded_state") files, written offline.
+
+vLLM's ``ShardedStateLoader`` (``load_format="sharded_state"``) skips the checkpoint
+loader: each rank opens ``model-rank-{tp}-part-{n}.safetensors`` (pp 1) or
+``model-pp-{pp}-tp-{tp}-part-{n}.safetensors`` and copies every tensor into the parameter
+of the same name in its ``model.state_dict()`` - the parameters as the model class and
+the quantization method's ``create_weights`` made them, before
+``process_weights_after_loading`` repacks them for the kernels - and fails on a missing
+key. This module writes those files from a Hugging Face / compressed-tensors checkpoint,
+on CPU, one parameter at a time: vLLM's fused projections (``qkv_proj`` = the rank's q, k
+and v heads; ``gate_up_proj`` = its gate and up rows), the vocab-parallel embedding and
+lm_head padded to a multiple of 64 rows, the row-parallel inputs split, the attention's
+unit scales, every quantization part sliced the way vLLM's weight loaders slice it.
+
+Checked against vLLM 0.32 itself (``tests/test_vllm.py``): the files equal, bit for bit,
+what vLLM's own loader holds on each rank after reading the HF checkpoint, and
+``LLM(load_format="sharded_state")`` gives the same prompt logprobs. The layouts are
+vLLM's internals, not a public format: see ``docs/vllm-target.md`` for what to do when
+vLLM changes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from tqdm import tqdm
+
+from .. import __version__
+from ..arch import resolve
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint.output import staged_output
+from ..checkpoint.safetensors_io import SafetensorsWriter
+from ..errors import ConfigError
+from ..stream.format import StreamCorruptError
+
+#: the vLLM release whose layouts this writes (tests/test_vllm.py checks against it)
+VLLM_VERSION = "0.32.0"
+TP_PATTERN = "model-rank-{tp}-part-{part}.safetensors"
+PP_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
+#: written last: a directory without it (or with another format in it) is not complete
+INDEX = "k3convert-vllm.json"
+FORMAT = "k3convert-vllm-sharded-state"
+#: vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this
+VOCAB_PADDING = 64
+#: families whose vLLM model class this writes (model_type -> vLLM class)
+FAMILIES = {"llama": "LlamaForCausalLM"}
+#: compressed-tensors formats whose vLLM parameters this writes
+FORMATS = ("dense", "int-quantized", "pack-quantized")
+_COLUMN = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+_ROW = ("o_proj", "down_proj")
+
+
+@dataclass
+class Param:
+    """One parameter of one rank: its name, shape and dtype up front, its value on demand."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Rank:
+    tp: int
+    pp: int
+    tp_size: int
+    pp_size: int
+
+    def file(self, part: int = 0) -> str:
+        if self.pp_size > 1:
+            return PP_PATTERN.format(pp=self.pp, tp=self.tp, part=part)
+        return TP_PATTERN.format(tp=self.tp, part=part)
+
+
+def pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The layers vLLM 0.32 puts on pipeline stage ``pp_rank`` (``get_pp_indices``, with
+    no ``VLLM_PP_LAYER_PARTITION``): even blocks, the remainder on the stages before the
+    last, from the second-to-last backwards."""
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return range(start, start + parts[pp_rank])
+
+
+def _module_parts(ck: Checkpoint, module: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """part -> (shape, dtype) of a Linear's stored parts (weight, scales, bias)."""
+    m = ck.meta(f"{module}.weight")
+    parts = {k: (p.shape, p.dtype) for k, p in m.parts.items()}
+    bias = f"{module}.bias"
+    if bias in ck:
+        b = ck.meta(bias).main
+        parts["bias"] = (b.shape, b.dtype)
+    return parts
+
+
+def _scaled(size: int, full: int, a: int, b: int, what: str) -> tuple[int, int]:
+    """[a, b) of a dim of ``full`` mapped onto a part's dim of ``size`` (packed 8 per
+    int32, groups of g, ...); refused when a boundary falls inside a pack or group."""
+    lo, hi = a * size, b * size
+    if lo % full or hi % full:
+        raise ConfigError(
+            f"{what}: a tensor-parallel boundary at {a if lo % full else b} of {full} falls "
+            f"inside a packed word or a quantization group ({size} per {full}); pick a tp "
+            f"that divides it, or re-quantize with smaller groups."
+        )
+    return lo // full, hi // full
+
+
+class _Source:
+    """The checkpoint's tensors sliced as one rank of vLLM needs them."""
+
+    def __init__(self, ck: Checkpoint, cfg, dtype: torch.dtype):
+        self.ck, self.cfg, self.dtype = ck, cfg, dtype
+
+    def whole(self, name: str, dtype: torch.dtype | None = None) -> Param:
+        meta = self.ck.meta(name)
+        if meta.encoding != "plain":
+            raise ConfigError(f"'{name}' is {meta.encoding}-encoded where vLLM takes it plain.")
+        p = meta.main
+        dt = dtype or p.dtype
+
+        def make():
+            return self.ck.get(name).to(dt)
+
+        return Param(name, dt, p.shape, make)
+
+    def column(self, module: str, part: str, a: int, b: int, out: int) -> tuple:
+        """Rows [a, b) of ``out`` (output features) of one part: (shape, dtype, thunk)."""
+        shape, dtype = _module_parts(self.ck, module)[part]
+        if part == "weight_shape":
+            return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part]
+        lo, hi = _scaled(shape[0], out, a, b, f"{module}.{part}")
+        new = (hi - lo, *shape[1:])
+
+        def make():
+            t = self._part(module, part)
+            return t[lo:hi]
+
+        return new, dtype, make
+
+    def row(self, module: str, part: str, a: int, b: int, inp: int) -> tuple:
+        """Columns [a, b) of ``inp`` (input features) of one part."""
+        shape, dtype = _module_parts(self.ck, module)[part]
+        grouped = self.ck.meta(f"{module}.weight").quant.extra.get("strategy") == "group"
+        if part in ("bias", "weight_shape") or len(shape) < 2 or (shape[1] == 1 and not grouped):
+            # the same on every rank: vLLM's row-parallel bias (added once) and per-channel
+            # scales are whole on each; a group scale is split with its groups
+            return shape, dtype, lambda: self._part(module, part)
+        lo, hi = _scaled(shape[1], inp, a, b, f"{module}.{part}")
+
+        def make():
+            return self._part(module, part)[:, lo:hi]
+
+        return (shape[0], hi - lo, *shape[2:]), dtype, make
+
+    def _part(self, module: str, part: str) -> torch.Tensor:
+        if part == "bias":
+            return self.ck.get(f"{module}.bias")
+        parts = self.ck.get_parts(f"{module}.weight")
+        t = parts[part]
+        return t.to(self.dtype) if part == "weight" and t.is_floating_point() else t
+
+
+def _llama_params(src: _Source, rank: Rank) -> Iterator[Param]:
+    cfg, ck, tp = src.cfg, src.ck, rank.tp_size
+    heads, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(
+            f"tp={tp} must divide the {heads} attention heads and divide or be a multiple of "
+            f"the {kv} KV heads (vLLM replicates KV heads when tp > {kv})."
+        )
+    layers = pp_layers(cfg.num_layers, rank.pp, rank.pp_size)
+    first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
+    vocab = cfg.vocab_size
+    padded = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING
+    per = padded // tp
+
+    def vocab_rows(name: str, out_name: str) -> Param:
+        lo, hi = rank.tp * per, (rank.tp + 1) * per
+        meta = ck.meta(name).main
+
+        def make():
+            out = torch.zeros(per, meta.shape[1], dtype=src.dtype)
+            real = max(0, min(hi, vocab) - lo)
+            if real:
+                out[:real] = ck.get(name)[lo : lo + real].to(src.dtype)
+            return out
+
+        return Param(out_name, src.dtype, (per, meta.shape[1]), make)
+
+    quantized = ck.config.get("quantization_config") is not None
+    if cfg.tie_word_embeddings and rank.pp_size > 1:
+        raise ConfigError("a tied lm_head with pp > 1 is not written yet; use pp 1.")
+    if first and not cfg.tie_word_embeddings:
+        yield vocab_rows("model.embed_tokens.weight", "model.embed_tokens.weight")
+    q_out, kv_out = heads * hd, kv * hd
+    q_per, kv_heads_rank = heads // tp, max(1, kv // tp)
+    kv_first = rank.tp * kv // tp * hd  # (tp > kv: tp / kv ranks share each KV head)
+    for i in layers:
+        pre = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield src.whole(f"{pre}.{norm}.weight", src.dtype)
+        if cfg.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                yield src.whole(f"{pre}.self_attn.{n}.weight", src.dtype)
+        spans = {
+            "q_proj": (rank.tp * q_per * hd, (rank.tp + 1) * q_per * hd, q_out),
+            "k_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
+            "v_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
+        }
+        yield from _fused(src, f"{pre}.self_attn", "qkv_proj", spans)
+        inter = cfg.intermediate_size
+        ip = inter // tp
+        if inter % tp:
+            raise ConfigError(f"tp={tp} does not divide intermediate_size {inter}.")
+        mlp = {
+            "gate_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
+            "up_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
+        }
+        yield from _fused(src, f"{pre}.mlp", "gate_up_proj", mlp)
+        yield from _row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
+        yield from _row(src, f"{pre}.mlp.down_proj", rank.tp * ip, ip, inter)
+        yield from _attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized)
+    if last:
+        yield src.whole("model.norm.weight", src.dtype)
+        # tied: one tensor, which vLLM's state dict names lm_head.weight (the smaller key)
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        yield vocab_rows(head, "lm_head.weight")
+
+
+def _attention_scales(prefix: str, dtype: torch.dtype, quantized: bool) -> Iterator[Param]:
+    """The attention layer's own parameters: its unit scales, and under compressed-tensors
+    (whose KV-cache method vLLM attaches to every attention layer) unit q / k / v scales
+    and zero zero points, as vLLM creates them when the checkpoint has no KV-cache scales."""
+
+    def const(value: float, dt: torch.dtype, shape: tuple[int, ...]):
+        return lambda: torch.full(shape, value, dtype=dt)
+
+    for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
+        yield Param(f"{prefix}.{s}", torch.float32, (), const(1.0, torch.float32, ()))
+    if quantized:
+        for s in ("k", "q", "v"):
+            yield Param(f"{prefix}.{s}_scale", torch.float32, (1,), const(1.0, torch.float32, (1,)))
+            yield Param(f"{prefix}.{s}_zero_point", dtype, (1,), const(0.0, dtype, (1,)))
+
+
+def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param]:
+    """vLLM's merged column-parallel parameter: each part of the members' rows for this
+    rank, concatenated in member order (q, k, v / gate, up)."""
+    members = list(spans)
+    parts = list(_module_parts(src.ck, f"{prefix}.{members[0]}"))
+    for m in members[1:]:
+        if list(_module_parts(src.ck, f"{prefix}.{m}")) != parts:
+            raise ConfigError(
+                f"{prefix}: {members[0]} and {m} are stored differently; vLLM fuses them into "
+                f"one {fused} and needs one scheme for both."
+            )
+    for part in parts:
+        if part == "weight_shape":  # vLLM keeps the last member it loaded, whole
+            shape, dtype, make = src.column(f"{prefix}.{members[-1]}", part, 0, 0, 1)
+            yield Param(f"{prefix}.{fused}.{part}", dtype, shape, make)
+            continue
+        got = [src.column(f"{prefix}.{m}", part, a, b, full) for m, (a, b, full) in spans.items()]
+        if any(len(s) == 0 for s, _, _ in got):
+            raise ConfigError(f"{prefix}: a per-tensor '{part}' in {fused} is not written yet.")
+        shape = (sum(s[0] for s, _, _ in got), *got[0][0][1:])
+        dtype = got[0][1]
+
+        def make(got=got):
+            return torch.cat([mk() for _, _, mk in got], dim=0)
+
+        yield Param(f"{prefix}.{fused}.{part}", dtype, shape, make)
+
+
+def _row(src: _Source, module: str, a: int, n: int, full: int) -> Iterator[Param]:
+    for part in _module_parts(src.ck, module):
+        shape, dtype, make = src.row(module, part, a, a + n, full)
+        yield Param(f"{module}.{part}", dtype, shape, make)
+
+
+def _check_source(ck: Checkpoint) -> tuple:
+    arch, cfg = resolve(ck.config, str(ck.root / "config.json"))
+    mt = ck.config.get("model_type")
+    if mt not in FAMILIES:
+        raise ConfigError(
+            f"{ck.root}: --target vllm writes {', '.join(FAMILIES)} for now, not '{mt}' "
+            f"(docs/vllm-target.md lists what is supported); use the default stream target."
+        )
+    qc = ck.config.get("quantization_config")
+    if qc is not None:
+        fmt = qc.get("format")
+        if qc.get("quant_method") != "compressed-tensors" or fmt not in FORMATS:
+            raise ConfigError(
+                f"{ck.root}: --target vllm writes compressed-tensors {', '.join(FORMATS)} "
+                f"checkpoints, not {qc.get('quant_method')} / {fmt}."
+            )
+        if qc.get("kv_cache_scheme") is not None:
+            raise ConfigError(f"{ck.root}: KV-cache scales are not written for vLLM yet.")
+        for g in (qc.get("config_groups") or {}).values():
+            ia, w = g.get("input_activations") or {}, g.get("weights") or {}
+            if (ia and not ia.get("dynamic")) or w.get("strategy") == "tensor":
+                raise ConfigError(
+                    f"{ck.root}: per-tensor scales (static activations, tensor-wise "
+                    f"weights) are not written for vLLM yet; use a per-channel / group scheme."
+                )
+            if w.get("actorder") == "group":
+                raise ConfigError(f"{ck.root}: GPTQ act-order 'group' (g_idx) is not written yet.")
+    return arch, cfg
+
+
+def _dtype_of(ck: Checkpoint) -> torch.dtype:
+    name = str(ck.config.get("torch_dtype") or ck.config.get("dtype") or "bfloat16")
+    return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
+
+
+def rank_params(ck: Checkpoint, rank: Rank) -> list[Param]:
+    """Every parameter vLLM's model holds on ``rank``, in write order (nothing read yet)."""
+    _, cfg = _check_source(ck)
+    return list(_llama_params(_Source(ck, cfg, _dtype_of(ck)), rank))
+
+
+@dataclass
+class VllmShardResult:
+    out: Path
+    files: int
+    bytes_written: int
+    seconds: float
+
+
+def write_vllm(
+    *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
+    force: bool = False, progress: bool = False,
+) -> VllmShardResult:  # fmt: skip
+    """Write the sharded_state directory: config / tokenizer files, one safetensors file
+    per rank, ``k3convert-vllm.json`` last (inside a staging directory renamed at the end)."""
+    import time
+
+    t0 = time.perf_counter()
+    for name, v in (("tp", tp), ("pp", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--{name} must be a positive integer, got {v!r}.")
+    ck = open_checkpoint(src)
+    _check_source(ck)
+    ranks = [Rank(t, p, tp, pp) for p in range(pp) for t in range(tp)]
+    plans = {r: rank_params(ck, r) for r in ranks}  # every refusal before any byte
+    total = sum(math.prod(p.shape) * _itemsize(p.dtype) for ps in plans.values() for p in ps)
+    index = {"format": FORMAT, "version": 1, "generator": f"k3convert {__version__}",
+             "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
+             "layout": {"tp": tp, "pp": pp}, "source": str(Path(ck.root).resolve()),
+             "files": []}  # fmt: skip
+    with staged_output(out, force=force, need_bytes=total, source=ck.root) as tmp:
+        for f in [ck.root / "config.json", *ck.aux_files]:
+            shutil.copyfile(f, tmp / f.name)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                  desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
+            for r, params in plans.items():
+                fname = r.file()
+                entries = [(p.name, p.dtype, p.shape) for p in params]
+                with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+                    for p in params:
+                        t = p.make().contiguous()
+                        if tuple(t.shape) != p.shape or t.dtype != p.dtype:
+                            raise AssertionError(f"{p.name}: {tuple(t.shape)} {t.dtype}")
+                        w.write(p.name, t)
+                        bar.update(t.numel() * t.element_size())
+                index["files"].append({
+                    "name": fname, "tp_rank": r.tp, "pp_rank": r.pp,
+                    "bytes": (tmp / fname).stat().st_size, "xxh3-128": _hash(tmp / fname),
+                    "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
+                                         "shape": list(p.shape)} for p in params},
+                })  # fmt: skip
+        (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    size = sum(f["bytes"] for f in index["files"])
+    return VllmShardResult(Path(out), len(index["files"]), size, time.perf_counter() - t0)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _hash(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_vllm_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / INDEX).is_file()
+
+
+def check_vllm(path: str | os.PathLike) -> str:
+    """``shard --check`` of a sharded_state directory: the index, every file's hash, and
+    every file's tensors against the index (each key once, shapes, dtypes, finite
+    values). Raises StreamCorruptError naming the first problem; returns a summary."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    try:
+        index = json.loads((d / INDEX).read_text())
+    except (OSError, ValueError) as e:
+        raise StreamCorruptError(f"{d / INDEX}: unreadable ({e}); rewrite OUT.") from e
+    if index.get("format") != FORMAT:
+        raise StreamCorruptError(f"{d / INDEX}: format is {index.get('format')!r}, not {FORMAT}.")
+    n = 0
+    for f in index["files"]:
+        p = d / f["name"]
+        if Path(f["name"]).name != f["name"] or not p.is_file():
+            raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
+        if p.stat().st_size != f["bytes"] or _hash(p) != f["xxh3-128"]:
+            raise StreamCorruptError(f"{p}: size or xxh3-128 hash differs from {INDEX}.")
+        with safe_open(p, "pt") as sf:
+            keys = list(sf.keys())
+            if sorted(keys) != sorted(f["tensors"]):
+                raise StreamCorruptError(f"{p}: its tensors differ from those {INDEX} lists.")
+            for k in keys:
+                t = sf.get_tensor(k)
+                want = f["tensors"][k]
+                dt = str(t.dtype).removeprefix("torch.")
+                if list(t.shape) != want["shape"] or dt != want["dtype"]:
+                    raise StreamCorruptError(f"{p}: '{k}' is not {want['dtype']} {want['shape']}.")
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise StreamCorruptError(f"{p}: '{k}' holds NaN / inf.")
+                n += 1
+    lay = index["layout"]
+    return (
+        f"{d}: vLLM sharded_state intact: {len(index['files'])} rank file(s) (tp "
+        f"{lay['tp']}, pp {lay['pp']}), {n} tensors, hashes match (vLLM {index['vllm']} layout)"
+    )
