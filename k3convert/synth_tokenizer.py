@@ -55,26 +55,32 @@ def _ids(value) -> list[int]:
     return [v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
-def special_tokens(cfg: dict, text: dict) -> dict[int, str]:
-    """id -> token for every special id of config.json (text section first, then the top
-    level); the first key naming an id names its token."""
-    out: dict[int, str] = {}
+def special_tokens(cfg: dict, text: dict, vocab: int) -> tuple[dict[int, str], dict[str, str]]:
+    """(id -> token, role -> token) for the special ids of config.json below ``vocab``
+    (text section first, then the top level). Every id is its own token (a second EOS id
+    is ``<|eos_1|>``); an id two roles share (BOS = EOS) is one token both roles name. A
+    config without BOS / EOS (K3's) gets them at the top free ids."""
+    by_id: dict[int, str] = {}
+    roles: dict[str, str] = {}
     for key, token in SPECIAL_KEYS.items():
+        ids: list[int] = []
         for d in (text, cfg):
-            for i in _ids(d.get(key)):
-                out.setdefault(i, token)
-    return out
+            ids += [i for i in _ids(d.get(key)) if i < vocab and i not in ids]
+        for k, i in enumerate(ids):
+            by_id.setdefault(i, token if k == 0 else token.replace("|>", f"_{k}|>"))
+        if ids:
+            roles[key.removesuffix("_token_id")] = by_id[ids[0]]
+    for role in ("eos", "bos"):
+        top = next((i for i in range(vocab - 1, -1, -1) if i not in by_id), None)
+        if role not in roles and top is not None:
+            by_id[top] = roles[role] = f"<|{role}|>"
+    return by_id, roles
 
 
 def tokenizer_files(cfg: dict, text: dict, vocab: int) -> dict[str, str] | None:
     """{file name: JSON text}, or None when ``vocab`` cannot hold the 256 bytes next to
     the special tokens."""
-    specials = {i: t for i, t in special_tokens(cfg, text).items() if i < vocab}
-    for role in ("<|eos|>", "<|bos|>"):  # a config without them (K3's) gets the top free ids
-        if role not in specials.values():
-            top = next((i for i in range(vocab - 1, -1, -1) if i not in specials), None)
-            if top is not None:
-                specials[top] = role
+    specials, roles = special_tokens(cfg, text, vocab)
     if vocab < 256 + len(specials):
         return None
     free = (i for i in range(vocab) if i not in specials)
@@ -88,8 +94,8 @@ def tokenizer_files(cfg: dict, text: dict, vocab: int) -> dict[str, str] | None:
          "normalized": False, "special": True}
         for i, t in sorted(specials.items())
     ]  # fmt: skip
-    by_token = {t: i for i, t in sorted(specials.items(), reverse=True)}
-    bos = "<|bos|>" if "<|bos|>" in by_token else None
+    by_token = {t: i for i, t in specials.items()}
+    bos = roles.get("bos")
     post = None
     if bos is not None:  # BOS first, as the releases' tokenizers add it
         post = {
@@ -120,10 +126,9 @@ def tokenizer_files(cfg: dict, text: dict, vocab: int) -> dict[str, str] | None:
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
             "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}  # fmt: skip
     for role in ("bos", "eos", "pad"):
-        if f"<|{role}|>" in by_token:
-            conf[f"{role}_token"] = f"<|{role}|>"
-    if "pad_token" not in conf and "eos_token" in conf:
-        conf["pad_token"] = conf["eos_token"]
+        if role in roles:
+            conf[f"{role}_token"] = roles[role]
+    conf.setdefault("pad_token", roles["eos"])
     return {
         "tokenizer.json": json.dumps(tok, ensure_ascii=False, indent=1) + "\n",
         "tokenizer_config.json": json.dumps(conf, indent=2) + "\n",

@@ -299,3 +299,30 @@ def test_inspect_stream_directory(tmp_path, tiny_models):
     assert r["stream"]["world"] == 4 and r["stream"]["moe_ep"] == 2
     assert r["total_params"] == inspect_path(path=tiny_models["qwen3_moe"])["total_params"]
     assert r["stream"]["raw_bytes"] >= r["stream"]["bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "cfg,want",
+    [
+        ({"bos_token_id": 300, "eos_token_id": [301, 302]}, (300, 301, "<|eos_1|>")),
+        ({"bos_token_id": 300, "eos_token_id": 300}, (300, 300, "<|reserved_302|>")),
+        ({}, (398, 399, "<|reserved_302|>")),
+    ],
+)
+def test_synth_tokenizer_special_ids(cfg, want):
+    """Every id is one vocabulary entry (a second EOS id its own token), a shared BOS = EOS
+    id one token both roles name, and a config without them gets the top free ids; the
+    tokenizers library reads it so."""
+    from tokenizers import Tokenizer
+
+    from k3convert.synth_tokenizer import tokenizer_files
+
+    files = tokenizer_files(cfg, {}, 400)
+    tok = Tokenizer.from_str(files["tokenizer.json"])
+    conf = json.loads(files["tokenizer_config.json"])
+    bos, eos, third = want
+    assert tok.get_vocab_size() == 400
+    assert tok.token_to_id(conf["bos_token"]) == bos and tok.token_to_id(conf["eos_token"]) == eos
+    assert tok.id_to_token(302) == third
+    assert tok.encode("hi").ids[0] == bos
+    assert tok.decode(tok.encode("héllo").ids, skip_special_tokens=True) == "héllo"

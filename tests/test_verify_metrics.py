@@ -622,3 +622,24 @@ def test_a_group_carried_from_the_reference_sets_no_family():
     nvfp4 = {"quantization_config": {"config_groups": {"g": {"weights": {
         **mx, "group_size": 16, "strategy": "tensor_group", "scale_dtype": None}}}}}  # fmt: skip
     assert thresholds_for_quant_config(nvfp4, ref).kind == "int4"  # re-encoded: judged
+
+
+def test_a_reshard_with_dynamic_activations_keeps_its_schemes_thresholds():
+    """The same w8a8 checkpoint cut at tp 2 (row-parallel Linears quantize their local
+    input slice): judged as int8, not as an exact reshard (its groups are the reference's
+    own, but the conversion changed how they run); a carried-only candidate in bf16
+    compute gets the bf16 reshard limits, not fp32's."""
+    from k3convert.layout import Layout
+    from k3convert.verify.run import LOW_PRECISION_EXACT, _thresholds
+
+    w8 = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+    qc = {"config_groups": {"g": {"targets": ["Linear"], "weights": w8, "input_activations": {
+        **w8, "strategy": "token", "dynamic": True}}}}  # fmt: skip
+    cfg = {"quantization_config": qc}
+    none = (None, None, None)
+    assert _thresholds(cfg, cfg, Layout(tp=2), torch.float32, *none).kind == "int8"
+    assert _thresholds(cfg, cfg, Layout(tp=1), torch.float32, *none).kind == "exact"
+    observed = {"quantization_config": {**qc, "config_groups": {"g": {
+        **qc["config_groups"]["g"], "targets": ["re:.*"]}}}}  # fmt: skip
+    bf16 = _thresholds(observed, cfg, Layout(tp=1), torch.bfloat16, *none)
+    assert bf16 == LOW_PRECISION_EXACT[torch.bfloat16]

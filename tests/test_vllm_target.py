@@ -123,3 +123,18 @@ def test_refusals_are_one_line_exit_2(llama, tmp_path):
     assert not (tmp_path / "o").exists()
     cfg = json.loads((q / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "pack-quantized"
+
+
+def test_check_refuses_a_malformed_or_incomplete_index(llama, tmp_path):
+    out = tmp_path / "v"
+    write_vllm(src=llama, out=out, tp=2)
+    index = json.loads((out / INDEX).read_text())
+    for bad in ({"format": index["format"]}, [1, 2],
+                {**index, "files": index["files"][:1]}):  # fmt: skip
+        (out / INDEX).write_text(json.dumps(bad))
+        with pytest.raises(StreamCorruptError):
+            check_vllm(out)
+    (out / INDEX).write_text(json.dumps({**index, "files": []}))
+    r = _cli("shard", "--check", out)
+    assert r.returncode == 1 and "not the 2 of tp 2 x pp 1" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

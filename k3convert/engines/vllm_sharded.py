@@ -138,7 +138,7 @@ class _Source:
     def column(self, module: str, part: str, a: int, b: int, out: int) -> tuple:
         """Rows [a, b) of ``out`` (output features) of one part: (shape, dtype, thunk)."""
         shape, dtype = _module_parts(self.ck, module)[part]
-        if part == "weight_shape":
+        if part == "weight_shape" or not shape:  # (a 0-d part: refused by _fused)
             return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part]
         lo, hi = _scaled(shape[0], out, a, b, f"{module}.{part}")
         new = (hi - lo, *shape[1:])
@@ -184,11 +184,19 @@ def _llama_params(src: _Source, rank: Rank) -> Iterator[Param]:
     first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
     vocab = cfg.vocab_size
     padded = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tp:
+        raise ConfigError(
+            f"tp={tp} does not divide the vocabulary padded to {padded} rows (vLLM pads "
+            f"{vocab} to a multiple of {VOCAB_PADDING} and gives each rank an equal share)."
+        )
     per = padded // tp
 
     def vocab_rows(name: str, out_name: str) -> Param:
         lo, hi = rank.tp * per, (rank.tp + 1) * per
-        meta = ck.meta(name).main
+        meta = ck.meta(name)
+        if meta.encoding != "plain":
+            raise ConfigError(f"'{name}' is {meta.encoding}-encoded; vLLM's vocab-parallel "
+                              f"layers are written from plain weights only for now.")  # fmt: skip
 
         def make():
             out = torch.zeros(per, meta.shape[1], dtype=src.dtype)
@@ -402,22 +410,39 @@ def is_vllm_dir(path: str | os.PathLike) -> bool:
 
 
 def check_vllm(path: str | os.PathLike) -> str:
-    """``shard --check`` of a sharded_state directory: the index, every file's hash, and
-    every file's tensors against the index (each key once, shapes, dtypes, finite
-    values). Raises StreamCorruptError naming the first problem; returns a summary."""
-    from safetensors import safe_open
-
+    """``shard --check`` of a sharded_state directory: the index (one file per rank of
+    its layout), every file's hash, and every file's tensors against the index (each key
+    once, shapes, dtypes, finite values). Raises StreamCorruptError naming the first
+    problem; returns a summary."""
     d = Path(path)
     try:
         index = json.loads((d / INDEX).read_text())
     except (OSError, ValueError) as e:
         raise StreamCorruptError(f"{d / INDEX}: unreadable ({e}); rewrite OUT.") from e
-    if index.get("format") != FORMAT:
-        raise StreamCorruptError(f"{d / INDEX}: format is {index.get('format')!r}, not {FORMAT}.")
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise StreamCorruptError(f"{d / INDEX}: not a {FORMAT} index; rewrite OUT.")
+    try:
+        return _check_files(d, index)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a malformed entry
+        raise StreamCorruptError(f"{d / INDEX}: malformed ({e!r}); rewrite OUT.") from e
+
+
+def _check_files(d: Path, index: dict) -> str:
+    from safetensors import safe_open
+
+    lay = index["layout"]
+    tp, pp = int(lay["tp"]), int(lay["pp"])
+    want = {Rank(t, p, tp, pp).file() for p in range(pp) for t in range(tp)}
+    names = [f["name"] for f in index["files"]]
+    if sorted(names) != sorted(want):
+        raise StreamCorruptError(
+            f"{d / INDEX}: lists {len(names)} rank file(s), not the {len(want)} of tp {tp} x "
+            f"pp {pp}; rewrite OUT."
+        )
     n = 0
     for f in index["files"]:
         p = d / f["name"]
-        if Path(f["name"]).name != f["name"] or not p.is_file():
+        if not p.is_file():
             raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
         if p.stat().st_size != f["bytes"] or _hash(p) != f["xxh3-128"]:
             raise StreamCorruptError(f"{p}: size or xxh3-128 hash differs from {INDEX}.")
@@ -434,7 +459,6 @@ def check_vllm(path: str | os.PathLike) -> str:
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     raise StreamCorruptError(f"{p}: '{k}' holds NaN / inf.")
                 n += 1
-    lay = index["layout"]
     return (
         f"{d}: vLLM sharded_state intact: {len(index['files'])} rank file(s) (tp "
         f"{lay['tp']}, pp {lay['pp']}), {n} tensors, hashes match (vLLM {index['vllm']} layout)"

@@ -227,7 +227,11 @@ def _thresholds(
     if qc is None or (qc == rq and (layout.tp == 1 or not _dynamic_acts(qc))):
         th = LOW_PRECISION_EXACT.get(compute) or vm.default_thresholds("exact")
     else:
-        th = vm.thresholds_for_quant_config(cand_cfg, ref_cfg)
+        # a reference with another quantization: its own encodings, carried over, set no
+        # family; the same one at tp > 1 with dynamic activations is judged by its scheme
+        th = vm.thresholds_for_quant_config(cand_cfg, ref_cfg if qc != rq else None)
+        if th.kind == "exact":
+            th = LOW_PRECISION_EXACT.get(compute) or th
     over = {k: v for k, v in (("max_kld", max_kld), ("min_top1", min_top1),
                               ("max_rel_err", max_rel_err)) if v is not None}  # fmt: skip
     if over:
