@@ -272,8 +272,9 @@ def shard(
         ),
     ] = "stream",
 ):
-    """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format
-    (or, with --target vllm, into the files vLLM loads with load_format='sharded_state')."""
+    """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format.
+
+    With --target vllm: the per-rank files vLLM loads with load_format='sharded_state'."""
     from .config_parse import int_list
     from .shard import check as check_stream
     from .shard import shard as do_shard
