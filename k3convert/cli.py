@@ -281,9 +281,9 @@ def shard(
 
     if target not in ("stream", "vllm"):
         raise typer.BadParameter(f"--target is stream or vllm, not '{target}'.")
-    if check and (src / "k3convert-vllm.json").is_file():
-        from .engines.vllm_sharded import check_vllm
+    from .engines.vllm_sharded import check_vllm, is_vllm_dir
 
+    if check and is_vllm_dir(src):
         typer.echo(check_vllm(src))
         return
     if target == "vllm" and not check:

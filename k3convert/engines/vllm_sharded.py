@@ -25,12 +25,12 @@ import json
 import math
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 from tqdm import tqdm
 
 from .. import __version__
@@ -39,7 +39,9 @@ from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.output import staged_output
 from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import ConfigError
+from ..shard.writer import carried_files
 from ..stream.format import StreamCorruptError
+from ..stream.hashing import file_digest
 
 #: the vLLM release whose layouts this writes (tests/test_vllm.py checks against it)
 VLLM_VERSION = "0.32.0"
@@ -48,6 +50,7 @@ PP_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
 #: written last: a directory without it (or with another format in it) is not complete
 INDEX = "k3convert-vllm.json"
 FORMAT = "k3convert-vllm-sharded-state"
+HASH = "xxh3-128"  # each rank file's, as ``ALGO:HEX`` (stream.hashing)
 #: vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this
 VOCAB_PADDING = 64
 #: families whose vLLM model class this writes (model_type -> vLLM class)
@@ -332,10 +335,12 @@ def _dtype_of(ck: Checkpoint) -> torch.dtype:
     return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
 
 
-def rank_params(ck: Checkpoint, rank: Rank) -> list[Param]:
-    """Every parameter vLLM's model holds on ``rank``, in write order (nothing read yet)."""
+def rank_params(ck: Checkpoint, ranks: list[Rank]) -> dict[Rank, list[Param]]:
+    """Every parameter vLLM's model holds on each rank, in write order (nothing read
+    yet; every refusal happens here, before any byte is written)."""
     _, cfg = _check_source(ck)
-    return list(_llama_params(_Source(ck, cfg, _dtype_of(ck)), rank))
+    src = _Source(ck, cfg, _dtype_of(ck))
+    return {r: list(_llama_params(src, r)) for r in ranks}
 
 
 @dataclass
@@ -352,24 +357,20 @@ def write_vllm(
 ) -> VllmShardResult:  # fmt: skip
     """Write the sharded_state directory: config / tokenizer files, one safetensors file
     per rank, ``k3convert-vllm.json`` last (inside a staging directory renamed at the end)."""
-    import time
-
     t0 = time.perf_counter()
     for name, v in (("tp", tp), ("pp", pp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name} must be a positive integer, got {v!r}.")
     ck = open_checkpoint(src)
-    _check_source(ck)
-    ranks = [Rank(t, p, tp, pp) for p in range(pp) for t in range(tp)]
-    plans = {r: rank_params(ck, r) for r in ranks}  # every refusal before any byte
-    total = sum(math.prod(p.shape) * _itemsize(p.dtype) for ps in plans.values() for p in ps)
+    plans = rank_params(ck, [Rank(t, p, tp, pp) for p in range(pp) for t in range(tp)])
+    total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
     index = {"format": FORMAT, "version": 1, "generator": f"k3convert {__version__}",
              "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
              "layout": {"tp": tp, "pp": pp}, "source": str(Path(ck.root).resolve()),
              "files": []}  # fmt: skip
     with staged_output(out, force=force, need_bytes=total, source=ck.root) as tmp:
-        for f in [ck.root / "config.json", *ck.aux_files]:
-            shutil.copyfile(f, tmp / f.name)
+        for name, f in carried_files(ck):
+            shutil.copyfile(f, tmp / name)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
             for r, params in plans.items():
@@ -384,25 +385,13 @@ def write_vllm(
                         bar.update(t.numel() * t.element_size())
                 index["files"].append({
                     "name": fname, "tp_rank": r.tp, "pp_rank": r.pp,
-                    "bytes": (tmp / fname).stat().st_size, "xxh3-128": _hash(tmp / fname),
+                    "bytes": (tmp / fname).stat().st_size, "hash": file_digest(tmp / fname, HASH),
                     "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
                                          "shape": list(p.shape)} for p in params},
                 })  # fmt: skip
         (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     size = sum(f["bytes"] for f in index["files"])
     return VllmShardResult(Path(out), len(index["files"]), size, time.perf_counter() - t0)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _hash(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def is_vllm_dir(path: str | os.PathLike) -> bool:
@@ -444,8 +433,8 @@ def _check_files(d: Path, index: dict) -> str:
         p = d / f["name"]
         if not p.is_file():
             raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
-        if p.stat().st_size != f["bytes"] or _hash(p) != f["xxh3-128"]:
-            raise StreamCorruptError(f"{p}: size or xxh3-128 hash differs from {INDEX}.")
+        if p.stat().st_size != f["bytes"] or file_digest(p, HASH) != f["hash"]:
+            raise StreamCorruptError(f"{p}: size or {HASH} hash differs from {INDEX}.")
         with safe_open(p, "pt") as sf:
             keys = list(sf.keys())
             if sorted(keys) != sorted(f["tensors"]):
