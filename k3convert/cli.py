@@ -268,7 +268,8 @@ def shard(
         str,
         typer.Option(
             help="stream (k3convert's per-rank streaming format) or vllm (vLLM's "
-            "pre-sharded files for load_format='sharded_state'; llama, --tp / --pp)."
+            "pre-sharded files for load_format='sharded_state'; llama / qwen3_moe, --tp / "
+            "--pp / --ep)."
         ),
     ] = "stream",
 ):
@@ -328,20 +329,23 @@ def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundan
 
     if out is None:
         raise typer.BadParameter("OUT is required.")
-    given = [f for f, v in (("--ep", ep != 1), ("--compress", compress != "none"),
+    given = [f for f, v in (("--compress", compress != "none"),
              ("--pp-layers", pp_layers), ("--expert-load", expert_load),
              ("--redundant-experts", redundant)) if v]  # fmt: skip
     if given:
         raise typer.BadParameter(
             f"{', '.join(given)} apply to the stream target; vLLM's sharded_state takes "
-            f"--tp and --pp (vLLM places layers and experts itself)."
+            f"--tp, --pp and --ep (vLLM places layers and experts itself)."
         )
-    res = write_vllm(src=src, out=out, tp=tp, pp=pp, force=force, progress=progress)
+    res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress)
     typer.echo(
-        f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s), "
+        f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s)"
+        + (f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else "")
+        + ", "
         f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; load it with "
         f"LLM(model='{res.out}', load_format='sharded_state', tensor_parallel_size={tp}"
         + (f", pipeline_parallel_size={pp}" if pp > 1 else "")
+        + (", enable_expert_parallel=True" if ep > 1 else "")
         + ")"
     )
 
@@ -365,7 +369,8 @@ def verify(
     candidate: Annotated[
         Path,
         typer.Argument(
-            help="Stream directory (all ranks), quantized checkpoint, or checkpoint + --layout."
+            help="Stream directory (all ranks), quantized checkpoint, checkpoint + --layout, "
+            "or a vLLM sharded_state directory (shard --target vllm)."
         ),
     ],
     reference: Annotated[

@@ -13,7 +13,14 @@ import torch
 from safetensors import safe_open
 
 from k3convert.checkpoint import open_checkpoint
-from k3convert.engines.vllm_sharded import INDEX, check_vllm, pp_layers, write_vllm
+from k3convert.checkpoint.safetensors_io import SafetensorsWriter
+from k3convert.engines.vllm_sharded import (
+    INDEX,
+    check_vllm,
+    local_experts,
+    pp_layers,
+    write_vllm,
+)
 from k3convert.errors import ConfigError
 from k3convert.stream.format import StreamCorruptError
 from k3convert.synth import synthesize
@@ -111,9 +118,13 @@ def test_refusals_are_one_line_exit_2(llama, tmp_path):
     k3 = tmp_path / "k3"
     synthesize(config="kimi-k3", out=k3, tiny=True)
     r = _cli("shard", k3, tmp_path / "o", "--target", "vllm")
-    assert r.returncode == 2 and "writes llama for now, not 'kimi_k3'" in r.stderr
-    r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--ep", "2")
-    assert r.returncode == 2 and "--ep apply to the stream target" in r.stderr
+    assert r.returncode == 2 and "writes llama, qwen3_moe for now, not 'kimi_k3'" in r.stderr
+    r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--tp", "2", "--ep", "2")
+    assert r.returncode == 2 and "--ep needs a model with routed experts" in r.stderr
+    r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--tp", "4", "--ep", "2")
+    assert r.returncode == 2 and "use --ep 4 or --ep 1" in r.stderr
+    r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--compress", "zstd")
+    assert r.returncode == 2 and "--compress apply to the stream target" in r.stderr
     from k3convert.pipeline import quantize
 
     q = tmp_path / "w4"
@@ -138,3 +149,206 @@ def test_check_refuses_a_malformed_or_incomplete_index(llama, tmp_path):
     r = _cli("shard", "--check", out)
     assert r.returncode == 1 and "not the 2 of tp 2 x pp 1" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_local_experts_follow_vllm_linear_placement():
+    """vLLM 0.32's determine_expert_map, "linear": contiguous, remainder first."""
+    assert [list(local_experts(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(local_experts(8, r, 4)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [len(local_experts(10, r, 4)) for r in range(4)] == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_qwen3_moe_experts_split_or_placed_whole(tmp_path, ep):
+    """FusedMoE at tp 2: every expert's intermediate rows split (ep 1), or each rank's
+    experts whole (ep 2, enable_expert_parallel); w13 = gate rows then up rows."""
+    src = tmp_path / "q"
+    synthesize(config="qwen3-30b-a3b", out=src, tiny=True, overrides={"experts": 6})
+    out = tmp_path / "v"
+    write_vllm(src=src, out=out, tp=2, ep=ep)
+    ck = open_checkpoint(src)
+    pre = "model.layers.1.mlp"
+    for r in range(2):
+        t = _load(out / f"model-rank-{r}-part-0.safetensors")
+        assert torch.equal(t[f"{pre}.experts.gate.weight"], ck.get(f"{pre}.gate.weight"))
+        assert f"{pre}.gate.weight" not in t  # the router: the smaller of vLLM's two names
+        w13, w2 = (t[f"{pre}.experts.routed_experts.{w}_weight"] for w in ("w13", "w2"))
+        experts = range(3 * r, 3 * r + 3) if ep == 2 else range(6)
+        rows = slice(0, 256) if ep == 2 else slice(128 * r, 128 * (r + 1))
+        assert w13.shape[0] == w2.shape[0] == len(experts)
+        for i, e in enumerate(experts):
+            g, u, d = (ck.get(f"{pre}.experts.{e}.{m}_proj.weight") for m in ("gate", "up", "down"))
+            assert torch.equal(w13[i], torch.cat([g[rows], u[rows]]))
+            assert torch.equal(w2[i], d[:, rows])
+    index = json.loads((out / INDEX).read_text())
+    assert index["layout"] == {"tp": 2, "pp": 1, "ep": ep}
+    assert "intact" in check_vllm(out)
+
+
+def test_write_stacked_checks_its_parts(tmp_path):
+    entries = [("a", torch.float32, (3, 2))]
+    with SafetensorsWriter(tmp_path / "ok.safetensors", entries) as w:
+        w.write_stacked("a", (torch.full((1, 2), float(i)) for i in range(3)))
+    assert torch.equal(_load(tmp_path / "ok.safetensors")["a"][:, 0], torch.tensor([0.0, 1, 2]))
+    for parts, msg in (([torch.zeros(2, 2)], "hold 2 of its 3 rows"),
+                       ([torch.zeros(4, 2)], "exceed its 3 rows"),
+                       ([torch.zeros(3, 3)], "header says")):  # fmt: skip
+        w = SafetensorsWriter(tmp_path / "bad.safetensors", entries)
+        with pytest.raises(ValueError, match=msg):
+            w.write_stacked("a", iter(parts))
+        w._fh.close()
+
+
+def _tamper(out, fname: str, key: str, fn) -> None:
+    """Change one tensor of a rank file and re-hash it in the index, so only the mapping
+    checks (not the hash) can catch it."""
+    from safetensors.torch import save_file
+
+    from k3convert.stream.hashing import file_digest
+
+    path = out / fname
+    t = _load(path)
+    t[key] = fn(t[key])
+    save_file(t, path, metadata={"format": "pt"})
+    index = json.loads((out / INDEX).read_text())
+    for f in index["files"]:
+        if f["name"] == fname:
+            f["bytes"], f["hash"] = path.stat().st_size, file_digest(path, "xxh3-128")
+    (out / INDEX).write_text(json.dumps(index))
+
+
+@pytest.fixture(scope="module")
+def w8a8(llama, tmp_path_factory):
+    from k3convert.pipeline import quantize
+
+    q = tmp_path_factory.mktemp("vw") / "w8a8"
+    quantize(src=llama, out=q, scheme="w8a8", progress=False)
+    return q
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_verify_maps_the_rank_files_back_bit_exact(w8a8, tmp_path, tp):
+    """Every tensor reassembled from the ranks (tp 4 > 2 KV heads: each KV head on two
+    ranks) equals the checkpoint's, so the run matches the original's quantized run."""
+    from k3convert.engines.vllm_source import VllmSource
+    from k3convert.verify.run import run_verify
+
+    out = tmp_path / "v"
+    write_vllm(src=w8a8, out=out, tp=tp)
+    src, ck = VllmSource(out), open_checkpoint(w8a8)
+    assert src.names() == sorted(ck.names())
+    for n in ck.names():
+        for k, t in ck.get_parts(n).items():
+            assert torch.equal(src._assemble(n, k, t.shape, ck.meta(n).shape), t), (n, k)
+    rep = run_verify(candidate=out, reference=str(w8a8), progress=False)
+    assert rep["passed"] and rep["logits"]["max_abs_err"] == 0.0
+    assert rep["candidate_kind"] == "vllm-sharded-state"
+    assert rep["vllm_layout"] == {"tp": tp, "pp": 1, "ep": 1}
+
+
+def test_verify_catches_what_the_hash_cannot(w8a8, tmp_path):
+    out = tmp_path / "v"
+    write_vllm(src=w8a8, out=out, tp=4)
+    # rank 1's copy of KV head 0 (rows 64..96 of its qkv_proj) differs from rank 0's
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    _tamper(out, "model-rank-1-part-0.safetensors", qkv,
+            lambda t: torch.cat([t[:64], -t[64:96], t[96:]]))  # fmt: skip
+    r = _cli("verify", out, "--no-progress")
+    assert r.returncode == 1 and "differs from another rank's" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    # a scale doubled on one rank: the mapping holds, the parity check fails
+    write_vllm(src=w8a8, out=out, tp=2, force=True)
+    scale = "model.layers.1.mlp.gate_up_proj.weight_scale"
+    _tamper(out, "model-rank-1-part-0.safetensors", scale, lambda t: t * 2)
+    r = _cli("verify", out, "--reference", w8a8, "--no-progress")  # exact: the same scheme
+    assert r.returncode == 1 and "RESULT: FAIL" in r.stdout, (r.stdout, r.stderr)
+    assert "error starts here" in r.stdout.split("\n    1  1 ")[1].split("\n")[0]
+    # vLLM's constant changed
+    _tamper(out, "model-rank-0-part-0.safetensors", "model.layers.0.self_attn.attn._k_scale",
+            lambda t: t * 2)  # fmt: skip
+    r = _cli("verify", out, "--no-progress")
+    assert r.returncode == 1 and "not the constant vLLM creates" in r.stderr, r.stderr
+
+
+def test_verify_needs_the_source_and_no_layout(llama, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(llama, src)
+    out = tmp_path / "v"
+    write_vllm(src=src, out=out, tp=2)
+    r = _cli("verify", out, "--layout", "tp=2", "--no-progress")
+    assert r.returncode == 2 and "drop --layout" in r.stderr, r.stderr
+    shutil.rmtree(src)
+    r = _cli("verify", out, "--no-progress")
+    assert r.returncode == 2 and "which is not there" in r.stderr, r.stderr
+
+
+def test_an_interrupted_write_resumes_and_is_never_taken_for_output(llama, tmp_path, monkeypatch):
+    """Stopped after rank 0: no OUT (vLLM and `shard --check` see nothing), the stage
+    kept; the rerun keeps rank 0's file and writes the same bytes as a fresh run."""
+    from k3convert.engines import vllm_sharded as vs
+
+    real, calls = vs._write_rank, []
+
+    def stop_at_rank_1(*a, **k):
+        calls.append(a[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    out = tmp_path / "v"
+    monkeypatch.setattr(vs, "_write_rank", stop_at_rank_1)
+    with pytest.raises(KeyboardInterrupt):
+        write_vllm(src=llama, out=out, tp=2)
+    monkeypatch.setattr(vs, "_write_rank", real)
+    stage = tmp_path / ".v.vllm-partial"
+    assert not out.exists() and (stage / "model-rank-0-part-0.safetensors").is_file()
+    assert not (stage / "model-rank-1-part-0.safetensors").exists()
+    r = _cli("shard", "--check", stage)
+    assert r.returncode != 0
+    res = write_vllm(src=llama, out=out, tp=2)
+    assert res.files_resumed == 1 and not stage.exists()
+    fresh = tmp_path / "fresh"
+    write_vllm(src=llama, out=fresh, tp=2)
+    for f in ("model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"):
+        assert (out / f).read_bytes() == (fresh / f).read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    # a stage left by another layout: its rank files are not carried into OUT
+    monkeypatch.setattr(vs, "_write_rank", stop_at_rank_1)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        write_vllm(src=llama, out=tmp_path / "w", tp=2)
+    monkeypatch.setattr(vs, "_write_rank", real)
+    res = write_vllm(src=llama, out=tmp_path / "w", tp=1)
+    assert res.files_resumed == 0
+    assert not (tmp_path / "w" / "model-rank-1-part-0.safetensors").exists()
+    assert "intact" in check_vllm(tmp_path / "w")
+
+
+def test_convert_writes_the_vllm_target_from_a_recipe(llama, tmp_path):
+    """output.format: vllm: quantize -> sharded_state -> verify; a rerun reuses the
+    quantized checkpoint; stream-only keys are refused before any work."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\nquantize: {scheme: w8a8}\nlayout: {tp: 2}\n"
+                      "output: {format: vllm}\nverify: {samples: 2, seq_len: 16}\n")  # fmt: skip
+    out = tmp_path / "out"
+    r = _cli("convert", llama, out, "-r", recipe, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "vLLM sharded_state" in r.stdout and "verify      PASS" in r.stdout
+    assert "intact" in check_vllm(out) and not (out / ".k3-convert-vllm.json").exists()
+    rep = json.loads((out / "convert_report.json").read_text())
+    assert rep["layout"] == {"tp": 2, "pp": 1, "ep": 1} and rep["passed"] is True
+    assert json.loads((out / INDEX).read_text())["source"] == str((tmp_path / "out.quantized"))
+    # OUT lost (or never finished): the rerun reuses the quantized checkpoint
+    import shutil
+
+    shutil.rmtree(out)
+    r = _cli("convert", llama, out, "-r", recipe, "--no-progress")
+    assert r.returncode == 0 and "reusing it" in r.stderr, r.stderr
+    # a complete OUT is not replaced without --force
+    r = _cli("convert", llama, out, "-r", recipe, "--no-progress")
+    assert r.returncode == 2 and "already exists" in r.stderr, r.stderr
+    r = _cli("convert", llama, tmp_path / "o3", "-r", recipe, "--set", "output.compression=zstd")
+    assert r.returncode == 2 and "drop output.compression" in r.stderr, r.stderr
+    assert not (tmp_path / "o3").exists() and not (tmp_path / "o3.quantized").exists()

@@ -6,7 +6,7 @@ of its own (``tools/vllm-venv.sh``), so the test runs it as a subprocess::
     $K3_VLLM_PYTHON tests/vllm_runner.py JOB.json RESULT.json
 
 JOB: ``{"prompts": [[ids], ...], "runs": [{"name", "model", "kv_cache_dtype"?,
-"no_tokenizer"?, "prompts"?, "tp"?, "pp"?, "load_format"?, "dump_dir"?}, ...],
+"no_tokenizer"?, "prompts"?, "tp"?, "pp"?, "ep"?, "load_format"?, "dump_dir"?}, ...],
 "max_model_len": N, "dtype": "bfloat16"}``. Every run loads its checkpoint in this one
 process (one Python + vLLM start-up for all), asks for the logprob of every prompt token
 given the ones before it, and is released before the next. RESULT: per run either
@@ -72,6 +72,8 @@ def _one(spec: dict, prompts: list[list[int]], job: dict) -> dict:
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("tp", 1) > 1:
         kw["tensor_parallel_size"] = spec["tp"]
+    if spec.get("ep"):  # experts placed whole over the tp ranks (linear), not split
+        kw["enable_expert_parallel"] = True
     bare = bool(spec.get("no_tokenizer"))  # a synthetic model without tokenizer files
     if bare:
         kw["skip_tokenizer_init"] = True

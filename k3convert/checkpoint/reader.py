@@ -282,7 +282,8 @@ class Checkpoint:
 
     @cached_property
     def aux_files(self) -> list[Path]:
-        """Tokenizer / processor / other non-weight files, carried along untouched.
+        """Tokenizer / processor / other non-weight files, carried along untouched
+        (k3convert's own ``.k3-*`` bookkeeping files excepted).
 
         Checked by :func:`open_checkpoint`: none of them resolves outside the directory.
         """
@@ -290,7 +291,10 @@ class Checkpoint:
         files = sorted(
             p
             for p in self.root.iterdir()
-            if p.is_file() and p.name not in skip and not p.name.endswith(WEIGHT_SUFFIXES)
+            if p.is_file()
+            and p.name not in skip
+            and not p.name.endswith(WEIGHT_SUFFIXES)
+            and not p.name.startswith(".k3-")  # k3convert's own bookkeeping, not the model's
         )
         for f in files:
             _check_inside(self.root, f, "file (carried into outputs)")

@@ -19,6 +19,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,6 +408,29 @@ class SafetensorsWriter:
         if len(buf) != n:
             raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
         self._fh.write(buf)  # straight from the tensor's memory: no bytes copy
+        self._next += 1
+
+    def write_stacked(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write ``name`` (next in order) as the concatenation along dim 0 of ``parts``,
+        one part at a time: a stacked tensor (vLLM's FusedMoE experts) is never whole."""
+        if self._put:
+            raise ValueError(f"{self.path}: sequential writes after positional ones")
+        want, dtype, shape, _ = self._order[self._next]
+        if name != want:
+            raise ValueError(f"expected tensor '{want}' next, got '{name}'")
+        rows = 0
+        for t in parts:
+            if t.dtype != dtype or tuple(t.shape[1:]) != shape[1:]:
+                raise ValueError(f"a part of '{name}' is {t.dtype}{tuple(t.shape)}, header "
+                                 f"says {dtype}{shape}")  # fmt: skip
+            rows += t.shape[0]
+            if rows > shape[0]:
+                raise ValueError(f"the parts of '{name}' exceed its {shape[0]} rows")
+            data = t.detach().contiguous().cpu().reshape(-1)
+            if data.numel():
+                self._fh.write(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+        if rows != shape[0]:
+            raise ValueError(f"the parts of '{name}' hold {rows} of its {shape[0]} rows")
         self._next += 1
 
     def _bytes_of(self, i: int, name: str, tensor: torch.Tensor):

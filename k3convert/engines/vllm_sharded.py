@@ -31,12 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from tqdm import tqdm
 
 from .. import __version__
 from ..arch import resolve
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..checkpoint.output import staged_output
+from ..checkpoint.output import PARTIAL_MARKER, STREAM_JOURNAL, check_output, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import ConfigError
 from ..shard.writer import carried_files
@@ -51,25 +52,40 @@ PP_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
 INDEX = "k3convert-vllm.json"
 FORMAT = "k3convert-vllm-sharded-state"
 HASH = "xxh3-128"  # each rank file's, as ``ALGO:HEX`` (stream.hashing)
+JOURNAL = STREAM_JOURNAL  # in the stage: one entry per finished rank file
 #: vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this
 VOCAB_PADDING = 64
 #: families whose vLLM model class this writes (model_type -> vLLM class)
-FAMILIES = {"llama": "LlamaForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 #: compressed-tensors formats whose vLLM parameters this writes
 FORMATS = ("dense", "int-quantized", "pack-quantized")
-_COLUMN = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
-_ROW = ("o_proj", "down_proj")
+ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a block of a vLLM parameter comes from: ``param[dst] == part[src]`` of
+    checkpoint tensor ``name`` (``part``: a key of its stored parts; None: the plain
+    tensor). The writer's mapping, kept so ``verify`` can run it backwards."""
+
+    name: str
+    part: str | None
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
 
 
 @dataclass
 class Param:
-    """One parameter of one rank: its name, shape and dtype up front, its value on demand."""
+    """One parameter of one rank: its name, shape and dtype up front, its value on demand,
+    and the pieces of the checkpoint it holds (none: a constant vLLM creates)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    make: Callable[[], torch.Tensor]
+    make: Callable[[], torch.Tensor] | None
+    #: instead of ``make``: the tensor as its dim-0 parts, one at a time
+    stacked: Callable[[], Iterator[torch.Tensor]] | None = None
+    pieces: tuple[Piece, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,7 @@ class Rank:
     pp: int
     tp_size: int
     pp_size: int
+    ep: bool = False  # vLLM's enable_expert_parallel: EP over the tp ranks
 
     def file(self, part: int = 0) -> str:
         if self.pp_size > 1:
@@ -120,6 +137,11 @@ def _scaled(size: int, full: int, a: int, b: int, what: str) -> tuple[int, int]:
     return lo // full, hi // full
 
 
+def _origin(module: str, part: str) -> tuple[str, str | None]:
+    """(checkpoint tensor, part) of a Linear's stored part: a bias is its own tensor."""
+    return (f"{module}.bias", None) if part == "bias" else (f"{module}.weight", part)
+
+
 class _Source:
     """The checkpoint's tensors sliced as one rank of vLLM needs them."""
 
@@ -136,13 +158,14 @@ class _Source:
         def make():
             return self.ck.get(name).to(dt)
 
-        return Param(name, dt, p.shape, make)
+        return Param(name, dt, p.shape, make, pieces=(Piece(name, None, ALL, ALL),))
 
     def column(self, module: str, part: str, a: int, b: int, out: int) -> tuple:
-        """Rows [a, b) of ``out`` (output features) of one part: (shape, dtype, thunk)."""
+        """Rows [a, b) of ``out`` (output features) of one part: (shape, dtype, thunk,
+        the source rows: a slice, or None for the whole part)."""
         shape, dtype = _module_parts(self.ck, module)[part]
         if part == "weight_shape" or not shape:  # (a 0-d part: refused by _fused)
-            return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part]
+            return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part], None
         lo, hi = _scaled(shape[0], out, a, b, f"{module}.{part}")
         new = (hi - lo, *shape[1:])
 
@@ -150,22 +173,25 @@ class _Source:
             t = self._part(module, part)
             return t[lo:hi]
 
-        return new, dtype, make
+        return new, dtype, make, slice(lo, hi)
 
-    def row(self, module: str, part: str, a: int, b: int, inp: int) -> tuple:
+    def row(self, module: str, part: str, a: int, b: int, inp: int) -> Param:
         """Columns [a, b) of ``inp`` (input features) of one part."""
         shape, dtype = _module_parts(self.ck, module)[part]
         grouped = self.ck.meta(f"{module}.weight").quant.extra.get("strategy") == "group"
+        name = f"{module}.{part}"
+        whole = Piece(*_origin(module, part), ALL, ALL)
         if part in ("bias", "weight_shape") or len(shape) < 2 or (shape[1] == 1 and not grouped):
             # the same on every rank: vLLM's row-parallel bias (added once) and per-channel
             # scales are whole on each; a group scale is split with its groups
-            return shape, dtype, lambda: self._part(module, part)
-        lo, hi = _scaled(shape[1], inp, a, b, f"{module}.{part}")
+            return Param(name, dtype, shape, lambda: self._part(module, part), pieces=(whole,))
+        lo, hi = _scaled(shape[1], inp, a, b, name)
 
         def make():
             return self._part(module, part)[:, lo:hi]
 
-        return (shape[0], hi - lo, *shape[2:]), dtype, make
+        cols = Piece(whole.name, whole.part, (slice(None), slice(lo, hi)), ALL)
+        return Param(name, dtype, (shape[0], hi - lo, *shape[2:]), make, pieces=(cols,))
 
     def _part(self, module: str, part: str) -> torch.Tensor:
         if part == "bias":
@@ -175,7 +201,16 @@ class _Source:
         return t.to(self.dtype) if part == "weight" and t.is_floating_point() else t
 
 
-def _llama_params(src: _Source, rank: Rank) -> Iterator[Param]:
+def _moe_layer(cfg, i: int) -> bool:
+    """Qwen3-MoE's rule (vLLM's ``Qwen3MoeDecoderLayer``): sparse unless listed in
+    ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
+    n = getattr(cfg, "num_experts", 0) or 0
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return n > 0 and i not in (getattr(cfg, "mlp_only_layers", ()) or ()) and (i + 1) % step == 0
+
+
+def _decoder_params(src: _Source, rank: Rank) -> Iterator[Param]:
+    """llama and qwen3_moe: GQA attention, then a dense SwiGLU MLP or a FusedMoE."""
     cfg, ck, tp = src.cfg, src.ck, rank.tp_size
     heads, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if heads % tp or (kv % tp and tp % kv):
@@ -185,36 +220,11 @@ def _llama_params(src: _Source, rank: Rank) -> Iterator[Param]:
         )
     layers = pp_layers(cfg.num_layers, rank.pp, rank.pp_size)
     first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
-    vocab = cfg.vocab_size
-    padded = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING
-    if padded % tp:
-        raise ConfigError(
-            f"tp={tp} does not divide the vocabulary padded to {padded} rows (vLLM pads "
-            f"{vocab} to a multiple of {VOCAB_PADDING} and gives each rank an equal share)."
-        )
-    per = padded // tp
-
-    def vocab_rows(name: str, out_name: str) -> Param:
-        lo, hi = rank.tp * per, (rank.tp + 1) * per
-        meta = ck.meta(name)
-        if meta.encoding != "plain":
-            raise ConfigError(f"'{name}' is {meta.encoding}-encoded; vLLM's vocab-parallel "
-                              f"layers are written from plain weights only for now.")  # fmt: skip
-
-        def make():
-            out = torch.zeros(per, meta.shape[1], dtype=src.dtype)
-            real = max(0, min(hi, vocab) - lo)
-            if real:
-                out[:real] = ck.get(name)[lo : lo + real].to(src.dtype)
-            return out
-
-        return Param(out_name, src.dtype, (per, meta.shape[1]), make)
-
     quantized = ck.config.get("quantization_config") is not None
     if cfg.tie_word_embeddings and rank.pp_size > 1:
         raise ConfigError("a tied lm_head with pp > 1 is not written yet; use pp 1.")
     if first and not cfg.tie_word_embeddings:
-        yield vocab_rows("model.embed_tokens.weight", "model.embed_tokens.weight")
+        yield _vocab_rows(src, rank, "model.embed_tokens.weight", "model.embed_tokens.weight")
     q_out, kv_out = heads * hd, kv * hd
     q_per, kv_heads_rank = heads // tp, max(1, kv // tp)
     kv_first = rank.tp * kv // tp * hd  # (tp > kv: tp / kv ranks share each KV head)
@@ -231,23 +241,115 @@ def _llama_params(src: _Source, rank: Rank) -> Iterator[Param]:
             "v_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
         }
         yield from _fused(src, f"{pre}.self_attn", "qkv_proj", spans)
-        inter = cfg.intermediate_size
-        ip = inter // tp
-        if inter % tp:
-            raise ConfigError(f"tp={tp} does not divide intermediate_size {inter}.")
-        mlp = {
-            "gate_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
-            "up_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
-        }
-        yield from _fused(src, f"{pre}.mlp", "gate_up_proj", mlp)
         yield from _row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
-        yield from _row(src, f"{pre}.mlp.down_proj", rank.tp * ip, ip, inter)
+        if _moe_layer(cfg, i):
+            yield from _fused_moe(src, rank, f"{pre}.mlp")
+        else:
+            inter = cfg.intermediate_size
+            ip = inter // tp
+            if inter % tp:
+                raise ConfigError(f"tp={tp} does not divide intermediate_size {inter}.")
+            mlp = {
+                "gate_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
+                "up_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
+            }
+            yield from _fused(src, f"{pre}.mlp", "gate_up_proj", mlp)
+            yield from _row(src, f"{pre}.mlp.down_proj", rank.tp * ip, ip, inter)
         yield from _attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized)
     if last:
         yield src.whole("model.norm.weight", src.dtype)
         # tied: one tensor, which vLLM's state dict names lm_head.weight (the smaller key)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        yield vocab_rows(head, "lm_head.weight")
+        yield _vocab_rows(src, rank, head, "lm_head.weight")
+
+
+def _vocab_rows(src: _Source, rank: Rank, name: str, out_name: str) -> Param:
+    """This rank's rows of the vocabulary padded to a multiple of 64 (zero past the end)."""
+    vocab, tp = src.cfg.vocab_size, rank.tp_size
+    padded = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tp:
+        raise ConfigError(
+            f"tp={tp} does not divide the vocabulary padded to {padded} rows (vLLM pads "
+            f"{vocab} to a multiple of {VOCAB_PADDING} and gives each rank an equal share)."
+        )
+    per = padded // tp
+    lo, hi = rank.tp * per, (rank.tp + 1) * per
+    meta = src.ck.meta(name)
+    if meta.encoding != "plain":
+        raise ConfigError(f"'{name}' is {meta.encoding}-encoded; vLLM's vocab-parallel "
+                          f"layers are written from plain weights only for now.")  # fmt: skip
+
+    def make():
+        out = torch.zeros(per, meta.shape[1], dtype=src.dtype)
+        real = max(0, min(hi, vocab) - lo)
+        if real:
+            out[:real] = src.ck.get(name)[lo : lo + real].to(src.dtype)
+        return out
+
+    real = max(0, min(hi, vocab) - lo)
+    piece = Piece(name, None, (slice(lo, lo + real),), (slice(0, real),))
+    return Param(out_name, src.dtype, (per, meta.shape[1]), make, pieces=(piece,) if real else ())
+
+
+def local_experts(n: int, ep_rank: int, ep_size: int) -> range:
+    """The experts vLLM 0.32 places on EP rank ``ep_rank`` (``determine_expert_map``,
+    "linear": contiguous blocks, the remainder one each on the first ranks)."""
+    base, rem = divmod(n, ep_size)
+    start = ep_rank * base + min(ep_rank, rem)
+    return range(start, start + base + (ep_rank < rem))
+
+
+def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
+    """vLLM's FusedMoE: the router (``experts.gate``, the name ``_filter_subtensors``
+    keeps for the module both the block and its FusedMoE hold) whole, and the experts
+    stacked: ``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight``
+    [E, H, I]. Under EP each rank holds its experts whole; under TP every expert's I is
+    split. Written one expert at a time (``write_stacked``)."""
+    cfg, ck, tp = src.cfg, src.ck, rank.tp_size
+    n, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    router = src.whole(f"{mlp}.gate.weight", src.dtype)
+    router.name = f"{mlp}.experts.gate.weight"
+    yield router
+    ex = f"{mlp}.experts"
+    for e in range(n):
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            if ck.meta(f"{ex}.{e}.{m}.weight").encoding != "plain":
+                raise ConfigError(
+                    f"'{ex}.{e}.{m}' is quantized: vLLM's FusedMoE parameters are written "
+                    f"for bf16 / fp16 experts only for now (docs/vllm-target.md)."
+                )
+    if rank.ep:
+        experts, lo, hi = local_experts(n, rank.tp, tp), 0, inter
+    else:
+        if tp > n:
+            raise ConfigError(f"tp={tp} is greater than the {n} experts (vLLM refuses it).")
+        if inter % tp:
+            raise ConfigError(f"tp={tp} does not divide moe_intermediate_size {inter}.")
+        experts, lo, hi = range(n), rank.tp * inter // tp, (rank.tp + 1) * inter // tp
+    dt = src.dtype
+
+    def w13():
+        for e in experts:
+            g, u = (ck.get(f"{ex}.{e}.{m}.weight")[lo:hi] for m in ("gate_proj", "up_proj"))
+            yield torch.cat([g, u]).to(dt)[None]
+
+    def w2():
+        for e in experts:
+            yield ck.get(f"{ex}.{e}.down_proj.weight")[:, lo:hi].to(dt)[None]
+
+    rows, cut = hi - lo, slice(lo, hi)
+    p13, p2 = [], []
+    for i, e in enumerate(experts):
+        at = slice(i, i + 1)  # dst keeps the expert dim (a [1, ...] block)
+        p13 += [
+            Piece(f"{ex}.{e}.gate_proj.weight", "weight", (cut,), (at, slice(0, rows))),
+            Piece(f"{ex}.{e}.up_proj.weight", "weight", (cut,), (at, slice(rows, 2 * rows))),
+        ]
+        p2.append(Piece(f"{ex}.{e}.down_proj.weight", "weight", (slice(None), cut), (at,)))
+    yield Param(f"{ex}.routed_experts.w13_weight", dt, (len(experts), 2 * rows, hidden), None,
+                w13, tuple(p13))  # fmt: skip
+    yield Param(f"{ex}.routed_experts.w2_weight", dt, (len(experts), hidden, rows), None, w2,
+                tuple(p2))  # fmt: skip
 
 
 def _attention_scales(prefix: str, dtype: torch.dtype, quantized: bool) -> Iterator[Param]:
@@ -278,26 +380,30 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
                 f"one {fused} and needs one scheme for both."
             )
     for part in parts:
+        name = f"{prefix}.{fused}.{part}"
         if part == "weight_shape":  # vLLM keeps the last member it loaded, whole
-            shape, dtype, make = src.column(f"{prefix}.{members[-1]}", part, 0, 0, 1)
-            yield Param(f"{prefix}.{fused}.{part}", dtype, shape, make)
+            last = f"{prefix}.{members[-1]}"
+            shape, dtype, make, _ = src.column(last, part, 0, 0, 1)
+            yield Param(name, dtype, shape, make, pieces=(Piece(*_origin(last, part), ALL, ALL),))
             continue
         got = [src.column(f"{prefix}.{m}", part, a, b, full) for m, (a, b, full) in spans.items()]
-        if any(len(s) == 0 for s, _, _ in got):
+        if any(len(g[0]) == 0 for g in got):
             raise ConfigError(f"{prefix}: a per-tensor '{part}' in {fused} is not written yet.")
-        shape = (sum(s[0] for s, _, _ in got), *got[0][0][1:])
-        dtype = got[0][1]
+        shape = (sum(g[0][0] for g in got), *got[0][0][1:])
+        pieces, at = [], 0
+        for m, (n, *_), rows in ((m, g[0], g[3]) for m, g in zip(members, got, strict=True)):
+            pieces.append(Piece(*_origin(f"{prefix}.{m}", part), (rows,), (slice(at, at + n),)))
+            at += n
 
         def make(got=got):
-            return torch.cat([mk() for _, _, mk in got], dim=0)
+            return torch.cat([g[2]() for g in got], dim=0)
 
-        yield Param(f"{prefix}.{fused}.{part}", dtype, shape, make)
+        yield Param(name, got[0][1], shape, make, pieces=tuple(pieces))
 
 
 def _row(src: _Source, module: str, a: int, n: int, full: int) -> Iterator[Param]:
     for part in _module_parts(src.ck, module):
-        shape, dtype, make = src.row(module, part, a, a + n, full)
-        yield Param(f"{module}.{part}", dtype, shape, make)
+        yield src.row(module, part, a, a + n, full)
 
 
 def _check_source(ck: Checkpoint) -> tuple:
@@ -339,8 +445,10 @@ def rank_params(ck: Checkpoint, ranks: list[Rank]) -> dict[Rank, list[Param]]:
     """Every parameter vLLM's model holds on each rank, in write order (nothing read
     yet; every refusal happens here, before any byte is written)."""
     _, cfg = _check_source(ck)
+    if any(r.ep for r in ranks) and not getattr(cfg, "num_experts", 0):
+        raise ConfigError(f"{ck.root}: --ep needs a model with routed experts.")
     src = _Source(ck, cfg, _dtype_of(ck))
-    return {r: list(_llama_params(src, r)) for r in ranks}
+    return {r: list(_decoder_params(src, r)) for r in ranks}
 
 
 @dataclass
@@ -349,49 +457,116 @@ class VllmShardResult:
     files: int
     bytes_written: int
     seconds: float
+    #: rank files found complete in an interrupted run's stage and kept
+    files_resumed: int = 0
+
+
+def _stage_of(out: Path) -> Path:
+    """Where an unfinished write lives (kept after an interruption, resumed by a rerun)."""
+    return out.parent / f".{out.name}.vllm-partial"
+
+
+def _rank_key(ck: Checkpoint, head: dict, fname: str, params: list[Param]) -> str:
+    """What a rank file was written from: the source files (name, size, mtime), the
+    layout and generator, the file's tensor table. A resumed file must match it."""
+    files = []
+    for f in ck.files():
+        st = f.path.stat()
+        files.append([f.path.name, st.st_size, st.st_mtime_ns])
+    doc = {k: head[k] for k in ("generator", "vllm", "layout", "source")}
+    doc.update(files=files, rank=fname,
+               tensors=[[p.name, str(p.dtype), list(p.shape)] for p in params])  # fmt: skip
+    return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
 
 
 def write_vllm(
     *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
-    force: bool = False, progress: bool = False,
+    ep: int = 1, force: bool = False, progress: bool = False,
 ) -> VllmShardResult:  # fmt: skip
-    """Write the sharded_state directory: config / tokenizer files, one safetensors file
-    per rank, ``k3convert-vllm.json`` last (inside a staging directory renamed at the end)."""
+    """Write the sharded_state directory: one safetensors file per rank, then the config /
+    tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
+    to OUT at the end. An interrupted run leaves the stage; a rerun keeps every rank file
+    it finds complete (its journal entry and hash match) and writes the rest."""
     t0 = time.perf_counter()
-    for name, v in (("tp", tp), ("pp", pp)):
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name} must be a positive integer, got {v!r}.")
+    if ep not in (1, tp):
+        raise ConfigError(
+            f"--ep {ep}: vLLM's enable_expert_parallel spreads the experts over all {tp} tp "
+            f"ranks, and its sharded_state files are named by tp / pp rank only (data-"
+            f"parallel replicas would read the same file); use --ep {tp} or --ep 1."
+        )
     ck = open_checkpoint(src)
-    plans = rank_params(ck, [Rank(t, p, tp, pp) for p in range(pp) for t in range(tp)])
+    ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
+    plans = rank_params(ck, ranks)
     total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
+    out = check_output(out, force=force, need_bytes=total, source=ck.root)
     index = {"format": FORMAT, "version": 1, "generator": f"k3convert {__version__}",
              "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
-             "layout": {"tp": tp, "pp": pp}, "source": str(Path(ck.root).resolve()),
+             "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(Path(ck.root).resolve()),
              "files": []}  # fmt: skip
-    with staged_output(out, force=force, need_bytes=total, source=ck.root) as tmp:
-        for name, f in carried_files(ck):
-            shutil.copyfile(f, tmp / name)
+    stage = _stage_of(out)
+    try:
+        journal = stage / JOURNAL
+        journal.mkdir(parents=True, exist_ok=True)
+        (stage / PARTIAL_MARKER).write_text(json.dumps({"out": str(out.resolve())}))
+        resumed = 0
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
             for r, params in plans.items():
-                fname = r.file()
-                entries = [(p.name, p.dtype, p.shape) for p in params]
-                with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-                    for p in params:
-                        t = p.make().contiguous()
-                        if tuple(t.shape) != p.shape or t.dtype != p.dtype:
-                            raise AssertionError(f"{p.name}: {tuple(t.shape)} {t.dtype}")
-                        w.write(p.name, t)
-                        bar.update(t.numel() * t.element_size())
-                index["files"].append({
-                    "name": fname, "tp_rank": r.tp, "pp_rank": r.pp,
-                    "bytes": (tmp / fname).stat().st_size, "hash": file_digest(tmp / fname, HASH),
-                    "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
-                                         "shape": list(p.shape)} for p in params},
-                })  # fmt: skip
-        (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+                key = _rank_key(ck, index, r.file(), params)
+                entry, kept = _write_rank(stage, journal, r, params, key)
+                index["files"].append(entry)
+                resumed += kept
+                bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
+        keep = {f["name"] for f in index["files"]}
+        for f in stage.iterdir():  # a rank file of another layout left by an older run
+            if f.is_file() and f.name not in keep and f.name != PARTIAL_MARKER:
+                f.unlink()
+        for name, f in carried_files(ck):
+            shutil.copyfile(f, stage / name)
+        (stage / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        shutil.rmtree(journal)
+        (stage / PARTIAL_MARKER).unlink()
+        if out.exists():  # --force (check_output refused it otherwise)
+            shutil.rmtree(out)
+        stage.rename(out)
+    except OSError as e:
+        raise write_error(e, out) from e
     size = sum(f["bytes"] for f in index["files"])
-    return VllmShardResult(Path(out), len(index["files"]), size, time.perf_counter() - t0)
+    return VllmShardResult(out, len(index["files"]), size, time.perf_counter() - t0, resumed)
+
+
+def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: str):
+    """(index entry, 1 if kept from an interrupted run else 0) of one rank file."""
+    fname = r.file()
+    path, note = stage / fname, journal / f"{fname}.json"
+    try:
+        old = json.loads(note.read_text())
+        if (old.get("key") == key and path.stat().st_size == old["entry"]["bytes"]
+                and file_digest(path, HASH) == old["entry"]["hash"]):  # fmt: skip
+            return old["entry"], 1
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    note.unlink(missing_ok=True)
+    tmp = stage / f"{fname}.tmp"
+    with SafetensorsWriter(tmp, [(p.name, p.dtype, p.shape) for p in params],
+                           {"format": "pt"}) as w:  # fmt: skip
+        for p in params:
+            if p.stacked is not None:
+                w.write_stacked(p.name, p.stacked())
+            else:
+                w.write(p.name, p.make())
+    os.replace(tmp, path)
+    entry = {
+        "name": fname, "tp_rank": r.tp, "pp_rank": r.pp, "bytes": path.stat().st_size,
+        "hash": file_digest(path, HASH),
+        "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
+                             "shape": list(p.shape)} for p in params},
+    }  # fmt: skip
+    note.write_text(json.dumps({"key": key, "entry": entry}))
+    return entry, 0
 
 
 def is_vllm_dir(path: str | os.PathLike) -> bool:

@@ -67,6 +67,7 @@ from ..stream.reader import load_manifest
 from ..verify.report import write_json
 from ..verify.run import run_verify
 from .convert_report import REPORT, build_report, quantize_summary, read_losses, render_summary
+from .convert_vllm import convert_vllm, render_vllm_summary
 from .planned import DEFAULT_CACHE_BYTES, PlannedCheckpoint
 from .quantize import (
     Prepared,
@@ -88,6 +89,8 @@ class ConvertResult:
     verify_report: dict | None = field(default=None, repr=False)
 
     def summary(self) -> str:
+        if self.report.get("format") == "vllm":
+            return render_vllm_summary(self.report)
         return render_summary(self.report)
 
 
@@ -228,6 +231,8 @@ def convert(
     times: dict[str, float] = {}
     r = _resolve_recipe(recipe, overrides)
     out = Path(out)
+    if r.output.format == "vllm":
+        return _convert_vllm(r, src, out, force, progress, report_html, log)
     group = procs.current()
     ck, calib_dir, inter, done = _open(r, src, out, keep_intermediate, force, report_html)
     stages = [*(["calibrate"] if _needs_data(r) else []), "write",
@@ -283,6 +288,17 @@ def convert(
     report = group.share(report)
     return ConvertResult(out, report, report["passed"], report["seconds"]["total"],
                          res.units_written, res.units_skipped, vrep)  # fmt: skip
+
+
+def _convert_vllm(r: Recipe, src, out: Path, force: bool, progress: bool, report_html,
+                  log) -> ConvertResult:  # fmt: skip
+    if report_html is not None:
+        raise ConfigError("--report-html describes a stream; output.format vllm has none.")
+    rep = convert_vllm(r, src=src, out=out, force=force, progress=progress,
+                       verify=lambda o, ref: _run_verify(r, o, ref),
+                       log=log or (lambda m: print(m, file=sys.stderr)))  # fmt: skip
+    return ConvertResult(out, rep, rep["passed"], rep["seconds"]["total"], rep["rank_files"],
+                         rep["rank_files_kept"], rep["verify"])  # fmt: skip
 
 
 def _open(r: Recipe, src, out: Path, keep_intermediate: bool, force: bool, report_html):

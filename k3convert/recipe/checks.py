@@ -43,6 +43,7 @@ def validate(r: Recipe) -> None:
     _choice(o.compression, COMPRESSIONS, f"{src}: output.compression")
     _choice(o.unit_hash, hashing.ALGORITHMS, f"{src}: output.unit_hash")
     _choice(o.serving_device, SERVING_DEVICES, f"{src}: output.serving_device")
+    _choice(o.format, ("stream", "vllm"), f"{src}: output.format")
     if o.workers is not None and o.workers < 1:
         raise ConfigError(f"{src}: output.workers must be at least 1, got {o.workers}.")
     if r.target is not None:

@@ -192,6 +192,12 @@ class Runtime:
         self.plan: Plan = make_plan(
             self.cfg, matched, tied=bool(self.cfg.tie_word_embeddings), where=where
         )
+        meta = getattr(source, "meta", None)
+        emb = self.plan.units.get("embed", {}).get("embeddings.embed_tokens")
+        #: the embedding's rows (what input ids index)
+        self.vocab: int | None = (
+            meta(emb.name).shape[0] if meta is not None and emb is not None else None
+        )
         #: routed experts' weight names (left unquantized unless act_quant_experts)
         entries = [e for u in self.plan.units.values() for e in u.values()]
         self.routed_weights = frozenset(e.name for e in entries if e.role.expert is not None)

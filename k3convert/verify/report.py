@@ -75,6 +75,8 @@ def render_table(report: dict) -> str:
     """The report as plain text: logits metrics with their limits and PASS/FAIL, the
     per-layer hidden-state errors (all layers), decode, time and memory, the verdict."""
     lines: list[str] = []
+    if report.get("candidate_note"):
+        lines.append(f"candidate: {report['candidate_note']}")
     m = report.get("logits")
     th = _thresholds(report)
     if m:

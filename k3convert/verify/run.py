@@ -366,22 +366,14 @@ def run_verify(
     placement = dict(
         pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
     )
-    ranks, cand_kind, prov = _open_ranks(cand_path, lay, check_stream, placement, dist_run, me)
+    vsrc = _open_vllm(cand_path, lay, placement, dist_run, check_stream)
+    if vsrc is None:
+        ranks, cand_kind, prov = _open_ranks(cand_path, lay, check_stream, placement, dist_run,
+                                             me)  # fmt: skip
+    else:  # vLLM's rank files, mapped back: run unsharded (vLLM runs its own layout)
+        ranks, cand_kind, prov = _Unsharded(vsrc.config), "vllm-sharded-state", vsrc.source
     ref_kind, ref_path, ref_note = _resolve_reference(reference, prov, cand_path)
-    if (
-        cand_kind == "checkpoint"
-        and ranks.layout.world == 1
-        and ref_kind == "runtime"
-        and ref_path.resolve() == cand_path.resolve()
-        and not decode  # --decode checks the cached decode against the model's own forward
-    ):
-        raise ConfigError(
-            f"{cand_path}: verify would compare this checkpoint with itself (one rank, the "
-            f"same weights, the same runtime), so there is nothing to check. Verify what "
-            f"`shard` or `convert` wrote, add --layout tp=2 (or pp=2) to check a parallel "
-            f"layout of it, --decode N to check incremental decoding, or compare with "
-            f"another model: --reference ORIGINAL or --reference transformers."
-        )
+    _refuse_self_compare(cand_kind, ranks, ref_kind, ref_path, cand_path, decode)
     ref_cfg = load_json(ref_path / "config.json")
     _check_same_model(ranks.config, ref_cfg, str(cand_path), str(ref_path))
     th = _thresholds(ranks.config, ref_cfg, ranks.layout, compute, max_kld, min_top1, max_rel_err)
@@ -391,7 +383,9 @@ def run_verify(
         coll = TorchDistributedCollectives(ranks.world, groups, resolve_device(device))
     else:
         coll = SimulatedCollectives(ranks.world)
-    cand = ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll, resident=resident)
+    cand = (Runtime(vsrc, device=device, dtype=compute, resident=resident) if vsrc else
+            ParallelRuntime(ranks, device=device, dtype=compute, collectives=coll,
+                            resident=resident))  # fmt: skip
     if decode and mla_cache != "expanded" and cand.text.attention != "mla":
         raise ConfigError(
             f"--mla-cache {mla_cache}: '{cand.arch.name}' has no MLA attention (its cache is "
@@ -405,6 +399,8 @@ def run_verify(
         device=str(cand.device), inputs=inp.kind, thresholds=asdict(th),
         act_quant=_act_note(cand),
     )  # fmt: skip
+    if vsrc is not None:
+        base.update(vllm_layout=vsrc.layout, candidate_note=vsrc.describe())
     report, nonfinite, t_fwd, t_ref = _lockstep_forward(
         cand, coll, inp, me, ref_kind, ref_path, device, compute, progress, base
     )
@@ -470,6 +466,47 @@ def _checked_args(candidate, layout, seq_len, decode, random, dtype, json_path, 
             "--kv-cache / --mla-cache choose the decode check's cache; add --decode N."
         )
     return cand_path, lay, compute
+
+
+def _refuse_self_compare(cand_kind, ranks, ref_kind, ref_path: Path, cand_path: Path,
+                         decode: int) -> None:  # fmt: skip
+    if (
+        cand_kind == "checkpoint"
+        and ranks.layout.world == 1
+        and ref_kind == "runtime"
+        and ref_path.resolve() == cand_path.resolve()
+        and not decode  # --decode checks the cached decode against the model's own forward
+    ):
+        raise ConfigError(
+            f"{cand_path}: verify would compare this checkpoint with itself (one rank, the "
+            f"same weights, the same runtime), so there is nothing to check. Verify what "
+            f"`shard` or `convert` wrote, add --layout tp=2 (or pp=2) to check a parallel "
+            f"layout of it, --decode N to check incremental decoding, or compare with "
+            f"another model: --reference ORIGINAL or --reference transformers."
+        )
+
+
+class _Unsharded:
+    """What verify needs of a candidate run by the plain runtime (one rank, no experts)."""
+
+    def __init__(self, config: dict):
+        self.config, self.layout, self.experts, self.world = config, Layout(), None, 1
+
+
+def _open_vllm(path: Path, lay, placement: dict, dist_run: bool, check: bool):
+    """A vLLM sharded_state directory as a weight source (None: not one)."""
+    from ..engines.vllm_sharded import is_vllm_dir
+    from ..engines.vllm_source import VllmSource
+
+    if not is_vllm_dir(path):
+        return None
+    if lay is not None or any(placement.values()) or dist_run:
+        raise ConfigError(
+            f"{path}: a vLLM sharded_state directory is verified by mapping its rank files "
+            f"back and running the model in one process; drop --layout / --pp-layers / "
+            f"--expert-load / --redundant-experts and torchrun."
+        )
+    return VllmSource(path, check=check)
 
 
 def _open_ranks(cand_path: Path, lay, check_stream: bool, placement: dict, dist_run: bool,
@@ -717,7 +754,7 @@ def _act_note(cand: ParallelRuntime) -> str | None:
     if not cand.act_specs or not cand.act_quant:
         return kv if cand.kv_quant else None
     note = "activation fake-quantization on"
-    if cand.layout.tp > 1:
+    if getattr(cand, "layout", Layout()).tp > 1:
         note += (
             "; row-parallel Linears (o_proj, down_proj) quantize their local input slice, "
             "as serving engines do"

@@ -1,0 +1,162 @@
+"""``convert`` with ``output.format: vllm``: quantize (when the recipe has a quantize
+section) into ``OUT.quantized/``, write vLLM's sharded_state files from it into OUT
+(``shard --target vllm``), then ``verify`` OUT against the original.
+
+The quantized checkpoint is kept: it is what the sharded files were cut from, the
+index names it, and ``verify OUT`` recomputes the mapping from its metadata. Both steps
+resume as their commands do (a complete quantized checkpoint of the same recipe is
+reused; rank files found complete in an interrupted write are kept).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..checkpoint import open_checkpoint
+from ..checkpoint.output import guard_out
+from ..errors import ConfigError
+from ..parallel import procs
+from ..recipe import Recipe, recipe_to_dict
+from ..recipe.sections import LayoutSection
+
+#: what convert writes next to the sharded files
+REPORT = "convert_report.json"
+#: in OUT.quantized: the recipe and source it was quantized with (a rerun reuses it)
+SIDECAR = ".k3-convert-vllm.json"
+
+
+def _check(r: Recipe) -> int:
+    """The layout as ``write_vllm`` takes it (ep), or the reason the recipe cannot."""
+    lay, o, d = r.layout, r.output, LayoutSection()
+    stream_only = [k for k in ("pp_layers", "expert_load", "redundant_experts")
+                   if getattr(lay, k) != getattr(d, k)]  # fmt: skip
+    if o.compression != "none":
+        stream_only.append("output.compression")
+    if stream_only:
+        raise ConfigError(
+            f"{r.origin}: output.format vllm writes vLLM's sharded_state files, which take "
+            f"layout.tp / pp / moe_ep only; drop {', '.join(stream_only)} (stream options)."
+        )
+    if lay.moe_ep not in (1, lay.tp) or (lay.moe_tp not in (None, lay.tp // lay.moe_ep)):
+        raise ConfigError(
+            f"{r.origin}: output.format vllm: layout.moe_ep is 1 (experts split over tp) or "
+            f"equal to layout.tp (vLLM's enable_expert_parallel), not {lay.moe_ep} of "
+            f"tp {lay.tp}."
+        )
+    if procs.current().world > 1:
+        raise ConfigError(
+            f"{r.origin}: output.format vllm runs in one process; run it without torchrun."
+        )
+    return lay.moe_ep
+
+
+def _identity(r: Recipe, ck) -> dict:
+    """What the quantized checkpoint depends on: the source files and the quantize section."""
+    files = [[str(f.path.relative_to(ck.root)), f.size, f.path.stat().st_mtime_ns]
+             for f in ck.files()]  # fmt: skip
+    doc = {"source": str(Path(ck.root).resolve()), "files": files,
+           "quantize": recipe_to_dict(r)["quantize"]}  # fmt: skip
+    return json.loads(json.dumps(doc))
+
+
+def _made_by(inter: Path) -> dict | None:
+    try:
+        return json.loads((inter / SIDECAR).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, verify,
+                 log=print) -> dict:  # fmt: skip
+    """Run the three steps; returns the report (also written to OUT/convert_report.json).
+    ``verify(out, reference)``: the verify run (convert's, with the recipe's inputs)."""
+    from ..engines.vllm_sharded import write_vllm
+    from .quantize import quantize
+
+    t0 = time.perf_counter()
+    ep = _check(r)
+    src = src if src is not None else r.source.path
+    if src is None:
+        raise ConfigError(f"{r.origin}: no source: give SRC or source.path in the recipe.")
+    ck = open_checkpoint(src)
+    mt = ck.config.get("model_type")
+    if r.source.model_type is not None and mt != r.source.model_type:
+        raise ConfigError(
+            f"{r.origin}: source.model_type is '{r.source.model_type}' but {ck.root}/config.json "
+            f"says '{mt}'; this recipe was written for another model."
+        )
+    out = guard_out(out, [ck.root])
+    times: dict[str, float] = {}
+    cut_from = ck.root
+    if r.quantize is not None:
+        inter = guard_out(out.parent / f"{out.name}.quantized", [ck.root, out])
+        t = time.perf_counter()
+        ident = _identity(r, ck)
+        if not force and _made_by(inter) == ident:
+            log(f"quantize: {inter} is this recipe's quantization of {ck.root}; reusing it")
+        else:
+            if inter.exists() and not force:
+                raise ConfigError(
+                    f"{inter}: exists and is not this recipe's quantization of {ck.root}; "
+                    f"pass --force to redo it, or remove it."
+                )
+            log(f"quantize -> {inter}")
+            quantize(src=ck.root, out=inter, recipe=r, force=force, progress=progress)
+            (inter / SIDECAR).write_text(json.dumps(ident) + "\n")
+        times["quantize"] = time.perf_counter() - t
+        cut_from = inter
+    t = time.perf_counter()
+    lay = r.layout
+    log(f"shard --target vllm -> {out} (tp {lay.tp}, pp {lay.pp}, ep {ep})")
+    res = write_vllm(src=cut_from, out=out, tp=lay.tp, pp=lay.pp, ep=ep, force=force,
+                     progress=progress)  # fmt: skip
+    times["write"] = time.perf_counter() - t
+    vrep = None
+    if r.verify.enabled:
+        t = time.perf_counter()
+        ref = r.verify.reference or str(ck.root)
+        log(f"verify {out} against {ref}")
+        vrep = verify(out, ref)
+        times["verify"] = time.perf_counter() - t
+    times["total"] = time.perf_counter() - t0
+    report = {
+        "format": "vllm", "source": str(ck.root), "out": str(out), "recipe": r.origin,
+        "quantized": str(cut_from) if cut_from != ck.root else None,
+        "layout": {"tp": lay.tp, "pp": lay.pp, "ep": ep}, "rank_files": res.files,
+        "rank_files_kept": res.files_resumed, "bytes": res.bytes_written, "seconds": times,
+        "verify": vrep, "passed": None if vrep is None else bool(vrep["passed"]),
+    }  # fmt: skip
+    (out / REPORT).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return report
+
+
+def render_vllm_summary(rep: dict) -> str:
+    lay, secs = rep["layout"], rep["seconds"]
+    kept = rep["rank_files_kept"]
+    lines = [
+        f"convert {rep['source']} -> {rep['out']}  (recipe {rep['recipe']}, vLLM sharded_state)",
+        f"  layout      tp={lay['tp']} pp={lay['pp']} ep={lay['ep']}: {rep['rank_files']} "
+        f"rank file(s), {rep['bytes'] / 2**20:.1f} MiB"
+        + (f" ({kept} kept from an interrupted run)" if kept else ""),
+    ]
+    if rep.get("quantized"):
+        lines.append(f"  quantized   {rep['quantized']} (kept: the files are cut from it)")
+    lines.append("  time        " + "  ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
+    v = rep.get("verify")
+    if v:
+        lg = v.get("logits") or {}
+        kld = (lg.get("kld") or {}).get("mean")
+        lines.append(
+            f"  verify      {'PASS' if v['passed'] else 'FAIL'} against {v['reference']}: "
+            f"KLD {kld:.3g}, top-1 {lg.get('top1', float('nan')):.3f}"
+            if kld is not None else f"  verify      {'PASS' if v['passed'] else 'FAIL'}"
+        )  # fmt: skip
+    lines.append(
+        f"  load with   LLM(model='{rep['out']}', load_format='sharded_state', "
+        f"tensor_parallel_size={lay['tp']}"
+        + (f", pipeline_parallel_size={lay['pp']}" if lay["pp"] > 1 else "")
+        + (", enable_expert_parallel=True" if lay["ep"] > 1 else "") + ")"
+    )  # fmt: skip
+    return "\n".join(lines)
