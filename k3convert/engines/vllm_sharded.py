@@ -56,7 +56,12 @@ JOURNAL = STREAM_JOURNAL  # in the stage: one entry per finished rank file
 #: vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this
 VOCAB_PADDING = 64
 #: families whose vLLM model class this writes (model_type -> vLLM class)
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+}
 #: compressed-tensors formats whose vLLM parameters this writes
 FORMATS = ("dense", "int-quantized", "pack-quantized")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
@@ -202,65 +207,124 @@ class _Source:
 
 
 def _moe_layer(cfg, i: int) -> bool:
-    """Qwen3-MoE's rule (vLLM's ``Qwen3MoeDecoderLayer``): sparse unless listed in
-    ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
+    """Whether layer ``i`` is sparse, by vLLM's rule for the family: Qwen3-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``; DeepSeek-V3's ``first_k_dense_replace``
+    / ``moe_layer_freq``."""
     n = getattr(cfg, "num_experts", 0) or 0
+    if hasattr(cfg, "first_k_dense_replace"):
+        return n > 0 and i >= cfg.first_k_dense_replace and i % (cfg.moe_layer_freq or 1) == 0
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     return n > 0 and i not in (getattr(cfg, "mlp_only_layers", ()) or ()) and (i + 1) % step == 0
 
 
 def _decoder_params(src: _Source, rank: Rank) -> Iterator[Param]:
-    """llama and qwen3_moe: GQA attention, then a dense SwiGLU MLP or a FusedMoE."""
-    cfg, ck, tp = src.cfg, src.ck, rank.tp_size
+    """Every family here: the embedding, per layer its norms, attention (GQA or MLA) and
+    MLP (dense SwiGLU or FusedMoE), the final norm and lm_head."""
+    cfg = src.cfg
+    mla = hasattr(cfg, "kv_lora_rank")
+    layers = pp_layers(cfg.num_layers, rank.pp, rank.pp_size)  # (MTP layers: not loaded)
+    first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
+    if cfg.tie_word_embeddings and rank.pp_size > 1:
+        raise ConfigError("a tied lm_head with pp > 1 is not written yet; use pp 1.")
+    if first and not cfg.tie_word_embeddings:
+        yield _vocab_rows(src, rank, "model.embed_tokens.weight", "model.embed_tokens.weight")
+    for i in layers:
+        pre = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield src.whole(f"{pre}.{norm}.weight", src.dtype)
+        yield from (_mla_attention if mla else _gqa_attention)(src, rank, pre)
+        if _moe_layer(cfg, i):
+            yield from _fused_moe(src, rank, f"{pre}.mlp")
+        else:
+            yield from _swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp", cfg.intermediate_size)
+    if last:
+        yield src.whole("model.norm.weight", src.dtype)
+        # tied: one tensor, which vLLM's state dict names lm_head.weight (the smaller key)
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        yield _vocab_rows(src, rank, head, "lm_head.weight")
+
+
+def _gqa_attention(src: _Source, rank: Rank, pre: str) -> Iterator[Param]:
+    """llama / qwen3: ``qkv_proj`` (the rank's q heads, then its KV heads of k and v),
+    ``o_proj`` split by input columns, q / k norms whole, the attention's scales."""
+    cfg, tp = src.cfg, rank.tp_size
     heads, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if heads % tp or (kv % tp and tp % kv):
         raise ConfigError(
             f"tp={tp} must divide the {heads} attention heads and divide or be a multiple of "
             f"the {kv} KV heads (vLLM replicates KV heads when tp > {kv})."
         )
-    layers = pp_layers(cfg.num_layers, rank.pp, rank.pp_size)
-    first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
-    quantized = ck.config.get("quantization_config") is not None
-    if cfg.tie_word_embeddings and rank.pp_size > 1:
-        raise ConfigError("a tied lm_head with pp > 1 is not written yet; use pp 1.")
-    if first and not cfg.tie_word_embeddings:
-        yield _vocab_rows(src, rank, "model.embed_tokens.weight", "model.embed_tokens.weight")
     q_out, kv_out = heads * hd, kv * hd
     q_per, kv_heads_rank = heads // tp, max(1, kv // tp)
     kv_first = rank.tp * kv // tp * hd  # (tp > kv: tp / kv ranks share each KV head)
-    for i in layers:
-        pre = f"model.layers.{i}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            yield src.whole(f"{pre}.{norm}.weight", src.dtype)
-        if cfg.qk_norm:
-            for n in ("q_norm", "k_norm"):
-                yield src.whole(f"{pre}.self_attn.{n}.weight", src.dtype)
-        spans = {
-            "q_proj": (rank.tp * q_per * hd, (rank.tp + 1) * q_per * hd, q_out),
-            "k_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
-            "v_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
-        }
-        yield from _fused(src, f"{pre}.self_attn", "qkv_proj", spans)
-        yield from _row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
-        if _moe_layer(cfg, i):
-            yield from _fused_moe(src, rank, f"{pre}.mlp")
-        else:
-            inter = cfg.intermediate_size
-            ip = inter // tp
-            if inter % tp:
-                raise ConfigError(f"tp={tp} does not divide intermediate_size {inter}.")
-            mlp = {
-                "gate_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
-                "up_proj": (rank.tp * ip, (rank.tp + 1) * ip, inter),
-            }
-            yield from _fused(src, f"{pre}.mlp", "gate_up_proj", mlp)
-            yield from _row(src, f"{pre}.mlp.down_proj", rank.tp * ip, ip, inter)
-        yield from _attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized)
-    if last:
-        yield src.whole("model.norm.weight", src.dtype)
-        # tied: one tensor, which vLLM's state dict names lm_head.weight (the smaller key)
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        yield _vocab_rows(src, rank, head, "lm_head.weight")
+    if cfg.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            yield src.whole(f"{pre}.self_attn.{n}.weight", src.dtype)
+    spans = {
+        "q_proj": (rank.tp * q_per * hd, (rank.tp + 1) * q_per * hd, q_out),
+        "k_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
+        "v_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
+    }
+    yield from _fused(src, f"{pre}.self_attn", "qkv_proj", spans)
+    yield from _row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
+    quantized = src.ck.config.get("quantization_config") is not None
+    yield from _attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized)
+
+
+def _mla_attention(src: _Source, rank: Rank, pre: str) -> Iterator[Param]:
+    """DeepSeek-V3 / Kimi-K2 MLA: ``fused_qkv_a_proj`` (q_a_proj then kv_a_proj_with_mqa,
+    replicated), the latent norms whole, ``q_b_proj`` / ``kv_b_proj`` split by heads,
+    ``o_proj`` by input columns. vLLM's MLA module holds several of the attention's
+    submodules a second time; each is written under the name its state dict keeps (the
+    smaller)."""
+    cfg, tp = src.cfg, rank.tp_size
+    heads = cfg.num_heads
+    if heads % tp:
+        raise ConfigError(f"tp={tp} must divide the {heads} attention heads.")
+    if not cfg.q_lora_rank:
+        raise ConfigError("MLA without a q LoRA rank (q_proj) is not written for vLLM yet.")
+    at = f"{pre}.self_attn"
+
+    def named(sub: str) -> str:  # the state dict's name: the smaller of the two
+        return min(f"{at}.{sub}", f"{at}.mla_attn.{sub}")
+
+    h0, hn = rank.tp * heads // tp, (rank.tp + 1) * heads // tp
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    nv = cfg.qk_nope_head_dim + cfg.v_head_dim
+    q_a, kv_a = cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    spans = {"q_a_proj": (0, q_a, q_a), "kv_a_proj_with_mqa": (0, kv_a, kv_a)}
+    for p in _fused(src, at, "fused_qkv_a_proj", spans):
+        p.name = named(p.name.removeprefix(f"{at}."))
+        yield p
+    for norm in ("q_a_layernorm", "kv_a_layernorm"):
+        p = src.whole(f"{at}.{norm}.weight", src.dtype)
+        p.name = named(f"{norm}.weight")
+        yield p
+    for proj, per in (("q_b_proj", qk), ("kv_b_proj", nv)):
+        for p in _fused(src, at, proj, {proj: (h0 * per, hn * per, heads * per)}):
+            p.name = named(p.name.removeprefix(f"{at}."))
+            yield p
+    v = cfg.v_head_dim
+    for p in _row(src, f"{at}.o_proj", h0 * v, (hn - h0) * v, heads * v):
+        p.name = named(p.name.removeprefix(f"{at}."))
+        yield p
+    yield from _attention_scales(f"{at}.mla_attn.mla_attn", src.dtype, False)
+
+
+def _swiglu(src: _Source, rank: Rank, module: str, out: str, inter: int) -> Iterator[Param]:
+    """A dense SwiGLU MLP at ``module``, as vLLM's ``gate_up_proj`` / ``down_proj`` under
+    ``out``: the rank's rows of gate then up, its input columns of down."""
+    tp = rank.tp_size
+    if inter % tp:
+        raise ConfigError(f"tp={tp} does not divide the MLP width {inter} ({module}).")
+    ip = inter // tp
+    rows = (rank.tp * ip, (rank.tp + 1) * ip, inter)
+    for p in _fused(src, module, "gate_up_proj", {"gate_proj": rows, "up_proj": rows}):
+        p.name = p.name.replace(module, out, 1)
+        yield p
+    for p in _row(src, f"{module}.down_proj", rank.tp * ip, ip, inter):
+        p.name = p.name.replace(module, out, 1)
+        yield p
 
 
 def _vocab_rows(src: _Source, rank: Rank, name: str, out_name: str) -> Param:
@@ -310,6 +374,14 @@ def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
     router = src.whole(f"{mlp}.gate.weight", src.dtype)
     router.name = f"{mlp}.experts.gate.weight"
     yield router
+    if f"{mlp}.gate.e_score_correction_bias" in ck:  # DeepSeek-V3's, kept in float32
+        bias = src.whole(f"{mlp}.gate.e_score_correction_bias", torch.float32)
+        bias.name = f"{mlp}.experts.gate.e_score_correction_bias"
+        yield bias
+    if getattr(cfg, "num_shared_experts", 0):  # FusedMoE holds the shared expert's MLP
+        yield from _swiglu(src, rank, f"{mlp}.shared_experts",
+                           f"{mlp}.experts._shared_experts._layer",
+                           cfg.moe_intermediate_size * cfg.num_shared_experts)  # fmt: skip
     ex = f"{mlp}.experts"
     for e in range(n):
         for m in ("gate_proj", "up_proj", "down_proj"):
@@ -415,6 +487,11 @@ def _check_source(ck: Checkpoint) -> tuple:
             f"(docs/vllm-target.md lists what is supported); use the default stream target."
         )
     qc = ck.config.get("quantization_config")
+    if qc is not None and FAMILIES[mt] == "DeepseekV3ForCausalLM":
+        raise ConfigError(
+            f"{ck.root}: --target vllm writes {mt} in bf16 / fp16 for now; its "
+            f"quantized parameters (FP8 blocks, MLA's fused int projections) are next."
+        )
     if qc is not None:
         fmt = qc.get("format")
         if qc.get("quant_method") != "compressed-tensors" or fmt not in FORMATS:
