@@ -1,12 +1,13 @@
 """``shard --target vllm`` checked by vLLM itself (its CPU build, ``tests/test_vllm.py``'s
 venv; skipped with the reason when the venv is missing).
 
-Two oracles, both vLLM 0.32's own code, for the trained llama in bf16, w8a8, w4a16-asym
-and GPTQ w4a16 (act-order static) and synthetic bf16 Qwen3-MoE (FusedMoE) and DeepSeek-V3
-(MLA, shared expert, MTP layer) at tp 1; and bf16, w8a8, GPTQ int4-g64 and the two MoE
-models with their experts split (tp) or placed whole (``enable_expert_parallel``) at tp 2
-(``K3_VLLM_TP2=1``, ~12 min; group 64: w4a16's group 128 does not divide o_proj's
-64-column slice, which vLLM and the writer refuse):
+Two oracles, both vLLM 0.32's own code, for the trained llama in bf16, w8a8, fp8-dynamic
+and GPTQ w4a16-asym (act-order static, zero points) and synthetic bf16 Qwen3-MoE
+(FusedMoE) and DeepSeek-V3 (MLA, shared expert, MTP layer) at tp 1; and bf16, w8a8,
+fp8-dynamic, GPTQ int4-g64 and the two MoE models with their experts split (tp) or placed
+whole (``enable_expert_parallel``) at tp 2 (``K3_VLLM_TP2=1``, ~12 min; group 64:
+w4a16's group 128 does not divide o_proj's 64-column slice, which vLLM and the writer
+refuse):
 
 - **what vLLM holds**: vLLM loads the Hugging Face checkpoint with its own loader and each
   worker saves its ``model.state_dict()`` before ``process_weights_after_loading``
@@ -54,10 +55,11 @@ WINDOWS, SEQ = 4, 64
 #: checkpoint -> quantize() arguments (None: the bf16 fixture itself; a str: the synthetic
 #: model of SYNTH), per tp
 SCHEMES = {
-    1: {"bf16": None, "w8a8": dict(scheme="w8a8"), "w4a16-asym": dict(scheme="w4a16-asym"),
-        "gptq-w4a16": dict(scheme="w4a16", algorithm="gptq"), "qwen3-moe": "qwen3-moe",
-        "deepseek-v3": "deepseek-v3"},
-    2: {"bf16": None, "w8a8": dict(scheme="w8a8"), "gptq-int4-g64": dict(
+    1: {"bf16": None, "w8a8": dict(scheme="w8a8"), "fp8-dynamic": dict(scheme="fp8-dynamic"),
+        "gptq-w4a16-asym": dict(scheme="w4a16-asym", algorithm="gptq"),
+        "qwen3-moe": "qwen3-moe", "deepseek-v3": "deepseek-v3"},
+    2: {"bf16": None, "w8a8": dict(scheme="w8a8"), "fp8-dynamic": dict(scheme="fp8-dynamic"),
+        "gptq-int4-g64": dict(
         scheme="int4-g64", algorithm="gptq"), "qwen3-moe": "qwen3-moe",
         "qwen3-moe-ep": "qwen3-moe", "deepseek-v3": "deepseek-v3",
         "deepseek-v3-ep": "deepseek-v3"},
@@ -139,9 +141,9 @@ def ckpts(vllm_python, trained_llama, tmp_path_factory):  # noqa: F811
 #: a load that fails past start-up (no int4 kernel, the EP crash) leaves the in-process
 #: engine unusable, so those run alone
 GROUPS = {
-    1: [["bf16", "w8a8", "qwen3-moe", "deepseek-v3"], ["gptq-w4a16"], ["w4a16-asym"]],
-    2: [["bf16", "w8a8", "qwen3-moe", "deepseek-v3"], ["gptq-int4-g64"], ["qwen3-moe-ep"],
-        ["deepseek-v3-ep"]],
+    1: [["bf16", "w8a8", "fp8-dynamic", "qwen3-moe", "deepseek-v3"], ["gptq-w4a16-asym"]],
+    2: [["bf16", "w8a8", "fp8-dynamic", "qwen3-moe", "deepseek-v3"], ["gptq-int4-g64"],
+        ["qwen3-moe-ep"], ["deepseek-v3-ep"]],
 }  # fmt: skip
 
 
@@ -180,6 +182,11 @@ def _run(py: str, ckpts: dict, tp: int, names: list[str]) -> dict:
                        text=True, timeout=900, env=env)  # fmt: skip
         res.update(json.loads(rp.read_text()))
     return res
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (torch.equal has no float8 kernel; bytes also tell -0.0 from 0.0)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -227,7 +234,7 @@ def test_files_hold_what_vllm_loads(results, ckpts, tp, name):
         for k, t in want.items():
             g = got[k]
             assert (g.dtype, g.shape) == (t.dtype, t.shape), (r, k)
-            assert torch.equal(g, t), (r, k)
+            assert torch.equal(_bytes(g), _bytes(t)), (r, k)
     index = json.loads((out / INDEX).read_text())
     ep = tp if name in EP else 1
     assert index["layout"] == {"tp": tp, "pp": 1, "ep": ep} and index["vllm"] == "0.32.0"

@@ -63,7 +63,7 @@ FAMILIES = {
     "kimi_k2": "DeepseekV3ForCausalLM",
 }
 #: compressed-tensors formats whose vLLM parameters this writes
-FORMATS = ("dense", "int-quantized", "pack-quantized")
+FORMATS = ("dense", "int-quantized", "pack-quantized", "float-quantized")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
 
 
@@ -201,9 +201,10 @@ class _Source:
     def _part(self, module: str, part: str) -> torch.Tensor:
         if part == "bias":
             return self.ck.get(f"{module}.bias")
-        parts = self.ck.get_parts(f"{module}.weight")
-        t = parts[part]
-        return t.to(self.dtype) if part == "weight" and t.is_floating_point() else t
+        meta = self.ck.meta(f"{module}.weight")
+        t = self.ck.get_parts(f"{module}.weight")[part]
+        # an unquantized weight takes the model dtype; a stored code (int8, fp8) stays
+        return t.to(self.dtype) if meta.encoding == "plain" else t
 
 
 def _moe_layer(cfg, i: int) -> bool:
@@ -697,6 +698,8 @@ def _check_files(d: Path, index: dict) -> str:
                 dt = str(t.dtype).removeprefix("torch.")
                 if list(t.shape) != want["shape"] or dt != want["dtype"]:
                     raise StreamCorruptError(f"{p}: '{k}' is not {want['dtype']} {want['shape']}.")
+                if t.is_floating_point() and t.element_size() == 1:  # fp8: no isfinite
+                    t = t.float()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     raise StreamCorruptError(f"{p}: '{k}' holds NaN / inf.")
                 n += 1

@@ -57,6 +57,7 @@ from ..parallel import procs
 from ..quant import fidelity
 from ..quant.writer import re_encodes, torch_threads
 from ..recipe import CALIBRATION, Recipe, apply_overrides, load_recipe, parse_recipe, recipe_to_dict
+from ..recipe.checks import check_model_type
 from ..report_html import write_html
 from ..serving import ServingTarget
 from ..serving import report as serving_report
@@ -324,13 +325,7 @@ def _open(r: Recipe, src, out: Path, keep_intermediate: bool, force: bool, repor
             )
     if report_html is not None:
         _check_file_out(report_html, "HTML report", [ck.root, out])
-    mt = ck.config.get("model_type")
-    if r.source.model_type is not None and mt != r.source.model_type:
-        raise ConfigError(
-            f"{r.origin}: source.model_type is '{r.source.model_type}' but {ck.root}/config.json "
-            f"says '{mt}'; this recipe was written for another model (change or drop "
-            f"source.model_type)."
-        )
+    check_model_type(r, ck.config, ck.root)
     done = _check_out_early(out, force, r, ck)
     if done is not None and inter is not None:
         raise OutputError(
@@ -612,12 +607,7 @@ def check_against(r: Recipe, model) -> str:
     the quantization plan and every unit of the layout. Reads no weights; returns a
     one-line description of what would be written."""
     ck = open_checkpoint(model)
-    mt = ck.config.get("model_type")
-    if r.source.model_type is not None and mt != r.source.model_type:
-        raise ConfigError(
-            f"{r.origin}: source.model_type is '{r.source.model_type}' but {ck.root}/config.json "
-            f"says '{mt}'; this recipe was written for another model."
-        )
+    check_model_type(r, ck.config, ck.root)
     data: Checkpoint = ck
     problems = []
     if r.quantize is not None:

@@ -19,6 +19,7 @@ from ..checkpoint.output import guard_out
 from ..errors import ConfigError
 from ..parallel import procs
 from ..recipe import Recipe, recipe_to_dict
+from ..recipe.checks import check_model_type
 from ..recipe.sections import LayoutSection
 
 #: what convert writes next to the sharded files
@@ -81,12 +82,7 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     if src is None:
         raise ConfigError(f"{r.origin}: no source: give SRC or source.path in the recipe.")
     ck = open_checkpoint(src)
-    mt = ck.config.get("model_type")
-    if r.source.model_type is not None and mt != r.source.model_type:
-        raise ConfigError(
-            f"{r.origin}: source.model_type is '{r.source.model_type}' but {ck.root}/config.json "
-            f"says '{mt}'; this recipe was written for another model."
-        )
+    check_model_type(r, ck.config, ck.root)
     out = guard_out(out, [ck.root])
     times: dict[str, float] = {}
     cut_from = ck.root

@@ -34,6 +34,17 @@ from .sections import (
 )
 
 
+def check_model_type(r: Recipe, config: dict, root) -> None:
+    """The source is the model the recipe was written for (``source.model_type``)."""
+    mt = config.get("model_type")
+    if r.source.model_type is not None and mt != r.source.model_type:
+        raise ConfigError(
+            f"{r.origin}: source.model_type is '{r.source.model_type}' but {root}/config.json "
+            f"says '{mt}'; this recipe was written for another model (change or drop "
+            f"source.model_type)."
+        )
+
+
 def validate(r: Recipe) -> None:
     src = r.origin
     if r.quantize is not None:
