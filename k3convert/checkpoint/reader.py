@@ -269,6 +269,12 @@ class Checkpoint:
     def files(self) -> list[FileInfo]:
         return [FileInfo(p, p.stat().st_size) for p in self._files]
 
+    def file_stamps(self) -> list[list]:
+        """[path relative to the root, size, mtime_ns] of every weight file: what an
+        output written from this checkpoint records to recognise it on a rerun."""
+        return [[str(f.path.relative_to(self.root)), f.size, f.path.stat().st_mtime_ns]
+                for f in self.files()]  # fmt: skip
+
     def sha256(self, path: str | os.PathLike) -> str:
         """sha256 of one source file, streamed and cached."""
         p = Path(path)

@@ -544,15 +544,10 @@ def _stage_of(out: Path) -> Path:
     return out.parent / f".{out.name}.vllm-partial"
 
 
-def _rank_key(ck: Checkpoint, head: dict, fname: str, params: list[Param]) -> str:
-    """What a rank file was written from: the source files (name, size, mtime), the
-    layout and generator, the file's tensor table. A resumed file must match it."""
-    files = []
-    for f in ck.files():
-        st = f.path.stat()
-        files.append([f.path.name, st.st_size, st.st_mtime_ns])
-    doc = {k: head[k] for k in ("generator", "vllm", "layout", "source")}
-    doc.update(files=files, rank=fname,
+def _rank_key(head: dict, fname: str, params: list[Param]) -> str:
+    """What a rank file was written from: ``head`` (the source files' stamps, the layout
+    and generator) and the file's tensor table. A resumed file must match it."""
+    doc = dict(head, rank=fname,
                tensors=[[p.name, str(p.dtype), list(p.shape)] for p in params])  # fmt: skip
     return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
 
@@ -590,10 +585,12 @@ def write_vllm(
         journal.mkdir(parents=True, exist_ok=True)
         (stage / PARTIAL_MARKER).write_text(json.dumps({"out": str(out.resolve())}))
         resumed = 0
+        head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
+        head["files"] = ck.file_stamps()  # once for every rank
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
             for r, params in plans.items():
-                key = _rank_key(ck, index, r.file(), params)
+                key = _rank_key(head, r.file(), params)
                 entry, kept = _write_rank(stage, journal, r, params, key)
                 index["files"].append(entry)
                 resumed += kept

@@ -60,7 +60,8 @@ class VllmSource:
             self._index_rank(r.file(), params)
         self.files = len(ranks)
         self.config = load_json(self.root / "config.json")
-        self._names = sorted({name for name, _ in self._pieces})
+        self._held = frozenset(name for name, _ in self._pieces)
+        self._names = sorted(self._held)
 
     def _index_rank(self, fname: str, params: list[Param]) -> None:
         f = self._open(fname)
@@ -108,7 +109,7 @@ class VllmSource:
         return self.ck.meta(name)
 
     def __contains__(self, name: str) -> bool:
-        return name in set(self._names)
+        return name in self._held
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``name`` reassembled from the ranks, dequantized when stored encoded."""

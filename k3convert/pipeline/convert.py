@@ -116,8 +116,7 @@ def _stream_identity(r: Recipe, ck) -> dict:
     d = recipe_to_dict(r)
     return json.loads(json.dumps({
         "source": str(Path(ck.root).resolve()),
-        "files": [[str(f.path.relative_to(ck.root)), f.size, f.path.stat().st_mtime_ns]
-                  for f in ck.files()],
+        "files": ck.file_stamps(),
         "quantize": d["quantize"],
         "layout": d["layout"],
         "output": {k: d["output"][k] for k in ("compression", "unit_hash")},

@@ -55,9 +55,7 @@ def _check(r: Recipe) -> int:
 
 def _identity(r: Recipe, ck) -> dict:
     """What the quantized checkpoint depends on: the source files and the quantize section."""
-    files = [[str(f.path.relative_to(ck.root)), f.size, f.path.stat().st_mtime_ns]
-             for f in ck.files()]  # fmt: skip
-    doc = {"source": str(Path(ck.root).resolve()), "files": files,
+    doc = {"source": str(Path(ck.root).resolve()), "files": ck.file_stamps(),
            "quantize": recipe_to_dict(r)["quantize"]}  # fmt: skip
     return json.loads(json.dumps(doc))
 
