@@ -61,6 +61,7 @@ FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi_k3": "KimiK3ForConditionalGeneration",
 }
 #: compressed-tensors formats whose vLLM parameters this writes
 FORMATS = ("dense", "int-quantized", "pack-quantized", "float-quantized")
@@ -487,6 +488,11 @@ def _check_source(ck: Checkpoint) -> tuple:
             f"{ck.root}: --target vllm writes {', '.join(FAMILIES)} for now, not '{mt}' "
             f"(docs/vllm-target.md lists what is supported); use the default stream target."
         )
+    if mt == "kimi_k3":
+        from .vllm_kimi_k3 import check_k3
+
+        check_k3(ck, cfg)
+        return arch, cfg
     qc = ck.config.get("quantization_config")
     if qc is not None and FAMILIES[mt] == "DeepseekV3ForCausalLM":
         raise ConfigError(
@@ -514,6 +520,16 @@ def _check_source(ck: Checkpoint) -> tuple:
     return arch, cfg
 
 
+def carried_shapes(ck: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensors of which vLLM's model holds only a leading block (a release's
+    padding it never reads): name -> the shape a vLLM directory carries."""
+    if ck.config.get("model_type") != "kimi_k3":
+        return {}
+    from .vllm_kimi_k3 import carried_shapes as k3
+
+    return k3(ck, _check_source(ck)[1])
+
+
 def _dtype_of(ck: Checkpoint) -> torch.dtype:
     name = str(ck.config.get("torch_dtype") or ck.config.get("dtype") or "bfloat16")
     return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
@@ -523,8 +539,12 @@ def rank_params(ck: Checkpoint, ranks: list[Rank]) -> dict[Rank, list[Param]]:
     """Every parameter vLLM's model holds on each rank, in write order (nothing read
     yet; every refusal happens here, before any byte is written)."""
     _, cfg = _check_source(ck)
-    if any(r.ep for r in ranks) and not getattr(cfg, "num_experts", 0):
+    if any(r.ep for r in ranks) and not getattr(getattr(cfg, "text", cfg), "num_experts", 0):
         raise ConfigError(f"{ck.root}: --ep needs a model with routed experts.")
+    if ck.config.get("model_type") == "kimi_k3":
+        from .vllm_kimi_k3 import k3_params
+
+        return {r: list(k3_params(ck, cfg, _dtype_of(ck), r)) for r in ranks}
     src = _Source(ck, cfg, _dtype_of(ck))
     return {r: list(_decoder_params(src, r)) for r in ranks}
 

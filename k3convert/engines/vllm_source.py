@@ -30,7 +30,7 @@ from ..checkpoint import load_json, open_checkpoint
 from ..checkpoint.encodings import ENCODINGS
 from ..errors import ConfigError
 from ..stream.format import StreamCorruptError
-from .vllm_sharded import INDEX, Param, Piece, Rank, check_vllm, rank_params
+from .vllm_sharded import INDEX, Param, Piece, Rank, carried_shapes, check_vllm, rank_params
 
 
 class VllmSource:
@@ -59,6 +59,7 @@ class VllmSource:
         for r, params in rank_params(self.ck, ranks).items():
             self._index_rank(r.file(), params)
         self.files = len(ranks)
+        self._carried = carried_shapes(self.ck)
         self.config = load_json(self.root / "config.json")
         self._held = frozenset(name for name, _ in self._pieces)
         self._names = sorted(self._held)
@@ -115,7 +116,17 @@ class VllmSource:
         """``name`` reassembled from the ranks, dequantized when stored encoded."""
         meta = self.ck.meta(name)
         if meta.encoding == "plain":
-            t = self._assemble(name, next(iter(meta.parts)), meta.main.shape, meta.shape)
+            shape = self._carried.get(name, meta.main.shape)  # (a padded tensor's prefix)
+            t = self._assemble(name, next(iter(meta.parts)), shape, meta.shape)
+            stored = meta.main.dtype
+            if t.dtype != stored:  # vLLM's float32 copy of a bf16 tensor (router bias, conv)
+                back = t.to(stored)
+                if not torch.equal(back.to(t.dtype), t):
+                    raise StreamCorruptError(
+                        f"{self.root}: '{name}' holds {t.dtype} values that its source's "
+                        f"{stored} cannot hold (the writer casts losslessly); rewrite OUT."
+                    )
+                t = back
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         parts = {k: self._assemble(name, k, pm.shape, meta.shape) for k, pm in meta.parts.items()}
         return ENCODINGS[meta.encoding].dequantize_to(parts, meta.quant, dtype)

@@ -1,0 +1,402 @@
+"""Kimi K3 for vLLM 0.32's ``KimiK3ForConditionalGeneration`` (the ``nvidia`` variant,
+which vLLM builds on every platform but ROCm): the parameters one rank's
+``model.state_dict()`` holds, as ``sharded_state`` copies them, for the release's
+quantization (MXFP4 routed experts, everything else bf16).
+
+vLLM turns the release's compressed-tensors ``mxfp4-pack-quantized`` config into its own
+``Mxfp4Config`` (``KimiK3ForConditionalGenerationConfig.verify_and_update_model_config``):
+the routed experts take ``Mxfp4MoEMethod`` (packed uint8 ``w13_weight`` / ``w2_weight``,
+E8M0 bytes as uint8 scales) and every other Linear stays unquantized. Per rank:
+
+- KDA: ``in_proj_qkvgfab`` = the rank's rows of q, k, v, g, f_a whole, the rank's rows
+  of b, zero rows to a multiple of 16; ``conv1d`` = q, k, v's rows in float32;
+  ``dt_bias`` / ``A_log`` (the first ``num_heads`` of the stored vector) in float32.
+- MLA: ``fused_qkv_a_g_proj`` = q_a and kv_a whole, then the rank's rows of the output
+  gate; q_b / kv_b by heads, o_proj by input columns, unit attention scales.
+- Latent MoE: router and latent projections whole, the router bias in float32 under
+  ``experts.routed_experts``, shared experts split over tp, the experts' packed bytes
+  copied as stored: w1 rows at 0 and w3 rows at ``Ip`` of ``w13_weight`` (``Ip``: the
+  rank's width, at least 256 at tp > 1 without EP, zero past the real rows).
+- Vision (MoonViT3d) split by heads when tp divides them, whole otherwise; the
+  projector renamed (``proj.0`` / ``proj.2`` -> ``linear_1`` / ``linear_2``); the
+  float32 input normalisation vLLM computes from ``preprocessor_config.json``.
+
+Checked byte for byte against vLLM's own loader on CPU (``tests/test_vllm_kimi_k3.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import ConfigError
+from .vllm_sharded import (
+    ALL,
+    Param,
+    Piece,
+    Rank,
+    _attention_scales,
+    _fused,
+    _row,
+    _Source,
+    _swiglu,
+    _vocab_rows,
+    local_experts,
+    pp_layers,
+)
+
+LM = "language_model.model"
+#: vLLM's KDA in_proj rows per rank are padded to a multiple of this
+IN_PROJ_ALIGN = 16
+#: KimiMoE's ``min_moe_intermediate_per_partition`` (tp > 1 without EP)
+MIN_MOE_PER_RANK = 256
+#: every MXFP4 MoE backend of vLLM 0.32 rounds the expert width up to a divisor of this
+#: (Marlin / TRT-LLM / DeepGEMM 128, Humming 64, CPU 32): a width that is a multiple of
+#: it is the same whichever backend the GPU picks at start-up
+BACKEND_ROUND = 128
+GROUP = 32  # MXFP4: one E8M0 scale per 32 values, two values per byte
+
+
+def check_k3(ck, cfg) -> None:
+    """Refuse, before anything is written, what vLLM's Kimi K3 class would not load."""
+    qc = ck.config.get("text_config", {}).get("quantization_config") or ck.config.get(
+        "quantization_config"
+    )
+    if not qc or qc.get("format") != "mxfp4-pack-quantized":
+        raise ConfigError(
+            f"{ck.root}: --target vllm writes Kimi K3 as released (MXFP4 routed experts, "
+            f"the rest bf16): vLLM 0.32 serves K3 only through its Mxfp4Config; this "
+            f"checkpoint's quantization is {(qc or {}).get('format', 'none')}."
+        )
+    t = cfg.text
+    for n in ck.names():
+        if ".experts." in n and ".shared_experts." not in n:
+            if ck.meta(n).encoding != "mxfp4-pack-quantized":
+                raise ConfigError(f"{ck.root}: routed expert '{n}' is not MXFP4-packed.")
+        elif ck.meta(n).encoding != "plain":
+            raise ConfigError(
+                f"{ck.root}: '{n}' is {ck.meta(n).encoding}-encoded; vLLM's Mxfp4Config "
+                f"loads every Linear but the routed experts unquantized (bf16)."
+            )
+    if t.num_mtp:
+        raise ConfigError(f"{ck.root}: MTP layers are vLLM's draft model, not written here.")
+    if not t.q_lora_rank:
+        raise ConfigError(f"{ck.root}: MLA without a q LoRA rank is not written for vLLM.")
+    if not t.full_rank_gate:
+        raise ConfigError(f"{ck.root}: vLLM's K3 KDA needs use_full_rank_gate.")
+    if not (ck.root / "preprocessor_config.json").is_file():
+        raise ConfigError(
+            f"{ck.root}: no preprocessor_config.json: vLLM's Kimi K3 loads its image "
+            f"processor at start-up and computes the vision input normalisation from it; "
+            f"copy the release's file into the checkpoint."
+        )
+
+
+def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
+    """Every parameter of vLLM's KimiK3ForConditionalGeneration on ``rank``."""
+    t = cfg.text
+    if rank.pp_size > 1:
+        raise ConfigError(
+            "Kimi K3 with pp > 1 is not written for vLLM yet (only tp / ep are checked "
+            "against vLLM's loader); use --pp 1."
+        )
+    src = _Source(ck, t, dtype)
+    yield from _vision(src, cfg.vision, ck, rank)
+    yield _vocab_rows(src, rank, f"{LM}.embed_tokens.weight", f"{LM}.embed_tokens.weight")
+    for i in pp_layers(t.num_layers, rank.pp, rank.pp_size):
+        pre = f"{LM}.layers.{i}"
+        if i in t.kda_layers:
+            yield from _kda(src, rank, f"{pre}.self_attn")
+        else:
+            yield from _mla(src, rank, f"{pre}.self_attn")
+        if i in t.moe_layers:
+            yield from _latent_moe(src, rank, f"{pre}.block_sparse_moe")
+        else:
+            yield from _swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp", t.intermediate_size)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if t.attn_res_block_size:
+            norms += ["self_attention_res_norm", "mlp_res_norm"]
+            norms += ["self_attention_res_proj", "mlp_res_proj"]
+        for n in norms:
+            yield src.whole(f"{pre}.{n}.weight", dtype)
+    yield src.whole(f"{LM}.norm.weight", dtype)
+    if t.attn_res_block_size:
+        for n in ("output_attn_res_norm", "output_attn_res_proj"):
+            yield src.whole(f"{LM}.{n}.weight", dtype)
+    yield _vocab_rows(src, rank, "language_model.lm_head.weight", "language_model.lm_head.weight")
+
+
+def _rows(src: _Source, name: str, a: int, b: int, dt: torch.dtype, view=None) -> Param:
+    """Rows [a, b) of a plain tensor (a 1-D vector, or [1, 1, H, 1] viewed as 1-D)."""
+    shape = src.ck.meta(name).main.shape
+    lead = len(shape) == 4  # A_log stored as [1, 1, H, 1]
+    sl = (slice(None), slice(None), slice(a, b), slice(None)) if lead else (slice(a, b),)
+
+    def make():
+        v = src.ck.get(name)[sl]
+        return v.reshape(b - a, *(() if lead else v.shape[1:])).to(dt)
+
+    rest = () if lead else tuple(shape[1:])
+    return Param(view or name, dt, (b - a, *rest), make, pieces=(Piece(name, None, sl, ALL),))
+
+
+def _f32(params: Iterator[Param]) -> Iterator[Param]:
+    for p in params:
+        p.dtype, p.make = torch.float32, (lambda m=p.make: m().float())
+        yield p
+
+
+def _renamed(params: Iterator[Param], old: str, new: str) -> Iterator[Param]:
+    for p in params:
+        p.name = p.name.replace(old, new, 1)
+        yield p
+
+
+def _kda(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
+    t, tp, r = src.cfg, rank.tp_size, rank.tp
+    heads, dim = t.kda_num_heads, t.kda_head_dim
+    if heads % tp:
+        raise ConfigError(f"tp={tp} must divide the {heads} KDA heads.")
+    hp = heads // tp
+    proj = heads * dim
+    lo, hi = r * hp * dim, (r + 1) * hp * dim
+    spans = {f"{x}_proj": (lo, hi, proj) for x in "qkvg"}
+    spans["f_a_proj"] = (0, dim, dim)  # replicated inside the tp-split parameter
+    spans["b_proj"] = (r * hp, (r + 1) * hp, heads)
+    for p in _fused(src, at, "in_proj_qkvgfab", spans):
+        pad = -p.shape[0] % IN_PROJ_ALIGN
+        if pad:  # zero rows vLLM adds to align each rank's block
+            p.shape = (p.shape[0] + pad, *p.shape[1:])
+            p.make = lambda m=p.make, pad=pad: torch.nn.functional.pad(m(), (0, 0, 0, pad))
+        yield p
+    conv = {f"{x}_conv1d": (lo, hi, proj) for x in "qkv"}
+    yield from _f32(_fused(src, at, "conv1d", conv))
+    yield _rows(src, f"{at}.dt_bias", lo, hi, torch.float32)
+    yield _rows(src, f"{at}.A_log", r * hp, (r + 1) * hp, torch.float32)
+    yield from _fused(src, at, "f_b_proj", {"f_b_proj": (lo, hi, proj)})
+    yield src.whole(f"{at}.o_norm.weight", src.dtype)
+    yield from _row(src, f"{at}.o_proj", lo, hi - lo, proj)
+
+
+def _mla(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
+    t, tp = src.cfg, rank.tp_size
+    heads = t.num_heads
+    if heads % tp:
+        raise ConfigError(f"tp={tp} must divide the {heads} attention heads.")
+    h0, hn = rank.tp * heads // tp, (rank.tp + 1) * heads // tp
+    v = t.v_head_dim
+    q_a, kv_a = t.q_lora_rank, t.kv_lora_rank + t.qk_rope_head_dim
+    spans = {"q_a_proj": (0, q_a, q_a), "kv_a_proj_with_mqa": (0, kv_a, kv_a)}
+    fused = "fused_qkv_a_proj"
+    if t.mla_output_gate:  # the output gate's rows joined to the replicated latents
+        spans["g_proj"] = (h0 * v, hn * v, heads * v)
+        fused = "fused_qkv_a_g_proj"
+    yield from _fused(src, at, fused, spans)
+    for norm in ("q_a_layernorm", "kv_a_layernorm"):
+        yield src.whole(f"{at}.{norm}.weight", src.dtype)
+    qk = t.qk_nope_head_dim + t.qk_rope_head_dim
+    nv = t.qk_nope_head_dim + v
+    for proj, per in (("q_b_proj", qk), ("kv_b_proj", nv)):
+        yield from _fused(src, at, proj, {proj: (h0 * per, hn * per, heads * per)})
+    yield from _row(src, f"{at}.o_proj", h0 * v, (hn - h0) * v, heads * v)
+    yield from _attention_scales(at, src.dtype, False)
+
+
+def _latent_moe(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
+    t, ck = src.cfg, src.ck
+    yield src.whole(f"{moe}.gate.weight", src.dtype)
+    bias = f"{moe}.gate.e_score_correction_bias"
+    if bias in ck:
+        p = src.whole(bias, torch.float32)
+        p.name = f"{moe}.experts.routed_experts.e_score_correction_bias"
+        yield p
+    if t.num_shared_experts:
+        shared = t.moe_intermediate_size * t.num_shared_experts
+        yield from _swiglu(src, rank, f"{moe}.shared_experts",
+                           f"{moe}.experts._shared_experts._layer", shared)  # fmt: skip
+    if t.latent_size:
+        yield src.whole(f"{moe}.routed_expert_down_proj.weight", src.dtype)
+        out = f"{moe}.experts.routed_output_transform"
+        if t.latent_norm:
+            p = src.whole(f"{moe}.routed_expert_norm.weight", src.dtype)
+            p.name = f"{out}.norm.weight"
+            yield p
+        p = src.whole(f"{moe}.routed_expert_up_proj.weight", src.dtype)
+        p.name = f"{out}.up_proj.weight"
+        yield p
+    yield from _mxfp4_experts(src, rank, moe)
+
+
+def _mxfp4_experts(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
+    """``w13_weight`` [E_local, 2 Ip, X / 2], ``w13_weight_scale`` [.., X / 32],
+    ``w2_weight`` [E_local, X, Ip / 2], ``w2_weight_scale`` [.., Ip / 32]: the stored
+    bytes, the rank's rows of w1 at 0 and of w3 at Ip, zero elsewhere."""
+    t, ck, tp = src.cfg, src.ck, rank.tp_size
+    n, inter = t.num_experts, t.moe_intermediate_size
+    width = t.latent_size or t.hidden_size
+    if rank.ep:
+        experts, lo, hi, ip = local_experts(n, rank.tp, tp), 0, inter, inter
+    else:
+        if inter % tp:
+            raise ConfigError(f"tp={tp} does not divide moe_intermediate_size {inter}.")
+        per = inter // tp
+        experts, lo, hi = range(n), rank.tp * per, (rank.tp + 1) * per
+        ip = max(per, MIN_MOE_PER_RANK) if tp > 1 else per
+    real = hi - lo
+    if real % GROUP or ip % BACKEND_ROUND:
+        raise ConfigError(
+            f"{moe}: the experts' per-rank width {real} (held as {ip}) must be a multiple "
+            f"of {GROUP} (an MXFP4 scale group) and {ip} of {BACKEND_ROUND} (vLLM's MXFP4 "
+            f"MoE backends pad it to a multiple they pick on the GPU at start-up, which "
+            f"an offline writer cannot know); pick another tp, or --ep {tp}."
+        )
+    ex = f"{moe}.experts"
+    for e in range(n):  # metadata only
+        for w, shape in (("w1", (inter, width)), ("w3", (inter, width)), ("w2", (width, inter))):
+            parts = ck.meta(f"{ex}.{e}.{w}.weight").parts
+            got = tuple(parts["weight_packed"].shape)
+            if got != (shape[0], shape[1] // 2):
+                raise ConfigError(
+                    f"{ex}.{e}.{w}: packed {got}, expected {shape[0]} x {shape[1] // 2}."
+                )
+
+    def u8(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint8:
+            return x
+        if x.dtype == getattr(torch, "float8_e8m0fnu", None):
+            return x.view(torch.uint8)
+        raise ConfigError(f"{moe}: MXFP4 scales stored as {x.dtype}; expected uint8 / E8M0.")
+
+    def w13(part: str, cols: int):
+        def gen():
+            for e in experts:
+                blk = torch.zeros(1, 2 * ip, cols, dtype=torch.uint8)
+                for half, w in ((0, "w1"), (1, "w3")):
+                    blk[0, half * ip : half * ip + real] = u8(
+                        ck.get_parts(f"{ex}.{e}.{w}.weight")[part][lo:hi]
+                    )
+                yield blk
+
+        return gen
+
+    def w2(part: str, per: int):
+        def gen():
+            for e in experts:
+                blk = torch.zeros(1, width, ip // per, dtype=torch.uint8)
+                v = u8(ck.get_parts(f"{ex}.{e}.w2.weight")[part])
+                blk[0, :, : real // per] = v[:, lo // per : hi // per]
+                yield blk
+
+        return gen
+
+    el = len(experts)
+    for part, suffix, per in (("weight_packed", "", 2), ("weight_scale", "_scale", GROUP)):
+        pieces = []
+        for i, e in enumerate(experts):
+            at = slice(i, i + 1)
+            pieces += [
+                Piece(f"{ex}.{e}.w1.weight", part, (slice(lo, hi),), (at, slice(0, real))),
+                Piece(f"{ex}.{e}.w3.weight", part, (slice(lo, hi),), (at, slice(ip, ip + real))),
+            ]
+        cols = width // per
+        yield Param(f"{ex}.routed_experts.w13_weight{suffix}", torch.uint8, (el, 2 * ip, cols),
+                    None, w13(part, cols), tuple(pieces))  # fmt: skip
+        pieces = [
+            Piece(
+                f"{ex}.{e}.w2.weight",
+                part,
+                (slice(None), slice(lo // per, hi // per)),
+                (slice(i, i + 1), slice(None), slice(0, real // per)),
+            )
+            for i, e in enumerate(experts)
+        ]
+        yield Param(f"{ex}.routed_experts.w2_weight{suffix}", torch.uint8,
+                    (el, width, ip // per), None, w2(part, per), tuple(pieces))  # fmt: skip
+
+
+def _vision(src: _Source, vc, ck, rank: Rank) -> Iterator[Param]:
+    """MoonViT3d and the projector. vLLM splits the tower over tp only when tp divides
+    its heads (``mm_encoder_tp_mode`` "weights", the default), else every rank holds it
+    whole."""
+    tp = rank.tp_size if vc.num_heads % rank.tp_size == 0 else 1
+    r = rank.tp if tp > 1 else 0
+    vt = "vision_tower"
+    yield src.whole(f"{vt}.patch_embed.proj.weight", src.dtype)
+    if f"{vt}.patch_embed.proj.bias" in ck:
+        yield src.whole(f"{vt}.patch_embed.proj.bias", src.dtype)
+    yield from _input_norm(ck)
+    yield src.whole(f"{vt}.patch_embed.pos_emb.weight", src.dtype)
+    q, iv = vc.qkv_hidden_size, vc.intermediate_size
+    qa, qb = r * q // tp, (r + 1) * q // tp
+    ia, ib = r * iv // tp, (r + 1) * iv // tp
+    for b in range(vc.num_layers):
+        blk = f"{vt}.encoder.blocks.{b}"
+        if any(f"{blk}.{m}.bias" in ck for m in ("wqkv", "wo", "mlp.fc0", "mlp.fc1")):
+            raise ConfigError(f"{blk}: vision biases are not written for vLLM yet.")
+        for n in ("norm0", "norm1"):
+            yield src.whole(f"{blk}.{n}.weight", src.dtype)
+        yield _qkv_heads(src, f"{blk}.wqkv.weight", q, qa, qb)
+        yield from _row(src, f"{blk}.wo", qa, qb - qa, q)
+        yield from _fused(src, f"{blk}.mlp", "fc0", {"fc0": (ia, ib, iv)})
+        yield from _row(src, f"{blk}.mlp.fc1", ia, ib - ia, iv)
+    yield src.whole(f"{vt}.encoder.final_layernorm.weight", src.dtype)
+    for n in sorted(x for x in ck.names() if x.startswith("mm_projector.")):
+        p = src.whole(n, src.dtype)
+        p.name = n.replace(".proj.0.", ".linear_1.").replace(".proj.2.", ".linear_2.")
+        yield p
+
+
+def _qkv_heads(src: _Source, name: str, q: int, a: int, b: int) -> Param:
+    """The rank's rows [a, b) of each of q, k and v in MoonViT's fused ``wqkv``."""
+    n = b - a
+    pieces = tuple(
+        Piece(name, None, (slice(j * q + a, j * q + b),), (slice(j * n, (j + 1) * n),))
+        for j in range(3)
+    )
+    shape = src.ck.meta(name).main.shape
+
+    def make():
+        w = src.ck.get(name)
+        return torch.cat([w[j * q + a : j * q + b] for j in range(3)]).to(src.dtype)
+
+    return Param(name, src.dtype, (3 * n, *shape[1:]), make, pieces=pieces)
+
+
+def _input_norm(ck) -> Iterator[Param]:
+    """vLLM's ``FusedMMInputNorm`` buffers (``weight = rescale / std``, ``bias = -mean /
+    std``, float32), resolved from ``preprocessor_config.json`` as vLLM resolves them;
+    none when the normalisation is the identity."""
+    conf = json.loads((ck.root / "preprocessor_config.json").read_text())
+    conf = conf.get("image_processor", conf)
+    conf = conf.get("media_proc_cfg", conf)
+    has = "image_mean" in conf and "image_std" in conf
+    rescale = float(conf.get("rescale_factor", 1 / 255)) if conf.get("do_rescale", has) else 1.0
+    norm = conf.get("do_normalize", has)
+    mean = [float(x) for x in conf["image_mean"]] if norm else [0.0] * 3
+    std = [float(x) for x in conf["image_std"]] if norm else [1.0] * 3
+    pairs = list(zip(mean, std, strict=True))
+    if all(math.isclose(rescale / s, 1.0, rel_tol=1e-5, abs_tol=1e-8)
+           and math.isclose(m / s, 0.0, abs_tol=1e-8) for m, s in pairs):  # fmt: skip
+        return  # vLLM's IdentityInputNorm: no buffers
+    m, s = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+    w, b = rescale / s, -m / s
+    for name, v in (("weight", w), ("bias", b)):
+        yield Param(f"vision_tower.patch_embed.input_norm.{name}", torch.float32, tuple(v.shape),
+                    lambda v=v: v.clone())  # fmt: skip
+
+
+def carried_shapes(ck, cfg) -> dict[str, tuple[int, ...]]:
+    """Tensors vLLM holds only a prefix of: the release pads ``A_log`` past the KDA heads
+    (the runtime, like vLLM, reads only the first ``num_heads``), so a vLLM directory
+    carries [num_heads] of it."""
+    t = cfg.text
+    if not t.a_log_stored:
+        return {}
+    return {
+        f"{LM}.layers.{i}.self_attn.A_log": tuple(t.a_log_shape)
+        for i in range(t.num_layers)
+        if i in t.kda_layers
+    }
