@@ -325,7 +325,7 @@ def shard(
 
 def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
                 progress) -> None:  # fmt: skip
-    from .engines.vllm_sharded import write_vllm
+    from .engines.vllm_sharded import llm_call, write_vllm
 
     if out is None:
         raise typer.BadParameter("OUT is required.")
@@ -343,10 +343,7 @@ def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundan
         + (f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else "")
         + ", "
         f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; load it with "
-        f"LLM(model='{res.out}', load_format='sharded_state', tensor_parallel_size={tp}"
-        + (f", pipeline_parallel_size={pp}" if pp > 1 else "")
-        + (", enable_expert_parallel=True" if ep > 1 else "")
-        + ")"
+        + llm_call(res.out)
     )
 
 

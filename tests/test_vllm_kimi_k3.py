@@ -119,6 +119,18 @@ def test_verify_reads_back_every_tensor_bit_for_bit(k3, written):
     assert "max_abs_err        0.0000e+00" in r.stdout
 
 
+def test_cli_names_the_kda_decode_backend_sharded_state_needs(k3, tmp_path):
+    """vLLM's native / flashinfer KDA decode reads float32 copies that only its HF weight
+    loader fills: the printed LLM(...) call picks the triton decode, which reads the
+    loaded parameters themselves."""
+    argv = [sys.executable, "-m", "k3convert", "shard", str(k3), str(tmp_path / "o"),
+            "--target", "vllm", "--tp", "2", "--ep", "2", "--no-progress"]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = "enable_expert_parallel=True, additional_config={'kda_decode_backend': 'triton'})"
+    assert want in r.stdout, r.stdout
+
+
 def test_refused_before_writing(k3, tmp_path):
     out = tmp_path / "o"
     cases = [

@@ -664,6 +664,23 @@ def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: s
     return entry, 0
 
 
+def llm_call(out: str | os.PathLike) -> str:
+    """The ``LLM(...)`` call that loads a written directory, from its index. Kimi K3 adds
+    ``kda_decode_backend="triton"``: vLLM 0.32's other KDA decode paths keep float32
+    copies of ``conv1d`` / ``o_norm`` that only its HF weight loader fills, which
+    ``sharded_state`` never calls (they would hold uninitialised memory)."""
+    index = json.loads((Path(out) / INDEX).read_text())
+    lay = index["layout"]
+    args = [f"model='{out}'", "load_format='sharded_state'", f"tensor_parallel_size={lay['tp']}"]
+    if lay["pp"] > 1:
+        args.append(f"pipeline_parallel_size={lay['pp']}")
+    if lay.get("ep", 1) > 1:
+        args.append("enable_expert_parallel=True")
+    if index.get("model_type") == "kimi_k3":
+        args.append("additional_config={'kda_decode_backend': 'triton'}")
+    return f"LLM({', '.join(args)})"
+
+
 def is_vllm_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / INDEX).is_file()
 

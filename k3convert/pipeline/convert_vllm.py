@@ -147,10 +147,7 @@ def render_vllm_summary(rep: dict) -> str:
             f"KLD {kld:.3g}, top-1 {lg.get('top1', float('nan')):.3f}"
             if kld is not None else f"  verify      {'PASS' if v['passed'] else 'FAIL'}"
         )  # fmt: skip
-    lines.append(
-        f"  load with   LLM(model='{rep['out']}', load_format='sharded_state', "
-        f"tensor_parallel_size={lay['tp']}"
-        + (f", pipeline_parallel_size={lay['pp']}" if lay["pp"] > 1 else "")
-        + (", enable_expert_parallel=True" if lay["ep"] > 1 else "") + ")"
-    )  # fmt: skip
+    from ..engines.vllm_sharded import llm_call
+
+    lines.append(f"  load with   {llm_call(rep['out'])}")
     return "\n".join(lines)
