@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from k3convert.engines.vllm_sharded import write_vllm
+from k3convert.engines.vllm_sharded import Rank, write_vllm
 from k3convert.engines.vllm_source import VllmSource
 from k3convert.errors import ConfigError
 from k3convert.synth import synthesize
@@ -38,7 +38,7 @@ PREPROCESSOR = {
                        "in_patch_limit": 1024, "patch_limit_on_one_side": 64,
                        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
 }  # fmt: skip
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp2-ep": (2, 2)}
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "tp2-ep": (2, 2, 1), "pp2": (1, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def k3(tmp_path_factory) -> Path:
 def written(k3, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("k3-vllm")
     return {
-        n: write_vllm(src=k3, out=root / n, tp=tp, ep=ep).out for n, (tp, ep) in LAYOUTS.items()
+        n: write_vllm(src=k3, out=root / n, tp=tp, ep=ep, pp=pp).out
+        for n, (tp, ep, pp) in LAYOUTS.items()
     }
 
 
@@ -70,23 +71,25 @@ def test_files_hold_what_vllm_loads(k3, written, tmp_path):
     py = _vllm_python()
     dump = tmp_path / "dump"
     dump.mkdir()
-    layouts = [f"{tp}:{int(ep > 1)}" for tp, ep in LAYOUTS.values()]
+    layouts = [f"{tp}:{int(ep > 1)}:{pp}" for tp, ep, pp in LAYOUTS.values()]
     r = subprocess.run([py, str(LOADER), str(k3), str(dump), *layouts], capture_output=True,
                        text=True, timeout=900, env=_engine_env())  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     compared = 0
-    for name, (tp, ep) in LAYOUTS.items():
-        for rank in range(tp):
-            ours = _tensors(written[name] / f"model-rank-{rank}-part-0.safetensors")
-            theirs = _tensors(dump / f"tp{tp}-ep{int(ep > 1)}-rank{rank}.safetensors")
+    for name, (tp, ep, pp) in LAYOUTS.items():
+        for rank in (Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)):
+            ours = _tensors(written[name] / rank.file())
+            at = dump / f"tp{tp}-ep{int(ep > 1)}-pp{pp}"
+            theirs = _tensors(at / f"rank-pp{rank.pp}-tp{rank.tp}.safetensors")
             assert sorted(ours) == sorted(theirs), (name, rank, set(ours) ^ set(theirs))
             for k, v in theirs.items():
                 o = ours[k]
                 assert (o.dtype, tuple(o.shape)) == (v.dtype, tuple(v.shape)), (name, rank, k)
                 assert _bytes(o) == _bytes(v), (name, rank, k)
                 compared += 1
-    # 142 parameters per rank: vision, KDA, MLA, latent MoE, attention residuals
-    assert compared == 142 * 5
+    # 142 parameters per rank: vision, KDA, MLA, latent MoE, attention residuals; at pp 2
+    # the vision tower on both stages, the embedding on the first, the head on the last
+    assert compared == 142 * 5 + 84 + 78
     ex = "language_model.model.layers.1.block_sparse_moe.experts.routed_experts."
     # the expert width at tp 2 without EP: 128 real rows of 256 (vLLM's minimum), then w3
     w13 = _tensors(written["tp2"] / "model-rank-1-part-0.safetensors")[ex + "w13_weight"]
@@ -97,7 +100,7 @@ def test_verify_reads_back_every_tensor_bit_for_bit(k3, written):
     from k3convert.checkpoint import open_checkpoint
 
     ck = open_checkpoint(k3)
-    for name in ("tp2", "tp2-ep"):
+    for name in ("tp2", "tp2-ep", "pp2"):
         src = VllmSource(written[name])
         assert sorted(src.names()) == sorted(ck.names())
         for n in ck.names():
@@ -134,7 +137,6 @@ def test_cli_names_the_kda_decode_backend_sharded_state_needs(k3, tmp_path):
 def test_refused_before_writing(k3, tmp_path):
     out = tmp_path / "o"
     cases = [
-        (dict(tp=2, pp=2), "Kimi K3 with pp > 1 is not written for vLLM yet"),
         (dict(tp=8), "tp=8 must divide the 4 KDA heads"),
     ]
     for kw, want in cases:

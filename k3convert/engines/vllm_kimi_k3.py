@@ -98,14 +98,11 @@ def check_k3(ck, cfg) -> None:
 def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
     """Every parameter of vLLM's KimiK3ForConditionalGeneration on ``rank``."""
     t = cfg.text
-    if rank.pp_size > 1:
-        raise ConfigError(
-            "Kimi K3 with pp > 1 is not written for vLLM yet (only tp / ep are checked "
-            "against vLLM's loader); use --pp 1."
-        )
+    first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
     src = _Source(ck, t, dtype)
-    yield from _vision(src, cfg.vision, ck, rank)
-    yield _vocab_rows(src, rank, f"{LM}.embed_tokens.weight", f"{LM}.embed_tokens.weight")
+    yield from _vision(src, cfg.vision, ck, rank)  # built on every pipeline stage
+    if first:
+        yield _vocab_rows(src, rank, f"{LM}.embed_tokens.weight", f"{LM}.embed_tokens.weight")
     for i in pp_layers(t.num_layers, rank.pp, rank.pp_size):
         pre = f"{LM}.layers.{i}"
         if i in t.kda_layers:
@@ -122,6 +119,8 @@ def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
             norms += ["self_attention_res_proj", "mlp_res_proj"]
         for n in norms:
             yield src.whole(f"{pre}.{n}.weight", dtype)
+    if not last:
+        return
     yield src.whole(f"{LM}.norm.weight", dtype)
     if t.attn_res_block_size:
         for n in ("output_attn_res_norm", "output_attn_res_proj"):
