@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from k3convert.engines.vllm_sharded import (
     write_vllm,
 )
 from k3convert.errors import ConfigError
+from k3convert.pipeline import quantize
 from k3convert.stream.format import StreamCorruptError
 from k3convert.synth import synthesize
 
@@ -127,8 +129,6 @@ def test_refusals_are_one_line_exit_2(llama, tmp_path):
     assert r.returncode == 2 and "use --ep 4 or --ep 1" in r.stderr
     r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--compress", "zstd")
     assert r.returncode == 2 and "--compress apply to the stream target" in r.stderr
-    from k3convert.pipeline import quantize
-
     q = tmp_path / "w4"
     quantize(src=llama, out=q, scheme="w4a16", progress=False)
     r = _cli("shard", q, tmp_path / "o", "--target", "vllm", "--tp", "2")
@@ -187,6 +187,30 @@ def test_qwen3_moe_experts_split_or_placed_whole(tmp_path, ep):
     assert "intact" in check_vllm(out)
 
 
+def test_fp8_experts_map_back_bit_exact_and_int_experts_are_refused(tmp_path):
+    """FP8-channel experts: the codes and per-channel scales stacked as stored (w2's scale
+    whole on each rank), read back bit for bit by verify at tp 2 + EP and at tp 2 (exact
+    logits against the FP8 checkpoint); int8 / int4 experts are refused before writing."""
+    src = tmp_path / "q"
+    synthesize(config="qwen3-30b-a3b", out=src, tiny=True, encoding="plain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(src=src, out=tmp_path / "fp8", scheme="fp8-dynamic", progress=False)
+        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8", progress=False)
+    for ep in (2, 1):
+        out = tmp_path / f"v{ep}"
+        write_vllm(src=tmp_path / "fp8", out=out, tp=2, ep=ep)
+        t = _load(out / "model-rank-1-part-0.safetensors")
+        ex = "model.layers.1.mlp.experts.routed_experts."
+        assert t[ex + "w13_weight"].dtype == torch.float8_e4m3fn
+        assert tuple(t[ex + "w2_weight_scale"].shape) == (8 // ep, 128, 1)
+        r = _cli("verify", out, "--reference", tmp_path / "fp8", "--no-progress")
+        assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
+    with pytest.raises(ConfigError, match=r"int-quantized \(channel\): vLLM's FusedMoE"):
+        write_vllm(src=tmp_path / "w8a8", out=tmp_path / "o", tp=2)
+    assert not (tmp_path / "o").exists()
+
+
 def test_write_stacked_checks_its_parts(tmp_path):
     entries = [("a", torch.float32, (3, 2))]
     with SafetensorsWriter(tmp_path / "ok.safetensors", entries) as w:
@@ -221,8 +245,6 @@ def _tamper(out, fname: str, key: str, fn) -> None:
 
 @pytest.fixture(scope="module")
 def w8a8(llama, tmp_path_factory):
-    from k3convert.pipeline import quantize
-
     q = tmp_path_factory.mktemp("vw") / "w8a8"
     quantize(src=llama, out=q, scheme="w8a8", progress=False)
     return q

@@ -1,5 +1,5 @@
 """What vLLM's own loader puts in a model's parameters, rank by rank: run by
-``tests/test_vllm_kimi_k3.py`` and ``tests/test_vllm_stages.py`` in the vLLM venv's Python
+``tests/test_vllm_kimi_k3.py`` and ``tests/test_vllm_per_rank.py`` in the vLLM venv's Python
 (not a test module)::
 
     $K3_VLLM_PYTHON tests/vllm_rank_loader.py CKPT OUTDIR TP:EP:PP [TP:EP:PP ...]

@@ -390,13 +390,7 @@ def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
                            f"{mlp}.experts._shared_experts._layer",
                            cfg.moe_intermediate_size * cfg.num_shared_experts)  # fmt: skip
     ex = f"{mlp}.experts"
-    for e in range(n):
-        for m in ("gate_proj", "up_proj", "down_proj"):
-            if ck.meta(f"{ex}.{e}.{m}.weight").encoding != "plain":
-                raise ConfigError(
-                    f"'{ex}.{e}.{m}' is quantized: vLLM's FusedMoE parameters are written "
-                    f"for bf16 / fp16 experts only for now (docs/vllm-target.md)."
-                )
+    parts = _expert_parts(ck, ex, n)
     if rank.ep:
         experts, lo, hi = local_experts(n, rank.tp, tp), 0, inter
     else:
@@ -405,30 +399,74 @@ def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
         if inter % tp:
             raise ConfigError(f"tp={tp} does not divide moe_intermediate_size {inter}.")
         experts, lo, hi = range(n), rank.tp * inter // tp, (rank.tp + 1) * inter // tp
-    dt = src.dtype
-
-    def w13():
-        for e in experts:
-            g, u = (ck.get(f"{ex}.{e}.{m}.weight")[lo:hi] for m in ("gate_proj", "up_proj"))
-            yield torch.cat([g, u]).to(dt)[None]
-
-    def w2():
-        for e in experts:
-            yield ck.get(f"{ex}.{e}.down_proj.weight")[:, lo:hi].to(dt)[None]
-
     rows, cut = hi - lo, slice(lo, hi)
-    p13, p2 = [], []
-    for i, e in enumerate(experts):
-        at = slice(i, i + 1)  # dst keeps the expert dim (a [1, ...] block)
-        p13 += [
-            Piece(f"{ex}.{e}.gate_proj.weight", "weight", (cut,), (at, slice(0, rows))),
-            Piece(f"{ex}.{e}.up_proj.weight", "weight", (cut,), (at, slice(rows, 2 * rows))),
-        ]
-        p2.append(Piece(f"{ex}.{e}.down_proj.weight", "weight", (slice(None), cut), (at,)))
-    yield Param(f"{ex}.routed_experts.w13_weight", dt, (len(experts), 2 * rows, hidden), None,
-                w13, tuple(p13))  # fmt: skip
-    yield Param(f"{ex}.routed_experts.w2_weight", dt, (len(experts), hidden, rows), None, w2,
-                tuple(p2))  # fmt: skip
+    for part, (dt13, width13), (dt2, w2_cols) in parts:
+        # an unquantized weight takes the model dtype; FP8 codes and their scales stay
+        cast = (
+            src.dtype if part == "weight" and dt13.is_floating_point and dt13.itemsize > 1 else None
+        )
+        dt13 = cast or dt13
+        dt2 = cast or dt2
+        split2 = w2_cols == inter  # down_proj's input columns (a per-channel scale: whole)
+        c2 = rows if split2 else w2_cols
+        suffix = "" if part == "weight" else part.removeprefix("weight")
+
+        def w13(part=part, cast=cast):
+            for e in experts:
+                g, u = (
+                    ck.get_parts(f"{ex}.{e}.{m}.weight")[part][lo:hi]
+                    for m in ("gate_proj", "up_proj")
+                )
+                t = torch.cat([g, u])
+                yield (t.to(cast) if cast else t)[None]
+
+        def w2(part=part, cast=cast, split2=split2):
+            for e in experts:
+                t = ck.get_parts(f"{ex}.{e}.down_proj.weight")[part]
+                t = t[:, lo:hi] if split2 else t
+                yield (t.to(cast) if cast else t)[None]
+
+        p13, p2 = [], []
+        for i, e in enumerate(experts):
+            at = slice(i, i + 1)  # dst keeps the expert dim (a [1, ...] block)
+            p13 += [
+                Piece(f"{ex}.{e}.gate_proj.weight", part, (cut,), (at, slice(0, rows))),
+                Piece(f"{ex}.{e}.up_proj.weight", part, (cut,), (at, slice(rows, 2 * rows))),
+            ]
+            src2 = (slice(None), cut) if split2 else ALL
+            p2.append(Piece(f"{ex}.{e}.down_proj.weight", part, src2, (at,)))
+        yield Param(f"{ex}.routed_experts.w13_weight{suffix}", dt13,
+                    (len(experts), 2 * rows, width13), None, w13, tuple(p13))  # fmt: skip
+        yield Param(f"{ex}.routed_experts.w2_weight{suffix}", dt2, (len(experts), hidden, c2),
+                    None, w2, tuple(p2))  # fmt: skip
+
+
+def _expert_parts(ck: Checkpoint, ex: str, n: int) -> list:
+    """(part, (dtype, columns) of gate / up, (dtype, columns) of down) of every expert's
+    stored parts, the same for all: unquantized, or FP8 with per-channel scales (vLLM's
+    FusedMoE ``w13_weight`` / ``w13_weight_scale``, ...). Other schemes are refused."""
+    first = None
+    for e in range(n):
+        got = []
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            meta = ck.meta(f"{ex}.{e}.{m}.weight")
+            enc, extra = meta.encoding, (meta.quant.extra if meta.quant else {})
+            if enc not in ("plain", "float-quantized") or (
+                enc == "float-quantized" and extra.get("strategy") != "channel"
+            ):
+                raise ConfigError(
+                    f"'{ex}.{e}.{m}' is {enc} ({extra.get('strategy')}): vLLM's FusedMoE "
+                    f"parameters are written for bf16 / fp16 and FP8-channel experts for now "
+                    f"(docs/vllm-target.md)."
+                )
+            got.append({k: (p.dtype, p.shape[1]) for k, p in meta.parts.items()})
+        if got[0] != got[1] or list(got[0]) != list(got[2]):
+            raise ConfigError(f"'{ex}.{e}': gate, up and down are stored differently.")
+        sig = [(k, got[0][k], got[2][k]) for k in got[0]]
+        if first is not None and sig != first:
+            raise ConfigError(f"'{ex}.{e}' is stored differently from expert 0.")
+        first = sig
+    return first
 
 
 def _attention_scales(prefix: str, dtype: torch.dtype, quantized: bool) -> Iterator[Param]:
