@@ -69,18 +69,17 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def test_files_hold_what_vllm_loads(k3, written, tmp_path):
     py = _vllm_python()
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    layouts = [f"{tp}:{int(ep > 1)}:{pp}" for tp, ep, pp in LAYOUTS.values()]
-    r = subprocess.run([py, str(LOADER), str(k3), str(dump), *layouts], capture_output=True,
+    jobs = [{"ckpt": str(k3), "out": str(tmp_path / name), "tp": tp, "ep": ep, "pp": pp}
+            for name, (tp, ep, pp) in LAYOUTS.items()]  # fmt: skip
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    r = subprocess.run([py, str(LOADER), str(tmp_path / "jobs.json")], capture_output=True,
                        text=True, timeout=900, env=_engine_env())  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     compared = 0
     for name, (tp, ep, pp) in LAYOUTS.items():
         for rank in (Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)):
             ours = _tensors(written[name] / rank.file())
-            at = dump / f"tp{tp}-ep{int(ep > 1)}-pp{pp}"
-            theirs = _tensors(at / f"rank-pp{rank.pp}-tp{rank.tp}.safetensors")
+            theirs = _tensors(tmp_path / name / f"rank-pp{rank.pp}-tp{rank.tp}.safetensors")
             assert sorted(ours) == sorted(theirs), (name, rank, set(ours) ^ set(theirs))
             for k, v in theirs.items():
                 o = ours[k]

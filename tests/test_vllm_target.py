@@ -399,3 +399,37 @@ def test_mla_families_map_back_bit_exact(tmp_path, preset):
     moe = ck.config["first_k_dense_replace"]  # the first MoE layer
     bias = r0[f"model.layers.{moe}.mlp.experts.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32
+
+
+def test_kimi_k2_int4_experts_map_back_and_quantized_mla_is_refused(tmp_path):
+    """Kimi-K2-Thinking's layout (int4 g32 routed experts, bf16 MLA) at tp 2: the packed
+    words, group scales and each expert's weight_shape (vLLM holds it in bf16) come back
+    bit for bit and the logits match the int4 checkpoint exactly; an FP8-block MLA (the
+    kimi-k2-int4-experts recipe) is refused, naming the tensor."""
+    from k3convert.engines.vllm_source import VllmSource
+    from k3convert.recipe import load_recipe
+    from tests.test_vllm_per_rank import K2_RECIPE
+
+    src = tmp_path / "k2"
+    synthesize(config="kimi-k2", out=src, tiny=True, encoding="plain")
+    (tmp_path / "k2.yaml").write_text(K2_RECIPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(src=src, out=tmp_path / "int4", recipe=load_recipe(tmp_path / "k2.yaml"),
+                 progress=False)  # fmt: skip
+        quantize(src=src, out=tmp_path / "fp8mla", recipe=load_recipe("kimi-k2-int4-experts"),
+                 progress=False)  # fmt: skip
+    out = tmp_path / "v"
+    write_vllm(src=tmp_path / "int4", out=out, tp=2)
+    ck, back = open_checkpoint(tmp_path / "int4"), VllmSource(out)
+    e0 = "model.layers.1.mlp.experts.0.down_proj.weight"
+    assert ck.meta(e0).encoding == "pack-quantized"
+    for part, pm in ck.meta(e0).parts.items():
+        got = back._assemble(e0, part, pm.shape, ck.meta(e0).shape)
+        assert got.dtype == pm.dtype and torch.equal(got, ck.get_parts(e0)[part]), part
+    r1 = _load(out / "model-rank-1-part-0.safetensors")
+    assert r1["model.layers.1.mlp.experts.routed_experts.w2_weight_shape"].dtype == torch.bfloat16
+    r = _cli("verify", out, "--reference", tmp_path / "int4", "--no-progress")
+    assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
+    with pytest.raises(ConfigError, match=r"self_attn\.q_a_proj\.weight' is float-quantized"):
+        write_vllm(src=tmp_path / "fp8mla", out=tmp_path / "o", tp=2)

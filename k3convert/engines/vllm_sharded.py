@@ -400,16 +400,24 @@ def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
             raise ConfigError(f"tp={tp} does not divide moe_intermediate_size {inter}.")
         experts, lo, hi = range(n), rank.tp * inter // tp, (rank.tp + 1) * inter // tp
     rows, cut = hi - lo, slice(lo, hi)
-    for part, (dt13, width13), (dt2, w2_cols) in parts:
-        # an unquantized weight takes the model dtype; FP8 codes and their scales stay
-        cast = (
-            src.dtype if part == "weight" and dt13.is_floating_point and dt13.itemsize > 1 else None
-        )
-        dt13 = cast or dt13
-        dt2 = cast or dt2
-        split2 = w2_cols == inter  # down_proj's input columns (a per-channel scale: whole)
-        c2 = rows if split2 else w2_cols
+    for part, (dt13, cols13), (dt2, cols2) in parts:
         suffix = "" if part == "weight" else part.removeprefix("weight")
+        name13, name2 = (
+            f"{ex}.routed_experts.w13_weight{suffix}",
+            f"{ex}.routed_experts.w2_weight{suffix}",
+        )
+        if part == "weight_shape":  # [out, in] per expert, in vLLM's model dtype (one row)
+            yield from _expert_shapes(src, ex, experts, name13, name2)
+            continue
+        # an unquantized weight takes the model dtype; codes (FP8, packed int) and scales stay
+        cast = (
+            src.dtype if dt13.is_floating_point and dt13.itemsize > 1 and part == "weight" else None
+        )
+        dt13, dt2 = cast or dt13, cast or dt2
+        grouped = cols2 > 1 or part == "weight"  # down's input columns (packed, or groups)
+        a2, b2 = (
+            _scaled(cols2, inter, lo, hi, f"{ex}.*.down_proj.{part}") if grouped else (0, cols2)
+        )
 
         def w13(part=part, cast=cast):
             for e in experts:
@@ -420,10 +428,9 @@ def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
                 t = torch.cat([g, u])
                 yield (t.to(cast) if cast else t)[None]
 
-        def w2(part=part, cast=cast, split2=split2):
+        def w2(part=part, cast=cast, a2=a2, b2=b2):
             for e in experts:
-                t = ck.get_parts(f"{ex}.{e}.down_proj.weight")[part]
-                t = t[:, lo:hi] if split2 else t
+                t = ck.get_parts(f"{ex}.{e}.down_proj.weight")[part][:, a2:b2]
                 yield (t.to(cast) if cast else t)[None]
 
         p13, p2 = [], []
@@ -433,33 +440,56 @@ def _fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
                 Piece(f"{ex}.{e}.gate_proj.weight", part, (cut,), (at, slice(0, rows))),
                 Piece(f"{ex}.{e}.up_proj.weight", part, (cut,), (at, slice(rows, 2 * rows))),
             ]
-            src2 = (slice(None), cut) if split2 else ALL
-            p2.append(Piece(f"{ex}.{e}.down_proj.weight", part, src2, (at,)))
-        yield Param(f"{ex}.routed_experts.w13_weight{suffix}", dt13,
-                    (len(experts), 2 * rows, width13), None, w13, tuple(p13))  # fmt: skip
-        yield Param(f"{ex}.routed_experts.w2_weight{suffix}", dt2, (len(experts), hidden, c2),
-                    None, w2, tuple(p2))  # fmt: skip
+            p2.append(
+                Piece(f"{ex}.{e}.down_proj.weight", part, (slice(None), slice(a2, b2)), (at,))
+            )
+        n_e = len(experts)
+        yield Param(name13, dt13, (n_e, 2 * rows, cols13), None, w13, tuple(p13))
+        yield Param(name2, dt2, (n_e, hidden, b2 - a2), None, w2, tuple(p2))
+
+
+def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
+    """Packed experts' ``weight_shape``: vLLM's FusedMoE holds one [out, in] row per
+    expert in the model dtype (the unsplit shape, the last of gate / up it loaded)."""
+    ck, dt = src.ck, src.dtype
+    for name, member in ((name13, "up_proj"), (name2, "down_proj")):
+
+        def rows(member=member):
+            for e in experts:
+                yield ck.get_parts(f"{ex}.{e}.{member}.weight")["weight_shape"].to(dt)[None]
+
+        pieces = tuple(
+            Piece(f"{ex}.{e}.{member}.weight", "weight_shape", ALL, (slice(i, i + 1),))
+            for i, e in enumerate(experts)
+        )
+        yield Param(name, dt, (len(experts), 2), None, rows, pieces)
 
 
 def _expert_parts(ck: Checkpoint, ex: str, n: int) -> list:
     """(part, (dtype, columns) of gate / up, (dtype, columns) of down) of every expert's
-    stored parts, the same for all: unquantized, or FP8 with per-channel scales (vLLM's
-    FusedMoE ``w13_weight`` / ``w13_weight_scale``, ...). Other schemes are refused."""
+    stored parts, the same for all: unquantized, FP8 with per-channel scales, or int4 /
+    int8 weight-only with symmetric channel or group scales (vLLM's FusedMoE ``w13_weight``
+    / ``w13_weight_scale``, ``w13_weight_packed`` / ``w13_weight_scale`` /
+    ``w13_weight_shape``, ...). Other schemes are refused."""
     first = None
     for e in range(n):
         got = []
         for m in ("gate_proj", "up_proj", "down_proj"):
             meta = ck.meta(f"{ex}.{e}.{m}.weight")
             enc, extra = meta.encoding, (meta.quant.extra if meta.quant else {})
-            if enc not in ("plain", "float-quantized") or (
-                enc == "float-quantized" and extra.get("strategy") != "channel"
-            ):
+            ok = (
+                enc == "plain"
+                or (enc == "float-quantized" and extra.get("strategy") == "channel")
+                or (enc == "pack-quantized" and "weight_zero_point" not in meta.parts)
+            )
+            if not ok:
                 raise ConfigError(
                     f"'{ex}.{e}.{m}' is {enc} ({extra.get('strategy')}): vLLM's FusedMoE "
-                    f"parameters are written for bf16 / fp16 and FP8-channel experts for now "
-                    f"(docs/vllm-target.md)."
+                    f"parameters are written for bf16 / fp16, FP8-channel and symmetric "
+                    f"int4 / int8 weight-only experts for now (docs/vllm-target.md)."
                 )
-            got.append({k: (p.dtype, p.shape[1]) for k, p in meta.parts.items()})
+            got.append({k: (p.dtype, p.shape[1] if len(p.shape) > 1 else 0)
+                        for k, p in meta.parts.items()})  # fmt: skip
         if got[0] != got[1] or list(got[0]) != list(got[2]):
             raise ConfigError(f"'{ex}.{e}': gate, up and down are stored differently.")
         sig = [(k, got[0][k], got[2][k]) for k in got[0]]
@@ -538,10 +568,14 @@ def _check_source(ck: Checkpoint) -> tuple:
         return arch, cfg
     qc = ck.config.get("quantization_config")
     if qc is not None and FAMILIES[mt] == "DeepseekV3ForCausalLM":
-        raise ConfigError(
-            f"{ck.root}: --target vllm writes {mt} in bf16 / fp16 for now; its "
-            f"quantized parameters (FP8 blocks, MLA's fused int projections) are next."
-        )
+        for n in ck.names():
+            if ".self_attn." in n and ck.meta(n).encoding != "plain":
+                raise ConfigError(
+                    f"{ck.root}: '{n}' is {ck.meta(n).encoding}: --target vllm writes "
+                    f"{mt}'s MLA attention unquantized for now (quantized experts and "
+                    f"MLPs are written: Kimi-K2-Thinking's int4 experts); FP8-block MLA "
+                    f"projections are next."
+                )
     if qc is not None:
         fmt = qc.get("format")
         if qc.get("quant_method") != "compressed-tensors" or fmt not in FORMATS:

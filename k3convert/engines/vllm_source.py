@@ -118,15 +118,6 @@ class VllmSource:
         if meta.encoding == "plain":
             shape = self._carried.get(name, meta.main.shape)  # (a padded tensor's prefix)
             t = self._assemble(name, next(iter(meta.parts)), shape, meta.shape)
-            stored = meta.main.dtype
-            if t.dtype != stored:  # vLLM's float32 copy of a bf16 tensor (router bias, conv)
-                back = t.to(stored)
-                if not torch.equal(back.to(t.dtype), t):
-                    raise StreamCorruptError(
-                        f"{self.root}: '{name}' holds {t.dtype} values that its source's "
-                        f"{stored} cannot hold (the writer casts losslessly); rewrite OUT."
-                    )
-                t = back
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
         parts = {k: self._assemble(name, k, pm.shape, meta.shape) for k, pm in meta.parts.items()}
         return ENCODINGS[meta.encoding].dequantize_to(parts, meta.quant, dtype)
@@ -161,6 +152,15 @@ class VllmSource:
             raise StreamCorruptError(
                 f"{self.root}: {int((~seen).sum())} value(s) of '{name}' are on no rank."
             )
+        stored = self.ck.meta(name).parts[part].dtype
+        if full.dtype != stored:  # vLLM's float32 router bias / conv, its bf16 expert shapes
+            back = full.to(stored)
+            if not torch.equal(back.to(full.dtype), full):
+                raise StreamCorruptError(
+                    f"{self.root}: '{name}' ({part}) holds {full.dtype} values that its "
+                    f"source's {stored} cannot hold (the writer casts losslessly); rewrite OUT."
+                )
+            full = back
         return full
 
     def close(self) -> None:
