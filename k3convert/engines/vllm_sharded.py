@@ -467,8 +467,8 @@ def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> I
 
 def _expert_parts(ck: Checkpoint, ex: str, n: int) -> list:
     """(part, (dtype, columns) of gate / up, (dtype, columns) of down) of every expert's
-    stored parts, the same for all: unquantized, FP8 with per-channel scales, or int4 /
-    int8 weight-only with symmetric channel or group scales (vLLM's FusedMoE ``w13_weight``
+    stored parts, the same for all: unquantized, FP8 with per-channel scales, or int4
+    weight-only with symmetric channel or group scales (vLLM's FusedMoE ``w13_weight``
     / ``w13_weight_scale``, ``w13_weight_packed`` / ``w13_weight_scale`` /
     ``w13_weight_shape``, ...). Other schemes are refused."""
     first = None
@@ -480,13 +480,17 @@ def _expert_parts(ck: Checkpoint, ex: str, n: int) -> list:
             ok = (
                 enc == "plain"
                 or (enc == "float-quantized" and extra.get("strategy") == "channel")
-                or (enc == "pack-quantized" and "weight_zero_point" not in meta.parts)
+                or (
+                    enc == "pack-quantized"
+                    and meta.quant.num_bits == 4  # (vLLM's WNA16 MoE: int4 or int8)
+                    and "weight_zero_point" not in meta.parts
+                )
             )
             if not ok:
                 raise ConfigError(
                     f"'{ex}.{e}.{m}' is {enc} ({extra.get('strategy')}): vLLM's FusedMoE "
                     f"parameters are written for bf16 / fp16, FP8-channel and symmetric "
-                    f"int4 / int8 weight-only experts for now (docs/vllm-target.md)."
+                    f"int4 weight-only experts for now (docs/vllm-target.md)."
                 )
             got.append({k: (p.dtype, p.shape[1] if len(p.shape) > 1 else 0)
                         for k, p in meta.parts.items()})  # fmt: skip
