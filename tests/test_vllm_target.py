@@ -15,10 +15,10 @@ from safetensors import safe_open
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter
+from k3convert.engines.vllm_moe import local_experts
 from k3convert.engines.vllm_sharded import (
     INDEX,
     check_vllm,
-    local_experts,
     pp_layers,
     write_vllm,
 )

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import ConfigError
+from .vllm_moe import local_experts
 from .vllm_sharded import (
     ALL,
     Param,
@@ -44,7 +45,6 @@ from .vllm_sharded import (
     _Source,
     _swiglu,
     _vocab_rows,
-    local_experts,
     pp_layers,
 )
 
