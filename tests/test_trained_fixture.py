@@ -170,13 +170,18 @@ def test_training_ignores_the_callers_cpu_settings(tmp_path):
         "r = dataclasses.replace(RECIPES['llama'], name='iso', steps=3, warmup=1, batch=2); "
         "print(trained_model(r))"
     )
-    digests = []
+    procs = []  # the two parents side by side (each trainer pins its own threads)
     for i, (cap, threads) in enumerate((("avx2", "2"), ("default", "1"))):
         env = dict(os.environ, K3_FIXTURE_CACHE=str(tmp_path / str(i)), PYTHONPATH=str(ROOT),
                    ATEN_CPU_CAPABILITY=cap, OMP_NUM_THREADS=threads, MKL_CBWR="AUTO")  # fmt: skip
-        r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                           text=True, timeout=300, check=True)  # fmt: skip
-        d = Path(r.stdout.strip())
+        pipe = subprocess.PIPE
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
+                                      stdout=pipe, stderr=pipe, text=True))  # fmt: skip
+    digests = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        d = Path(out.strip())
         digests.append(hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest())
         assert json.loads((d / MARKER).read_text())["environment"] == DETERMINISTIC_ENV
     assert digests[0] == digests[1]
