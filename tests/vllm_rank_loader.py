@@ -85,6 +85,21 @@ def _patch() -> None:
             return _NoKernel()
 
     fp8.init_fp8_linear_kernel = fp8_kernel
+    # NVFP4 linears: no kernel on any CPU; the scheme picks it in __init__, before
+    # create_weights, which registers the same parameters whatever the kernel
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as nvfp4,
+    )
+
+    init4 = nvfp4.init_nvfp4_linear_kernel
+
+    def nvfp4_kernel(*args, **kwargs):
+        try:
+            return init4(*args, **kwargs)
+        except ValueError:
+            return _NoKernel()
+
+    nvfp4.init_nvfp4_linear_kernel = nvfp4_kernel
 
 
 def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:

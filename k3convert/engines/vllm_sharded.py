@@ -67,7 +67,9 @@ FAMILIES = {
 #: pipeline stage (Qwen3MoeModel: no PPMissingLayer for them), not first / last only
 EVERY_STAGE = frozenset({"qwen3_moe"})
 #: compressed-tensors formats whose vLLM parameters this writes
-FORMATS = ("dense", "int-quantized", "pack-quantized", "float-quantized")
+FORMATS = ("dense", "int-quantized", "pack-quantized", "float-quantized", "nvfp4-pack-quantized")
+#: per-tensor parts a merged (qkv / gate_up) parameter holds once per member
+PER_MEMBER = ("weight_global_scale", "input_global_scale")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
 
 
@@ -398,6 +400,9 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             shape, dtype, make, _ = src.column(last, part, 0, 0, 1)
             yield Param(name, dtype, shape, make, pieces=(Piece(*_origin(last, part), ALL, ALL),))
             continue
+        if part in PER_MEMBER:  # one global scale per member: vLLM's [n_members] vector
+            yield _per_member(src, prefix, fused, members, part)
+            continue
         got = [src.column(f"{prefix}.{m}", part, a, b, full) for m, (a, b, full) in spans.items()]
         if any(len(g[0]) == 0 for g in got):
             raise ConfigError(f"{prefix}: a per-tensor '{part}' in {fused} is not written yet.")
@@ -411,6 +416,25 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             return torch.cat([g[2]() for g in got], dim=0)
 
         yield Param(name, got[0][1], shape, make, pieces=tuple(pieces))
+
+
+def _per_member(src: _Source, prefix: str, fused: str, members: list[str], part: str) -> Param:
+    """A merged parameter's per-tensor part (NVFP4's global scales): vLLM's
+    ``PerTensorScaleParameter`` holds one value per member, in member order."""
+    modules = [f"{prefix}.{m}" for m in members]
+    for m in modules:
+        shape, _ = _module_parts(src.ck, m)[part]
+        if tuple(shape) != (1,):
+            raise ConfigError(f"{m}.{part}: shape {tuple(shape)}, expected one value.")
+    dtype = _module_parts(src.ck, modules[0])[part][1]
+
+    def make():
+        return torch.cat([src.ck.get_parts(f"{m}.weight")[part].reshape(1) for m in modules])
+
+    pieces = tuple(
+        Piece(f"{m}.weight", part, ALL, (slice(j, j + 1),)) for j, m in enumerate(modules)
+    )
+    return Param(f"{prefix}.{fused}.{part}", dtype, (len(modules),), make, pieces=pieces)
 
 
 def _row(src: _Source, module: str, a: int, n: int, full: int) -> Iterator[Param]:
