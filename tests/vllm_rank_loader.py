@@ -31,6 +31,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import socket
 import sys
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -99,7 +100,13 @@ def _fallback(module, name: str, error: type, make) -> None:
     setattr(module, name, wrapped)
 
 
-def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
     """One process: every job of this world size in turn, as rank ``rank`` (vLLM's import
     once for all; the process groups are torn down between jobs)."""
     import torch
@@ -125,7 +132,7 @@ def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:
 
     for n, job in enumerate(jobs):
         ckpt, tp, ep, pp = job["ckpt"], job["tp"], job["ep"], job["pp"]
-        os.environ["VLLM_DIST_IDENT"] = f"k3-{port}-{n}"
+        os.environ["VLLM_DIST_IDENT"] = f"k3-{ports[n]}"
         args = EngineArgs(model=ckpt, dtype="bfloat16", enforce_eager=True, max_model_len=256,
                           load_format="dummy", enable_prefix_caching=False,
                           tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -133,7 +140,7 @@ def _rank(jobs: list[dict], world: int, rank: int, port: int) -> None:
         vc = args.create_engine_config()
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                         distributed_init_method=f"tcp://127.0.0.1:{port + n}",
+                                         distributed_init_method=f"tcp://127.0.0.1:{ports[n]}",
                                          backend="gloo")  # fmt: skip
             initialize_model_parallel(tp, pp)
             with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
@@ -166,8 +173,8 @@ def main(job_path: str) -> int:
     for job in jobs:
         by_world.setdefault(job["tp"] * job["pp"], []).append(job)
     for world, group in sorted(by_world.items()):
-        port = 29600 + 50 * world + os.getpid() % 1000
-        procs = [ctx.Process(target=_rank, args=(group, world, r, port)) for r in range(world)]
+        ports = [_free_port() for _ in group]  # one rendezvous per job, picked by the OS
+        procs = [ctx.Process(target=_rank, args=(group, world, r, ports)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:

@@ -128,7 +128,7 @@ def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
     yield _vocab_rows(src, rank, "language_model.lm_head.weight", "language_model.lm_head.weight")
 
 
-def _rows(src: _Source, name: str, a: int, b: int, dt: torch.dtype, view=None) -> Param:
+def _rows(src: _Source, name: str, a: int, b: int, dt: torch.dtype) -> Param:
     """Rows [a, b) of a plain tensor (a 1-D vector, or [1, 1, H, 1] viewed as 1-D)."""
     shape = src.ck.meta(name).main.shape
     lead = len(shape) == 4  # A_log stored as [1, 1, H, 1]
@@ -139,18 +139,12 @@ def _rows(src: _Source, name: str, a: int, b: int, dt: torch.dtype, view=None) -
         return v.reshape(b - a, *(() if lead else v.shape[1:])).to(dt)
 
     rest = () if lead else tuple(shape[1:])
-    return Param(view or name, dt, (b - a, *rest), make, pieces=(Piece(name, None, sl, ALL),))
+    return Param(name, dt, (b - a, *rest), make, pieces=(Piece(name, None, sl, ALL),))
 
 
 def _f32(params: Iterator[Param]) -> Iterator[Param]:
     for p in params:
         p.dtype, p.make = torch.float32, (lambda m=p.make: m().float())
-        yield p
-
-
-def _renamed(params: Iterator[Param], old: str, new: str) -> Iterator[Param]:
-    for p in params:
-        p.name = p.name.replace(old, new, 1)
         yield p
 
 
@@ -261,22 +255,19 @@ def _mxfp4_experts(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
                 raise ConfigError(
                     f"{ex}.{e}.{w}: packed {got}, expected {shape[0]} x {shape[1] // 2}."
                 )
-
-    def u8(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.uint8:
-            return x
-        if x.dtype == getattr(torch, "float8_e8m0fnu", None):
-            return x.view(torch.uint8)
-        raise ConfigError(f"{moe}: MXFP4 scales stored as {x.dtype}; expected uint8 / E8M0.")
+            if parts["weight_scale"].dtype != torch.uint8:  # vLLM's parameter: E8M0 bytes
+                raise ConfigError(
+                    f"{ex}.{e}.{w}: MXFP4 scales stored as {parts['weight_scale'].dtype}; "
+                    f"written only as the release stores them (uint8 E8M0 bytes)."
+                )
 
     def w13(part: str, cols: int):
         def gen():
             for e in experts:
                 blk = torch.zeros(1, 2 * ip, cols, dtype=torch.uint8)
                 for half, w in ((0, "w1"), (1, "w3")):
-                    blk[0, half * ip : half * ip + real] = u8(
-                        ck.get_parts(f"{ex}.{e}.{w}.weight")[part][lo:hi]
-                    )
+                    stored = ck.get_parts(f"{ex}.{e}.{w}.weight")[part]
+                    blk[0, half * ip : half * ip + real] = stored[lo:hi]
                 yield blk
 
         return gen
@@ -285,7 +276,7 @@ def _mxfp4_experts(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
         def gen():
             for e in experts:
                 blk = torch.zeros(1, width, ip // per, dtype=torch.uint8)
-                v = u8(ck.get_parts(f"{ex}.{e}.w2.weight")[part])
+                v = ck.get_parts(f"{ex}.{e}.w2.weight")[part]
                 blk[0, :, : real // per] = v[:, lo // per : hi // per]
                 yield blk
 
