@@ -478,10 +478,10 @@ def _check_source(ck: Checkpoint) -> tuple:
                 )
     if qc is not None:
         fmt = qc.get("format")
-        if fmt == "mixed-precision":  # one format per config group, each one written here
+        if fmt == "mixed-precision":  # one format per config group: each must be written here
             groups = (qc.get("config_groups") or {}).values()
-            fmt = next((g.get("format") for g in groups if g.get("format") not in FORMATS), fmt)
-            fmt = fmt if fmt != "mixed-precision" else FORMATS[0]
+            fmt = next((g.get("format") for g in groups if g.get("format") not in FORMATS),
+                       FORMATS[0])  # fmt: skip
         if qc.get("quant_method") != "compressed-tensors" or fmt not in FORMATS:
             raise ConfigError(
                 f"{ck.root}: --target vllm writes compressed-tensors {', '.join(FORMATS)} "
