@@ -41,7 +41,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from k3convert.engines.vllm_sharded import Rank, write_vllm
+from k3convert.engines.vllm_sharded import Rank, llm_call, write_vllm
 from k3convert.pipeline import quantize
 from k3convert.recipe import load_recipe
 from k3convert.synth import synthesize
@@ -55,6 +55,7 @@ LAYOUTS = {
     "llama-fp8-block": [(1, 1, 1), (2, 1, 1)],
     "llama-nvfp4": [(1, 1, 1), (2, 1, 1)],
     "llama-fp8-tensor": [(1, 1, 1), (2, 1, 1)],
+    "llama-f32": [(2, 1, 1)],
     "qwen3-moe": [(1, 1, 2), (2, 1, 2)],
     "deepseek-v3": [(1, 1, 2)],
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
@@ -96,6 +97,8 @@ def _checkpoint(name: str, root: Path) -> Path:
                 synthesize(config="llama3-8b", out=root / "llama", tiny=True, encoding="plain")
             quantize(src=root / "llama", out=out, scheme=name.removeprefix("llama-"),
                      progress=False)  # fmt: skip
+        elif name == "llama-f32":  # a float32 checkpoint, written and loaded in float32
+            synthesize(config="llama3-8b", out=out, tiny=True, encoding="plain", dtype="fp32")
         elif name == "llama-fp8-block":  # every tp 2 slice a whole number of 128-blocks
             wide = {"kv_heads": 4, "hidden": 256, "intermediate": 512}
             synthesize(config="llama3-8b", out=root / "wide", tiny=True, encoding="plain",
@@ -129,12 +132,33 @@ def loaded(tmp_path_factory) -> Path:
         ck = _checkpoint(name, root)
         for tp, ep, pp in LAYOUTS[name]:
             out = root / "vllm" / f"{name}-tp{tp}-ep{ep}-pp{pp}"
-            jobs.append({"ckpt": str(ck), "out": str(out), "tp": tp, "ep": ep, "pp": pp})
+            # vLLM's dtype argument as the printed LLM(...) call gives it
+            dtype = "float32" if name == "llama-f32" else "bfloat16"
+            jobs.append({"ckpt": str(ck), "out": str(out), "tp": tp, "ep": ep, "pp": pp,
+                         "dtype": dtype})  # fmt: skip
+    # the same float32 checkpoint under vLLM's default dtype="auto"
+    jobs.append({"ckpt": str(root / "llama-f32"), "out": str(root / "vllm" / "llama-f32-auto"),
+                 "tp": 1, "ep": 1, "pp": 1, "dtype": "auto"})  # fmt: skip
     (root / "jobs.json").write_text(json.dumps(jobs))
     argv = [py, str(LOADER), str(root / "jobs.json")]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=_engine_env())
     assert r.returncode == 0, r.stderr[-3000:]
     return root
+
+
+def test_float32_is_loaded_as_float32_only_when_told(loaded):
+    """vLLM's dtype="auto" builds a float32 checkpoint's model in bfloat16, into which
+    ShardedStateLoader would round our float32 files without a word: the printed call
+    names the dtype (and with it the files are vLLM's parameters, the test below)."""
+    auto = _tensors(loaded / "vllm" / "llama-f32-auto" / "rank-pp0-tp0.safetensors")
+    assert auto["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.bfloat16
+    out = loaded / "ours" / "llama-f32-call"
+    write_vllm(src=loaded / "llama-f32", out=out)
+    got = _tensors(out / Rank(0, 0, 1, 1, False).file())
+    assert got["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float32
+    assert "dtype='float32'" in llm_call(out)
+    write_vllm(src=loaded / "llama", out=loaded / "ours" / "llama-bf16-call")  # bf16
+    assert "dtype" not in llm_call(loaded / "ours" / "llama-bf16-call")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -121,8 +121,9 @@ def test_refusals_are_one_line_exit_2(llama, tmp_path):
     synthesize(config="kimi-k3", out=k3, tiny=True)
     r = _cli("shard", k3, tmp_path / "o", "--target", "vllm")
     assert r.returncode == 2 and "no preprocessor_config.json" in r.stderr, r.stderr
-    r = _cli("shard", "/nonexistent", tmp_path / "o", "--target", "vllm")
-    assert r.returncode == 2
+    nowhere = tmp_path / "nowhere"
+    r = _cli("shard", nowhere, tmp_path / "o", "--target", "vllm")
+    assert r.returncode == 2 and r.stderr == f"error: {nowhere}: no such file or directory.\n"
     r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--tp", "2", "--ep", "2")
     assert r.returncode == 2 and "--ep needs a model with routed experts" in r.stderr
     r = _cli("shard", llama, tmp_path / "o", "--target", "vllm", "--tp", "4", "--ep", "2")
@@ -190,7 +191,7 @@ def test_qwen3_moe_experts_split_or_placed_whole(tmp_path, ep):
 def test_fp8_experts_map_back_bit_exact_and_int_experts_are_refused(tmp_path):
     """FP8-channel experts: the codes and per-channel scales stacked as stored (w2's scale
     whole on each rank), read back bit for bit by verify at tp 2 + EP and at tp 2 (exact
-    logits against the FP8 checkpoint); int8 / int4 experts are refused before writing."""
+    logits against the FP8 checkpoint); w8a8 (int8) experts are refused before writing."""
     src = tmp_path / "q"
     synthesize(config="qwen3-30b-a3b", out=src, tiny=True, encoding="plain")
     with warnings.catch_warnings():

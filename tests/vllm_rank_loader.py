@@ -133,8 +133,8 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
     for n, job in enumerate(jobs):
         ckpt, tp, ep, pp = job["ckpt"], job["tp"], job["ep"], job["pp"]
         os.environ["VLLM_DIST_IDENT"] = f"k3-{ports[n]}"
-        args = EngineArgs(model=ckpt, dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                          load_format="dummy", enable_prefix_caching=False,
+        args = EngineArgs(model=ckpt, dtype=job.get("dtype", "bfloat16"), enforce_eager=True,
+                          max_model_len=256, load_format="dummy", enable_prefix_caching=False,
                           tensor_parallel_size=tp, pipeline_parallel_size=pp,
                           enable_expert_parallel=ep > 1)  # fmt: skip
         vc = args.create_engine_config()
@@ -143,7 +143,7 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
                                          distributed_init_method=f"tcp://127.0.0.1:{ports[n]}",
                                          backend="gloo")  # fmt: skip
             initialize_model_parallel(tp, pp)
-            with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+            with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
                 model = initialize_model(vllm_config=vc)
 
             def weights(ckpt=ckpt):
@@ -164,8 +164,9 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
 
 
 def main(job_path: str) -> int:
-    """JOB: a JSON list of ``{"ckpt", "out", "tp", "ep", "pp"}``; each rank's parameters go
-    to ``out/rank-pp{p}-tp{t}.safetensors``."""
+    """JOB: a JSON list of ``{"ckpt", "out", "tp", "ep", "pp"}`` (and ``"dtype"``, vLLM's
+    ``dtype`` argument, bfloat16 when absent); each rank's parameters go to
+    ``out/rank-pp{p}-tp{t}.safetensors``."""
     with open(job_path) as f:
         jobs = json.load(f)
     ctx = mp.get_context("spawn")

@@ -578,6 +578,7 @@ def write_vllm(
     out = check_output(out, force=force, need_bytes=total, source=ck.root)
     index = {"format": FORMAT, "version": 1, "generator": f"k3convert {__version__}",
              "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
+             "dtype": str(_dtype_of(ck)).removeprefix("torch."),
              "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(Path(ck.root).resolve()),
              "files": []}  # fmt: skip
     stage = _stage_of(out)
@@ -646,10 +647,14 @@ def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: s
 
 
 def llm_call(out: str | os.PathLike) -> str:
-    """The ``LLM(...)`` call that loads a written directory, from its index. Kimi K3 adds
-    ``kda_decode_backend="triton"``: vLLM 0.32's other KDA decode paths keep float32
-    copies of ``conv1d`` / ``o_norm`` that only its HF weight loader fills, which
-    ``sharded_state`` never calls (they would hold uninitialised memory)."""
+    """The ``LLM(...)`` call that loads a written directory, from its index.
+
+    - A float32 checkpoint adds ``dtype='float32'``: vLLM's ``dtype="auto"`` builds a
+      float32 config's model in bfloat16 (``_get_and_verify_dtype``), and
+      ``ShardedStateLoader`` would round our float32 files into it without a word.
+    - Kimi K3 adds ``kda_decode_backend="triton"``: vLLM 0.32's other KDA decode paths keep
+      float32 copies of ``conv1d`` / ``o_norm`` that only its HF weight loader fills,
+      which ``sharded_state`` never calls (they would hold uninitialised memory)."""
     index = json.loads((Path(out) / INDEX).read_text())
     lay = index["layout"]
     args = [f"model='{out}'", "load_format='sharded_state'", f"tensor_parallel_size={lay['tp']}"]
@@ -657,6 +662,8 @@ def llm_call(out: str | os.PathLike) -> str:
         args.append(f"pipeline_parallel_size={lay['pp']}")
     if lay.get("ep", 1) > 1:
         args.append("enable_expert_parallel=True")
+    if index.get("dtype") == "float32":
+        args.append("dtype='float32'")
     if index.get("model_type") == "kimi_k3":
         args.append("additional_config={'kda_decode_backend': 'triton'}")
     return f"LLM({', '.join(args)})"
