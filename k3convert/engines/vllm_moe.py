@@ -1,8 +1,9 @@
 """vLLM's FusedMoE parameters for ``shard --target vllm`` (qwen3_moe, deepseek_v3 /
 kimi_k2): the router, the shared experts as a dense MLP, and the routed experts stacked
 (``w13_*`` = gate rows then up rows, ``w2_*`` = down's input columns) for every stored
-part - unquantized, FP8 with per-channel scales, or int4 weight-only with group scales
-(``*_weight_packed`` / ``*_weight_scale`` / ``*_weight_shape``) - split over tp, or placed
+part - unquantized; FP8 (channel or block scales) or int8 (channel) codes; int4 / int8
+weight-only (``*_weight_packed`` / ``*_weight_scale`` / ``*_weight_shape``, zero points);
+NVFP4 (packed FP4, FP8 group scales, per-tensor global scales) - split over tp, or placed
 whole under expert parallelism as vLLM 0.32 places experts.
 """
 
@@ -32,7 +33,7 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
     [E, H, I]. Under EP each rank holds its experts whole; under TP every expert's I is
     split. Written one expert at a time (``write_stacked``)."""
     cfg, ck, tp = src.cfg, src.ck, rank.tp_size
-    n, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    n, inter = cfg.num_experts, cfg.moe_intermediate_size
     router = src.whole(f"{mlp}.gate.weight", src.dtype)
     router.name = f"{mlp}.experts.gate.weight"
     yield router
@@ -54,30 +55,40 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
         if inter % tp:
             raise ConfigError(f"tp={tp} does not divide moe_intermediate_size {inter}.")
         experts, lo, hi = range(n), rank.tp * inter // tp, (rank.tp + 1) * inter // tp
-    rows, cut = hi - lo, slice(lo, hi)
-    for part, (dt13, cols13), (dt2, cols2) in parts:
-        suffix = "" if part == "weight" else part.removeprefix("weight")
-        name13, name2 = (
-            f"{ex}.routed_experts.w13_weight{suffix}",
-            f"{ex}.routed_experts.w2_weight{suffix}",
+    q = ck.meta(f"{ex}.0.down_proj.weight").quant
+    strategy = q.extra.get("strategy") if q else None
+    if strategy == "block" and (hi - lo) % q.block[0]:  # as vLLM's validate_fp8_block_shape_moe
+        raise ConfigError(
+            f"'{ex}': {hi - lo} intermediate rows per rank are not whole FP8 blocks of "
+            f"{q.block[0]} (vLLM refuses them); pick a tp that keeps whole blocks, or --ep."
         )
+    for part, (dt13, shape13), (dt2, shape2) in parts:
+        name13, name2 = f"{ex}.routed_experts.w13_{part}", f"{ex}.routed_experts.w2_{part}"
         if part == "weight_shape":  # [out, in] per expert, in vLLM's model dtype (one row)
             yield from _expert_shapes(src, ex, experts, name13, name2)
+            continue
+        if shape13 == (1,):  # a per-tensor scale: [E, 2] (gate's, up's) and [E] (down's)
+            yield from _expert_tensor_scales(src, ex, experts, part, dt13, name13, name2)
             continue
         # an unquantized weight takes the model dtype; codes (FP8, packed int) and scales stay
         cast = (
             src.dtype if dt13.is_floating_point and dt13.itemsize > 1 and part == "weight" else None
         )
         dt13, dt2 = cast or dt13, cast or dt2
-        grouped = cols2 > 1 or part == "weight"  # down's input columns (packed, or groups)
+        # gate / up rows [lo, hi) of I in the part's rows (a zero point packs them per int32)
+        r0, r1 = _scaled(shape13[0], inter, lo, hi, f"{ex}.*.gate_proj.{part}")
+        rows, cut = r1 - r0, slice(r0, r1)
+        cols2 = shape2[1] if len(shape2) > 1 else 0
+        # down's input columns split (packed, groups, blocks); a per-channel scale is whole
+        grouped = part == "weight" or strategy != "channel"
         a2, b2 = (
             _scaled(cols2, inter, lo, hi, f"{ex}.*.down_proj.{part}") if grouped else (0, cols2)
         )
 
-        def w13(part=part, cast=cast):
+        def w13(part=part, cast=cast, cut=cut):
             for e in experts:
                 g, u = (
-                    ck.get_parts(f"{ex}.{e}.{m}.weight")[part][lo:hi]
+                    ck.get_parts(f"{ex}.{e}.{m}.weight")[part][cut]
                     for m in ("gate_proj", "up_proj")
                 )
                 t = torch.cat([g, u])
@@ -99,8 +110,36 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
                 Piece(f"{ex}.{e}.down_proj.weight", part, (slice(None), slice(a2, b2)), (at,))
             )
         n_e = len(experts)
-        yield Param(name13, dt13, (n_e, 2 * rows, cols13), None, w13, tuple(p13))
-        yield Param(name2, dt2, (n_e, hidden, b2 - a2), None, w2, tuple(p2))
+        yield Param(name13, dt13, (n_e, 2 * rows, shape13[1]), None, w13, tuple(p13))
+        yield Param(name2, dt2, (n_e, shape2[0], b2 - a2), None, w2, tuple(p2))
+
+
+def _expert_tensor_scales(
+    src: _Source, ex: str, experts, part: str, dtype: torch.dtype, name13: str, name2: str
+) -> Iterator[Param]:
+    """A per-tensor part of every expert (NVFP4's global scales): FusedMoE holds gate's
+    and up's side by side, [E, 2], and down's as [E], whole on every tp rank."""
+    ck = src.ck
+
+    def w13():
+        for e in experts:
+            g, u = (ck.get_parts(f"{ex}.{e}.{m}.weight")[part] for m in ("gate_proj", "up_proj"))
+            yield torch.cat([g.reshape(1), u.reshape(1)])[None]
+
+    def w2():
+        for e in experts:
+            yield ck.get_parts(f"{ex}.{e}.down_proj.weight")[part].reshape(1)
+
+    p13, p2 = [], []
+    for i, e in enumerate(experts):
+        at = slice(i, i + 1)
+        p13 += [
+            Piece(f"{ex}.{e}.{m}.weight", part, ALL, (at, slice(j, j + 1)))
+            for j, m in enumerate(("gate_proj", "up_proj"))
+        ]
+        p2.append(Piece(f"{ex}.{e}.down_proj.weight", part, ALL, (at,)))
+    yield Param(name13, dtype, (len(experts), 2), None, w13, tuple(p13))
+    yield Param(name2, dtype, (len(experts),), None, w2, tuple(p2))
 
 
 def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
@@ -120,35 +159,47 @@ def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> I
         yield Param(name, dt, (len(experts), 2), None, rows, pieces)
 
 
+def _expert_ok(meta) -> bool:
+    """Whether vLLM 0.32's FusedMoE method for this expert's scheme is written here:
+    unquantized; FP8 with per-channel or block scales, or int8 with per-channel scales,
+    and dynamic activations (the W8A8 FP8 / int8 methods: ``w13_weight`` +
+    ``w13_weight_scale``); int4 / int8
+    weight-only with channel or group scales, symmetric or with zero points (WNA16:
+    ``w13_weight_packed`` / ``_scale`` / ``_shape`` / ``_zero_point``); NVFP4 with its
+    activation global scale (W4A4 NVFP4: ``w13_weight_packed`` / ``_scale`` /
+    ``_global_scale``, ``w13_input_global_scale``)."""
+    q, enc = meta.quant, meta.encoding
+    strategy = (q.extra if q else {}).get("strategy")
+    if enc == "plain":
+        return True
+    if enc == "float-quantized":
+        return strategy in ("channel", "block")
+    if enc == "int-quantized" and q.num_bits == 8:
+        return strategy == "channel"
+    if enc == "pack-quantized":
+        return q.num_bits in (4, 8)
+    return enc == "nvfp4-pack-quantized" and "input_global_scale" in meta.parts
+
+
 def _expert_parts(ck: Checkpoint, ex: str, n: int) -> list:
-    """(part, (dtype, columns) of gate / up, (dtype, columns) of down) of every expert's
-    stored parts, the same for all: unquantized, FP8 with per-channel scales, or int4
-    weight-only with symmetric channel or group scales (vLLM's FusedMoE ``w13_weight``
-    / ``w13_weight_scale``, ``w13_weight_packed`` / ``w13_weight_scale`` /
-    ``w13_weight_shape``, ...). Other schemes are refused."""
+    """(part, (dtype, shape) of gate / up, (dtype, shape) of down) of every expert's
+    stored parts, the same for all, for the schemes ``_expert_ok`` takes. Others are
+    refused before writing."""
     first = None
     for e in range(n):
         got = []
         for m in ("gate_proj", "up_proj", "down_proj"):
             meta = ck.meta(f"{ex}.{e}.{m}.weight")
-            enc, extra = meta.encoding, (meta.quant.extra if meta.quant else {})
-            ok = (
-                enc == "plain"
-                or (enc == "float-quantized" and extra.get("strategy") == "channel")
-                or (
-                    enc == "pack-quantized"
-                    and meta.quant.num_bits == 4  # (vLLM's WNA16 MoE: int4 or int8)
-                    and "weight_zero_point" not in meta.parts
-                )
-            )
-            if not ok:
+            if not _expert_ok(meta):
+                q = meta.quant
+                what = f"{meta.encoding}, {q.num_bits} bits, {q.extra.get('strategy')}"
                 raise ConfigError(
-                    f"'{ex}.{e}.{m}' is {enc} ({extra.get('strategy')}): vLLM's FusedMoE "
-                    f"parameters are written for bf16 / fp16, FP8-channel and symmetric "
-                    f"int4 weight-only experts for now (docs/vllm-target.md)."
+                    f"'{ex}.{e}.{m}' is {what}: vLLM's FusedMoE parameters are written for "
+                    f"bf16 / fp16, FP8 per-channel or block, int8 per-channel (dynamic "
+                    f"activations), int4 / int8 weight-only and NVFP4 experts "
+                    f"(docs/vllm-target.md)."
                 )
-            got.append({k: (p.dtype, p.shape[1] if len(p.shape) > 1 else 0)
-                        for k, p in meta.parts.items()})  # fmt: skip
+            got.append({k: (p.dtype, tuple(p.shape)) for k, p in meta.parts.items()})
         if got[0] != got[1] or list(got[0]) != list(got[2]):
             raise ConfigError(f"'{ex}.{e}': gate, up and down are stored differently.")
         sig = [(k, got[0][k], got[2][k]) for k in got[0]]

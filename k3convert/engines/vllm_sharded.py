@@ -403,6 +403,8 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             )
     strategy = src.ck.meta(f"{prefix}.{members[0]}.weight").quant
     per_tensor = strategy is not None and strategy.extra.get("strategy") == "tensor"
+    if strategy is not None and strategy.extra.get("strategy") == "block":
+        _whole_blocks(prefix, spans, strategy.block[0])
     for part in parts:
         name = f"{prefix}.{fused}.{part}"
         if part == "weight_shape":  # vLLM keeps the last member it loaded, whole
@@ -427,6 +429,21 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             return torch.cat([g[2]() for g in got], dim=0)
 
         yield Param(name, got[0][1], shape, make, pieces=tuple(pieces))
+
+
+def _whole_blocks(prefix: str, spans: dict, block: int) -> None:
+    """vLLM's ``validate_fp8_block_shape`` for a merged FP8-block layer: each member's rows
+    on a rank are whole blocks (the last member's may end in a partial one when the layer
+    is not split over tp)."""
+    split = any(b - a < full for a, b, full in spans.values())
+    check = list(spans.items()) if split else list(spans.items())[:-1]
+    for m, (a, b, _) in check:
+        if (b - a) % block:
+            raise ConfigError(
+                f"{prefix}.{m}: {b - a} rows per rank are not whole FP8 blocks of {block}, "
+                f"and vLLM refuses them in its merged layer; re-quantize with a scheme "
+                f"without blocks (fp8-dynamic), or keep {prefix}'s projections unquantized."
+            )
 
 
 def _per_member(src: _Source, prefix: str, fused: str, members: list[str], part: str) -> Param:
