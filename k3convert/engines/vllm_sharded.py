@@ -77,8 +77,8 @@ FORMATS = (
     "nvfp4-pack-quantized",
 )
 #: per-tensor parts a merged (qkv / gate_up) parameter holds once per member (with a
-#: tensor-wise weight's ``weight_scale``)
-PER_MEMBER = ("weight_global_scale", "input_global_scale")
+#: tensor-wise weight's ``weight_scale``): NVFP4's global scales, a static FP8 input scale
+PER_MEMBER = ("weight_global_scale", "input_global_scale", "input_scale")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
 
 
@@ -409,7 +409,7 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
     for part in parts:
         name = f"{prefix}.{fused}.{part}"
         if part == "weight_shape":  # vLLM keeps the last member it loaded, whole
-            last = max((f"{prefix}.{m}" for m in members), key=lambda m: _load_order(src.ck, m))
+            last = last_loaded(src.ck, [f"{prefix}.{m}" for m in members], part)
             shape, dtype, make, _ = src.column(last, part, 0, 0, 1)
             yield Param(name, dtype, shape, make, pieces=(Piece(*_origin(last, part), ALL, ALL),))
             continue
@@ -432,13 +432,16 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
         yield Param(name, got[0][1], shape, make, pieces=tuple(pieces))
 
 
-def _load_order(ck: Checkpoint, module: str) -> tuple:
-    """Where vLLM's loader reads ``module``'s ``weight_shape``: its files in natural order
-    (``_natural_sort_key``: model-2 before model-10), each file's tensors by name."""
-    part = ck.meta(f"{module}.weight").parts["weight_shape"]
-    name = part.file.name
-    key = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-    return key, part.name
+def last_loaded(ck: Checkpoint, modules: list[str], part: str) -> str:
+    """Which of ``modules`` vLLM's loader reads ``part`` of last (a merged parameter that
+    keeps one value for all, as a fused int4 layer's ``weight_shape``): files in natural
+    order (``_natural_sort_key``: model-2 before model-10), each file's tensors by name."""
+
+    def order(module: str) -> tuple:
+        pm = ck.meta(f"{module}.weight").parts[part]
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", pm.file.name)], pm.name
+
+    return max(modules, key=order)
 
 
 def _whole_blocks(prefix: str, spans: dict, block: int) -> None:
@@ -510,10 +513,12 @@ def _check_source(ck: Checkpoint) -> tuple:
             raise ConfigError(f"{ck.root}: KV-cache scales are not written for vLLM yet.")
         for g in (qc.get("config_groups") or {}).values():
             ia, w = g.get("input_activations") or {}, g.get("weights") or {}
-            if ia and not ia.get("dynamic"):
+            static_fp8 = (ia.get("type"), ia.get("strategy")) == ("float", "tensor")
+            if ia and not ia.get("dynamic") and not static_fp8:
                 raise ConfigError(
-                    f"{ck.root}: static activation scales are not written for vLLM yet; use "
-                    f"a scheme with dynamic activations (fp8-dynamic, w8a8, fp8-block)."
+                    f"{ck.root}: static activation scales are written for vLLM for FP8 per "
+                    f"tensor (fp8) only, not {ia.get('type')} {ia.get('strategy')}; use a "
+                    f"scheme with dynamic activations (fp8-dynamic, w8a8, fp8-block)."
                 )
             if w.get("actorder") == "group":
                 raise ConfigError(f"{ck.root}: GPTQ act-order 'group' (g_idx) is not written yet.")

@@ -119,8 +119,13 @@ class VllmSource:
             shape = self._carried.get(name, meta.main.shape)  # (a padded tensor's prefix)
             t = self._assemble(name, next(iter(meta.parts)), shape, meta.shape)
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
-        parts = {k: self._assemble(name, k, pm.shape, meta.shape) for k, pm in meta.parts.items()}
-        return ENCODINGS[meta.encoding].dequantize_to(parts, meta.quant, dtype)
+        return ENCODINGS[meta.encoding].dequantize_to(self.get_parts(name), meta.quant, dtype)
+
+    def get_parts(self, name: str) -> dict[str, torch.Tensor]:
+        """``name``'s stored parts, each reassembled from the ranks: the runtime reads a
+        static input scale here, as vLLM holds it (FusedMoE keeps one for gate and up)."""
+        meta = self.ck.meta(name)
+        return {k: self._assemble(name, k, pm.shape, meta.shape) for k, pm in meta.parts.items()}
 
     def _assemble(self, name: str, part: str, shape, logical) -> torch.Tensor:
         hits = self._pieces.get((name, part))
