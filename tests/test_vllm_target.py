@@ -242,17 +242,18 @@ def test_nvfp4_and_zero_point_experts_map_back_bit_exact(tmp_path):
 
 
 def test_static_fp8_scales_map_back_and_unequal_gate_up_scales_are_refused(tmp_path):
-    """Calibrated fp8 (per-tensor weight and input scales) at tp 2 + EP: verify runs the
-    static activation quantization with the input scales read back from the rank files,
-    exact against the checkpoint. Gate and up input scales that differ (vLLM's FusedMoE
-    holds one for both and refuses them) are refused before writing."""
+    """Calibrated fp8 (per-tensor weight and input scales, KV-cache scales) at tp 2 + EP:
+    verify runs the static activation and KV-cache quantization with the scales read back
+    from the rank files, exact against the checkpoint. Gate and up input scales that
+    differ (vLLM's FusedMoE holds one for both and refuses them) are refused before
+    writing; so are an MLA model's KV-cache scales (vLLM's MLA loads none)."""
     from k3convert.calibrate.options import SequentialOptions
 
     src = tmp_path / "q"
     synthesize(config="qwen3-30b-a3b", out=src, tiny=True, encoding="plain")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calib = SequentialOptions(num_samples=4, seq_len=32)
+        calib = SequentialOptions(num_samples=4, seq_len=32, kv_cache="fp8")
         quantize(src=src, out=tmp_path / "fp8", scheme="fp8", algorithm="static",
                  calibrate=calib, progress=False)  # fmt: skip
     out = tmp_path / "v"
@@ -262,6 +263,8 @@ def test_static_fp8_scales_map_back_and_unequal_gate_up_scales_are_refused(tmp_p
     ex = "model.layers.0.mlp.experts.routed_experts."
     assert tuple(t[ex + "w13_input_scale"].shape) == (4,)
     assert tuple(t[ex + "w13_weight_scale"].shape) == (4, 2)
+    k_scale = open_checkpoint(tmp_path / "fp8").get("model.layers.0.self_attn.k_scale")
+    assert torch.equal(t["model.layers.0.self_attn.attn.k_scale"], k_scale.reshape(1))
     r = _cli("verify", out, "--reference", tmp_path / "fp8", "--no-progress")
     assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
     ck = open_checkpoint(tmp_path / "fp8")
@@ -275,6 +278,14 @@ def test_static_fp8_scales_map_back_and_unequal_gate_up_scales_are_refused(tmp_p
     with pytest.raises(ConfigError, match=r"experts\.3': gate_proj's input scale .* differ"):
         write_vllm(src=tmp_path / "bad", out=tmp_path / "o", tp=2)
     assert not (tmp_path / "o").exists()
+    ds = tmp_path / "ds"
+    synthesize(config="deepseek-v3", out=ds, tiny=True, encoding="plain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(src=ds, out=tmp_path / "ds-kv", scheme="fp8", algorithm="static",
+                 calibrate=calib, progress=False)  # fmt: skip
+    with pytest.raises(ConfigError, match="MLA attention loads none"):
+        write_vllm(src=tmp_path / "ds-kv", out=tmp_path / "o", tp=1)
 
 
 def test_write_stacked_checks_its_parts(tmp_path):

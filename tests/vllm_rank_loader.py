@@ -151,7 +151,7 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
         args = EngineArgs(model=ckpt, dtype=job.get("dtype", "bfloat16"), enforce_eager=True,
                           max_model_len=256, load_format="dummy", enable_prefix_caching=False,
                           tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                          enable_expert_parallel=ep > 1)  # fmt: skip
+                          enable_expert_parallel=ep > 1, **job.get("engine", {}))  # fmt: skip
         vc = args.create_engine_config()
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
@@ -180,8 +180,8 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
 
 def main(job_path: str) -> int:
     """JOB: a JSON list of ``{"ckpt", "out", "tp", "ep", "pp"}`` (and ``"dtype"``, vLLM's
-    ``dtype`` argument, bfloat16 when absent); each rank's parameters go to
-    ``out/rank-pp{p}-tp{t}.safetensors``."""
+    ``dtype`` argument, bfloat16 when absent; ``"engine"``: more EngineArgs); each rank's
+    parameters go to ``out/rank-pp{p}-tp{t}.safetensors``."""
     with open(job_path) as f:
         jobs = json.load(f)
     ctx = mp.get_context("spawn")

@@ -288,7 +288,7 @@ def _gqa_attention(src: _Source, rank: Rank, pre: str) -> Iterator[Param]:
     yield from _fused(src, f"{pre}.self_attn", "qkv_proj", spans)
     yield from _row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
     quantized = src.ck.config.get("quantization_config") is not None
-    yield from _attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized)
+    yield from _attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized, src.ck, pre)
 
 
 def _mla_attention(src: _Source, rank: Rank, pre: str) -> Iterator[Param]:
@@ -375,10 +375,15 @@ def _vocab_rows(src: _Source, rank: Rank, name: str, out_name: str) -> Param:
     return Param(out_name, src.dtype, (per, meta.shape[1]), make, pieces=(piece,) if real else ())
 
 
-def _attention_scales(prefix: str, dtype: torch.dtype, quantized: bool) -> Iterator[Param]:
+def _attention_scales(
+    prefix: str, dtype: torch.dtype, quantized: bool, ck: Checkpoint | None = None,
+    layer: str = "",
+) -> Iterator[Param]:  # fmt: skip
     """The attention layer's own parameters: its unit scales, and under compressed-tensors
-    (whose KV-cache method vLLM attaches to every attention layer) unit q / k / v scales
-    and zero zero points, as vLLM creates them when the checkpoint has no KV-cache scales."""
+    (whose KV-cache method vLLM attaches to every attention layer) its q / k / v scales
+    and zero zero points: the checkpoint's calibrated ``self_attn.k_scale`` / ``v_scale``
+    (/ ``q_scale``) where it has them (a ``kv_cache_scheme``), else 1.0 as vLLM creates
+    them. The same on every rank."""
 
     def const(value: float, dt: torch.dtype, shape: tuple[int, ...]):
         return lambda: torch.full(shape, value, dtype=dt)
@@ -387,7 +392,20 @@ def _attention_scales(prefix: str, dtype: torch.dtype, quantized: bool) -> Itera
         yield Param(f"{prefix}.{s}", torch.float32, (), const(1.0, torch.float32, ()))
     if quantized:
         for s in ("k", "q", "v"):
-            yield Param(f"{prefix}.{s}_scale", torch.float32, (1,), const(1.0, torch.float32, (1,)))
+            stored = f"{layer}.self_attn.{s}_scale"
+            if ck is not None and stored in ck:
+                meta = ck.meta(stored)
+                if meta.shape not in ((1,), ()) or meta.dtype != torch.float32:
+                    raise ConfigError(
+                        f"'{stored}' is {meta.dtype} {tuple(meta.shape)}: vLLM loads one "
+                        f"float32 KV-cache scale per layer."
+                    )
+                yield Param(f"{prefix}.{s}_scale", torch.float32, (1,),
+                            lambda n=stored: ck.get(n).reshape(1),
+                            pieces=(Piece(stored, None, ALL, ALL),))  # fmt: skip
+            else:
+                yield Param(f"{prefix}.{s}_scale", torch.float32, (1,),
+                            const(1.0, torch.float32, (1,)))  # fmt: skip
             yield Param(f"{prefix}.{s}_zero_point", dtype, (1,), const(0.0, dtype, (1,)))
 
 
@@ -509,8 +527,19 @@ def _check_source(ck: Checkpoint) -> tuple:
                 f"{ck.root}: --target vllm writes compressed-tensors {', '.join(FORMATS)} "
                 f"checkpoints, not {qc.get('quant_method')} / {fmt}."
             )
-        if qc.get("kv_cache_scheme") is not None:
-            raise ConfigError(f"{ck.root}: KV-cache scales are not written for vLLM yet.")
+        kv = qc.get("kv_cache_scheme")
+        if kv is not None and FAMILIES[mt] == "DeepseekV3ForCausalLM":
+            raise ConfigError(
+                f"{ck.root}: its KV-cache scales (kv_cache_scheme) would be lost: vLLM 0.32's "
+                f"MLA attention loads none (its own load of this checkpoint drops them too, "
+                f"and an fp8 KV cache would run with scale 1.0). Quantize without --kv-cache "
+                f"for vLLM."
+            )
+        if kv is not None and (kv.get("type"), kv.get("strategy")) != ("float", "tensor"):
+            raise ConfigError(
+                f"{ck.root}: KV-cache scales are written for FP8 per tensor only, not "
+                f"{kv.get('type')} {kv.get('strategy')}."
+            )
         for g in (qc.get("config_groups") or {}).values():
             ia, w = g.get("input_activations") or {}, g.get("weights") or {}
             static_fp8 = (ia.get("type"), ia.get("strategy")) == ("float", "tensor")
