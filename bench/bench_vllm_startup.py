@@ -8,12 +8,14 @@ engine (``LLM(...)`` returned), and to the first token; vLLM's own "Loading weig
 line is the weight-loading part of it. The two loads run interleaved (HF, sharded, HF,
 ...), ``--repeats`` rounds, with the page cache warm for both; the table shows medians
 and the ratio to the HF load. The one-time cost of writing the sharded files is timed
-against ``cp -r`` of the checkpoint, interleaved too.
+against ``cp -r`` of the checkpoint, and ``cp -r`` + ``sync`` (the writer fsyncs every
+rank file and directory before the index commits, so that is the floor with the same
+guarantee), interleaved too; ``--write-only`` times just that.
 
 The checkpoint is a llama of bench_quant.py's shape (``--layers``, 12: 1.39 GB bf16),
 written once under --work.
 
-    python bench/bench_vllm_startup.py [--layers 12] [--tp 1] [--repeats 3]
+    python bench/bench_vllm_startup.py [--layers 12] [--tp 1] [--repeats 3] [--write-only]
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--python", default=os.environ.get("K3_VLLM_PYTHON") or str(DEFAULT_VENV))
     ap.add_argument("--work", type=Path, default=None, help="Where the checkpoints go.")
+    ap.add_argument("--write-only", action="store_true", help="Time the write only.")
     a = ap.parse_args()
-    if not Path(a.python).exists():
+    if not a.write_only and not Path(a.python).exists():
         sys.exit(f"no vLLM interpreter at {a.python}: run `bash tools/vllm-venv.sh` first")
     work = a.work or Path(tempfile.gettempdir()) / "k3-bench-vllm"
     work.mkdir(parents=True, exist_ok=True)
@@ -102,15 +105,20 @@ def main() -> None:
     sharded, copy = work / f"llama-{a.layers}-vllm-tp{a.tp}", work / "cp-copy"
     k3 = [sys.executable, "-m", "k3convert", "shard", hf, sharded, "--target", "vllm",
           "--tp", a.tp, "--no-progress"]  # fmt: skip
-    writes: dict[str, list[float]] = {"cp -r": [], "shard --target vllm": []}
+    writes: dict[str, list[float]] = {"cp -r": [], "cp -r + sync": [], "shard --target vllm": []}
     for _ in range(a.repeats):  # one-time cost, interleaved with cp -r of the same files
         for d in (copy, sharded):  # outside the timed region, synced: no run pays for it
             shutil.rmtree(d, ignore_errors=True)
         os.sync()
         writes["cp -r"].append(timed(["cp", "-r", hf, copy]))
+        shutil.rmtree(copy)
+        os.sync()
+        writes["cp -r + sync"].append(timed(["sh", "-c", f'cp -r "{hf}" "{copy}" && sync']))
         os.sync()
         writes["shard --target vllm"].append(timed(k3))
     shutil.rmtree(copy, ignore_errors=True)
+    if a.write_only:
+        return _print_writes(writes, a.repeats, a.layers, total, a.tp)
     warm([*hf.iterdir(), *sharded.iterdir()])
     runs: dict[str, list[dict]] = {"HF checkpoint": [], "sharded_state": []}
     for _ in range(a.repeats):
@@ -126,11 +134,17 @@ def main() -> None:
         print(f"{k:<16}{m['weights']:>11.2f}{m['ready']:>10.2f}{m['first']:>13.2f}"
               f"{m['process']:>11.2f}{m['ready'] / base['ready']:>12.2f}x")  # fmt: skip
     print(f"(vLLM import: {base['import']:.1f} s, in 'process' only)")
-    print("\none-time write of the sharded files (process start included: k3convert "
-          "imports torch), median of", a.repeats)  # fmt: skip
+    _print_writes(writes, a.repeats, a.layers, total, a.tp)
+
+
+def _print_writes(writes: dict, repeats: int, layers: int, total: int, tp: int) -> None:
+    print(f"\none-time write of the sharded files, llama {layers} layers ({total / 1e9:.2f} GB"
+          f" bf16), tp {tp} (process start included: k3convert imports torch), median of "
+          f"{repeats}, interleaved")  # fmt: skip
+    base = statistics.median(writes["cp -r + sync"])
     for k, v in writes.items():
         m = statistics.median(v)
-        print(f"{k:<22}{m:>8.2f} s{m / statistics.median(writes['cp -r']):>8.2f}x cp -r")
+        print(f"{k:<22}{m:>8.2f} s{total / m / 1e9:>8.2f} GB/s{m / base:>8.2f}x cp -r + sync")
 
 
 if __name__ == "__main__":

@@ -282,7 +282,7 @@ def shard(
 
     if target not in ("stream", "vllm"):
         raise typer.BadParameter(f"--target is stream or vllm, not '{target}'.")
-    from .engines.vllm_sharded import check_vllm, is_vllm_dir
+    from .engines.vllm_index import check_vllm, is_vllm_dir
 
     if check and is_vllm_dir(src):
         typer.echo(check_vllm(src))
@@ -325,7 +325,8 @@ def shard(
 
 def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
                 progress) -> None:  # fmt: skip
-    from .engines.vllm_sharded import llm_call, write_vllm
+    from .engines.vllm_index import llm_call
+    from .engines.vllm_sharded import write_vllm
 
     if out is None:
         raise typer.BadParameter("OUT is required.")

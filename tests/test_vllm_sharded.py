@@ -37,7 +37,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from k3convert.engines.vllm_sharded import INDEX, check_vllm, write_vllm
+from k3convert.engines.vllm_index import check_vllm
+from k3convert.engines.vllm_sharded import INDEX, write_vllm
 from k3convert.pipeline import quantize
 from k3convert.synth import synthesize
 from tests.test_vllm import (

@@ -15,13 +15,9 @@ from safetensors import safe_open
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter
+from k3convert.engines.vllm_index import check_vllm
 from k3convert.engines.vllm_moe import local_experts
-from k3convert.engines.vllm_sharded import (
-    INDEX,
-    check_vllm,
-    pp_layers,
-    write_vllm,
-)
+from k3convert.engines.vllm_sharded import INDEX, pp_layers, write_vllm
 from k3convert.errors import ConfigError
 from k3convert.pipeline import quantize
 from k3convert.stream.format import StreamCorruptError
@@ -289,13 +285,23 @@ def test_static_fp8_scales_map_back_and_unequal_gate_up_scales_are_refused(tmp_p
 
 
 def test_write_stacked_checks_its_parts(tmp_path):
-    entries = [("a", torch.float32, (3, 2))]
-    with SafetensorsWriter(tmp_path / "ok.safetensors", entries) as w:
-        w.write_stacked("a", (torch.full((1, 2), float(i)) for i in range(3)))
+    from k3convert.stream.hashing import file_digest, new, tag
+
+    entries = [("a", torch.float32, (3, 2)), ("b", torch.int8, (5,))]
+    h = new("xxh3-128")  # the digest the writer keeps is the file's, without a re-read
+    with SafetensorsWriter(tmp_path / "ok.safetensors", entries, digest=h, durable=True) as w:
+        w.write_stacked("a", [torch.zeros(1, 2), torch.tensor([1.0, 1]), torch.full((1, 2), 2.0)])
+        w.write("b", torch.arange(5, dtype=torch.int8))
     assert torch.equal(_load(tmp_path / "ok.safetensors")["a"][:, 0], torch.tensor([0.0, 1, 2]))
-    for parts, msg in (([torch.zeros(2, 2)], "hold 2 of its 3 rows"),
-                       ([torch.zeros(4, 2)], "exceed its 3 rows"),
-                       ([torch.zeros(3, 3)], "header says")):  # fmt: skip
+    assert tag("xxh3-128", h.hexdigest()) == file_digest(tmp_path / "ok.safetensors", "xxh3-128")
+    w = SafetensorsWriter(tmp_path / "pos.safetensors", entries, digest=new("xxh3-128"))
+    with pytest.raises(ValueError, match="a digest is computed over sequential writes only"):
+        w.put("b", torch.zeros(5, dtype=torch.int8))
+    w._fh.close()
+    for parts, msg in (([torch.zeros(2, 2)], "hold 4 of its 6 values"),
+                       ([torch.zeros(4, 2)], "exceed its 6 values"),
+                       ([torch.zeros(3, 3)], "header says"),
+                       ([torch.zeros(3, 2, dtype=torch.float16)], "header says")):  # fmt: skip
         w = SafetensorsWriter(tmp_path / "bad.safetensors", entries)
         with pytest.raises(ValueError, match=msg):
             w.write_stacked("a", iter(parts))

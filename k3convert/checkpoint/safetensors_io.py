@@ -360,6 +360,9 @@ class SafetensorsWriter:
     order (``write``) or, from any number of threads and in any order, at their place
     (``put``, ``copy_from``); ``close()`` checks every declared tensor was written.
     Data offsets are laid out in declaration order.
+
+    ``digest``: a hasher (``update``) fed every byte of a sequentially written file as it
+    is written (the file's hash without reading it back); ``durable``: fsync on close.
     """
 
     def __init__(
@@ -367,8 +370,12 @@ class SafetensorsWriter:
         path: str | os.PathLike,
         entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
+        *,
+        digest=None,
+        durable: bool = False,
     ):
         self.path = Path(path)
+        self._digest, self._durable = digest, durable
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -385,8 +392,8 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data region starts 8-byte aligned
         self._fh = open(self.path, "wb")  # noqa: SIM115  (closed in close())
-        self._fh.write(struct.pack("<Q", len(raw)))
-        self._fh.write(raw)
+        self._emit(struct.pack("<Q", len(raw)))
+        self._emit(raw)
         self._fh.flush()
         self._next = 0
         base = 8 + len(raw)
@@ -407,30 +414,39 @@ class SafetensorsWriter:
         buf = self._bytes_of(self._next, name, tensor)
         if len(buf) != n:
             raise ValueError(f"tensor '{name}' has {len(buf)} bytes, header says {n}")
-        self._fh.write(buf)  # straight from the tensor's memory: no bytes copy
+        self._emit(buf)  # straight from the tensor's memory: no bytes copy
         self._next += 1
 
+    def _emit(self, buf) -> None:
+        """Append ``buf`` (sequential writes), hashing it when a digest was asked for."""
+        self._fh.write(buf)
+        if self._digest is not None:
+            self._digest.update(buf)
+
     def write_stacked(self, name: str, parts: Iterable[torch.Tensor]) -> None:
-        """Write ``name`` (next in order) as the concatenation along dim 0 of ``parts``,
-        one part at a time: a stacked tensor (vLLM's FusedMoE experts) is never whole."""
+        """Write ``name`` (next in order) as the concatenation of ``parts`` in row-major
+        order, one part at a time: whole rows along dim 0 (a stacked tensor, vLLM's
+        FusedMoE experts) or any run of its last dim's rows (a fused layer's members, an
+        expert's gate then up), so the tensor is never whole in memory. A part that is
+        a view of a mapped file is written from the mapping, without a copy."""
         if self._put:
             raise ValueError(f"{self.path}: sequential writes after positional ones")
         want, dtype, shape, _ = self._order[self._next]
         if name != want:
             raise ValueError(f"expected tensor '{want}' next, got '{name}'")
-        rows = 0
+        total, done = math.prod(shape), 0
         for t in parts:
-            if t.dtype != dtype or tuple(t.shape[1:]) != shape[1:]:
+            if t.dtype != dtype or (len(shape) > 1 and t.shape[-1:] != shape[-1:]):
                 raise ValueError(f"a part of '{name}' is {t.dtype}{tuple(t.shape)}, header "
                                  f"says {dtype}{shape}")  # fmt: skip
-            rows += t.shape[0]
-            if rows > shape[0]:
-                raise ValueError(f"the parts of '{name}' exceed its {shape[0]} rows")
+            done += t.numel()
+            if done > total:
+                raise ValueError(f"the parts of '{name}' exceed its {total} values")
             data = t.detach().contiguous().cpu().reshape(-1)
             if data.numel():
-                self._fh.write(memoryview(data.view(torch.uint8).numpy()).cast("B"))
-        if rows != shape[0]:
-            raise ValueError(f"the parts of '{name}' hold {rows} of its {shape[0]} rows")
+                self._emit(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+        if done != total:
+            raise ValueError(f"the parts of '{name}' hold {done} of its {total} values")
         self._next += 1
 
     def _bytes_of(self, i: int, name: str, tensor: torch.Tensor):
@@ -449,6 +465,8 @@ class SafetensorsWriter:
 
     def _claim(self, name: str, nbytes: int | None = None) -> int:
         """The absolute offset of ``name`` for a positional write, checked and marked."""
+        if self._digest is not None:
+            raise ValueError(f"{self.path}: a digest is computed over sequential writes only")
         if self._next:
             raise ValueError(f"{self.path}: positional writes after sequential ones")
         if name not in self._at:
@@ -492,14 +510,20 @@ class SafetensorsWriter:
             missing = [n for n, *_ in self._order if n not in self._put]
             if not missing:
                 self._fh.truncate(self._size)  # no-op unless the last tensors are empty
+                if self._durable:
+                    os.fsync(self._fh.fileno())
             self._fh.close()
             if missing:
                 raise ValueError(f"{self.path}: closed before tensor '{missing[0]}' was written")
             return
-        self._fh.close()
         if self._next != len(self._order):
+            self._fh.close()
             missing = self._order[self._next][0]
             raise ValueError(f"{self.path}: closed before tensor '{missing}' was written")
+        if self._durable:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        self._fh.close()
 
     def __enter__(self):
         return self

@@ -88,14 +88,11 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
             _scaled(cols2, inter, lo, hi, f"{ex}.*.down_proj.{part}") if grouped else (0, cols2)
         )
 
-        def w13(part=part, cast=cast, cut=cut):
+        def w13(part=part, cast=cast, cut=cut):  # gate's rows, then up's: mapped views
             for e in experts:
-                g, u = (
-                    ck.get_parts(f"{ex}.{e}.{m}.weight")[part][cut]
-                    for m in ("gate_proj", "up_proj")
-                )
-                t = torch.cat([g, u])
-                yield (t.to(cast) if cast else t)[None]
+                for m in ("gate_proj", "up_proj"):
+                    t = ck.get_parts(f"{ex}.{e}.{m}.weight")[part][cut]
+                    yield t.to(cast) if cast else t
 
         def w2(part=part, cast=cast, a2=a2, b2=b2):
             for e in experts:
@@ -198,9 +195,9 @@ def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> I
 
 def _expert_ok(meta) -> bool:
     """Whether vLLM 0.32's FusedMoE method for this expert's scheme is written here:
-    unquantized; FP8 with per-channel or block scales, or int8 with per-channel scales,
-    and dynamic activations (the W8A8 FP8 / int8 methods: ``w13_weight`` +
-    ``w13_weight_scale``); int4 / int8
+    unquantized; FP8 with per-channel or block scales and dynamic activations, or per
+    tensor with static ones, and int8 with per-channel scales and dynamic activations
+    (the W8A8 FP8 / int8 methods: ``w13_weight`` + ``w13_weight_scale``); int4 / int8
     weight-only with channel or group scales, symmetric or with zero points (WNA16:
     ``w13_weight_packed`` / ``_scale`` / ``_shape`` / ``_zero_point``); NVFP4 with its
     activation global scale (W4A4 NVFP4: ``w13_weight_packed`` / ``_scale`` /

@@ -41,9 +41,11 @@ from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.output import PARTIAL_MARKER, STREAM_JOURNAL, check_output, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import ConfigError
+from ..shard.unit_io import fsync_path
 from ..shard.writer import carried_files
-from ..stream.format import StreamCorruptError
-from ..stream.hashing import file_digest
+from ..stream.hashing import file_digest, tag
+from ..stream.hashing import new as new_hasher
+from ..stream.manifest_doc import atomic_json, fsync_dir
 
 #: the vLLM release whose layouts this writes (tests/test_vllm.py checks against it)
 VLLM_VERSION = "0.32.0"
@@ -80,6 +82,8 @@ FORMATS = (
 #: tensor-wise weight's ``weight_scale``): NVFP4's global scales, a static FP8 input scale
 PER_MEMBER = ("weight_global_scale", "input_global_scale", "input_scale")
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
+#: the most a strided slice (a row-parallel rank's columns) is copied at once to be written
+CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -210,8 +214,15 @@ class _Source:
         def make():
             return self._part(module, part)[:, lo:hi]
 
+        def chunks():  # a few MiB of rows at a time: no copy of the whole slice
+            t = self._part(module, part)
+            step = max(1, CHUNK_BYTES // max(1, t[:1, lo:hi].numel() * t.element_size()))
+            for i in range(0, t.shape[0], step):
+                yield t[i : i + step, lo:hi]
+
         cols = Piece(whole.name, whole.part, (slice(None), slice(lo, hi)), ALL)
-        return Param(name, dtype, (shape[0], hi - lo, *shape[2:]), make, pieces=(cols,))
+        shape = (shape[0], hi - lo, *shape[2:])
+        return Param(name, dtype, shape, make, chunks, pieces=(cols,))
 
     def _part(self, module: str, part: str) -> torch.Tensor:
         if part == "bias":
@@ -363,16 +374,20 @@ def _vocab_rows(src: _Source, rank: Rank, name: str, out_name: str) -> Param:
         raise ConfigError(f"'{name}' is {meta.encoding}-encoded; vLLM's vocab-parallel "
                           f"layers are written from plain weights only for now.")  # fmt: skip
 
-    def make():
-        out = torch.zeros(per, meta.shape[1], dtype=src.dtype)
-        real = max(0, min(hi, vocab) - lo)
-        if real:
-            out[:real] = src.ck.get(name)[lo : lo + real].to(src.dtype)
-        return out
-
     real = max(0, min(hi, vocab) - lo)
+
+    def make():
+        return torch.cat(list(rows()))
+
+    def rows():  # the real rows (a mapped view), then the zero padding
+        if real:
+            yield src.ck.get(name)[lo : lo + real].to(src.dtype)
+        if per - real:
+            yield torch.zeros(per - real, meta.shape[1], dtype=src.dtype)
+
     piece = Piece(name, None, (slice(lo, lo + real),), (slice(0, real),))
-    return Param(out_name, src.dtype, (per, meta.shape[1]), make, pieces=(piece,) if real else ())
+    shape = (per, meta.shape[1])
+    return Param(out_name, src.dtype, shape, make, rows, pieces=(piece,) if real else ())
 
 
 def _attention_scales(
@@ -447,7 +462,11 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
         def make(got=got):
             return torch.cat([g[2]() for g in got], dim=0)
 
-        yield Param(name, got[0][1], shape, make, pieces=tuple(pieces))
+        def by_member(got=got):  # written member by member: row slices are mapped views
+            for g in got:
+                yield g[2]()
+
+        yield Param(name, got[0][1], shape, make, by_member, pieces=tuple(pieces))
 
 
 def last_loaded(ck: Checkpoint, modules: list[str], part: str) -> str:
@@ -656,12 +675,15 @@ def write_vllm(
                 f.unlink()
         for name, f in carried_files(ck):
             shutil.copyfile(f, stage / name)
-        (stage / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+            fsync_path(stage / name)
+        atomic_json(stage / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
         shutil.rmtree(journal)
         (stage / PARTIAL_MARKER).unlink()
+        fsync_dir(stage)  # every file and name durable before OUT appears
         if out.exists():  # --force (check_output refused it otherwise)
             shutil.rmtree(out)
         stage.rename(out)
+        fsync_dir(out.parent)
     except OSError as e:
         raise write_error(e, out) from e
     size = sum(f["bytes"] for f in index["files"])
@@ -681,8 +703,9 @@ def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: s
         pass
     note.unlink(missing_ok=True)
     tmp = stage / f"{fname}.tmp"
+    digest = new_hasher(HASH)  # hashed as written, durable before its journal entry
     with SafetensorsWriter(tmp, [(p.name, p.dtype, p.shape) for p in params],
-                           {"format": "pt"}) as w:  # fmt: skip
+                           {"format": "pt"}, digest=digest, durable=True) as w:  # fmt: skip
         for p in params:
             if p.stacked is not None:
                 w.write_stacked(p.name, p.stacked())
@@ -691,94 +714,9 @@ def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: s
     os.replace(tmp, path)
     entry = {
         "name": fname, "tp_rank": r.tp, "pp_rank": r.pp, "bytes": path.stat().st_size,
-        "hash": file_digest(path, HASH),
+        "hash": tag(HASH, digest.hexdigest()),
         "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
                              "shape": list(p.shape)} for p in params},
     }  # fmt: skip
     note.write_text(json.dumps({"key": key, "entry": entry}))
     return entry, 0
-
-
-def llm_call(out: str | os.PathLike) -> str:
-    """The ``LLM(...)`` call that loads a written directory, from its index.
-
-    - A float32 checkpoint adds ``dtype='float32'``: vLLM's ``dtype="auto"`` builds a
-      float32 config's model in bfloat16 (``_get_and_verify_dtype``), and
-      ``ShardedStateLoader`` would round our float32 files into it without a word.
-    - Kimi K3 adds ``kda_decode_backend="triton"``: vLLM 0.32's other KDA decode paths keep
-      float32 copies of ``conv1d`` / ``o_norm`` that only its HF weight loader fills,
-      which ``sharded_state`` never calls (they would hold uninitialised memory)."""
-    index = json.loads((Path(out) / INDEX).read_text())
-    lay = index["layout"]
-    args = [f"model='{out}'", "load_format='sharded_state'", f"tensor_parallel_size={lay['tp']}"]
-    if lay["pp"] > 1:
-        args.append(f"pipeline_parallel_size={lay['pp']}")
-    if lay.get("ep", 1) > 1:
-        args.append("enable_expert_parallel=True")
-    if index.get("dtype") == "float32":
-        args.append("dtype='float32'")
-    if index.get("model_type") == "kimi_k3":
-        args.append("additional_config={'kda_decode_backend': 'triton'}")
-    return f"LLM({', '.join(args)})"
-
-
-def is_vllm_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / INDEX).is_file()
-
-
-def check_vllm(path: str | os.PathLike) -> str:
-    """``shard --check`` of a sharded_state directory: the index (one file per rank of
-    its layout), every file's hash, and every file's tensors against the index (each key
-    once, shapes, dtypes, finite values). Raises StreamCorruptError naming the first
-    problem; returns a summary."""
-    d = Path(path)
-    try:
-        index = json.loads((d / INDEX).read_text())
-    except (OSError, ValueError) as e:
-        raise StreamCorruptError(f"{d / INDEX}: unreadable ({e}); rewrite OUT.") from e
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise StreamCorruptError(f"{d / INDEX}: not a {FORMAT} index; rewrite OUT.")
-    try:
-        return _check_files(d, index)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a malformed entry
-        raise StreamCorruptError(f"{d / INDEX}: malformed ({e!r}); rewrite OUT.") from e
-
-
-def _check_files(d: Path, index: dict) -> str:
-    from safetensors import safe_open
-
-    lay = index["layout"]
-    tp, pp = int(lay["tp"]), int(lay["pp"])
-    want = {Rank(t, p, tp, pp).file() for p in range(pp) for t in range(tp)}
-    names = [f["name"] for f in index["files"]]
-    if sorted(names) != sorted(want):
-        raise StreamCorruptError(
-            f"{d / INDEX}: lists {len(names)} rank file(s), not the {len(want)} of tp {tp} x "
-            f"pp {pp}; rewrite OUT."
-        )
-    n = 0
-    for f in index["files"]:
-        p = d / f["name"]
-        if not p.is_file():
-            raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
-        if p.stat().st_size != f["bytes"] or file_digest(p, HASH) != f["hash"]:
-            raise StreamCorruptError(f"{p}: size or {HASH} hash differs from {INDEX}.")
-        with safe_open(p, "pt") as sf:
-            keys = list(sf.keys())
-            if sorted(keys) != sorted(f["tensors"]):
-                raise StreamCorruptError(f"{p}: its tensors differ from those {INDEX} lists.")
-            for k in keys:
-                t = sf.get_tensor(k)
-                want = f["tensors"][k]
-                dt = str(t.dtype).removeprefix("torch.")
-                if list(t.shape) != want["shape"] or dt != want["dtype"]:
-                    raise StreamCorruptError(f"{p}: '{k}' is not {want['dtype']} {want['shape']}.")
-                if t.is_floating_point() and t.element_size() == 1:  # fp8: no isfinite
-                    t = t.float()
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise StreamCorruptError(f"{p}: '{k}' holds NaN / inf.")
-                n += 1
-    return (
-        f"{d}: vLLM sharded_state intact: {len(index['files'])} rank file(s) (tp "
-        f"{lay['tp']}, pp {lay['pp']}), {n} tensors, hashes match (vLLM {index['vllm']} layout)"
-    )

@@ -30,7 +30,8 @@ from ..checkpoint import load_json, open_checkpoint
 from ..checkpoint.encodings import ENCODINGS
 from ..errors import ConfigError
 from ..stream.format import StreamCorruptError
-from .vllm_sharded import INDEX, Param, Piece, Rank, carried_shapes, check_vllm, rank_params
+from .vllm_index import check_vllm
+from .vllm_sharded import INDEX, Param, Piece, Rank, carried_shapes, rank_params
 
 
 class VllmSource:

@@ -147,7 +147,7 @@ def render_vllm_summary(rep: dict) -> str:
             f"KLD {kld:.3g}, top-1 {lg.get('top1', float('nan')):.3f}"
             if kld is not None else f"  verify      {'PASS' if v['passed'] else 'FAIL'}"
         )  # fmt: skip
-    from ..engines.vllm_sharded import llm_call
+    from ..engines.vllm_index import llm_call
 
     lines.append(f"  load with   {llm_call(rep['out'])}")
     return "\n".join(lines)

@@ -495,7 +495,7 @@ class _Unsharded:
 
 def _open_vllm(path: Path, lay, placement: dict, dist_run: bool, check: bool):
     """A vLLM sharded_state directory as a weight source (None: not one)."""
-    from ..engines.vllm_sharded import is_vllm_dir
+    from ..engines.vllm_index import is_vllm_dir
     from ..engines.vllm_source import VllmSource
 
     if not is_vllm_dir(path):
