@@ -37,7 +37,7 @@ holds exactly our rank file - the same keys, and per key the same dtype, shape a
   both methods pick it in ``__init__`` before ``create_weights`` registers the same
   parameters whatever the backend; the loader names one.
 - **MLA quantized** (DeepSeek-V3 in fp8-block, its release layout; w8a8; int4-g32;
-  calibrated fp8) with its experts, at tp 1, tp 2 and tp 2 + EP.
+  calibrated fp8; nvfp4) with its experts, at tp 1, tp 2 and tp 2 + EP.
 - **Static FP8 input scales** (fp8, calibrated: per-tensor weight and input scales): the
   merged layers hold one ``input_scale`` per member; FusedMoE one ``w13_input_scale``
   per expert for gate and up, and one ``w2_input_scale``. With calibrated KV-cache scales
@@ -80,6 +80,7 @@ LAYOUTS = {
     "deepseek-v3-w8a8": [(1, 1, 1), (2, 1, 1)],
     "deepseek-v3-int4-g32": [(1, 1, 1), (2, 2, 1)],
     "deepseek-v3-fp8": [(2, 1, 1)],
+    "deepseek-v3-nvfp4": [(2, 1, 1)],
     "qwen3-moe-fp8": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-int4-g32": [(2, 1, 1), (2, 2, 1)],
     "qwen3-moe-w8a8": [(2, 1, 1), (2, 2, 1)],
