@@ -144,9 +144,11 @@ def _rows(src: _Source, name: str, a: int, b: int, dt: torch.dtype) -> Param:
 
 def _f32(params: Iterator[Param]) -> Iterator[Param]:
     for p in params:
-        p.dtype, p.make = torch.float32, (lambda m=p.make: m().float())
+        p.dtype = torch.float32
         if p.stacked is not None:
             p.stacked = lambda s=p.stacked: (t.float() for t in s())
+        else:
+            p.make = lambda m=p.make: m().float()
         yield p
 
 
@@ -165,10 +167,11 @@ def _kda(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
         pad = -p.shape[0] % IN_PROJ_ALIGN
         if pad:  # zero rows vLLM adds to align each rank's block
             p.shape = (p.shape[0] + pad, *p.shape[1:])
-            p.make = lambda m=p.make, pad=pad: torch.nn.functional.pad(m(), (0, 0, 0, pad))
             if p.stacked is not None:
                 zeros = torch.zeros(pad, *p.shape[1:], dtype=p.dtype)
                 p.stacked = lambda s=p.stacked, z=zeros: (*s(), z)
+            else:
+                p.make = lambda m=p.make, pad=pad: torch.nn.functional.pad(m(), (0, 0, 0, pad))
         yield p
     conv = {f"{x}_conv1d": (lo, hi, proj) for x in "qkv"}
     yield from _f32(_fused(src, at, "conv1d", conv))

@@ -114,11 +114,34 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
         yield Param(name2, dt2, (n_e, shape2[0], b2 - a2), None, w2, tuple(p2))
 
 
+def _per_expert(ck: Checkpoint, name: str, part: str, dtype: torch.dtype, tail: tuple,
+                held: list[tuple[str, tuple[str, ...]]]) -> Param:  # fmt: skip
+    """``part`` of one module per expert, stacked [E, *tail]: ``held`` is, per expert, the
+    module whose value vLLM keeps and the modules that value stands for (``verify`` reads
+    it back for each)."""
+
+    def values():
+        for kept, _ in held:
+            yield ck.get_parts(f"{kept}.weight")[part].to(dtype).reshape(1, *tail)
+
+    pieces = tuple(
+        Piece(f"{m}.weight", part, ALL, (slice(i, i + 1),))
+        for i, (_, members) in enumerate(held)
+        for m in members
+    )
+    return Param(name, dtype, (len(held), *tail), None, values, pieces)
+
+
+def _downs(ex: str, experts) -> list[tuple[str, tuple[str, ...]]]:
+    return [(f"{ex}.{e}.down_proj", (f"{ex}.{e}.down_proj",)) for e in experts]
+
+
 def _expert_tensor_scales(
     src: _Source, ex: str, experts, part: str, dtype: torch.dtype, name13: str, name2: str
 ) -> Iterator[Param]:
-    """A per-tensor part of every expert (NVFP4's global scales): FusedMoE holds gate's
-    and up's side by side, [E, 2], and down's as [E], whole on every tp rank."""
+    """A per-tensor part of every expert (NVFP4's global scales, a calibrated FP8
+    weight's scale): FusedMoE holds gate's and up's side by side, [E, 2], and down's as
+    [E], whole on every tp rank."""
     ck = src.ck
 
     def w13():
@@ -126,20 +149,13 @@ def _expert_tensor_scales(
             g, u = (ck.get_parts(f"{ex}.{e}.{m}.weight")[part] for m in ("gate_proj", "up_proj"))
             yield torch.cat([g.reshape(1), u.reshape(1)])[None]
 
-    def w2():
-        for e in experts:
-            yield ck.get_parts(f"{ex}.{e}.down_proj.weight")[part].reshape(1)
-
-    p13, p2 = [], []
-    for i, e in enumerate(experts):
-        at = slice(i, i + 1)
-        p13 += [
-            Piece(f"{ex}.{e}.{m}.weight", part, ALL, (at, slice(j, j + 1)))
-            for j, m in enumerate(("gate_proj", "up_proj"))
-        ]
-        p2.append(Piece(f"{ex}.{e}.down_proj.weight", part, ALL, (at,)))
-    yield Param(name13, dtype, (len(experts), 2), None, w13, tuple(p13))
-    yield Param(name2, dtype, (len(experts),), None, w2, tuple(p2))
+    p13 = tuple(
+        Piece(f"{ex}.{e}.{m}.weight", part, ALL, (slice(i, i + 1), slice(j, j + 1)))
+        for i, e in enumerate(experts)
+        for j, m in enumerate(("gate_proj", "up_proj"))
+    )
+    yield Param(name13, dtype, (len(experts), 2), None, w13, p13)
+    yield _per_expert(ck, name2, part, dtype, (), _downs(ex, experts))
 
 
 def _expert_input_scales(src: _Source, ex: str, experts, name13: str, name2: str):
@@ -157,40 +173,21 @@ def _expert_input_scales(src: _Source, ex: str, experts, name13: str, name2: str
                 f"{float(u.max())} differ; vLLM's FusedMoE holds one for both (and refuses "
                 f"this checkpoint). Re-calibrate with one scale for gate and up."
             )
-        kept = last_loaded(ck, [gate, up], "input_scale")
-        w13.append((kept, (gate, up)))
-    w2 = [(f"{ex}.{e}.down_proj", (f"{ex}.{e}.down_proj",)) for e in experts]
-    for name, held in ((name13, w13), (name2, w2)):
-
-        def values(held=held):
-            for kept, _ in held:
-                yield ck.get_parts(f"{kept}.weight")["input_scale"].reshape(1)
-
-        pieces = tuple(
-            Piece(f"{m}.weight", "input_scale", ALL, (slice(i, i + 1),))
-            for i, (_, members) in enumerate(held)
-            for m in members
-        )
-        yield Param(name, torch.float32, (len(experts),), None, values, pieces)
+        w13.append((last_loaded(ck, [gate, up], "input_scale"), (gate, up)))
+    yield _per_expert(ck, name13, "input_scale", torch.float32, (), w13)
+    yield _per_expert(ck, name2, "input_scale", torch.float32, (), _downs(ex, experts))
 
 
 def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
     """Packed experts' ``weight_shape``: vLLM's FusedMoE holds one [out, in] row per
     expert in the model dtype (the unsplit shape of gate or up: the last it read)."""
     ck, dt = src.ck, src.dtype
-    w13 = [last_loaded(ck, [f"{ex}.{e}.gate_proj", f"{ex}.{e}.up_proj"], "weight_shape")
-           for e in experts]  # fmt: skip
-    for name, members in ((name13, w13), (name2, [f"{ex}.{e}.down_proj" for e in experts])):
-
-        def rows(members=members):
-            for m in members:
-                yield ck.get_parts(f"{m}.weight")["weight_shape"].to(dt)[None]
-
-        pieces = tuple(
-            Piece(f"{m}.weight", "weight_shape", ALL, (slice(i, i + 1),))
-            for i, m in enumerate(members)
-        )
-        yield Param(name, dt, (len(experts), 2), None, rows, pieces)
+    w13 = []
+    for e in experts:
+        kept = last_loaded(ck, [f"{ex}.{e}.gate_proj", f"{ex}.{e}.up_proj"], "weight_shape")
+        w13.append((kept, (kept,)))  # (verify rebuilds the other's shape)
+    yield _per_expert(ck, name13, "weight_shape", dt, (2,), w13)
+    yield _per_expert(ck, name2, "weight_shape", dt, (2,), _downs(ex, experts))
 
 
 def _expert_ok(meta) -> bool:

@@ -107,7 +107,8 @@ class Param:
     dtype: torch.dtype
     shape: tuple[int, ...]
     make: Callable[[], torch.Tensor] | None
-    #: instead of ``make``: the tensor as its dim-0 parts, one at a time
+    #: instead of ``make``: the tensor as runs of its rows, one at a time (written without
+    #: ever holding it whole)
     stacked: Callable[[], Iterator[torch.Tensor]] | None = None
     pieces: tuple[Piece, ...] = ()
 
@@ -211,9 +212,6 @@ class _Source:
             return Param(name, dtype, shape, lambda: self._part(module, part), pieces=(whole,))
         lo, hi = _scaled(shape[1], inp, a, b, name)
 
-        def make():
-            return self._part(module, part)[:, lo:hi]
-
         def chunks():  # a few MiB of rows at a time: no copy of the whole slice
             t = self._part(module, part)
             step = max(1, CHUNK_BYTES // max(1, t[:1, lo:hi].numel() * t.element_size()))
@@ -222,7 +220,7 @@ class _Source:
 
         cols = Piece(whole.name, whole.part, (slice(None), slice(lo, hi)), ALL)
         shape = (shape[0], hi - lo, *shape[2:])
-        return Param(name, dtype, shape, make, chunks, pieces=(cols,))
+        return Param(name, dtype, shape, None, chunks, pieces=(cols,))
 
     def _part(self, module: str, part: str) -> torch.Tensor:
         if part == "bias":
@@ -376,9 +374,6 @@ def _vocab_rows(src: _Source, rank: Rank, name: str, out_name: str) -> Param:
 
     real = max(0, min(hi, vocab) - lo)
 
-    def make():
-        return torch.cat(list(rows()))
-
     def rows():  # the real rows (a mapped view), then the zero padding
         if real:
             yield src.ck.get(name)[lo : lo + real].to(src.dtype)
@@ -387,7 +382,9 @@ def _vocab_rows(src: _Source, rank: Rank, name: str, out_name: str) -> Param:
 
     piece = Piece(name, None, (slice(lo, lo + real),), (slice(0, real),))
     shape = (per, meta.shape[1])
-    return Param(out_name, src.dtype, shape, make, rows, pieces=(piece,) if real else ())
+    if not real:  # all padding: a constant, as verify checks it
+        return Param(out_name, src.dtype, shape, lambda: torch.zeros(shape, dtype=src.dtype))
+    return Param(out_name, src.dtype, shape, None, rows, pieces=(piece,))
 
 
 def _attention_scales(
@@ -459,14 +456,11 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
             pieces.append(Piece(*_origin(f"{prefix}.{m}", part), (rows,), (slice(at, at + n),)))
             at += n
 
-        def make(got=got):
-            return torch.cat([g[2]() for g in got], dim=0)
-
         def by_member(got=got):  # written member by member: row slices are mapped views
             for g in got:
                 yield g[2]()
 
-        yield Param(name, got[0][1], shape, make, by_member, pieces=tuple(pieces))
+        yield Param(name, got[0][1], shape, None, by_member, pieces=tuple(pieces))
 
 
 def last_loaded(ck: Checkpoint, modules: list[str], part: str) -> str:
