@@ -326,7 +326,7 @@ def shard(
 def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
                 progress) -> None:  # fmt: skip
     from .engines.vllm_index import llm_call
-    from .engines.vllm_sharded import write_vllm
+    from .engines.vllm_write import write_vllm
 
     if out is None:
         raise typer.BadParameter("OUT is required.")

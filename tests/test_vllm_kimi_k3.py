@@ -23,8 +23,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from k3convert.engines.vllm_sharded import Rank, write_vllm
+from k3convert.engines.vllm_sharded import Rank
 from k3convert.engines.vllm_source import VllmSource
+from k3convert.engines.vllm_write import write_vllm
 from k3convert.errors import ConfigError
 from k3convert.synth import synthesize
 from tests.test_vllm import _engine_env, _vllm_python
@@ -136,7 +137,7 @@ def test_cli_names_the_kda_decode_backend_sharded_state_needs(k3, tmp_path):
 def test_refused_before_writing(k3, tmp_path):
     out = tmp_path / "o"
     cases = [
-        (dict(tp=8), "tp=8 must divide the 4 KDA heads"),
+        (dict(tp=8), "--tp 8: vLLM splits the 4 attention heads"),
     ]
     for kw, want in cases:
         with pytest.raises(ConfigError, match=want.replace("(", r"\(").replace(">", ">")):

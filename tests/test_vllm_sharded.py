@@ -38,7 +38,8 @@ import torch
 from safetensors import safe_open
 
 from k3convert.engines.vllm_index import check_vllm
-from k3convert.engines.vllm_sharded import INDEX, write_vllm
+from k3convert.engines.vllm_sharded import INDEX
+from k3convert.engines.vllm_write import write_vllm
 from k3convert.pipeline import quantize
 from k3convert.synth import synthesize
 from tests.test_vllm import (

@@ -17,7 +17,8 @@ from k3convert.checkpoint import open_checkpoint
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter
 from k3convert.engines.vllm_index import check_vllm
 from k3convert.engines.vllm_moe import local_experts
-from k3convert.engines.vllm_sharded import INDEX, pp_layers, write_vllm
+from k3convert.engines.vllm_sharded import INDEX, pp_layers
+from k3convert.engines.vllm_write import write_vllm
 from k3convert.errors import ConfigError
 from k3convert.pipeline import quantize
 from k3convert.stream.format import StreamCorruptError
@@ -107,7 +108,7 @@ def test_check_names_damage_and_nothing_half_written_counts(llama, tmp_path):
     # an existing OUT is never replaced without --force; a failed write leaves nothing
     with pytest.raises(Exception, match="--force"):
         write_vllm(src=llama, out=out, tp=2)
-    with pytest.raises(ConfigError, match="tp=3 does not divide the vocabulary padded"):
+    with pytest.raises(ConfigError, match="--tp 3: vLLM splits the 4 attention heads"):
         write_vllm(src=llama, out=tmp_path / "bad", tp=3)
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
 
@@ -394,7 +395,7 @@ def test_verify_needs_the_source_and_no_layout(llama, tmp_path):
 def test_an_interrupted_write_resumes_and_is_never_taken_for_output(llama, tmp_path, monkeypatch):
     """Stopped after rank 0: no OUT (vLLM and `shard --check` see nothing), the stage
     kept; the rerun keeps rank 0's file and writes the same bytes as a fresh run."""
-    from k3convert.engines import vllm_sharded as vs
+    from k3convert.engines import vllm_write as vs
 
     real, calls = vs._write_rank, []
 

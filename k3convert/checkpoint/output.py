@@ -21,12 +21,14 @@ Shards are named and indexed the way transformers expects.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import json
 import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -348,3 +350,213 @@ def staged_output(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# -- resumable stages ----------------------------------------------------------------
+class OwnedStage:
+    """A resumable stage directory ``.OUT.<kind>`` next to OUT, held by one run.
+
+    Kept after an interruption so that a rerun resumes it; renamed to OUT when complete.
+    What makes it safe to write into, delete from and rename (the stream's
+    :func:`staged_output` rules, for a stage that outlives its process):
+
+    * the stage path is checked with ``lstat`` and :func:`guard_out` first: a symbolic
+      link (to a source or anywhere), a file, a source directory that happens to carry
+      the stage's name, or a directory that lies inside / above a source is refused;
+    * an existing directory is taken over only if its owner marker says it is this
+      kind of stage of this OUT, written by k3convert on this host, by a process that
+      is dead; anything else is refused, never emptied;
+    * the run holds an exclusive ``flock`` on the directory itself for as long as it
+      writes: a second writer of the same OUT is refused at once (exit 2), and the lock
+      moves with the directory when it is renamed to OUT;
+    * cleanup removes only names the writer declares its own (``owns(name)``), and a
+      name that is not a regular file / directory of its own is refused, not removed;
+    * :meth:`commit` refuses any entry the writer did not account for, removes the
+      marker, fsyncs and renames (refusing an OUT that appeared meanwhile unless
+      ``force``).
+    """
+
+    def __init__(self, out: Path, kind: str, sources: Iterable[str | os.PathLike | None]):
+        self.out = Path(out)
+        self.kind = kind
+        self.path = self.out.parent / f".{self.out.name}.{kind}"
+        self._sources = list(sources)
+        self._fd: int | None = None
+
+    # -- taking the stage ----------------------------------------------------------
+    def open(self) -> OwnedStage:
+        p = self.path
+        guard_out(p, self._sources)  # a link; the source itself; inside / above one
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise write_error(e, self.out, "checking the stage directory") from e
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise OutputError(
+                f"{p}: exists and is not a directory k3convert made (a file or a link); "
+                f"k3convert writes OUT's stage there and never replaces what it did not "
+                f"make: remove it yourself, or choose another OUT."
+            )
+        if st is not None:
+            self._check_marker()
+        else:
+            try:
+                p.mkdir()
+            except FileExistsError:
+                pass  # another run made it this instant: the lock below decides
+            except OSError as e:
+                raise write_error(e, self.out, "creating the stage directory") from e
+        self._lock()
+        self._check_marker()
+        atomic_json_text(p / PARTIAL_MARKER, json.dumps(
+            {**_marker(), "out": str(self.out.resolve()), "kind": self.kind}))  # fmt: skip
+        return self
+
+    def _lock(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise write_error(e, self.out, "opening the stage directory") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            who = self._read_marker() or {}
+            raise OutputError(
+                f"{self.out}: another k3convert run (pid {who.get('pid', '?')}) is writing "
+                f"it right now ({self.path.name}); wait for it to finish, or choose another "
+                f"OUT."
+            ) from None
+        st, now = os.fstat(fd), os.lstat(self.path)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # swapped under us
+            os.close(fd)
+            raise OutputError(f"{self.path}: was replaced while k3convert opened it; rerun.")
+        self._fd = fd
+
+    def _read_marker(self) -> dict | None:
+        m = self.path / PARTIAL_MARKER
+        try:
+            st = os.lstat(m)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 16:
+                return None
+            doc = json.loads(m.read_text())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _check_marker(self) -> None:
+        """The existing directory is this kind of stage of this OUT, by a dead run of
+        this host (or an empty directory: nothing in it to lose)."""
+        doc = self._read_marker()
+        if doc is None and not any(os.scandir(self.path)):
+            return
+        mine = (
+            doc is not None
+            and doc.get("tool") == "k3convert"
+            and doc.get("out") == str(self.out.resolve())
+            and doc.get("kind") == self.kind
+        )
+        if not mine:
+            raise OutputError(
+                f"{self.path}: exists but is not an interrupted k3convert write of "
+                f"{self.out} (no matching owner marker); k3convert empties only stages it "
+                f"made: remove it yourself, or choose another OUT."
+            )
+        if doc.get("host") != socket.gethostname():
+            raise OutputError(
+                f"{self.path}: is being (or was) written by a k3convert run on host "
+                f"{doc.get('host')}; resume it there, or remove it yourself."
+            )
+        pid = doc.get("pid")
+        # (checked before the lock: under it, a live pid can only be a reused one)
+        live = isinstance(pid, int) and pid != os.getpid() and _alive(pid, doc.get("start"))
+        if live and self._fd is None:
+            raise OutputError(
+                f"{self.out}: another k3convert run (pid {pid}) is writing it right now "
+                f"({self.path.name}); wait for it to finish, or choose another OUT."
+            )
+
+    # -- its contents ----------------------------------------------------------------
+    def clean(self, owns: Callable[[str], bool], keep: Callable[[str], bool]) -> None:
+        """Remove the entries this writer owns (``owns``) that it will not reuse
+        (``keep`` False); refuse any entry it does not own."""
+        for e in os.scandir(self.path):
+            if e.name == PARTIAL_MARKER:
+                continue
+            if not owns(e.name) or e.is_symlink():
+                raise OutputError(
+                    f"{self.path / e.name}: is not something k3convert writes into this "
+                    f"stage; it would end up in OUT. Remove it yourself (or the whole "
+                    f"{self.path.name}), then rerun."
+                )
+            if keep(e.name):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+
+    def commit(self, expected: set[str], force: bool) -> None:
+        """Rename the stage to OUT: it must hold exactly ``expected`` (and the marker)."""
+        names = {e.name for e in os.scandir(self.path)} - {PARTIAL_MARKER}
+        if names != expected:
+            extra, missing = sorted(names - expected), sorted(expected - names)
+            raise OutputError(
+                f"{self.path}: holds {extra or 'nothing extra'} and lacks "
+                f"{missing or 'nothing'} at commit; something else wrote into it. Remove "
+                f"it and rerun."
+            )
+        (self.path / PARTIAL_MARKER).unlink()
+        fsync_dir_path(self.path)
+        if os.path.lexists(self.out):
+            if not force:
+                raise OutputError(
+                    f"{self.out} appeared while this run wrote it; choose another OUT or "
+                    f"pass --force."
+                )
+            check_replaceable(self.out, _looks_like(self.out, expected), "k3convert output")
+            guard_out(self.out, self._sources)
+            shutil.rmtree(self.out)
+        self.path.rename(self.out)
+        fsync_dir_path(self.out.parent)
+
+    def remove(self) -> None:
+        """Drop the whole stage (a refusal mid-write that a rerun cannot resume)."""
+        if self._fd is not None and os.path.isdir(self.path) and not self.path.is_symlink():
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> OwnedStage:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _looks_like(out: Path, expected: set[str]) -> bool:
+    return out.is_dir() and bool(expected & {p.name for p in out.iterdir()})
+
+
+def atomic_json_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,18 +1,54 @@
 """Reading back a directory ``shard --target vllm`` wrote: whether a path is one, the
-``LLM(...)`` call that loads it, and ``shard --check`` (the index, every rank file's
-hash, and its tensors against the index)."""
+``LLM(...)`` call that loads it, and ``shard --check`` (the index, bounded and strict;
+the directory holding exactly what it lists; every rank and carried file's hash; the
+rank files' tensors against the index)."""
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.bounded import read_json
 from ..stream.format import StreamCorruptError
 from ..stream.hashing import file_digest
-from .vllm_sharded import FORMAT, HASH, INDEX, Rank
+from .vllm_sharded import FORMAT, HASH, INDEX, INDEX_VERSION, Rank
+
+#: files k3convert's own steps add after the commit (``convert``'s report), which no
+#: loader reads: allowed unlisted, as regular files
+CONVERT_REPORT = "convert_report.json"
+REPORTS = frozenset({CONVERT_REPORT})
+#: the most ranks an index may name (the writer's own bound: ``vllm_write.MAX_WORLD``)
+MAX_WORLD = 4096
+
+
+def read_index(path: str | os.PathLike) -> dict:
+    """The index of a written directory: a regular file under its size cap, strict JSON,
+    this format and version, a layout of positive integers within bounds. Raises
+    StreamCorruptError (exit 1) naming the problem."""
+    p = Path(path) / INDEX
+    index = read_json(p, "output index", StreamCorruptError, finite=True)
+    if index.get("format") != FORMAT:
+        raise StreamCorruptError(f"{p}: not a {FORMAT} index; rewrite OUT.")
+    if index.get("version") != INDEX_VERSION:
+        raise StreamCorruptError(
+            f"{p}: index version {index.get('version')!r}, not {INDEX_VERSION} (written by "
+            f"another k3convert: {index.get('generator')!r}); rewrite OUT with this version."
+        )
+    lay = index.get("layout")
+    nums = [lay.get(k, 1 if k == "ep" else None) for k in ("tp", "pp", "ep")] if isinstance(
+        lay, dict) else [None]  # fmt: skip
+    if not all(type(n) is int and n >= 1 for n in nums) or nums[0] * nums[1] > MAX_WORLD:
+        raise StreamCorruptError(
+            f"{p}: layout {lay!r} is not tp / pp / ep of positive integers with at most "
+            f"{MAX_WORLD} ranks; rewrite OUT."
+        )
+    for key in ("files", "carried", "source_files"):
+        if not isinstance(index.get(key), list):
+            raise StreamCorruptError(f"{p}: '{key}' must be a list; rewrite OUT.")
+    return index
 
 
 def llm_call(out: str | os.PathLike) -> str:
@@ -24,7 +60,7 @@ def llm_call(out: str | os.PathLike) -> str:
     - Kimi K3 adds ``kda_decode_backend="triton"``: vLLM 0.32's other KDA decode paths keep
       float32 copies of ``conv1d`` / ``o_norm`` that only its HF weight loader fills,
       which ``sharded_state`` never calls (they would hold uninitialised memory)."""
-    index = json.loads((Path(out) / INDEX).read_text())
+    index = read_index(out)
     lay = index["layout"]
     args = [f"model='{out}'", "load_format='sharded_state'", f"tensor_parallel_size={lay['tp']}"]
     if lay["pp"] > 1:
@@ -48,30 +84,53 @@ def check_vllm(path: str | os.PathLike) -> str:
     once, shapes, dtypes, finite values). Raises StreamCorruptError naming the first
     problem; returns a summary."""
     d = Path(path)
-    try:
-        index = json.loads((d / INDEX).read_text())
-    except (OSError, ValueError) as e:
-        raise StreamCorruptError(f"{d / INDEX}: unreadable ({e}); rewrite OUT.") from e
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise StreamCorruptError(f"{d / INDEX}: not a {FORMAT} index; rewrite OUT.")
+    index = read_index(d)
     try:
         return _check_files(d, index)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a malformed entry
         raise StreamCorruptError(f"{d / INDEX}: malformed ({e!r}); rewrite OUT.") from e
 
 
+def check_listed(d: Path, index: dict) -> None:
+    """The directory holds exactly what the index lists (rank files, carried files, the
+    index), each a regular file, and every carried file has its recorded size and hash:
+    an added rank file (vLLM would read it by its name), an edited config.json or
+    tokenizer, a link, are refused."""
+    listed = {f["name"]: f for f in index["carried"]}
+    names = {f["name"] for f in index["files"]} | set(listed) | {INDEX}
+    for e in os.scandir(d):
+        if e.name not in names and e.name not in REPORTS:
+            raise StreamCorruptError(
+                f"{d / e.name}: is not listed in {INDEX} (vLLM's loader would read a rank "
+                f"file by its name, and the model's files are bound by the index); remove "
+                f"it, or rewrite OUT."
+            )
+        if not stat.S_ISREG(os.lstat(e.path).st_mode):
+            raise StreamCorruptError(f"{d / e.name}: is not a regular file; rewrite OUT.")
+    for name, f in listed.items():
+        p = d / name
+        if not p.is_file():
+            raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
+        if p.stat().st_size != f["bytes"] or file_digest(p, HASH) != f["hash"]:
+            raise StreamCorruptError(
+                f"{p}: differs from the file written ({INDEX} records its size and {HASH} "
+                f"hash); restore it, or rewrite OUT."
+            )
+
+
 def _check_files(d: Path, index: dict) -> str:
     from safetensors import safe_open
 
     lay = index["layout"]
-    tp, pp = int(lay["tp"]), int(lay["pp"])
-    want = {Rank(t, p, tp, pp).file() for p in range(pp) for t in range(tp)}
+    tp, pp = lay["tp"], lay["pp"]
     names = [f["name"] for f in index["files"]]
-    if sorted(names) != sorted(want):
+    want = {Rank(t, p, tp, pp).file() for p in range(pp) for t in range(tp)}
+    if len(names) != tp * pp or sorted(names) != sorted(want):
         raise StreamCorruptError(
-            f"{d / INDEX}: lists {len(names)} rank file(s), not the {len(want)} of tp {tp} x "
+            f"{d / INDEX}: lists {len(names)} rank file(s), not the {tp * pp} of tp {tp} x "
             f"pp {pp}; rewrite OUT."
         )
+    check_listed(d, index)
     n = 0
     for f in index["files"]:
         p = d / f["name"]

@@ -21,31 +21,17 @@ vLLM changes them.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import xxhash
-from tqdm import tqdm
 
-from .. import __version__
-from ..arch import resolve
-from ..checkpoint import Checkpoint, open_checkpoint
-from ..checkpoint.output import PARTIAL_MARKER, STREAM_JOURNAL, check_output, write_error
-from ..checkpoint.safetensors_io import SafetensorsWriter
+from ..arch import resolve, validate_source
+from ..checkpoint import Checkpoint
+from ..checkpoint.output import STREAM_JOURNAL
 from ..errors import ConfigError
-from ..shard.unit_io import fsync_path
-from ..shard.writer import carried_files
-from ..stream.hashing import file_digest, tag
-from ..stream.hashing import new as new_hasher
-from ..stream.manifest_doc import atomic_json, fsync_dir
 
 #: the vLLM release whose layouts this writes (tests/test_vllm.py checks against it)
 VLLM_VERSION = "0.32.0"
@@ -54,6 +40,8 @@ PP_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
 #: written last: a directory without it (or with another format in it) is not complete
 INDEX = "k3convert-vllm.json"
 FORMAT = "k3convert-vllm-sharded-state"
+#: 2: the index binds the directory (carried files hashed, the source fingerprinted)
+INDEX_VERSION = 2
 HASH = "xxh3-128"  # each rank file's, as ``ALGO:HEX`` (stream.hashing)
 JOURNAL = STREAM_JOURNAL  # in the stage: one entry per finished rank file
 #: vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this
@@ -516,6 +504,9 @@ def _row(src: _Source, module: str, a: int, n: int, full: int) -> Iterator[Param
 
 
 def _check_source(ck: Checkpoint) -> tuple:
+    """The family and scheme are ones this target writes, and the checkpoint is what its
+    config says (``validate_source``: every tensor's name and shape, plain weights in a
+    float dtype, the KV-cache scales) - all before a byte is written."""
     arch, cfg = resolve(ck.config, str(ck.root / "config.json"))
     mt = ck.config.get("model_type")
     if mt not in FAMILIES:
@@ -523,6 +514,15 @@ def _check_source(ck: Checkpoint) -> tuple:
             f"{ck.root}: --target vllm writes {', '.join(FAMILIES)} for now, not '{mt}' "
             f"(docs/vllm-target.md lists what is supported); use the default stream target."
         )
+    validate_source(arch, cfg, ck, str(ck.root))
+    for name in ck.names():
+        m = ck.meta(name)
+        if m.encoding == "plain" and not m.main.dtype.is_floating_point:
+            raise ConfigError(
+                f"{m.file}: tensor '{name}' is stored as {m.main.dtype} where the model "
+                f"holds floating-point weights; the file is damaged or mislabelled - "
+                f"re-download or re-export it."
+            )
     if mt == "kimi_k3":
         from .vllm_kimi_k3 import check_k3
 
@@ -577,7 +577,7 @@ def carried_shapes(ck: Checkpoint) -> dict[str, tuple[int, ...]]:
     return k3(ck, _check_source(ck)[1])
 
 
-def _dtype_of(ck: Checkpoint) -> torch.dtype:
+def dtype_of(ck: Checkpoint) -> torch.dtype:
     name = str(ck.config.get("torch_dtype") or ck.config.get("dtype") or "bfloat16")
     return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
 
@@ -591,126 +591,6 @@ def rank_params(ck: Checkpoint, ranks: list[Rank]) -> dict[Rank, list[Param]]:
     if ck.config.get("model_type") == "kimi_k3":
         from .vllm_kimi_k3 import k3_params
 
-        return {r: list(k3_params(ck, cfg, _dtype_of(ck), r)) for r in ranks}
-    src = _Source(ck, cfg, _dtype_of(ck))
+        return {r: list(k3_params(ck, cfg, dtype_of(ck), r)) for r in ranks}
+    src = _Source(ck, cfg, dtype_of(ck))
     return {r: list(_decoder_params(src, r)) for r in ranks}
-
-
-@dataclass
-class VllmShardResult:
-    out: Path
-    files: int
-    bytes_written: int
-    seconds: float
-    #: rank files found complete in an interrupted run's stage and kept
-    files_resumed: int = 0
-
-
-def _stage_of(out: Path) -> Path:
-    """Where an unfinished write lives (kept after an interruption, resumed by a rerun)."""
-    return out.parent / f".{out.name}.vllm-partial"
-
-
-def _rank_key(head: dict, fname: str, params: list[Param]) -> str:
-    """What a rank file was written from: ``head`` (the source files' stamps, the layout
-    and generator) and the file's tensor table. A resumed file must match it."""
-    doc = dict(head, rank=fname,
-               tensors=[[p.name, str(p.dtype), list(p.shape)] for p in params])  # fmt: skip
-    return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
-
-
-def write_vllm(
-    *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
-    ep: int = 1, force: bool = False, progress: bool = False,
-) -> VllmShardResult:  # fmt: skip
-    """Write the sharded_state directory: one safetensors file per rank, then the config /
-    tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
-    to OUT at the end. An interrupted run leaves the stage; a rerun keeps every rank file
-    it finds complete (its journal entry and hash match) and writes the rest."""
-    t0 = time.perf_counter()
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"--{name} must be a positive integer, got {v!r}.")
-    if ep not in (1, tp):
-        raise ConfigError(
-            f"--ep {ep}: vLLM's enable_expert_parallel spreads the experts over all {tp} tp "
-            f"ranks, and its sharded_state files are named by tp / pp rank only (data-"
-            f"parallel replicas would read the same file); use --ep {tp} or --ep 1."
-        )
-    ck = open_checkpoint(src)
-    ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
-    plans = rank_params(ck, ranks)
-    total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
-    out = check_output(out, force=force, need_bytes=total, source=ck.root)
-    index = {"format": FORMAT, "version": 1, "generator": f"k3convert {__version__}",
-             "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
-             "dtype": str(_dtype_of(ck)).removeprefix("torch."),
-             "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(Path(ck.root).resolve()),
-             "files": []}  # fmt: skip
-    stage = _stage_of(out)
-    try:
-        journal = stage / JOURNAL
-        journal.mkdir(parents=True, exist_ok=True)
-        (stage / PARTIAL_MARKER).write_text(json.dumps({"out": str(out.resolve())}))
-        resumed = 0
-        head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
-        head["files"] = ck.file_stamps()  # once for every rank
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                  desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
-            for r, params in plans.items():
-                key = _rank_key(head, r.file(), params)
-                entry, kept = _write_rank(stage, journal, r, params, key)
-                index["files"].append(entry)
-                resumed += kept
-                bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
-        keep = {f["name"] for f in index["files"]}
-        for f in stage.iterdir():  # a rank file of another layout left by an older run
-            if f.is_file() and f.name not in keep and f.name != PARTIAL_MARKER:
-                f.unlink()
-        for name, f in carried_files(ck):
-            shutil.copyfile(f, stage / name)
-            fsync_path(stage / name)
-        atomic_json(stage / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
-        shutil.rmtree(journal)
-        (stage / PARTIAL_MARKER).unlink()
-        fsync_dir(stage)  # every file and name durable before OUT appears
-        if out.exists():  # --force (check_output refused it otherwise)
-            shutil.rmtree(out)
-        stage.rename(out)
-        fsync_dir(out.parent)
-    except OSError as e:
-        raise write_error(e, out) from e
-    size = sum(f["bytes"] for f in index["files"])
-    return VllmShardResult(out, len(index["files"]), size, time.perf_counter() - t0, resumed)
-
-
-def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: str):
-    """(index entry, 1 if kept from an interrupted run else 0) of one rank file."""
-    fname = r.file()
-    path, note = stage / fname, journal / f"{fname}.json"
-    try:
-        old = json.loads(note.read_text())
-        if (old.get("key") == key and path.stat().st_size == old["entry"]["bytes"]
-                and file_digest(path, HASH) == old["entry"]["hash"]):  # fmt: skip
-            return old["entry"], 1
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    note.unlink(missing_ok=True)
-    tmp = stage / f"{fname}.tmp"
-    digest = new_hasher(HASH)  # hashed as written, durable before its journal entry
-    with SafetensorsWriter(tmp, [(p.name, p.dtype, p.shape) for p in params],
-                           {"format": "pt"}, digest=digest, durable=True) as w:  # fmt: skip
-        for p in params:
-            if p.stacked is not None:
-                w.write_stacked(p.name, p.stacked())
-            else:
-                w.write(p.name, p.make())
-    os.replace(tmp, path)
-    entry = {
-        "name": fname, "tp_rank": r.tp, "pp_rank": r.pp, "bytes": path.stat().st_size,
-        "hash": tag(HASH, digest.hexdigest()),
-        "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
-                             "shape": list(p.shape)} for p in params},
-    }  # fmt: skip
-    note.write_text(json.dumps({"key": key, "entry": entry}))
-    return entry, 0

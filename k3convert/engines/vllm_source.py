@@ -18,7 +18,6 @@ every tensor is on some rank. Memory: one tensor at a time, read by slices.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -30,8 +29,8 @@ from ..checkpoint import load_json, open_checkpoint
 from ..checkpoint.encodings import ENCODINGS
 from ..errors import ConfigError
 from ..stream.format import StreamCorruptError
-from .vllm_index import check_vllm
-from .vllm_sharded import INDEX, Param, Piece, Rank, carried_shapes, rank_params
+from .vllm_index import check_vllm, read_index
+from .vllm_sharded import Param, Piece, Rank, carried_shapes, rank_params
 
 
 class VllmSource:
@@ -41,7 +40,7 @@ class VllmSource:
         self.root = Path(path)
         if check:
             check_vllm(self.root)
-        index = json.loads((self.root / INDEX).read_text())
+        index = read_index(self.root)
         src = Path(index.get("source") or "")
         if not (src / "config.json").is_file():
             raise ConfigError(

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 from ..checkpoint import open_checkpoint
+from ..checkpoint.bounded import read_json
 from ..checkpoint.output import guard_out
+from ..engines.vllm_index import CONVERT_REPORT
 from ..errors import ConfigError
 from ..parallel import procs
 from ..recipe import Recipe, recipe_to_dict
@@ -23,7 +25,7 @@ from ..recipe.checks import check_model_type
 from ..recipe.sections import LayoutSection
 
 #: what convert writes next to the sharded files
-REPORT = "convert_report.json"
+REPORT = CONVERT_REPORT  # (allowed unlisted in OUT by shard --check)
 #: in OUT.quantized: the recipe and source it was quantized with (a rerun reuses it)
 SIDECAR = ".k3-convert-vllm.json"
 
@@ -62,8 +64,8 @@ def _identity(r: Recipe, ck) -> dict:
 
 def _made_by(inter: Path) -> dict | None:
     try:
-        return json.loads((inter / SIDECAR).read_text())
-    except (OSError, ValueError):
+        return read_json(inter / SIDECAR, "report", ConfigError)
+    except ConfigError:
         return None
 
 
@@ -71,7 +73,7 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
                  log=print) -> dict:  # fmt: skip
     """Run the three steps; returns the report (also written to OUT/convert_report.json).
     ``verify(out, reference)``: the verify run (convert's, with the recipe's inputs)."""
-    from ..engines.vllm_sharded import write_vllm
+    from ..engines.vllm_write import write_vllm
     from .quantize import quantize
 
     t0 = time.perf_counter()

@@ -1,0 +1,250 @@
+"""Writing a vLLM sharded_state directory (``shard --target vllm``): the rank files from
+:func:`~.vllm_sharded.rank_params`, the carried files and the index, through an owned,
+locked, resumable stage next to OUT.
+
+What the index binds (``k3convert-vllm.json``, version 2, written last): every rank file
+(size, xxh3-128, tensor table), every carried file (config.json, tokenizer, processor:
+size and xxh3-128), and the source it was written from (the content fingerprint of its
+weight files and config.json). ``shard --check``, ``verify`` and ``forward`` refuse a
+directory holding anything unlisted or changed (:mod:`.vllm_index`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from tqdm import tqdm
+
+from .. import __version__
+from ..arch import resolve
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint.bounded import read_json
+from ..checkpoint.output import OwnedStage, check_output, write_error
+from ..checkpoint.safetensors_io import SafetensorsWriter
+from ..errors import ConfigError, K3Error
+from ..shard.unit_io import fsync_path
+from ..shard.writer import carried_files
+from ..stream.hashing import file_digest, tag
+from ..stream.hashing import new as new_hasher
+from ..stream.manifest_doc import atomic_json
+from .vllm_sharded import (
+    FORMAT,
+    HASH,
+    INDEX,
+    INDEX_VERSION,
+    JOURNAL,
+    VLLM_VERSION,
+    Param,
+    Rank,
+    dtype_of,
+    rank_params,
+)
+
+
+@dataclass
+class VllmShardResult:
+    out: Path
+    files: int
+    bytes_written: int
+    seconds: float
+    #: rank files found complete in an interrupted run's stage and kept
+    files_resumed: int = 0
+
+
+#: the most ranks (tp x pp) a layout may have: more than any cluster vLLM runs on, and
+#: checked before a single rank is built
+MAX_WORLD = 4096
+STAGE = "vllm-partial"  # the stage ``.OUT.vllm-partial``, kept after an interruption
+_RANK_RX = re.compile(r"model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors(\.tmp)?")
+
+
+def _stage_of(out: Path) -> Path:
+    """Where an unfinished write lives (kept after an interruption, resumed by a rerun)."""
+    return out.parent / f".{out.name}.{STAGE}"
+
+
+def check_layout(ck: Checkpoint, tp: int, pp: int, ep: int) -> None:
+    """The layout's numbers, against vLLM's rules and the model, before anything is
+    built: positive integers, at most :data:`MAX_WORLD` ranks, tp dividing the attention
+    heads, pp at most the layers, ep 1 or tp."""
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--{name} must be a positive integer, got {v!r}.")
+    if tp * pp > MAX_WORLD:
+        raise ConfigError(
+            f"--tp {tp} x --pp {pp} is {tp * pp} ranks, more than the {MAX_WORLD} a layout "
+            f"may have; pick the layout of the cluster that will serve it."
+        )
+    if ep not in (1, tp):
+        raise ConfigError(
+            f"--ep {ep}: vLLM's enable_expert_parallel spreads the experts over all {tp} tp "
+            f"ranks, and its sharded_state files are named by tp / pp rank only (data-"
+            f"parallel replicas would read the same file); use --ep {tp} or --ep 1."
+        )
+    _, cfg = resolve(ck.config, str(ck.root / "config.json"))
+    text = getattr(cfg, "text", cfg)
+    heads, layers = text.num_heads, text.num_layers
+    if tp > heads or heads % tp:
+        raise ConfigError(
+            f"--tp {tp}: vLLM splits the {heads} attention heads over the tp ranks, so tp "
+            f"must divide {heads}; pick one of "
+            f"{', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)}."
+        )
+    if pp > layers:
+        raise ConfigError(
+            f"--pp {pp}: more pipeline stages than the model's {layers} layers; use at most "
+            f"--pp {layers}."
+        )
+
+
+def _rank_key(head: dict, fname: str, params: list[Param]) -> str:
+    """What a rank file was written from: ``head`` (the source's content fingerprint, the
+    layout and generator) and the file's tensor table. A resumed file must match it."""
+    doc = dict(head, rank=fname,
+               tensors=[[p.name, str(p.dtype), list(p.shape)] for p in params])  # fmt: skip
+    return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
+
+
+def source_fingerprint(ck: Checkpoint) -> list[list]:
+    """[name, bytes, xxh3-128] of every weight file and config.json, by content: what a
+    rerun must find unchanged to keep an interrupted run's rank files (a file swapped
+    for another of the same size and mtime is caught)."""
+    files = [*(f.path for f in ck.files()), ck.root / "config.json"]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        hashes = list(pool.map(lambda f: file_digest(f, HASH), files))
+    return [[str(f.relative_to(ck.root)), f.stat().st_size, h]
+            for f, h in zip(files, hashes, strict=True)]  # fmt: skip
+
+
+def write_vllm(
+    *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
+    ep: int = 1, force: bool = False, progress: bool = False,
+) -> VllmShardResult:  # fmt: skip
+    """Write the sharded_state directory: one safetensors file per rank, then the config /
+    tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
+    to OUT at the end (:class:`~..checkpoint.output.OwnedStage`: owned, locked, lstat-
+    checked). An interrupted run leaves the stage; a rerun keeps every rank file it finds
+    complete (its journal entry and hash match, and the source's content fingerprint is
+    unchanged) and writes the rest. Every refusal (layout, source, scheme) happens
+    before a byte is written; a non-finite value met while writing removes the stage."""
+    t0 = time.perf_counter()
+    ck = open_checkpoint(src)
+    check_layout(ck, tp, pp, ep)
+    ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
+    plans = rank_params(ck, ranks)
+    total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
+    out = check_output(out, force=force, need_bytes=total, source=ck.root)
+    carried = carried_files(ck)
+    index = {"format": FORMAT, "version": INDEX_VERSION, "generator": f"k3convert {__version__}",
+             "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
+             "dtype": str(dtype_of(ck)).removeprefix("torch."),
+             "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(Path(ck.root).resolve()),
+             "source_files": [], "carried": [], "files": []}  # fmt: skip
+    rank_names = {r.file() for r in ranks}
+    carried_names = {name for name, _ in carried}
+
+    def owns(name: str) -> bool:
+        return (name in (JOURNAL, INDEX) or name in carried_names or bool(_RANK_RX.fullmatch(name))
+                or name.startswith((f"{INDEX}.tmp-", ".k3-")))  # fmt: skip
+
+    stage = OwnedStage(out, STAGE, [ck.root])
+    with stage, ThreadPoolExecutor(max_workers=1) as pool:
+        fingerprint = pool.submit(source_fingerprint, ck)  # read while the ranks are written
+        try:
+            stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
+            journal = stage.path / JOURNAL
+            journal.mkdir(exist_ok=True)
+            resumed = 0
+            head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
+            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                      desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
+                for r, params in plans.items():
+                    key = _rank_key(head, r.file(), params)
+                    entry, kept = _write_rank(stage.path, journal, r, params, key, fingerprint)
+                    index["files"].append(entry)
+                    resumed += kept
+                    bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
+            index["source_files"] = fingerprint.result()
+            for name, f in carried:
+                shutil.copyfile(f, stage.path / name)
+                fsync_path(stage.path / name)
+                index["carried"].append({"name": name, "bytes": (stage.path / name).stat().st_size,
+                                         "hash": file_digest(stage.path / name, HASH)})  # fmt: skip
+            shutil.rmtree(journal)
+            atomic_json(stage.path / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
+            stage.commit(rank_names | carried_names | {INDEX}, force)
+        except ConfigError:
+            stage.remove()  # the source is damaged: nothing to resume
+            raise
+        except OSError as e:
+            raise write_error(e, out) from e
+    size = sum(f["bytes"] for f in index["files"])
+    return VllmShardResult(out, len(index["files"]), size, time.perf_counter() - t0, resumed)
+
+
+def _finite(t: torch.Tensor, p: Param, fname: str) -> torch.Tensor:
+    """``t`` (a block of parameter ``p``) if every value is finite, else ConfigError
+    naming the source tensor. One float32 sum first; the exact test only when it is not
+    finite. FP8 codes: the e4m3fn NaN code (there is no inf)."""
+    if not t.is_floating_point():
+        return t
+    if t.dtype == torch.float8_e4m3fn:
+        bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    elif t.element_size() == 1:
+        bad = not bool(torch.isfinite(t.float()).all())
+    else:
+        bad = not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(
+            torch.isfinite(t).all()
+        )
+    if bad:
+        names = sorted({pc.name for pc in p.pieces}) or [p.name]
+        what = names[0] if len(names) == 1 else f"one of {', '.join(names)}"
+        raise ConfigError(
+            f"{what}: holds NaN or infinite values (vLLM parameter '{p.name}' of {fname}); "
+            f"the source checkpoint is damaged - re-download or re-export it. Nothing was "
+            f"written."
+        )
+    return t
+
+
+def _write_rank(stage: Path, journal: Path, r: Rank, params: list[Param], key: str, fingerprint):
+    """(index entry, 1 if kept from an interrupted run else 0) of one rank file."""
+    fname = r.file()
+    path, note = stage / fname, journal / f"{fname}.json"
+    try:
+        old = read_json(note, "output index", ValueError)
+        if (old.get("key") == key and old.get("source") == fingerprint.result()
+                and path.stat().st_size == old["entry"]["bytes"]
+                and file_digest(path, HASH) == old["entry"]["hash"]):  # fmt: skip
+            return old["entry"], 1
+    except (OSError, ValueError, KeyError, TypeError, K3Error):
+        pass
+    note.unlink(missing_ok=True)
+    tmp = stage / f"{fname}.tmp"
+    digest = new_hasher(HASH)  # hashed as written, durable before its journal entry
+    with SafetensorsWriter(tmp, [(p.name, p.dtype, p.shape) for p in params],
+                           {"format": "pt"}, digest=digest, durable=True) as w:  # fmt: skip
+        for p in params:
+            if p.stacked is not None:
+                w.write_stacked(p.name, (_finite(t, p, fname) for t in p.stacked()))
+            else:
+                w.write(p.name, _finite(p.make(), p, fname))
+    os.replace(tmp, path)
+    entry = {
+        "name": fname, "tp_rank": r.tp, "pp_rank": r.pp, "bytes": path.stat().st_size,
+        "hash": tag(HASH, digest.hexdigest()),
+        "tensors": {p.name: {"dtype": str(p.dtype).removeprefix("torch."),
+                             "shape": list(p.shape)} for p in params},
+    }  # fmt: skip
+    note.write_text(json.dumps({"key": key, "source": fingerprint.result(), "entry": entry}))
+    return entry, 0
