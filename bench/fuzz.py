@@ -1320,8 +1320,147 @@ def load_native_library(path: str) -> None:
     native._lib, native._tried = lib, True
 
 
+# -- vllm target: the sharded_state reader (shard --check, verify) and its writer ----
+def build_vllm(root: Path) -> tuple[list[Path], list[Path]]:
+    """(written directories, their sources): the plain llama at tp 2 and at tp 1, and the
+    int4 one (group 8) at tp 1, as ``shard --target vllm`` writes them."""
+    from k3convert.engines.vllm_write import write_vllm
+
+    srcs = build_checkpoints(root / "src")
+    by = {p.name: p for p in srcs}
+    outs = [write_vllm(src=by["plain"], out=root / "plain-tp2", tp=2).out,
+            write_vllm(src=by["plain"], out=root / "plain-tp1").out,
+            write_vllm(src=by["int4-asym"], out=root / "int4-tp1").out]  # fmt: skip
+    return outs, [by["plain"], by["int4-sym"], by["int4-asym"], by["sharded"]]
+
+
+def mutate_vllm_dir(d: Path, outside: Path, rng: random.Random) -> str:
+    """One edit of a written directory: an index value, a rank or carried file's bytes,
+    an added / removed / linked file, or hostile index JSON."""
+    from k3convert.engines.vllm_sharded import INDEX
+
+    files = sorted(p for p in d.iterdir() if p.name != INDEX)
+    r = rng.random()
+    if r < 0.35:
+        doc = json.loads((d / INDEX).read_text())
+        path = rng.choice(_json_paths(doc)[1:])
+        old = _get(doc, path)
+        _set(doc, path, odd_value(rng, old))
+        (d / INDEX).write_text(json.dumps(doc))
+        return f"index: {'/'.join(map(str, path))} {_short(old)} -> {_short(_get(doc, path))}"
+    if r < 0.4:
+        (d / INDEX).write_text(rng.choice([deep_json(rng), "", "{", '{"format": NaN}', "[]"]))
+        return "index: hostile JSON"
+    if r < 0.65:
+        f = rng.choice([p for p in files if p.suffix == ".safetensors"])
+        blob, what = mutate_st(f.read_bytes(), rng)
+        f.write_bytes(blob)
+        return f"{f.name}: {what}"
+    if r < 0.75:
+        f = rng.choice([p for p in files if p.suffix != ".safetensors"])
+        blob = bytearray(f.read_bytes())
+        blob[rng.randrange(len(blob))] ^= 1 << rng.randrange(8)
+        f.write_bytes(bytes(blob))
+        return f"{f.name}: one bit flipped"
+    if r < 0.85:
+        f = rng.choice(files)
+        extra = rng.choice(
+            ["model-rank-0-part-1.safetensors", "model-rank-9-part-0.safetensors",
+             "model.safetensors", "notes.txt", "generation_config.json"]
+        )  # fmt: skip
+        (d / extra).write_bytes(f.read_bytes())
+        return f"added {extra} (a copy of {f.name})"
+    f = rng.choice(files)
+    f.unlink()
+    if rng.random() < 0.5:
+        f.symlink_to(outside / f.name)
+        return f"{f.name} -> symlink to the pristine copy"
+    return f"removed {f.name}"
+
+
+def verify_vllm_dir(d: Path, template: Pristine) -> None:
+    """shard --check, then verify's inverse mapping of every tensor; an accepted
+    directory must hold the written bytes (the index may differ in what it does not
+    bind)."""
+    from k3convert.engines.vllm_sharded import INDEX
+    from k3convert.engines.vllm_source import VllmSource
+
+    src = VllmSource(d)  # check_vllm first
+    for name in src.names():
+        src.get(name)
+    for p in d.iterdir():
+        if p.name == INDEX:
+            continue
+        want = template.files.get(Path(p.name))
+        if p.is_symlink() or want is None or p.read_bytes() != want:
+            raise Mismatch(f"accepted a directory whose {p.name} is not the one written")
+
+
+def _tree(d: Path) -> dict:
+    return {p.name: (p.is_symlink(), p.read_bytes() if p.is_file() else None)
+            for p in sorted(d.iterdir())}  # fmt: skip
+
+
+def write_vllm_mutated(src: Path, out: Path, tp: int) -> None:
+    """The writer over a mutated source: refused, or its output passes its own check;
+    the source is never changed and nothing is left beside OUT on a refusal."""
+    from k3convert.engines.vllm_index import check_vllm
+    from k3convert.engines.vllm_write import write_vllm
+
+    before = _tree(src)
+
+    def untouched() -> None:
+        if _tree(src) != before:
+            raise Mismatch("the writer changed its source directory")
+        left = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+        if left:
+            raise Mismatch(f"the writer left {left} beside OUT")
+
+    try:
+        write_vllm(src=src, out=out, tp=tp, force=True)
+    except K3Error:
+        untouched()
+        raise
+    untouched()
+    try:
+        check_vllm(out)
+    except K3Error as e:
+        raise Mismatch(f"the writer accepted a source its own check then refuses: {e}") from e
+
+
+class VllmFuzzer:
+    target = "vllm"
+
+    def __init__(self, work: Path):
+        outs, srcs = build_vllm(work / "templates")
+        self.outs = [Pristine(o) for o in outs]
+        self.srcs = [Pristine(s) for s in srcs]
+        self.work = work
+
+    def iteration(self, i: int, rng: random.Random, tally: Tally) -> str:
+        if rng.random() < 0.6:
+            t = rng.choice(self.outs)
+            d = t.restore(self.work / "case" / t.template.name)
+            what = f"[read {t.template.name}] " + mutate_vllm_dir(d, t.template, rng)
+            tally.ops[f"read {t.template.name}"] += 1
+            classify(tally, i, what, lambda: verify_vllm_dir(d, t))
+            return what
+        t = rng.choice(self.srcs)
+        d = t.restore(self.work / "src" / t.template.name)
+        what = f"[write {t.template.name}] " + mutate_checkpoint(d, t.template, rng)
+        tally.ops[f"write {t.template.name}"] += 1
+        tp = rng.choice([1, 2])
+        out = self.work / "out" / "o"
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        classify(tally, i, what + f" (tp {tp})", lambda: write_vllm_mutated(d, out, tp))
+        return what
+
+
 # -- driver ---------------------------------------------------------------------------
-FUZZERS = {"checkpoint": CheckpointFuzzer, "stream": StreamFuzzer, "native": NativeFuzzer}
+FUZZERS = {"checkpoint": CheckpointFuzzer, "stream": StreamFuzzer, "native": NativeFuzzer,
+           "vllm": VllmFuzzer}  # fmt: skip
 
 
 def iteration_rng(seed: int, target: str, i: int) -> random.Random:

@@ -61,6 +61,18 @@ def test_fuzz_stream_reader(tmp_path):
 # -- the harness catches what it is meant to catch --------------------------------------
 
 
+VLLM_ITERATIONS = 1000  # ~8 s, plus ~1 s to write the three templates
+
+
+def test_fuzz_vllm_reader_and_writer(tmp_path):
+    """The sharded_state directory (check + verify's inverse mapping: an accepted one
+    holds the bytes written) and the writer over a damaged source (refused, or its output
+    passes its own check; the source untouched and no stage left beside OUT)."""
+    tally = fuzz.run("vllm", seed=SEED, iterations=VLLM_ITERATIONS, work=tmp_path)
+    _assert_clean(tally, {"StreamCorruptError", "SafetensorsFormatError", "CheckpointError"})
+    assert {o.split()[0] for o in tally.ops} == {"read", "write"}
+
+
 def _flip_first_byte(real):
     def wrong(path, info):
         t = real(path, info)

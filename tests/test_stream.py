@@ -391,6 +391,48 @@ def test_killed_run_resumes_to_identical_output(tiny_models, tmp_path, compress)
     assert check(out).ok
 
 
+def test_resume_after_a_same_size_same_mtime_source_swap_rewrites_every_unit(
+    tiny_models, tmp_path, monkeypatch
+):
+    """Resume is keyed on the source's content: a weight file swapped for another of the
+    same size, its mtime restored, between an interrupted run and its rerun, makes the
+    rerun rewrite every unit (no stream mixing two checkpoints); unchanged, it resumes."""
+    import os
+
+    import k3convert.shard.writer as w
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_models["llama"], src)
+    real, n = w.write_unit, []
+
+    def stop_after_two(*a, **k):
+        if len(n) == 2:
+            raise KeyboardInterrupt
+        n.append(1)
+        return real(*a, **k)
+
+    def interrupted(out):
+        n.clear()
+        monkeypatch.setattr(w, "write_unit", stop_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            shard(src=src, out=out, tp=2, progress=False, workers=1)
+        monkeypatch.setattr(w, "write_unit", real)
+
+    interrupted(tmp_path / "same")
+    assert shard(src=src, out=tmp_path / "same", tp=2, progress=False).units_skipped == 2
+    interrupted(tmp_path / "out")
+    f = next(src.glob("*.safetensors"))
+    st = f.stat()
+    t = load_file(f)
+    save_file({k: v.flip(0).contiguous() for k, v in t.items()}, f, metadata={"format": "pt"})
+    assert f.stat().st_size == st.st_size
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = shard(src=src, out=tmp_path / "out", tp=2, progress=False)
+    assert r.units_skipped == 0
+    ref = make(src, tmp_path / "ref", tp=2)
+    assert tree_hashes(tmp_path / "out") == tree_hashes(ref)
+
+
 # -- format conformance -----------------------------------------------------------------
 def test_packaged_schema_is_the_published_one():
     pkg = ROOT / "k3convert/stream/manifest.schema.json"

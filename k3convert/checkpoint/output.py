@@ -403,6 +403,7 @@ class OwnedStage:
             self._check_marker()
         else:
             try:
+                p.parent.mkdir(parents=True, exist_ok=True)
                 p.mkdir()
             except FileExistsError:
                 pass  # another run made it this instant: the lock below decides

@@ -45,6 +45,8 @@ def read_index(path: str | os.PathLike) -> dict:
             f"{p}: layout {lay!r} is not tp / pp / ep of positive integers with at most "
             f"{MAX_WORLD} ranks; rewrite OUT."
         )
+    if not isinstance(index.get("source"), str) or not index["source"]:
+        raise StreamCorruptError(f"{p}: 'source' must name the source directory; rewrite OUT.")
     for key in ("files", "carried", "source_files"):
         if not isinstance(index.get(key), list):
             raise StreamCorruptError(f"{p}: '{key}' must be a list; rewrite OUT.")

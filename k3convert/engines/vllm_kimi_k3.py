@@ -26,13 +26,15 @@ Checked byte for byte against vLLM's own loader on CPU (``tests/test_vllm_kimi_k
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
+import os
 from collections.abc import Iterator
 
 import torch
 
-from ..errors import ConfigError
+from ..checkpoint.bounded import read_json
+from ..errors import ConfigError, short_repr
 from .vllm_moe import local_experts
 from .vllm_sharded import (
     ALL,
@@ -87,12 +89,13 @@ def check_k3(ck, cfg) -> None:
         raise ConfigError(f"{ck.root}: MLA without a q LoRA rank is not written for vLLM.")
     if not t.full_rank_gate:
         raise ConfigError(f"{ck.root}: vLLM's K3 KDA needs use_full_rank_gate.")
-    if not (ck.root / "preprocessor_config.json").is_file():
+    if not os.path.lexists(ck.root / "preprocessor_config.json"):  # a FIFO: refused below
         raise ConfigError(
             f"{ck.root}: no preprocessor_config.json: vLLM's Kimi K3 loads its image "
             f"processor at start-up and computes the vision input normalisation from it; "
             f"copy the release's file into the checkpoint."
         )
+    _normalisation(ck)  # every field it uses, checked before anything is written
 
 
 def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
@@ -363,18 +366,85 @@ def _qkv_heads(src: _Source, name: str, q: int, a: int, b: int) -> Param:
     return Param(name, src.dtype, (3 * n, *shape[1:]), make, pieces=pieces)
 
 
+#: image channels MoonViT's patch embedding takes (RGB): image_mean / image_std hold one
+#: value per channel
+CHANNELS = 3
+#: sizes vLLM's Kimi K3 image processor reads from the file at start-up (an int, or one per
+#: spatial axis)
+SIZES = ("patch_size", "merge_kernel_size", "temporal_merge_kernel_size")
+
+
+def _normalisation(ck) -> tuple[float, list[float], list[float]]:
+    """(rescale, mean, std) of ``preprocessor_config.json``, resolved as vLLM resolves
+    them; every field used is checked first: one ConfigError line naming the file and
+    the key, never a traceback and never a non-finite or divide-by-zero buffer."""
+    path = ck.root / "preprocessor_config.json"
+    doc = read_json(path, "processor", ConfigError, finite=True)
+    fix = "fix it, or copy the release's preprocessor_config.json into the checkpoint"
+
+    def bad(key: str, what: str) -> ConfigError:
+        return ConfigError(f"{path}: {key} {what}; {fix}.")
+
+    conf, at = doc, ""
+    for key in ("image_processor", "media_proc_cfg"):
+        if key in conf:
+            conf, at = conf[key], f"{at}{key}."
+            if not isinstance(conf, dict):
+                raise bad(at[:-1], f"must be a JSON object, got {type(conf).__name__}")
+
+    for key in SIZES:
+        v = conf.get(key)
+        vs = v if isinstance(v, list) and v else [v]
+        if key in conf and not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in vs
+        ):
+            want = "must be a positive integer (or a list of them)"
+            raise bad(f"{at}{key}", f"{want}, got {short_repr(v)}")
+    for key in ("do_rescale", "do_normalize"):
+        if key in conf and not isinstance(conf[key], bool):
+            raise bad(f"{at}{key}", f"must be true or false, got {short_repr(conf[key])}")
+
+    def number(key: str, v, positive: bool) -> float:
+        x = math.nan
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            with contextlib.suppress(OverflowError):  # an integer literal of 400 digits
+                x = float(v)
+        if not math.isfinite(x) or (positive and x <= 0):
+            want = "a finite number > 0" if positive else "a finite number"
+            raise bad(key, f"must be {want}, got {short_repr(v)}")
+        return x
+
+    has = "image_mean" in conf and "image_std" in conf
+    rescale = 1.0
+    if conf.get("do_rescale", has):
+        rescale = number(f"{at}rescale_factor", conf.get("rescale_factor", 1 / 255), True)
+    if not conf.get("do_normalize", has):
+        return rescale, [0.0] * CHANNELS, [1.0] * CHANNELS
+    out = []
+    for key, positive in (("image_mean", False), ("image_std", True)):
+        if key not in conf:
+            raise bad(f"{at}{key}", "is missing (do_normalize is true)")
+        v = conf[key]
+        if not isinstance(v, list) or len(v) != CHANNELS:
+            got = f"{len(v)} values" if isinstance(v, list) else short_repr(v)
+            raise bad(f"{at}{key}", f"must be a list of {CHANNELS} numbers (one per RGB "
+                                    f"channel), got {got}")  # fmt: skip
+        out.append([number(f"{at}{key}[{i}]", x, positive) for i, x in enumerate(v)])
+    m, s = (torch.tensor(x, dtype=torch.float32) for x in out)  # as _input_norm computes
+    for what, v in (
+        ("rescale_factor / image_std", rescale / s),
+        ("image_mean / image_std", -m / s),
+    ):
+        if not bool(torch.isfinite(v).all()):
+            raise bad(f"{at}{what}", "is not a finite float32 (vLLM's input_norm buffers)")
+    return rescale, out[0], out[1]
+
+
 def _input_norm(ck) -> Iterator[Param]:
     """vLLM's ``FusedMMInputNorm`` buffers (``weight = rescale / std``, ``bias = -mean /
     std``, float32), resolved from ``preprocessor_config.json`` as vLLM resolves them;
     none when the normalisation is the identity."""
-    conf = json.loads((ck.root / "preprocessor_config.json").read_text())
-    conf = conf.get("image_processor", conf)
-    conf = conf.get("media_proc_cfg", conf)
-    has = "image_mean" in conf and "image_std" in conf
-    rescale = float(conf.get("rescale_factor", 1 / 255)) if conf.get("do_rescale", has) else 1.0
-    norm = conf.get("do_normalize", has)
-    mean = [float(x) for x in conf["image_mean"]] if norm else [0.0] * 3
-    std = [float(x) for x in conf["image_std"]] if norm else [1.0] * 3
+    rescale, mean, std = _normalisation(ck)
     pairs = list(zip(mean, std, strict=True))
     if all(math.isclose(rescale / s, 1.0, rel_tol=1e-5, abs_tol=1e-8)
            and math.isclose(m / s, 0.0, abs_tol=1e-8) for m, s in pairs):  # fmt: skip

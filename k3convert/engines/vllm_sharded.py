@@ -176,7 +176,7 @@ class _Source:
     def column(self, module: str, part: str, a: int, b: int, out: int) -> tuple:
         """Rows [a, b) of ``out`` (output features) of one part: (shape, dtype, thunk,
         the source rows: a slice, or None for the whole part)."""
-        shape, dtype = _module_parts(self.ck, module)[part]
+        shape, dtype = self._stored(module, part)
         if part == "weight_shape" or not shape:  # (a 0-d part: refused by _fused)
             return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part], None
         lo, hi = _scaled(shape[0], out, a, b, f"{module}.{part}")
@@ -190,7 +190,7 @@ class _Source:
 
     def row(self, module: str, part: str, a: int, b: int, inp: int) -> Param:
         """Columns [a, b) of ``inp`` (input features) of one part."""
-        shape, dtype = _module_parts(self.ck, module)[part]
+        shape, dtype = self._stored(module, part)
         grouped = self.ck.meta(f"{module}.weight").quant.extra.get("strategy") == "group"
         name = f"{module}.{part}"
         whole = Piece(*_origin(module, part), ALL, ALL)
@@ -209,6 +209,14 @@ class _Source:
         cols = Piece(whole.name, whole.part, (slice(None), slice(lo, hi)), ALL)
         shape = (shape[0], hi - lo, *shape[2:])
         return Param(name, dtype, shape, None, chunks, pieces=(cols,))
+
+    def _stored(self, module: str, part: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of a Linear's part as written: :meth:`_part`'s dtype (an
+        unquantized weight in the model dtype, whatever the file stores it in)."""
+        shape, dtype = _module_parts(self.ck, module)[part]
+        if part != "bias" and self.ck.meta(f"{module}.weight").encoding == "plain":
+            dtype = self.dtype
+        return shape, dtype
 
     def _part(self, module: str, part: str) -> torch.Tensor:
         if part == "bias":
@@ -413,9 +421,11 @@ def _fused(src: _Source, prefix: str, fused: str, spans: dict) -> Iterator[Param
     """vLLM's merged column-parallel parameter: each part of the members' rows for this
     rank, concatenated in member order (q, k, v / gate, up)."""
     members = list(spans)
-    parts = list(_module_parts(src.ck, f"{prefix}.{members[0]}"))
+    first = _module_parts(src.ck, f"{prefix}.{members[0]}")
+    parts = list(first)
     for m in members[1:]:
-        if list(_module_parts(src.ck, f"{prefix}.{m}")) != parts:
+        this = _module_parts(src.ck, f"{prefix}.{m}")
+        if list(this) != parts or any(this[k][1] != first[k][1] for k in parts):
             raise ConfigError(
                 f"{prefix}: {members[0]} and {m} are stored differently; vLLM fuses them into "
                 f"one {fused} and needs one scheme for both."

@@ -183,8 +183,8 @@ def write_vllm(
             shutil.rmtree(journal)
             atomic_json(stage.path / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
             stage.commit(rank_names | carried_names | {INDEX}, force)
-        except ConfigError:
-            stage.remove()  # the source is damaged: nothing to resume
+        except K3Error:
+            stage.remove()  # a damaged or refused source: nothing to resume
             raise
         except OSError as e:
             raise write_error(e, out) from e

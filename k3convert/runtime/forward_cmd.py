@@ -8,17 +8,19 @@ transformers is importable), optional float32 logits saved for offline compariso
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.bounded import LIMITS, read_json
 from ..checkpoint.output import guard_out, probe_writable, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
-from ..errors import CheckpointError, ConfigError, OutputError
+from ..errors import CheckpointError, ConfigError, K3Error, OutputError
 from ..sources import open_source
+from ..stream import Stream
 from .parallel import ParallelRuntime
 from .ranks import stream_ranks
 from .runtime import Runtime, parse_dtype
@@ -104,10 +106,16 @@ def need_tensor(d: dict, key: str, path, what: str) -> torch.Tensor:
 
 def load_tokenizer(src: Path) -> tuple[object | None, str | None]:
     """(tokenizer or None, a note for the report). Never runs code from the model
-    directory: a tokenizer that needs its own Python (an ``auto_map``) is not loaded."""
+    directory: a tokenizer that needs its own Python (an ``auto_map``) is not loaded, nor
+    one whose files are not regular files under their size cap (a FIFO would block
+    transformers' read, a huge file eat memory)."""
     if not any((src / f).is_file() for f in TOKENIZER_FILES):
         return None, None
-    if _needs_custom_code(src):
+    try:
+        custom = _needs_custom_code(src)
+    except K3Error as e:  # a broken tokenizer must not hide the logits; ids are printed
+        return None, f"tokenizer: not loaded ({str(e)[:200]}); showing token ids"
+    if custom:
         return None, (
             "tokenizer: needs custom code from the model directory (auto_map), which "
             "k3convert never runs; showing token ids"
@@ -127,16 +135,29 @@ def load_tokenizer(src: Path) -> tuple[object | None, str | None]:
 
 
 def _needs_custom_code(src: Path) -> bool:
-    """True if tokenizer_config.json or config.json maps a tokenizer class to code."""
-    for name in ("tokenizer_config.json", "config.json"):
+    """True if tokenizer_config.json or config.json maps a tokenizer class to code. Both
+    are read bounded and strict (:mod:`..checkpoint.bounded`), and every tokenizer file
+    present must be a regular file under the tokenizer size cap: CheckpointError if not."""
+    for name in TOKENIZER_FILES:
         f = src / name
-        if not f.is_file():
+        if not os.path.lexists(f):
             continue
         try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            st = f.stat()
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot read ({e.strerror}).") from e
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{f}: is not a regular file (a FIFO, socket or device).")
+        if st.st_size > LIMITS["tokenizer"]:
+            raise CheckpointError(
+                f"{f}: {st.st_size >> 20} MiB, more than a tokenizer file may hold."
+            )
+    for name, kind in (("tokenizer_config.json", "tokenizer"), ("config.json", "config")):
+        f = src / name
+        if not os.path.lexists(f):
             continue
-        amap = data.get("auto_map") if isinstance(data, dict) else None
+        data = read_json(f, kind, CheckpointError)
+        amap = data.get("auto_map")
         if name == "tokenizer_config.json" and amap:
             return True
         if isinstance(amap, dict) and "AutoTokenizer" in amap:
@@ -177,7 +198,9 @@ def run_forward(
         grid = need_tensor(d, "image_grid_thw", pixel_values, "--pixel-values")
     if save_logits is not None:
         _check_logits_path(Path(save_logits), Path(src))
-    ckpt = open_source(src)
+    ckpt = open_source(src)  # a stream: its config.json checked against the manifest
+    if isinstance(ckpt, Stream):
+        ckpt.check_carried()  # the tokenizer the report decodes with, too; before the run
     aq = None if act_quant else False
     if getattr(ckpt, "world", 1) != 1:
         # every rank of the stream, simulated in this process (k3convert verify compares)

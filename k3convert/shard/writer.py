@@ -28,6 +28,7 @@ the manifest, which is written last, atomically: it is the commit marker.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -41,6 +42,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint.bounded import read_json
 from ..checkpoint.output import (
     check_replaceable,
     free_bytes,
@@ -246,7 +248,14 @@ def write_stream(
         total = sum(up.header()[2] for up in plan.units)
         err = _prepare_stream_dir(out, force, total) if group.leader else None
         group.agree(err, f"preparing {out}")
+        fp_file = out / JOURNAL / f"source-{group.rank}-of-{group.world}.json"
+        # a rerun (process 0 decides for all: the others may see this run's entries)
+        resuming = group.share(_has_unit_entries(out) if group.leader else None)
+        earlier = _read_fingerprint(fp_file) if resuming else None
         hasher = SourceHasher(source.root, my_files, workers, tick)
+        recorder = threading.Thread(target=_record_fingerprint, args=(hasher, fp_file),
+                                    name="k3hash-record", daemon=True)  # fmt: skip
+        recorder.start()
         with lock:
             bar.total = (bar.total or 0) + sum(f.size for f in my_files)
             bar.total += sum(up.header()[2] for up in mine)
@@ -264,8 +273,11 @@ def write_stream(
         units = _UnitWriter(data, out, compress, unit_hash, source_id, tick, lock, syncer,
                             on_unit)  # fmt: skip
         try:
+            if resuming:
+                _forget_if_source_changed(out, mine, group, earlier, hasher.result())
             units.write(mine, workers)
             sha = hasher.result()
+            recorder.join()  # (its file is in the journal, which the commit removes)
             synced = syncer.finish()
             to_sync = [out / up.file for up in mine if out / up.file not in synced]
             to_sync += sorted({(out / up.file).parent for up in mine})
@@ -317,6 +329,44 @@ def _commit_shares(out: Path, plan: Plan, source, shares: list, carry, compress:
         time.perf_counter() - t0,
         None,
     )
+
+
+def _has_unit_entries(out: Path) -> bool:
+    j = out / JOURNAL
+    return j.is_dir() and any(
+        p.suffix == ".json" and not p.name.startswith("source-") for p in j.iterdir()
+    )
+
+
+def _read_fingerprint(path: Path) -> dict | None:
+    try:
+        doc = read_json(path, "report", OutputError)
+    except OutputError:
+        return None
+    return doc
+
+
+def _record_fingerprint(hasher: SourceHasher, path: Path) -> None:
+    """This process's share of the source by content, in the journal as soon as it is
+    hashed: what a rerun compares before it keeps a unit of this run."""
+    try:
+        sha = hasher.result()
+    except BaseException:  # (re-raised where the writer calls result())
+        return
+    with contextlib.suppress(OSError):  # (then a rerun rewrites every unit: never wrong)
+        atomic_json(path, dict(sorted(sha.items())), fsync=False)
+
+
+def _forget_if_source_changed(out: Path, mine, group: ProcessGroup, earlier, now) -> None:
+    """Keep an interrupted run's units only if the source is the same by content (the
+    sha256 of every file, not size and mtime): a file swapped for another of the same
+    size with its mtime restored would otherwise mix two checkpoints in one stream.
+    Every process compares its share; if any differs (or was never recorded), every
+    process drops its units' journal entries and rewrites them."""
+    same = all(group.gather(earlier is not None and earlier == dict(sorted(now.items()))))
+    if not same:
+        for up in mine:
+            journal_path(out, up).unlink(missing_ok=True)
 
 
 def _prepare_stream_dir(out: Path, force: bool, total: int) -> BaseException | None:
