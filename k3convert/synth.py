@@ -32,7 +32,7 @@ from .formats import FP8_MAX
 from .formats.dtypes import SHORT_DTYPES, SHORT_NAMES
 from .formats.intn import pack_int32
 from .quant.schemes import get_scheme
-from .synth_tokenizer import write_tokenizer
+from .synth_tokenizer import check_special_ids, write_tokenizer
 
 PRESETS = (
     "kimi-k2",
@@ -555,6 +555,7 @@ def synthesize(
     if encoding not in ENCODINGS:
         raise ConfigError(f"--encoding must be one of {', '.join(ENCODINGS)}, not '{encoding}'.")
     raw = source_config(config)
+    check_special_ids(raw, text_section(raw))  # before any weight is written
     o = dict(tiny_overrides(raw)) if tiny else {}
     o.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for k, v in o.items():

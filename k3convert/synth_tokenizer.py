@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import ConfigError
+
 #: config.json keys whose ids become special tokens, and the token each one gets
 SPECIAL_KEYS = {
     "bos_token_id": "<|bos|>",
@@ -34,6 +36,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
 )
 FILES = ("tokenizer.json", "tokenizer_config.json")
+#: the most ids one special-token key of config.json may list: a release lists a handful
+#: (Llama 3.1's eos_token_id has three); each id becomes a token of the tokenizer
+MAX_SPECIAL_IDS = 1024
 
 
 def byte_symbols() -> list[str]:
@@ -55,21 +60,37 @@ def _ids(value) -> list[int]:
     return [v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
+def check_special_ids(cfg: dict, text: dict) -> None:
+    """ConfigError for a special-token key (``eos_token_id``, ...) listing more than
+    :data:`MAX_SPECIAL_IDS` ids: no tokenizer has that many, and the config is damaged."""
+    for key in SPECIAL_KEYS:
+        for d in (text, cfg):
+            v = d.get(key)
+            if isinstance(v, list) and len(v) > MAX_SPECIAL_IDS:
+                where = "" if d is cfg else "text_config."
+                raise ConfigError(
+                    f"config.json: {where}{key} lists {len(v)} ids, more than the "
+                    f"{MAX_SPECIAL_IDS} any tokenizer has special tokens for; the config is "
+                    f"damaged - keep the model's real ids (a handful)."
+                )
+
+
 def special_tokens(cfg: dict, text: dict, vocab: int) -> tuple[dict[int, str], dict[str, str]]:
     """(id -> token, role -> token) for the special ids of config.json below ``vocab``
     (text section first, then the top level). Every id is its own token (a second EOS id
     is ``<|eos_1|>``); an id two roles share (BOS = EOS) is one token both roles name. A
     config without BOS / EOS (K3's) gets them at the top free ids."""
+    check_special_ids(cfg, text)
     by_id: dict[int, str] = {}
     roles: dict[str, str] = {}
     for key, token in SPECIAL_KEYS.items():
-        ids: list[int] = []
+        ids: dict[int, None] = {}  # the ids in order, each once (a set of what is seen)
         for d in (text, cfg):
-            ids += [i for i in _ids(d.get(key)) if i < vocab and i not in ids]
+            ids.update((i, None) for i in _ids(d.get(key)) if i < vocab)
         for k, i in enumerate(ids):
             by_id.setdefault(i, token if k == 0 else token.replace("|>", f"_{k}|>"))
         if ids:
-            roles[key.removesuffix("_token_id")] = by_id[ids[0]]
+            roles[key.removesuffix("_token_id")] = by_id[next(iter(ids))]
     for role in ("eos", "bos"):
         top = next((i for i in range(vocab - 1, -1, -1) if i not in by_id), None)
         if role not in roles and top is not None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from k3convert.engines.vllm_sharded import Rank
+from k3convert.engines.vllm_layers import Rank
 from k3convert.engines.vllm_source import VllmSource
 from k3convert.engines.vllm_write import write_vllm
 from k3convert.errors import ConfigError

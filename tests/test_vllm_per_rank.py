@@ -59,7 +59,7 @@ from safetensors import safe_open
 
 from k3convert.calibrate.options import SequentialOptions
 from k3convert.engines.vllm_index import llm_call
-from k3convert.engines.vllm_sharded import Rank
+from k3convert.engines.vllm_layers import Rank
 from k3convert.engines.vllm_write import write_vllm
 from k3convert.pipeline import quantize
 from k3convert.recipe import load_recipe

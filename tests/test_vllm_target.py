@@ -16,8 +16,9 @@ from safetensors import safe_open
 from k3convert.checkpoint import open_checkpoint
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter
 from k3convert.engines.vllm_index import check_vllm
+from k3convert.engines.vllm_layers import pp_layers
 from k3convert.engines.vllm_moe import local_experts
-from k3convert.engines.vllm_sharded import INDEX, pp_layers
+from k3convert.engines.vllm_sharded import INDEX
 from k3convert.engines.vllm_write import write_vllm
 from k3convert.errors import ConfigError
 from k3convert.pipeline import quantize

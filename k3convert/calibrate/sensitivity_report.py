@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.bounded import read_json
 from ..errors import ConfigError
 
 REPORT_FORMAT = "k3convert-sensitivity-v1"
@@ -130,9 +131,10 @@ class SensitivityReport:
         p = Path(path)
         if p.is_dir():
             p = p / REPORT_FILE
+        data = read_json(p, "report", ConfigError)  # errors name the file
         try:
-            return cls.from_json(json.loads(p.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            return cls.from_json(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{p}: cannot read the sensitivity report ({e}).") from e
 
     def plot(self, path: str | os.PathLike, top: int = 30) -> Path:

@@ -57,6 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__ as _k3_version
+from ..checkpoint.bounded import read_json
 from ..errors import ConfigError
 from ..parallel.procs import ProcessGroup
 from ..runtime.decoder import AttnResState
@@ -521,9 +522,9 @@ def _read_journal(journal: Path) -> dict | None:
     p = journal / _JOURNAL
     if not p.is_file():
         return None
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
+    try:  # a damaged (or not regular) journal is not used: the layers are recomputed
+        return read_json(p, "report", ConfigError)
+    except ConfigError:
         return None
 
 

@@ -20,6 +20,7 @@ Shards are named and indexed the way transformers expects.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -523,10 +524,21 @@ class OwnedStage:
         self.path.rename(self.out)
         fsync_dir_path(self.out.parent)
 
-    def remove(self) -> None:
-        """Drop the whole stage (a refusal mid-write that a rerun cannot resume)."""
-        if self._fd is not None and os.path.isdir(self.path) and not self.path.is_symlink():
-            shutil.rmtree(self.path, ignore_errors=True)
+    def remove(self, owns: Callable[[str], bool]) -> None:
+        """Drop what this writer made in the stage (a refusal mid-write that a rerun
+        cannot resume), and the stage itself once empty; anything else stays."""
+        if self._fd is None or self.path.is_symlink() or not self.path.is_dir():
+            return
+        for e in os.scandir(self.path):
+            if e.name != PARTIAL_MARKER and (not owns(e.name) or e.is_symlink()):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
 
     def close(self) -> None:
         if self._fd is not None:

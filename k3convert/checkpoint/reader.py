@@ -16,9 +16,9 @@ misses some bf16 Linears) reads as plain, and the claim is kept as data in
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +37,7 @@ from .encodings import (
     detect_encoding,
 )
 from .output import refuse_partial
-from .safetensors_io import RawTensorInfo, map_tensor, read_header, strict_json_loads
+from .safetensors_io import RawTensorInfo, map_tensor, open_regular, read_header
 
 INDEX_NAMES = ("model.safetensors.index.json",)
 BIN_INDEX_NAMES = ("pytorch_model.bin.index.json",)
@@ -121,22 +121,12 @@ class FileInfo:
     size: int
 
 
-def load_json(path: Path) -> dict:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror}).") from e
-    except UnicodeDecodeError as e:
-        raise CheckpointError(
-            f"{path}: not UTF-8 text (byte {e.start}); JSON files must be UTF-8."
-        ) from e
-    try:
-        data = strict_json_loads(text, f"{path}: key", CheckpointError)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}).") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object.")
-    return data
+def load_json(path: Path, kind: str = "config") -> dict:
+    """A config / index JSON object of the model directory: a regular file under its size
+    cap, strict JSON (:mod:`.bounded`)."""
+    from .bounded import read_json
+
+    return read_json(path, kind, CheckpointError)
 
 
 def _split_part(name: str) -> tuple[str, str]:
@@ -280,7 +270,7 @@ class Checkpoint:
         p = Path(path)
         if p not in self._sha:
             h = hashlib.sha256()
-            with open(p, "rb") as fh:
+            with open_regular(p, CheckpointError) as fh:
                 while chunk := fh.read(_HASH_CHUNK):
                     h.update(chunk)
             self._sha[p] = h.hexdigest()
@@ -294,14 +284,12 @@ class Checkpoint:
         Checked by :func:`open_checkpoint`: none of them resolves outside the directory.
         """
         skip = {"config.json", *INDEX_NAMES, *BIN_INDEX_NAMES}
-        files = sorted(
-            p
-            for p in self.root.iterdir()
-            if p.is_file()
-            and p.name not in skip
-            and not p.name.endswith(WEIGHT_SUFFIXES)
-            and not p.name.startswith(".k3-")  # k3convert's own bookkeeping, not the model's
-        )
+        files = []
+        for p in sorted(self.root.iterdir()):
+            if p.name in skip or p.name.endswith(WEIGHT_SUFFIXES) or p.name.startswith(".k3-"):
+                continue  # (.k3-*: k3convert's own bookkeeping, not the model's)
+            if _regular(p, "file (carried into outputs)", missing_ok=True, dir_ok=True):
+                files.append(p)
         for f in files:
             _check_inside(self.root, f, "file (carried into outputs)")
         return files
@@ -349,6 +337,7 @@ class Checkpoint:
 
 def load_bin(path: Path) -> dict:
     """A torch .bin/.pt state dict via the safe unpickler only (weights_only, mmap)."""
+    _regular(path, "weight file")  # torch.load would block on a FIFO
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises UnpicklingError / RuntimeError variants
@@ -408,6 +397,29 @@ def _check_inside(root: Path, p: Path, what: str) -> None:
         )
 
 
+def _regular(p: Path, what: str, *, missing_ok: bool = False, dir_ok: bool = False) -> bool:
+    """Whether ``p`` (after symlinks) is a regular file, without opening it: False when it
+    does not exist (``missing_ok``) or is a directory (``dir_ok``); a FIFO, socket or
+    device - which would block or never end when read - is refused, naming it."""
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        if missing_ok:
+            return False
+        raise CheckpointError(f"{p}: {what} does not exist.") from None
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read the {what} ({e.strerror}).") from e
+    if stat.S_ISREG(mode):
+        return True
+    if dir_ok and stat.S_ISDIR(mode):
+        return False
+    kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+    raise CheckpointError(
+        f"{p}: {what} is {kind}, not a regular file; k3convert reads only regular files "
+        f"(a FIFO would hang every command) - replace it with the real file or remove it."
+    )
+
+
 def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     """Weight files to read and the index's weight_map (None without an index).
 
@@ -416,9 +428,9 @@ def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     """
     for idx_name in INDEX_NAMES + BIN_INDEX_NAMES:
         idx = root / idx_name
-        if idx.is_file():
+        if _regular(idx, "index", missing_ok=True):
             _check_inside(root, idx, "index")
-            data = load_json(idx)
+            data = load_json(idx, "index")
             wm = data.get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise CheckpointError(f"{idx}: 'weight_map' must map tensor names to files.")
@@ -434,7 +446,7 @@ def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
                         f"the model directory {root}{to}; weight files must be inside it - "
                         f"put the file in {root} and name it relative to the directory."
                     )
-                if not (root / f).is_file():
+                if not _regular(root / f, "weight file", missing_ok=True):
                     users = [k for k, v in wm.items() if v == f]
                     raise CheckpointError(
                         f"{idx}: names file '{f}' (for {len(users)} tensors, e.g. "
@@ -446,6 +458,7 @@ def _weight_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     if not st:
         st = sorted(p for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
     for f in st:
+        _regular(f, "weight file")
         _check_inside(root, f, "weight file")
     return st, None
 
@@ -459,6 +472,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory.")
+    if not p.is_dir():
+        _regular(p, "checkpoint file")
     refuse_partial(p)
     if p.is_file():
         if p.suffix not in WEIGHT_SUFFIXES:
@@ -471,7 +486,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         root = p
         files, wm = _weight_files(root)
     cfg_path = root / "config.json"
-    if cfg_path.is_file():
+    if _regular(cfg_path, "config", missing_ok=True):
         _check_inside(root, cfg_path, "config")
         config = load_json(cfg_path)
     else:

@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SafetensorsFormatError
+from ..errors import K3Error, SafetensorsFormatError
 
 #: safetensors dtype string -> (torch dtype, bits per element)
 ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -53,6 +54,30 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: Largest element count of any tensor (and of a zero-sized tensor's non-zero dims):
 #: torch computes strides in int64, and a data region cannot be larger anyway.
 MAX_NUMEL = 2**62
+
+
+def open_regular(path: str | os.PathLike, error: type[K3Error] = SafetensorsFormatError):
+    """``path`` opened for binary reading if it is a regular file; ``error`` (naming it)
+    if it is a FIFO, socket, device or directory. Opened ``O_NONBLOCK`` and checked with
+    ``fstat`` on the opened file, so neither a FIFO nor one swapped in for the file
+    between a check and the open can block the process."""
+    p = Path(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(p, flags)
+    except OSError as e:
+        raise error(f"{p}: cannot read ({e.strerror}).") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(
+                f"{p}: is not a regular file (a FIFO, socket, device or directory); "
+                f"k3convert reads only regular files - replace it with the real file."
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @dataclass(frozen=True)
@@ -90,8 +115,8 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """
     p = Path(path)
     try:
-        size = p.stat().st_size
-        with open(p, "rb") as fh:
+        with open_regular(p) as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) < 8:
                 raise SafetensorsFormatError(
@@ -298,7 +323,7 @@ def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.dtype)
     start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as fh:  # mmap keeps its own descriptor
+    with open_regular(path) as fh:  # mmap keeps its own descriptor
         mm = mmap.mmap(fh.fileno(), info.end - start, offset=start, access=mmap.ACCESS_COPY)
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start - start)
     if info.dtype == torch.bool:
@@ -499,7 +524,7 @@ class SafetensorsWriter:
             want = f"{self._order[i][1]}{self._order[i][2]}" if i is not None else "absent"
             raise ValueError(f"tensor '{name}' is {info.dtype}{info.shape}, header says {want}")
         off = self._claim(name, info.nbytes)
-        with open(src, "rb") as fh:
+        with open_regular(src) as fh:
             where = f"{src}: tensor '{info.name}'"
             _copy_range(fh.fileno(), self._fh.fileno(), info.start, off, info.nbytes, where)
 

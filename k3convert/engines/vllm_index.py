@@ -14,7 +14,8 @@ import torch
 from ..checkpoint.bounded import read_json
 from ..stream.format import StreamCorruptError
 from ..stream.hashing import file_digest
-from .vllm_sharded import FORMAT, HASH, INDEX, INDEX_VERSION, Rank
+from .vllm_layers import Rank
+from .vllm_sharded import FORMAT, HASH, INDEX, INDEX_VERSION
 
 #: files k3convert's own steps add after the commit (``convert``'s report), which no
 #: loader reads: allowed unlisted, as regular files

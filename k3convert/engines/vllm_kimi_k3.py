@@ -35,20 +35,9 @@ import torch
 
 from ..checkpoint.bounded import read_json
 from ..errors import ConfigError, short_repr
+from .params import ALL, Param, Piece, Slicer
+from .vllm_layers import Rank, attention_scales, fused, pp_layers, row, swiglu, vocab_rows
 from .vllm_moe import local_experts
-from .vllm_sharded import (
-    ALL,
-    Param,
-    Piece,
-    Rank,
-    _attention_scales,
-    _fused,
-    _row,
-    _Source,
-    _swiglu,
-    _vocab_rows,
-    pp_layers,
-)
 
 LM = "language_model.model"
 #: vLLM's KDA in_proj rows per rank are padded to a multiple of this
@@ -102,10 +91,10 @@ def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
     """Every parameter of vLLM's KimiK3ForConditionalGeneration on ``rank``."""
     t = cfg.text
     first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
-    src = _Source(ck, t, dtype)
+    src = Slicer(ck, t, dtype)
     yield from _vision(src, cfg.vision, ck, rank)  # built on every pipeline stage
     if first:
-        yield _vocab_rows(src, rank, f"{LM}.embed_tokens.weight", f"{LM}.embed_tokens.weight")
+        yield vocab_rows(src, rank, f"{LM}.embed_tokens.weight", f"{LM}.embed_tokens.weight")
     for i in pp_layers(t.num_layers, rank.pp, rank.pp_size):
         pre = f"{LM}.layers.{i}"
         if i in t.kda_layers:
@@ -115,7 +104,7 @@ def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
         if i in t.moe_layers:
             yield from _latent_moe(src, rank, f"{pre}.block_sparse_moe")
         else:
-            yield from _swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp", t.intermediate_size)
+            yield from swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp", t.intermediate_size)
         norms = ["input_layernorm", "post_attention_layernorm"]
         if t.attn_res_block_size:
             norms += ["self_attention_res_norm", "mlp_res_norm"]
@@ -128,10 +117,10 @@ def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
     if t.attn_res_block_size:
         for n in ("output_attn_res_norm", "output_attn_res_proj"):
             yield src.whole(f"{LM}.{n}.weight", dtype)
-    yield _vocab_rows(src, rank, "language_model.lm_head.weight", "language_model.lm_head.weight")
+    yield vocab_rows(src, rank, "language_model.lm_head.weight", "language_model.lm_head.weight")
 
 
-def _rows(src: _Source, name: str, a: int, b: int, dt: torch.dtype) -> Param:
+def _rows(src: Slicer, name: str, a: int, b: int, dt: torch.dtype) -> Param:
     """Rows [a, b) of a plain tensor (a 1-D vector, or [1, 1, H, 1] viewed as 1-D)."""
     shape = src.ck.meta(name).main.shape
     lead = len(shape) == 4  # A_log stored as [1, 1, H, 1]
@@ -155,7 +144,7 @@ def _f32(params: Iterator[Param]) -> Iterator[Param]:
         yield p
 
 
-def _kda(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
+def _kda(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
     t, tp, r = src.cfg, rank.tp_size, rank.tp
     heads, dim = t.kda_num_heads, t.kda_head_dim
     if heads % tp:
@@ -166,7 +155,7 @@ def _kda(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
     spans = {f"{x}_proj": (lo, hi, proj) for x in "qkvg"}
     spans["f_a_proj"] = (0, dim, dim)  # replicated inside the tp-split parameter
     spans["b_proj"] = (r * hp, (r + 1) * hp, heads)
-    for p in _fused(src, at, "in_proj_qkvgfab", spans):
+    for p in fused(src, at, "in_proj_qkvgfab", spans):
         pad = -p.shape[0] % IN_PROJ_ALIGN
         if pad:  # zero rows vLLM adds to align each rank's block
             p.shape = (p.shape[0] + pad, *p.shape[1:])
@@ -177,15 +166,15 @@ def _kda(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
                 p.make = lambda m=p.make, pad=pad: torch.nn.functional.pad(m(), (0, 0, 0, pad))
         yield p
     conv = {f"{x}_conv1d": (lo, hi, proj) for x in "qkv"}
-    yield from _f32(_fused(src, at, "conv1d", conv))
+    yield from _f32(fused(src, at, "conv1d", conv))
     yield _rows(src, f"{at}.dt_bias", lo, hi, torch.float32)
     yield _rows(src, f"{at}.A_log", r * hp, (r + 1) * hp, torch.float32)
-    yield from _fused(src, at, "f_b_proj", {"f_b_proj": (lo, hi, proj)})
+    yield from fused(src, at, "f_b_proj", {"f_b_proj": (lo, hi, proj)})
     yield src.whole(f"{at}.o_norm.weight", src.dtype)
-    yield from _row(src, f"{at}.o_proj", lo, hi - lo, proj)
+    yield from row(src, f"{at}.o_proj", lo, hi - lo, proj)
 
 
-def _mla(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
+def _mla(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
     t, tp = src.cfg, rank.tp_size
     heads = t.num_heads
     if heads % tp:
@@ -194,22 +183,22 @@ def _mla(src: _Source, rank: Rank, at: str) -> Iterator[Param]:
     v = t.v_head_dim
     q_a, kv_a = t.q_lora_rank, t.kv_lora_rank + t.qk_rope_head_dim
     spans = {"q_a_proj": (0, q_a, q_a), "kv_a_proj_with_mqa": (0, kv_a, kv_a)}
-    fused = "fused_qkv_a_proj"
+    merged = "fused_qkv_a_proj"
     if t.mla_output_gate:  # the output gate's rows joined to the replicated latents
         spans["g_proj"] = (h0 * v, hn * v, heads * v)
-        fused = "fused_qkv_a_g_proj"
-    yield from _fused(src, at, fused, spans)
+        merged = "fused_qkv_a_g_proj"
+    yield from fused(src, at, merged, spans)
     for norm in ("q_a_layernorm", "kv_a_layernorm"):
         yield src.whole(f"{at}.{norm}.weight", src.dtype)
     qk = t.qk_nope_head_dim + t.qk_rope_head_dim
     nv = t.qk_nope_head_dim + v
     for proj, per in (("q_b_proj", qk), ("kv_b_proj", nv)):
-        yield from _fused(src, at, proj, {proj: (h0 * per, hn * per, heads * per)})
-    yield from _row(src, f"{at}.o_proj", h0 * v, (hn - h0) * v, heads * v)
-    yield from _attention_scales(at, src.dtype, False)
+        yield from fused(src, at, proj, {proj: (h0 * per, hn * per, heads * per)})
+    yield from row(src, f"{at}.o_proj", h0 * v, (hn - h0) * v, heads * v)
+    yield from attention_scales(at, src.dtype, False)
 
 
-def _latent_moe(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
+def _latent_moe(src: Slicer, rank: Rank, moe: str) -> Iterator[Param]:
     t, ck = src.cfg, src.ck
     yield src.whole(f"{moe}.gate.weight", src.dtype)
     bias = f"{moe}.gate.e_score_correction_bias"
@@ -219,7 +208,7 @@ def _latent_moe(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
         yield p
     if t.num_shared_experts:
         shared = t.moe_intermediate_size * t.num_shared_experts
-        yield from _swiglu(src, rank, f"{moe}.shared_experts",
+        yield from swiglu(src, rank, f"{moe}.shared_experts",
                            f"{moe}.experts._shared_experts._layer", shared)  # fmt: skip
     if t.latent_size:
         yield src.whole(f"{moe}.routed_expert_down_proj.weight", src.dtype)
@@ -234,7 +223,7 @@ def _latent_moe(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
     yield from _mxfp4_experts(src, rank, moe)
 
 
-def _mxfp4_experts(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
+def _mxfp4_experts(src: Slicer, rank: Rank, moe: str) -> Iterator[Param]:
     """``w13_weight`` [E_local, 2 Ip, X / 2], ``w13_weight_scale`` [.., X / 32],
     ``w2_weight`` [E_local, X, Ip / 2], ``w2_weight_scale`` [.., Ip / 32]: the stored
     bytes, the rank's rows of w1 at 0 and of w3 at Ip, zero elsewhere."""
@@ -318,7 +307,7 @@ def _mxfp4_experts(src: _Source, rank: Rank, moe: str) -> Iterator[Param]:
                     (el, width, ip // per), None, w2(part, per), tuple(pieces))  # fmt: skip
 
 
-def _vision(src: _Source, vc, ck, rank: Rank) -> Iterator[Param]:
+def _vision(src: Slicer, vc, ck, rank: Rank) -> Iterator[Param]:
     """MoonViT3d and the projector. vLLM splits the tower over tp only when tp divides
     its heads (``mm_encoder_tp_mode`` "weights", the default), else every rank holds it
     whole."""
@@ -340,9 +329,9 @@ def _vision(src: _Source, vc, ck, rank: Rank) -> Iterator[Param]:
         for n in ("norm0", "norm1"):
             yield src.whole(f"{blk}.{n}.weight", src.dtype)
         yield _qkv_heads(src, f"{blk}.wqkv.weight", q, qa, qb)
-        yield from _row(src, f"{blk}.wo", qa, qb - qa, q)
-        yield from _fused(src, f"{blk}.mlp", "fc0", {"fc0": (ia, ib, iv)})
-        yield from _row(src, f"{blk}.mlp.fc1", ia, ib - ia, iv)
+        yield from row(src, f"{blk}.wo", qa, qb - qa, q)
+        yield from fused(src, f"{blk}.mlp", "fc0", {"fc0": (ia, ib, iv)})
+        yield from row(src, f"{blk}.mlp.fc1", ia, ib - ia, iv)
     yield src.whole(f"{vt}.encoder.final_layernorm.weight", src.dtype)
     for n in sorted(x for x in ck.names() if x.startswith("mm_projector.")):
         p = src.whole(n, src.dtype)
@@ -350,7 +339,7 @@ def _vision(src: _Source, vc, ck, rank: Rank) -> Iterator[Param]:
         yield p
 
 
-def _qkv_heads(src: _Source, name: str, q: int, a: int, b: int) -> Param:
+def _qkv_heads(src: Slicer, name: str, q: int, a: int, b: int) -> Param:
     """The rank's rows [a, b) of each of q, k and v in MoonViT's fused ``wqkv``."""
     n = b - a
     pieces = tuple(

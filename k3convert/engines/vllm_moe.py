@@ -15,7 +15,8 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError
-from .vllm_sharded import ALL, Param, Piece, Rank, _scaled, _Source, _swiglu, last_loaded
+from .params import ALL, Param, Piece, Slicer, scaled
+from .vllm_layers import Rank, last_loaded, swiglu
 
 
 def local_experts(n: int, ep_rank: int, ep_size: int) -> range:
@@ -26,7 +27,7 @@ def local_experts(n: int, ep_rank: int, ep_size: int) -> range:
     return range(start, start + base + (ep_rank < rem))
 
 
-def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
+def fused_moe(src: Slicer, rank: Rank, mlp: str) -> Iterator[Param]:
     """vLLM's FusedMoE: the router (``experts.gate``, the name ``_filter_subtensors``
     keeps for the module both the block and its FusedMoE hold) whole, and the experts
     stacked: ``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight``
@@ -42,7 +43,7 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
         bias.name = f"{mlp}.experts.gate.e_score_correction_bias"
         yield bias
     if getattr(cfg, "num_shared_experts", 0):  # FusedMoE holds the shared expert's MLP
-        yield from _swiglu(src, rank, f"{mlp}.shared_experts",
+        yield from swiglu(src, rank, f"{mlp}.shared_experts",
                            f"{mlp}.experts._shared_experts._layer",
                            cfg.moe_intermediate_size * cfg.num_shared_experts)  # fmt: skip
     ex = f"{mlp}.experts"
@@ -79,14 +80,12 @@ def fused_moe(src: _Source, rank: Rank, mlp: str) -> Iterator[Param]:
         )
         dt13, dt2 = cast or dt13, cast or dt2
         # gate / up rows [lo, hi) of I in the part's rows (a zero point packs them per int32)
-        r0, r1 = _scaled(shape13[0], inter, lo, hi, f"{ex}.*.gate_proj.{part}")
+        r0, r1 = scaled(shape13[0], inter, lo, hi, f"{ex}.*.gate_proj.{part}")
         rows, cut = r1 - r0, slice(r0, r1)
         cols2 = shape2[1] if len(shape2) > 1 else 0
         # down's input columns split (packed, groups, blocks); a per-channel scale is whole
         grouped = part == "weight" or strategy != "channel"
-        a2, b2 = (
-            _scaled(cols2, inter, lo, hi, f"{ex}.*.down_proj.{part}") if grouped else (0, cols2)
-        )
+        a2, b2 = scaled(cols2, inter, lo, hi, f"{ex}.*.down_proj.{part}") if grouped else (0, cols2)
 
         def w13(part=part, cast=cast, cut=cut):  # gate's rows, then up's: mapped views
             for e in experts:
@@ -137,7 +136,7 @@ def _downs(ex: str, experts) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _expert_tensor_scales(
-    src: _Source, ex: str, experts, part: str, dtype: torch.dtype, name13: str, name2: str
+    src: Slicer, ex: str, experts, part: str, dtype: torch.dtype, name13: str, name2: str
 ) -> Iterator[Param]:
     """A per-tensor part of every expert (NVFP4's global scales, a calibrated FP8
     weight's scale): FusedMoE holds gate's and up's side by side, [E, 2], and down's as
@@ -158,7 +157,7 @@ def _expert_tensor_scales(
     yield _per_expert(ck, name2, part, dtype, (), _downs(ex, experts))
 
 
-def _expert_input_scales(src: _Source, ex: str, experts, name13: str, name2: str):
+def _expert_input_scales(src: Slicer, ex: str, experts, name13: str, name2: str):
     """Static FP8 input scales: FusedMoE holds one per expert for gate and up together
     (they read the same input; vLLM's loader refuses two that differ by more than 1e-5 and
     keeps the last it read, which ``verify`` then reads back for both) and one for down."""
@@ -178,7 +177,7 @@ def _expert_input_scales(src: _Source, ex: str, experts, name13: str, name2: str
     yield _per_expert(ck, name2, "input_scale", torch.float32, (), _downs(ex, experts))
 
 
-def _expert_shapes(src: _Source, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
+def _expert_shapes(src: Slicer, ex: str, experts, name13: str, name2: str) -> Iterator[Param]:
     """Packed experts' ``weight_shape``: vLLM's FusedMoE holds one [out, in] row per
     expert in the model dtype (the unsplit shape of gate or up: the last it read)."""
     ck, dt = src.ck, src.dtype

@@ -4,7 +4,7 @@ inverse of the writer's mapping.
 :class:`VllmSource` is a runtime weight source (``config``, ``names()``, ``meta()``,
 ``get()``) whose every value comes from the directory's rank files: each checkpoint
 tensor is reassembled from the pieces the writer put on each rank
-(:class:`~.vllm_sharded.Piece`: a KV head's rows out of ``qkv_proj``, an expert's rows
+(:class:`~.params.Piece`: a KV head's rows out of ``qkv_proj``, an expert's rows
 out of ``w13_weight``, a rank's vocabulary rows, ...) and dequantized as its
 compressed-tensors scheme says. The mapping is recomputed from the metadata of the
 source checkpoint the index names (tensor names, shapes, parts: no values).
@@ -29,8 +29,10 @@ from ..checkpoint import load_json, open_checkpoint
 from ..checkpoint.encodings import ENCODINGS
 from ..errors import ConfigError
 from ..stream.format import StreamCorruptError
+from .params import Param, Piece
 from .vllm_index import check_vllm, read_index
-from .vllm_sharded import Param, Piece, Rank, carried_shapes, rank_params
+from .vllm_layers import Rank
+from .vllm_sharded import carried_shapes, rank_params
 
 
 class VllmSource:

@@ -37,6 +37,8 @@ from ..shard.writer import carried_files
 from ..stream.hashing import file_digest, tag
 from ..stream.hashing import new as new_hasher
 from ..stream.manifest_doc import atomic_json
+from .params import Param
+from .vllm_layers import Rank
 from .vllm_sharded import (
     FORMAT,
     HASH,
@@ -44,8 +46,6 @@ from .vllm_sharded import (
     INDEX_VERSION,
     JOURNAL,
     VLLM_VERSION,
-    Param,
-    Rank,
     dtype_of,
     rank_params,
 )
@@ -160,8 +160,8 @@ def write_vllm(
     stage = OwnedStage(out, STAGE, [ck.root])
     with stage, ThreadPoolExecutor(max_workers=1) as pool:
         fingerprint = pool.submit(source_fingerprint, ck)  # read while the ranks are written
+        stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
         try:
-            stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
             journal = stage.path / JOURNAL
             journal.mkdir(exist_ok=True)
             resumed = 0
@@ -184,7 +184,7 @@ def write_vllm(
             atomic_json(stage.path / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
             stage.commit(rank_names | carried_names | {INDEX}, force)
         except K3Error:
-            stage.remove()  # a damaged or refused source: nothing to resume
+            stage.remove(owns)  # a damaged or refused source: nothing to resume
             raise
         except OSError as e:
             raise write_error(e, out) from e

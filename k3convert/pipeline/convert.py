@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from ..arch import resolve, validate_source
 from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint.bounded import read_json
 from ..checkpoint.output import check_output, guard_out, reports_write_errors
 from ..errors import ConfigError, K3Error, OutputError
 from ..parallel import procs
@@ -134,9 +135,9 @@ def _check_out_early(out: Path, force: bool, r: Recipe, ck) -> dict | None:
         return None
     if (out / MANIFEST).is_file():
         try:
-            side = json.loads((out / SIDECAR).read_text(encoding="utf-8"))
+            side = read_json(out / SIDECAR, "report", OutputError)
             same = side.get("identity") == _stream_identity(r, ck)
-        except (OSError, ValueError, AttributeError):
+        except (OutputError, AttributeError):
             same, side = False, None
         if same:
             return side

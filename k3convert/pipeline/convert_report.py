@@ -3,10 +3,11 @@ the release's fidelity, verify's figures) and its text summary."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .. import __version__
+from ..checkpoint.bounded import read_json
+from ..errors import K3Error
 from ..quant import fidelity
 from ..units import human_bytes
 from ..verify.metrics import top1_text
@@ -39,8 +40,9 @@ def read_losses(out: Path):
     """The loss report a conversion left in ``out`` (None: none, or not readable as one)."""
 
     try:
-        return fidelity.LossReport.from_json(json.loads((out / fidelity.FILE).read_text()))
-    except (OSError, ValueError, TypeError, KeyError):
+        data = read_json(out / fidelity.FILE, "report")
+        return fidelity.LossReport.from_json(data)
+    except (K3Error, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 

@@ -124,11 +124,17 @@ def load_tokenizer(src: Path) -> tuple[object | None, str | None]:
         from transformers import AutoTokenizer
     except ImportError:
         return None, None
+    from ..calibrate.data import is_panic, quiet_panics
+
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(src), trust_remote_code=False, local_files_only=True
-        )
-    except Exception as e:  # a broken tokenizer must not hide the logits; ids are printed
+        with quiet_panics():  # (a Rust panic's backtrace kept off the terminal)
+            tok = AutoTokenizer.from_pretrained(
+                str(src), trust_remote_code=False, local_files_only=True
+            )
+            tok.encode("k3convert")  # a pattern that panics does so on first use
+    except BaseException as e:  # a broken tokenizer must not hide the logits; ids shown
+        if not isinstance(e, Exception) and not is_panic(e):
+            raise  # (KeyboardInterrupt, SystemExit)
         msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         return None, f"tokenizer: not loaded ({msg}); showing token ids"
     return tok, None

@@ -10,7 +10,6 @@ stage). A tied lm_head is written into the head unit as a copy of the embedding
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any
 from ..arch import resolve, validate_source
 from ..arch.base import Role
 from ..checkpoint import Checkpoint, TensorMeta
+from ..checkpoint.bounded import read_json
 from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import ConfigError, short_list
 from ..layout import Layout, partition_layers, place_experts
@@ -101,10 +101,8 @@ def load_expert_load(expert_load) -> dict[int, list[float]] | None:
     if isinstance(expert_load, (str, os.PathLike)):
         p = Path(expert_load)
         src = str(p)
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ConfigError(f"{p}: cannot read expert load JSON ({e}).") from e
+        # a regular file under the size cap, strict JSON; errors name the file
+        data = read_json(p, "report", ConfigError, obj=False)
     else:
         data = expert_load
     if isinstance(data, Mapping) and "layers" in data and isinstance(data["layers"], Mapping):

@@ -7,14 +7,15 @@ silently dropped or clipped id would make the parity numbers lie.
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checkpoint.safetensors_io import strict_json_loads
 from ..errors import ConfigError, short_repr
 from ..runtime.forward_cmd import load_ids_file, load_tokenizer
 from .metrics import IGNORE_INDEX
@@ -22,6 +23,8 @@ from .metrics import IGNORE_INDEX
 # A .txt file is read up to this many characters per wanted token (no token is longer),
 # so a huge corpus is not tokenized whole for a handful of rows.
 CHARS_PER_TOKEN_CAP = 32
+#: the longest line of a .jsonl data file (a row is cut to seq_len tokens anyway)
+MAX_LINE_CHARS = 64 << 20
 
 
 def _positive(name: str, value: Any) -> int:
@@ -90,8 +93,12 @@ def load_data(
     vocab = _positive("vocab", vocab)
     max_samples = _positive("max_samples", max_samples)
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"data file {p}: no such file.")
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        raise ConfigError(f"data file {p}: no such file.") from None
+    if not stat.S_ISREG(mode):  # a FIFO would block the read
+        raise ConfigError(f"data file {p}: not a regular file (a directory, FIFO or device).")
     suffix = p.suffix.lower()
     tok = _Tok(tokenizer_dir)
     if suffix == ".jsonl":
@@ -118,10 +125,23 @@ class _Tok:
         self.tok: Any = None
 
     def encode(self, text: str, where: str) -> list[int]:
+        from ..calibrate.data import check_tokenizer_files, is_panic, panic_message, quiet_panics
+
         if self.tok is None:
             note = None
             if self.dir is not None:
-                self.tok, note = load_tokenizer(Path(self.dir))
+                d = Path(self.dir)
+                check_tokenizer_files(d, ConfigError)  # regular files under the size cap
+                try:
+                    with quiet_panics():
+                        self.tok, note = load_tokenizer(d)
+                        if self.tok is not None:
+                            self.tok.encode("Probe: 1 2 3, \u00fc\u00f1 \u65e5\u672c\n\tend.")
+                except BaseException as e:  # a Rust panic of the tokenizers library
+                    if not is_panic(e):
+                        raise
+                    self.tok = None
+                    raise ConfigError(panic_message(d, e)) from None
             if self.tok is None:
                 why = note or (
                     f"no tokenizer in {self.dir}" if self.dir is not None else "no tokenizer given"
@@ -130,7 +150,17 @@ class _Tok:
                     f"data file {where} has text, but {why}; give token ids instead "
                     f'(a .jsonl with {{"input_ids": [...]}} per line, or a .safetensors file).'
                 )
-        return list(self.tok.encode(text))
+        try:
+            with quiet_panics():
+                return list(self.tok.encode(text))
+        except BaseException as e:  # a Rust panic (a regex past its backtracking limit)
+            if not is_panic(e):
+                raise
+            raise ConfigError(
+                f"data file {where}: the tokenizer of {self.dir} crashed on this text "
+                f"(tokenizers panic: {str(e).strip()[:200]}); its tokenizer.json is damaged "
+                f"- fix it, or give token ids instead."
+            ) from None
 
 
 def _check_ids(ids: Any, vocab: int, where: str) -> list[int]:
@@ -150,14 +180,19 @@ def _jsonl_rows(p: Path, seq_len: int, vocab: int, max_samples: int, tok: _Tok) 
     rows: list[list[int]] = []
     try:
         with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if len(rows) >= max_samples:
-                    break
+            n = 0
+            while len(rows) < max_samples and (line := f.readline(MAX_LINE_CHARS + 1)):
+                n += 1
+                where = f"{p} line {n}"
+                if len(line) > MAX_LINE_CHARS:
+                    raise ConfigError(
+                        f"{where}: longer than {MAX_LINE_CHARS:,} characters; a row is cut to "
+                        f"seq_len tokens anyway - shorten the line."
+                    )
                 if not line.strip():
                     continue
-                where = f"{p} line {n}"
-                try:
-                    obj = json.loads(line)
+                try:  # nesting too deep for the parser is a JSONDecodeError too
+                    obj = strict_json_loads(line, f"{where}: key", ConfigError)
                 except ValueError as e:
                     raise ConfigError(f"{where}: not valid JSON ({e}).") from None
                 if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):

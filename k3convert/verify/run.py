@@ -15,7 +15,6 @@ memory beyond two hidden states. Under ``torchrun`` every process runs its own r
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import resource
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from ..arch import resolve
 from ..checkpoint import load_json, open_checkpoint
+from ..checkpoint.bounded import read_json
 from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, K3Error, NonFiniteError
 from ..layout import Layout
@@ -314,8 +314,8 @@ def _fidelity_of(cand: Path) -> dict | None:
     if not f.is_file():
         return None
     try:
-        rep = fidelity.LossReport.from_json(json.loads(f.read_text()))
-    except (OSError, ValueError, TypeError, KeyError) as e:
+        rep = fidelity.LossReport.from_json(read_json(f, "report", ConfigError))
+    except (ConfigError, ValueError, TypeError, KeyError, AttributeError) as e:
         return {"file": str(f), "error": f"unreadable: {e}"}
     return {"file": str(f), "tensors": len(rep), "exact": len(rep.exact),
             "worst": [e.name for e in rep.worst(3)], "summary": rep.summary()}  # fmt: skip

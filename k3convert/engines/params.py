@@ -1,0 +1,153 @@
+"""Engine-neutral pieces of an engine target: what one rank's file holds.
+
+A :class:`Param` is one parameter of one rank (name, dtype, shape, its value on demand);
+its :class:`Piece` records map it back to the checkpoint (``param[dst] == part[src]``),
+so the writer's mapping can run backwards (``verify``). :class:`Slicer` cuts a
+checkpoint's stored parts (a plain weight, packed codes, scales) by output rows or input
+columns, refusing a cut inside a pack or a quantization group. Nothing here knows an
+engine's names or placement rules (those are in ``vllm_layers`` / ``vllm_sharded``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint import Checkpoint
+from ..errors import ConfigError
+
+ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
+
+
+#: the most a strided slice (a row-parallel rank's columns) is copied at once to be written
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a block of a vLLM parameter comes from: ``param[dst] == part[src]`` of
+    checkpoint tensor ``name`` (``part``: a key of its stored parts; None: the plain
+    tensor). The writer's mapping, kept so ``verify`` can run it backwards."""
+
+    name: str
+    part: str | None
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+
+@dataclass
+class Param:
+    """One parameter of one rank: its name, shape and dtype up front, its value on demand,
+    and the pieces of the checkpoint it holds (none: a constant vLLM creates)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor] | None
+    #: instead of ``make``: the tensor as runs of its rows, one at a time (written without
+    #: ever holding it whole)
+    stacked: Callable[[], Iterator[torch.Tensor]] | None = None
+    pieces: tuple[Piece, ...] = ()
+
+
+def module_parts(ck: Checkpoint, module: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """part -> (shape, dtype) of a Linear's stored parts (weight, scales, bias)."""
+    m = ck.meta(f"{module}.weight")
+    parts = {k: (p.shape, p.dtype) for k, p in m.parts.items()}
+    bias = f"{module}.bias"
+    if bias in ck:
+        b = ck.meta(bias).main
+        parts["bias"] = (b.shape, b.dtype)
+    return parts
+
+
+def scaled(size: int, full: int, a: int, b: int, what: str) -> tuple[int, int]:
+    """[a, b) of a dim of ``full`` mapped onto a part's dim of ``size`` (packed 8 per
+    int32, groups of g, ...); refused when a boundary falls inside a pack or group."""
+    lo, hi = a * size, b * size
+    if lo % full or hi % full:
+        raise ConfigError(
+            f"{what}: a tensor-parallel boundary at {a if lo % full else b} of {full} falls "
+            f"inside a packed word or a quantization group ({size} per {full}); pick a tp "
+            f"that divides it, or re-quantize with smaller groups."
+        )
+    return lo // full, hi // full
+
+
+def origin(module: str, part: str) -> tuple[str, str | None]:
+    """(checkpoint tensor, part) of a Linear's stored part: a bias is its own tensor."""
+    return (f"{module}.bias", None) if part == "bias" else (f"{module}.weight", part)
+
+
+class Slicer:
+    """The checkpoint's tensors sliced as one rank of vLLM needs them."""
+
+    def __init__(self, ck: Checkpoint, cfg, dtype: torch.dtype):
+        self.ck, self.cfg, self.dtype = ck, cfg, dtype
+
+    def whole(self, name: str, dtype: torch.dtype | None = None) -> Param:
+        meta = self.ck.meta(name)
+        if meta.encoding != "plain":
+            raise ConfigError(f"'{name}' is {meta.encoding}-encoded where vLLM takes it plain.")
+        p = meta.main
+        dt = dtype or p.dtype
+
+        def make():
+            return self.ck.get(name).to(dt)
+
+        return Param(name, dt, p.shape, make, pieces=(Piece(name, None, ALL, ALL),))
+
+    def column(self, module: str, part: str, a: int, b: int, out: int) -> tuple:
+        """Rows [a, b) of ``out`` (output features) of one part: (shape, dtype, thunk,
+        the source rows: a slice, or None for the whole part)."""
+        shape, dtype = self._stored(module, part)
+        if part == "weight_shape" or not shape:  # (a 0-d part: refused by fused)
+            return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part], None
+        lo, hi = scaled(shape[0], out, a, b, f"{module}.{part}")
+        new = (hi - lo, *shape[1:])
+
+        def make():
+            t = self._part(module, part)
+            return t[lo:hi]
+
+        return new, dtype, make, slice(lo, hi)
+
+    def row(self, module: str, part: str, a: int, b: int, inp: int) -> Param:
+        """Columns [a, b) of ``inp`` (input features) of one part."""
+        shape, dtype = self._stored(module, part)
+        grouped = self.ck.meta(f"{module}.weight").quant.extra.get("strategy") == "group"
+        name = f"{module}.{part}"
+        whole = Piece(*origin(module, part), ALL, ALL)
+        if part in ("bias", "weight_shape") or len(shape) < 2 or (shape[1] == 1 and not grouped):
+            # the same on every rank: vLLM's row-parallel bias (added once) and per-channel
+            # scales are whole on each; a group scale is split with its groups
+            return Param(name, dtype, shape, lambda: self._part(module, part), pieces=(whole,))
+        lo, hi = scaled(shape[1], inp, a, b, name)
+
+        def chunks():  # a few MiB of rows at a time: no copy of the whole slice
+            t = self._part(module, part)
+            step = max(1, CHUNK_BYTES // max(1, t[:1, lo:hi].numel() * t.element_size()))
+            for i in range(0, t.shape[0], step):
+                yield t[i : i + step, lo:hi]
+
+        cols = Piece(whole.name, whole.part, (slice(None), slice(lo, hi)), ALL)
+        shape = (shape[0], hi - lo, *shape[2:])
+        return Param(name, dtype, shape, None, chunks, pieces=(cols,))
+
+    def _stored(self, module: str, part: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of a Linear's part as written: :meth:`_part`'s dtype (an
+        unquantized weight in the model dtype, whatever the file stores it in)."""
+        shape, dtype = module_parts(self.ck, module)[part]
+        if part != "bias" and self.ck.meta(f"{module}.weight").encoding == "plain":
+            dtype = self.dtype
+        return shape, dtype
+
+    def _part(self, module: str, part: str) -> torch.Tensor:
+        if part == "bias":
+            return self.ck.get(f"{module}.bias")
+        meta = self.ck.meta(f"{module}.weight")
+        t = self.ck.get_parts(f"{module}.weight")[part]
+        # an unquantized weight takes the model dtype; a stored code (int8, fp8) stays
+        return t.to(self.dtype) if meta.encoding == "plain" else t
