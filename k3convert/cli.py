@@ -268,26 +268,25 @@ def shard(
         str,
         typer.Option(
             help="stream (k3convert's per-rank streaming format) or vllm (vLLM's "
-            "pre-sharded files for load_format='sharded_state'; llama / qwen3_moe, --tp / "
-            "--pp / --ep)."
+            "pre-sharded files for load_format='sharded_state'; llama, qwen3_moe, "
+            "deepseek_v3 / kimi_k2 and kimi_k3; --tp / --pp / --ep)."
         ),
     ] = "stream",
 ):
     """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format.
 
     With --target vllm: the per-rank files vLLM loads with load_format='sharded_state'."""
+    from . import targets
     from .config_parse import int_list
     from .shard import check as check_stream
     from .shard import shard as do_shard
 
-    if target not in ("stream", "vllm"):
-        raise typer.BadParameter(f"--target is stream or vllm, not '{target}'.")
-    from .engines.vllm_index import check_vllm, is_vllm_dir
-
-    if check and is_vllm_dir(src):
-        typer.echo(check_vllm(src))
+    chosen = targets.get(target)
+    written = targets.written_by(src) if check else None
+    if written is not None and written.check_fn is not None:  # (a stream reports below)
+        typer.echo(written.check(src))
         return
-    if target == "vllm" and not check:
+    if chosen.name == "vllm" and not check:
         _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant_experts,
                     force, not no_progress)  # fmt: skip
         return

@@ -17,6 +17,7 @@ from .checkpoint import open_checkpoint
 from .checkpoint.output import refuse_partial
 from .quant.rules import is_linear_weight
 from .stream import load_manifest
+from .stream.format import is_stream_dir
 from .units import human_bytes
 
 _CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -92,7 +93,7 @@ def _active_fraction(cfg: Any) -> float:
 def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = True) -> dict:
     """Report for a model directory or a config.json file (no weights needed)."""
     p = Path(path)
-    if p.is_dir() and (p / "manifest.json").is_file():
+    if is_stream_dir(p):
         return _inspect_stream(p, tensors=tensors, keep_mtp=keep_mtp)
     config_only = p.is_file() and p.suffix == ".json"
     if p.is_dir() and not any(

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from .checkpoint import open_checkpoint
 from .stream import open_stream
+from .stream.format import is_stream_dir
 
 
 def open_source(path: str | os.PathLike):
     """A Checkpoint, or a Stream for a stream directory (``forward`` runs every rank of it)."""
     p = Path(path)
-    if p.is_dir() and (p / "manifest.json").is_file():
+    if is_stream_dir(p):
         return open_stream(p)
     return open_checkpoint(p)

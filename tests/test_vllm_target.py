@@ -520,3 +520,24 @@ def test_kimi_k2_int4_experts_and_an_int8_mla_map_back(tmp_path):
     write_vllm(src=tmp_path / "w8a8", out=tmp_path / "v8", tp=2, ep=2)
     r = _cli("verify", tmp_path / "v8", "--reference", tmp_path / "w8a8", "--no-progress")
     assert r.returncode == 0 and "max_abs_err        0.0000e+00" in r.stdout, r.stdout
+
+
+def test_targets_are_one_registry_the_cli_and_recipes_consult(llama, tmp_path):
+    from k3convert import targets
+    from k3convert.engines.vllm_sharded import FAMILIES
+
+    assert targets.names() == ("stream", "vllm")
+    assert targets.get("vllm").families() == tuple(FAMILIES)
+    with pytest.raises(ConfigError, match="did you mean 'vllm'"):
+        targets.get("vlm")
+    r = _cli("shard", llama, tmp_path / "o", "--target", "vlm")
+    assert r.returncode == 2 and "did you mean 'vllm'" in r.stderr and "Traceback" not in r.stderr
+    # --help names every family the vLLM target writes (one fact: FAMILIES)
+    r = _cli("shard", "--help")
+    flat = " ".join(r.stdout.split())
+    for fam in FAMILIES:
+        assert fam in flat, fam
+    out = tmp_path / "v"
+    write_vllm(src=llama, out=out)
+    assert targets.written_by(out) is targets.get("vllm")
+    assert targets.written_by(llama) is None

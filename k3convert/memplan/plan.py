@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ..serving import ServingTarget
 from ..shard.plan import load_expert_load
+from ..stream.format import is_stream_dir
 from ..synth import PRESETS, preset_config
 from ..units import parse_tokens
 from .devices import device_budget
@@ -32,7 +33,7 @@ def load_source(src: str | Path | None) -> Tensors:
     p = Path(src)
     if p.exists():
         refuse_partial(p)  # an unfinished output (a stream without its manifest, too)
-        if p.is_dir() and (p / "manifest.json").is_file():
+        if is_stream_dir(p):
             raise ConfigError(
                 f"{p} is a stream directory (it has a manifest.json); plan from the "
                 f"checkpoint it was sharded from, or its config.json."

@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import targets
 from ..calibrate.data import resolve_dataset
 from ..calibrate.options import ALGORITHMS, Name, option_name
 from ..calibrate.sensitivity import METHODS, parse_budget
@@ -54,7 +55,7 @@ def validate(r: Recipe) -> None:
     _choice(o.compression, COMPRESSIONS, f"{src}: output.compression")
     _choice(o.unit_hash, hashing.ALGORITHMS, f"{src}: output.unit_hash")
     _choice(o.serving_device, SERVING_DEVICES, f"{src}: output.serving_device")
-    _choice(o.format, ("stream", "vllm"), f"{src}: output.format")
+    _choice(o.format, targets.names(), f"{src}: output.format")
     if o.workers is not None and o.workers < 1:
         raise ConfigError(f"{src}: output.workers must be at least 1, got {o.workers}.")
     if r.target is not None:

@@ -271,3 +271,10 @@ def _dump(o, ind: str, out: list[str]) -> None:
         # (json.dumps never emits a raw newline inside a string, so this is exact);
         # NaN / Infinity are not JSON: refused (ValueError) instead of written bare
         out.append(json.dumps(o, indent=1, allow_nan=False).replace("\n", "\n" + ind))
+
+
+def is_stream_dir(path) -> bool:
+    """Whether ``path`` is a complete stream directory (its manifest, the commit marker
+    written last, is there)."""
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).is_file()

@@ -103,7 +103,9 @@ def _peak_rss_mib() -> float:
 
 
 def _is_stream(p: Path) -> bool:
-    return p.is_dir() and (p / "manifest.json").is_file()
+    from ..stream.format import is_stream_dir
+
+    return is_stream_dir(p)
 
 
 def _open_candidate(

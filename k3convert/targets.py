@@ -1,0 +1,104 @@
+"""Output targets: what ``shard --target``, a recipe's ``output.format``, ``convert``,
+``shard --check`` and ``verify`` consult instead of lists of their own.
+
+A :class:`Target` names a kind of output k3convert writes, the families it writes them
+for, how to recognise a directory it wrote and how to check one. Adding a target (an
+engine's pre-sharded format) means one entry here and its own module under
+``engines/``; the modules are imported only when a target is used, so ``--help`` stays
+fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    #: one line for ``--help`` and the docs
+    summary: str
+    #: "module:function" of ``is_output(path) -> bool``: whether a directory is this
+    #: target's complete output
+    is_output_fn: str
+    #: "module:function" of ``check(path) -> str``: the one-line verdict of an intact
+    #: output, StreamCorruptError (exit 1) naming the first problem otherwise
+    check_fn: str | None
+    #: "module:NAME" of the ``model_type`` -> engine class mapping this target writes;
+    #: None: every family k3convert reads
+    families_attr: str | None = None
+
+    def _load(self, ref: str):
+        mod, name = ref.split(":")
+        return getattr(importlib.import_module(mod, __package__), name)
+
+    def is_output(self, path: str | os.PathLike) -> bool:
+        return bool(self._load(self.is_output_fn)(Path(path)))
+
+    def check(self, path: str | os.PathLike) -> str:
+        if self.check_fn is None:
+            raise ConfigError(f"--target {self.name} has no check of its own.")
+        return self._load(self.check_fn)(Path(path))
+
+    def families(self) -> tuple[str, ...] | None:
+        return None if self.families_attr is None else tuple(self._load(self.families_attr))
+
+
+TARGETS: dict[str, Target] = {
+    "stream": Target(
+        "stream",
+        "k3convert's per-rank, layer-ordered streaming format (formats/musa-stream.md), "
+        "run by verify / forward",
+        ".stream.format:is_stream_dir",
+        None,  # (shard --check reports a stream with a CheckReport of its own)
+    ),
+    "vllm": Target(
+        "vllm",
+        "vLLM's pre-sharded files for load_format='sharded_state', one per tp / pp rank",
+        ".engines.vllm_index:is_vllm_dir",
+        ".engines.vllm_index:check_vllm",
+        ".engines.vllm_sharded:FAMILIES",
+    ),
+}
+DEFAULT = "stream"
+
+
+def names() -> tuple[str, ...]:
+    return tuple(TARGETS)
+
+
+def get(name: str, where: str = "--target") -> Target:
+    """The target called ``name``; ConfigError naming the choices (and the nearest)."""
+    t = TARGETS.get(name) if isinstance(name, str) else None
+    if t is not None:
+        return t
+    near = difflib.get_close_matches(str(name), TARGETS, n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    raise ConfigError(f"{where}: '{name}' is not a target{hint}; choose {' or '.join(TARGETS)}.")
+
+
+def written_by(path: str | os.PathLike) -> Target | None:
+    """The target whose complete output ``path`` is, or None."""
+    for t in TARGETS.values():
+        if t.is_output(path):
+            return t
+    return None
+
+
+def describe(exclude_default: bool = False) -> str:
+    """The targets for ``--help``: "stream (...) or vllm (...; families ...)"."""
+    parts = []
+    for t in TARGETS.values():
+        fams = t.families_attr and ", ".join(t.families())
+        parts.append(f"{t.name} ({t.summary}{'; ' + fams if fams else ''})")
+    return " or ".join(parts)
+
+
+WriteFn = Callable[..., object]
