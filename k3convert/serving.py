@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from .arch import resolve
 from .checkpoint import TensorMeta
+from .engines.vllm_layers import FUSED_SETS
 from .errors import ConfigError
 from .layout import Layout
 from .quant.schemes import FP4Scheme, FP8Scheme, IntScheme
@@ -38,14 +39,10 @@ from .stream.format import SplitError
 #: device classes a check can target (``--serving-device``)
 DEVICES = ("cuda", "cpu")
 
-#: modules vLLM runs as one fused GEMM (QKVParallelLinear / MergedColumnParallelLinear):
-#: their members must share one scheme; FP8 blocks are checked per member
-FUSED = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("w1", "w3"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-)
+#: modules vLLM runs as one fused GEMM: the vLLM target's merged parameters (one
+#: statement, ``engines.vllm_layers.MERGED``, which the writer stacks) and Mixtral's
+#: w1 / w3; their members must share one scheme; FP8 blocks are checked per member
+FUSED = FUSED_SETS
 
 LOADS, NO_KERNEL = "loads", "no kernel"
 

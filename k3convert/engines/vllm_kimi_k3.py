@@ -36,7 +36,7 @@ import torch
 from ..checkpoint.bounded import read_json
 from ..errors import ConfigError, short_repr
 from .params import ALL, Param, Piece, Slicer
-from .vllm_layers import Rank, attention_scales, fused, pp_layers, row, swiglu, vocab_rows
+from .vllm_layers import MERGED, Rank, attention_scales, fused, pp_layers, row, swiglu, vocab_rows
 from .vllm_moe import local_experts
 
 LM = "language_model.model"
@@ -182,7 +182,7 @@ def _mla(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
     h0, hn = rank.tp * heads // tp, (rank.tp + 1) * heads // tp
     v = t.v_head_dim
     q_a, kv_a = t.q_lora_rank, t.kv_lora_rank + t.qk_rope_head_dim
-    spans = {"q_a_proj": (0, q_a, q_a), "kv_a_proj_with_mqa": (0, kv_a, kv_a)}
+    spans = dict(zip(MERGED["fused_qkv_a_proj"], ((0, q_a, q_a), (0, kv_a, kv_a)), strict=True))
     merged = "fused_qkv_a_proj"
     if t.mla_output_gate:  # the output gate's rows joined to the replicated latents
         spans["g_proj"] = (h0 * v, hn * v, heads * v)

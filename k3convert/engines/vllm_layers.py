@@ -20,6 +20,19 @@ from .params import ALL, Param, Piece, Slicer, module_parts, origin
 
 TP_PATTERN = "model-rank-{tp}-part-{part}.safetensors"
 PP_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
+#: vLLM's merged column-parallel parameters (QKVParallelLinear /
+#: MergedColumnParallelLinear) and their members, in the order their rows are stacked.
+#: The one statement of which Linears vLLM runs as one GEMM: the writer stacks them, and
+#: ``serving.check_plan`` / ``quant.writer`` require one scheme (one NVFP4 global scale)
+#: across each set
+MERGED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+#: every set of sibling Linears a serving engine runs as one GEMM: vLLM's merged
+#: parameters and Mixtral's experts' w1 / w3 (llm-compressor's FUSED_LAYER_NAMES)
+FUSED_SETS = (*MERGED.values(), ("w1", "w3"))
 #: vLLM's VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of this
 VOCAB_PADDING = 64
 #: per-tensor parts a merged (qkv / gate_up) parameter holds once per member (with a
@@ -60,7 +73,7 @@ def swiglu(src: Slicer, rank: Rank, module: str, out: str, inter: int) -> Iterat
         raise ConfigError(f"tp={tp} does not divide the MLP width {inter} ({module}).")
     ip = inter // tp
     rows = (rank.tp * ip, (rank.tp + 1) * ip, inter)
-    for p in fused(src, module, "gate_up_proj", {"gate_proj": rows, "up_proj": rows}):
+    for p in fused(src, module, "gate_up_proj", dict.fromkeys(MERGED["gate_up_proj"], rows)):
         p.name = p.name.replace(module, out, 1)
         yield p
     for p in row(src, f"{module}.down_proj", rank.tp * ip, ip, inter):

@@ -33,6 +33,7 @@ from .params import Param, Slicer
 from .vllm_kimi_k3 import carried_shapes as k3_carried_shapes
 from .vllm_kimi_k3 import check_k3, k3_params
 from .vllm_layers import (
+    MERGED,
     Rank,
     attention_scales,
     fused,
@@ -130,11 +131,9 @@ def _gqa_attention(src: Slicer, rank: Rank, pre: str) -> Iterator[Param]:
     if cfg.qk_norm:
         for n in ("q_norm", "k_norm"):
             yield src.whole(f"{pre}.self_attn.{n}.weight", src.dtype)
-    spans = {
-        "q_proj": (rank.tp * q_per * hd, (rank.tp + 1) * q_per * hd, q_out),
-        "k_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
-        "v_proj": (kv_first, kv_first + kv_heads_rank * hd, kv_out),
-    }
+    q_span = (rank.tp * q_per * hd, (rank.tp + 1) * q_per * hd, q_out)
+    kv_span = (kv_first, kv_first + kv_heads_rank * hd, kv_out)
+    spans = dict(zip(MERGED["qkv_proj"], (q_span, kv_span, kv_span), strict=True))
     yield from fused(src, f"{pre}.self_attn", "qkv_proj", spans)
     yield from row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
     quantized = src.ck.config.get("quantization_config") is not None
@@ -162,7 +161,7 @@ def _mla_attention(src: Slicer, rank: Rank, pre: str) -> Iterator[Param]:
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     nv = cfg.qk_nope_head_dim + cfg.v_head_dim
     q_a, kv_a = cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    spans = {"q_a_proj": (0, q_a, q_a), "kv_a_proj_with_mqa": (0, kv_a, kv_a)}
+    spans = dict(zip(MERGED["fused_qkv_a_proj"], ((0, q_a, q_a), (0, kv_a, kv_a)), strict=True))
     for p in fused(src, at, "fused_qkv_a_proj", spans):
         p.name = named(p.name.removeprefix(f"{at}."))
         yield p

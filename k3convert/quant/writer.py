@@ -53,6 +53,7 @@ from ..checkpoint.output import (
     write_index,
 )
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
+from ..engines.vllm_layers import FUSED_SETS
 from ..parallel import procs
 from ..parallel.procs import cores_per_process
 from . import fidelity, fp4_requant
@@ -64,19 +65,10 @@ from .schemes import NonFiniteWeightError
 DEFAULT_SHARD_SIZE = 4 << 30
 
 
-#: sibling Linears that serving engines run as one fused matmul (llm-compressor's
-#: FUSED_LAYER_NAMES): under NVFP4 they must share a global scale
-FUSED_SETS = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("w1", "w3"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-)
-
-
 def fused_groups(plan: Plan) -> list[list[Decision]]:
     """Sets of rows (>= 2) that share one NVFP4 global scale: siblings of one parent
-    module in a :data:`FUSED_SETS` entry, every one of them stored under a scheme with a
+    module in a ``FUSED_SETS`` entry (``engines.vllm_layers``: the Linears a serving
+    engine runs as one matmul), every one of them stored under a scheme with a
     shared global scale (as llm-compressor fuses only sets that are all tensor_group)."""
     by_parent: dict[tuple[str, int], list[Decision]] = {}
     rows = {r.module: r for r in plan.rows if r.name.endswith(".weight")}

@@ -497,10 +497,10 @@ class _Unsharded:
 
 def _open_vllm(path: Path, lay, placement: dict, dist_run: bool, check: bool):
     """A vLLM sharded_state directory as a weight source (None: not one)."""
-    from ..engines.vllm_index import is_vllm_dir
+    from .. import targets
     from ..engines.vllm_source import VllmSource
 
-    if not is_vllm_dir(path):
+    if targets.written_by(path) is not targets.get("vllm"):
         return None
     if lay is not None or any(placement.values()) or dist_run:
         raise ConfigError(
