@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -115,13 +116,23 @@ def _rank_key(head: dict, fname: str, params: list[Param]) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
 
 
-def source_fingerprint(ck: Checkpoint) -> list[list]:
+class _Stopped(Exception):
+    pass
+
+
+def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None) -> list[list]:
     """[name, bytes, xxh3-128] of every weight file and config.json, by content: what a
     rerun must find unchanged to keep an interrupted run's rank files (a file swapped
-    for another of the same size and mtime is caught)."""
+    for another of the same size and mtime is caught). ``stop``: set to abandon it (a
+    failed or interrupted write does not wait for the whole source to be read)."""
     files = [*(f.path for f in ck.files()), ck.root / "config.json"]
+
+    def each(_n: int) -> None:
+        if stop is not None and stop.is_set():
+            raise _Stopped
+
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        hashes = list(pool.map(lambda f: file_digest(f, HASH), files))
+        hashes = list(pool.map(lambda f: file_digest(f, HASH, each=each), files))
     return [[str(f.relative_to(ck.root)), f.stat().st_size, h]
             for f, h in zip(files, hashes, strict=True)]  # fmt: skip
 
@@ -157,10 +168,15 @@ def write_vllm(
         return (name in (JOURNAL, INDEX) or name in carried_names or bool(_RANK_RX.fullmatch(name))
                 or name.startswith((f"{INDEX}.tmp-", ".k3-")))  # fmt: skip
 
-    stage = OwnedStage(out, STAGE, [ck.root])
+    stage, stop = OwnedStage(out, STAGE, [ck.root]), threading.Event()
     with stage, ThreadPoolExecutor(max_workers=1) as pool:
-        fingerprint = pool.submit(source_fingerprint, ck)  # read while the ranks are written
-        stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
+        # read while the ranks are written; abandoned (stop) if the write fails
+        fingerprint = pool.submit(source_fingerprint, ck, stop)
+        try:
+            stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
+        except BaseException:
+            stop.set()
+            raise
         try:
             journal = stage.path / JOURNAL
             journal.mkdir(exist_ok=True)
@@ -184,10 +200,15 @@ def write_vllm(
             atomic_json(stage.path / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
             stage.commit(rank_names | carried_names | {INDEX}, force)
         except K3Error:
+            stop.set()
             stage.remove(owns)  # a damaged or refused source: nothing to resume
             raise
         except OSError as e:
+            stop.set()
             raise write_error(e, out) from e
+        except BaseException:  # (an interruption: the stage is kept for the rerun)
+            stop.set()
+            raise
     size = sum(f["bytes"] for f in index["files"])
     return VllmShardResult(out, len(index["files"]), size, time.perf_counter() - t0, resumed)
 
