@@ -412,7 +412,9 @@ class OwnedStage:
                 raise write_error(e, self.out, "creating the stage directory") from e
         self._lock()
         self._check_marker()
-        atomic_json_text(p / PARTIAL_MARKER, json.dumps(
+        from ..stream.manifest_doc import atomic_json
+
+        atomic_json(p / PARTIAL_MARKER, json.dumps(
             {**_marker(), "out": str(self.out.resolve()), "kind": self.kind}))  # fmt: skip
         return self
 
@@ -510,8 +512,10 @@ class OwnedStage:
                 f"{missing or 'nothing'} at commit; something else wrote into it. Remove "
                 f"it and rerun."
             )
+        from ..stream.manifest_doc import fsync_dir
+
         (self.path / PARTIAL_MARKER).unlink()
-        fsync_dir_path(self.path)
+        fsync_dir(self.path)
         if os.path.lexists(self.out):
             if not force:
                 raise OutputError(
@@ -522,7 +526,7 @@ class OwnedStage:
             guard_out(self.out, self._sources)
             shutil.rmtree(self.out)
         self.path.rename(self.out)
-        fsync_dir_path(self.out.parent)
+        fsync_dir(self.out.parent)
 
     def remove(self, owns: Callable[[str], bool]) -> None:
         """Drop what this writer made in the stage (a refusal mid-write that a rerun
@@ -554,22 +558,3 @@ class OwnedStage:
 
 def _looks_like(out: Path, expected: set[str]) -> bool:
     return out.is_dir() and bool(expected & {p.name for p in out.iterdir()})
-
-
-def atomic_json_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
