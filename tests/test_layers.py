@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("k3convert", "presets", "errors", "paths", "device", "config_parse", "units", "native",
      "formats", "layout", "parallel", "synth_tokenizer"),
     ("checkpoint", "arch", "stream"),
-    ("quant", "runtime", "shard", "sources", "engines"),
+    ("quant", "runtime", "shard", "sources", "engines", "targets"),
     ("calibrate", "verify", "inspect", "synth", "serving", "memplan"),
     ("pipeline", "recipe", "demo", "report_html"),
     ("cli", "cli_plan", "cli_convert", "cli_quantize", "cli_options", "__main__"),

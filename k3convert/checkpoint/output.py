@@ -31,6 +31,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -412,9 +413,7 @@ class OwnedStage:
                 raise write_error(e, self.out, "creating the stage directory") from e
         self._lock()
         self._check_marker()
-        from ..stream.manifest_doc import atomic_json
-
-        atomic_json(p / PARTIAL_MARKER, json.dumps(
+        atomic_write(p / PARTIAL_MARKER, json.dumps(
             {**_marker(), "out": str(self.out.resolve()), "kind": self.kind}))  # fmt: skip
         return self
 
@@ -512,8 +511,6 @@ class OwnedStage:
                 f"{missing or 'nothing'} at commit; something else wrote into it. Remove "
                 f"it and rerun."
             )
-        from ..stream.manifest_doc import fsync_dir
-
         (self.path / PARTIAL_MARKER).unlink()
         fsync_dir(self.path)
         if os.path.lexists(self.out):
@@ -558,3 +555,29 @@ class OwnedStage:
 
 def _looks_like(out: Path, expected: set[str]) -> bool:
     return out.is_dir() and bool(expected & {p.name for p in out.iterdir()})
+
+
+# -- durable small writes (the stream's manifest and journal use them too) ---------------
+def atomic_write(path: Path, text: str, fsync: bool = True) -> None:
+    """``text`` to a temporary name next to ``path``, [fsynced], renamed over it."""
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)  # one write: json.dump would issue one per token
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its names durable); a filesystem that cannot is let be."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

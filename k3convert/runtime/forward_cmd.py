@@ -18,14 +18,13 @@ import torch
 from ..checkpoint.bounded import LIMITS, read_json
 from ..checkpoint.output import guard_out, probe_writable, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
+from ..checkpoint.tokenizer_files import TOKENIZER_FILES, is_panic, quiet_panics
 from ..errors import CheckpointError, ConfigError, K3Error, OutputError
 from ..sources import open_source
 from ..stream import Stream
 from .parallel import ParallelRuntime
 from .ranks import stream_ranks
 from .runtime import Runtime, parse_dtype
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
 
 
 def parse_ids(text: str) -> torch.Tensor:
@@ -124,8 +123,6 @@ def load_tokenizer(src: Path) -> tuple[object | None, str | None]:
         from transformers import AutoTokenizer
     except ImportError:
         return None, None
-    from ..calibrate.data import is_panic, quiet_panics
-
     try:
         with quiet_panics():  # (a Rust panic's backtrace kept off the terminal)
             tok = AutoTokenizer.from_pretrained(

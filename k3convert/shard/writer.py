@@ -248,7 +248,8 @@ def write_stream(
         total = sum(up.header()[2] for up in plan.units)
         err = _prepare_stream_dir(out, force, total) if group.leader else None
         group.agree(err, f"preparing {out}")
-        fp_file = out / JOURNAL / f"source-{group.rank}-of-{group.world}.json"
+        # (not *.json: the journal's unit entries are; a rerun told apart by those)
+        fp_file = out / JOURNAL / f"source-{group.rank}-of-{group.world}.fingerprint"
         # a rerun (process 0 decides for all: the others may see this run's entries)
         resuming = group.share(_has_unit_entries(out) if group.leader else None)
         earlier = _read_fingerprint(fp_file) if resuming else None
@@ -333,9 +334,7 @@ def _commit_shares(out: Path, plan: Plan, source, shares: list, carry, compress:
 
 def _has_unit_entries(out: Path) -> bool:
     j = out / JOURNAL
-    return j.is_dir() and any(
-        p.suffix == ".json" and not p.name.startswith("source-") for p in j.iterdir()
-    )
+    return j.is_dir() and any(p.suffix == ".json" for p in j.iterdir())
 
 
 def _read_fingerprint(path: Path) -> dict | None:

@@ -13,10 +13,9 @@ too, so what a test writes back is laid out exactly as a conversion lays it out.
 from __future__ import annotations
 
 import json
-import os
-import threading
 from pathlib import Path
 
+from ..checkpoint.output import atomic_write, fsync_dir
 from . import hashing
 from .format import (
     BOUND_VERSION,
@@ -121,28 +120,8 @@ def write_manifest_doc(root, doc: dict, *, fsync: bool = True) -> Path:
 
 def atomic_json(path: Path, doc: dict | str, fsync: bool = True) -> None:
     """Write ``doc`` (or its ready rendering) to a temporary name, [fsync], rename."""
-    text = doc if isinstance(doc, str) else render(doc)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)  # one write: json.dump would issue one per token
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, doc if isinstance(doc, str) else render(doc), fsync)
 
 
 def render(doc: dict) -> str:
     return dump_manifest(doc)  # == json.dumps(doc, indent=1) + "\n", faster
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

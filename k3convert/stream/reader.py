@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import hashlib
-import json
 import os
 import re
 import stat
@@ -32,13 +30,13 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import PartMeta, QuantParams, TensorMeta
-from ..checkpoint.bounded import read_bytes
 from ..checkpoint.encodings import ENCODINGS, FORMATS
 from ..checkpoint.output import is_unfinished_stream
 from ..checkpoint.safetensors_io import ST_DTYPES, strict_json_loads
 from ..errors import CheckpointError
 from ..layout import Layout
 from . import hashing as unit_hashing
+from .carried import check_carried_file, file_digest_sha256, load_carried_config
 from .consistency import check_paths, check_unit_entries, check_unit_paths, inside
 from .format import (
     BOUND_VERSION,
@@ -637,7 +635,7 @@ class Stream:
         tokenizer), which :func:`open_stream` already checks."""
         for f in self.manifest["files"]:
             p = inside(self.root, f["name"], "carried file")
-            _check_carried(p, f, file_digest_sha256(p))
+            check_carried_file(p, f, file_digest_sha256(p))
 
     def rank(self, r: int) -> RankReader:
         if not 0 <= r < self.world:
@@ -686,89 +684,6 @@ class Stream:
     def iter_tensors(self, dtype=None):
         for n in self.names():
             yield n, self.get(n, dtype)
-
-
-_CARRIED_FIX = (
-    "re-copy the stream, or re-create it with `k3convert shard --force` (`k3convert shard "
-    "--check` lists every damaged file)"
-)
-
-
-def _carried_entry(manifest: dict, name: str) -> dict | None:
-    return next((f for f in manifest["files"] if f["name"] == name), None)
-
-
-def _check_carried(p: Path, entry: dict, got: tuple[int, str]) -> None:
-    """``got`` (size, sha256 hex of what was read from ``p``) against the manifest's
-    ``files`` entry for it."""
-    size, digest = got
-    if size != entry["bytes"] or digest != entry["sha256"]:
-        raise StreamCorruptError(
-            f"{p}: carried file {entry['name']} does not match the manifest (sha256 "
-            f"mismatch: it was changed after the stream was written); {_CARRIED_FIX}."
-        )
-
-
-def file_digest_sha256(p: Path) -> tuple[int, str]:
-    """(size, sha256 hex) of regular file ``p``; a missing, unreadable or non-regular
-    file (a FIFO is not waited on) is StreamCorruptError."""
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise StreamCorruptError(
-            f"{p}: carried file cannot be read ({e.strerror}); {_CARRIED_FIX}."
-        ) from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StreamCorruptError(
-                f"{p}: carried file is not a regular file (a FIFO, socket, device or "
-                f"directory); {_CARRIED_FIX}."
-            )
-        h, size = hashlib.sha256(), 0
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            while chunk := fh.read(1 << 20):
-                h.update(chunk)
-                size += len(chunk)
-    except OSError as e:
-        raise StreamCorruptError(
-            f"{p}: carried file cannot be read ({e.strerror}); {_CARRIED_FIX}."
-        ) from e
-    finally:
-        os.close(fd)
-    return size, h.hexdigest()
-
-
-def load_carried_config(root: Path, manifest: dict) -> dict:
-    """The stream's config.json, read once (a regular file under the config size cap),
-    checked against the size and sha256 the manifest's ``files`` records, and parsed
-    from the checked bytes (strict JSON, an object); ``{}`` for a stream that carries
-    none. A config.json the manifest does not list, one listed but missing, or one
-    whose bytes differ is StreamCorruptError naming the file."""
-    p = inside(root, "config.json", "carried file")
-    entry = _carried_entry(manifest, "config.json")
-    if entry is None:
-        if os.path.lexists(p):
-            raise StreamCorruptError(
-                f"{p}: is not among the carried files the manifest lists (manifest.json "
-                f"files), so it was not written with the stream; the runtime will not use "
-                f"it - remove it, or {_CARRIED_FIX}."
-            )
-        return {}
-    data = read_bytes(p, "config", StreamCorruptError)
-    _check_carried(p, entry, (len(data), hashlib.sha256(data).hexdigest()))
-    try:
-        text = data.decode("utf-8")
-        doc = strict_json_loads(text, f"{p}: key", StreamCorruptError)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StreamCorruptError(
-            f"{p}: the stream's carried config.json is not valid JSON ({e}); {_CARRIED_FIX}."
-        ) from e
-    if not isinstance(doc, dict):
-        raise StreamCorruptError(
-            f"{p}: the stream's carried config.json holds a {type(doc).__name__}, not a "
-            f"JSON object; {_CARRIED_FIX}."
-        )
-    return doc
 
 
 def _rank_list(ranks) -> list[int]:

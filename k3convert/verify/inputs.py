@@ -125,7 +125,12 @@ class _Tok:
         self.tok: Any = None
 
     def encode(self, text: str, where: str) -> list[int]:
-        from ..calibrate.data import check_tokenizer_files, is_panic, panic_message, quiet_panics
+        from ..checkpoint.tokenizer_files import (
+            check_tokenizer_files,
+            is_panic,
+            panic_message,
+            quiet_panics,
+        )
 
         if self.tok is None:
             note = None
