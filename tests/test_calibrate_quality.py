@@ -135,10 +135,11 @@ def test_gptq_fp_target_lowers_kl(llama_q):
         fpt = llama_q.kl("w4a16", "gptq", gptq_fp_target=0.5, **kw)
         print(f"GPTQ w4a16 ({obs}) KL: plain {plain:.4e}, gptq_fp_target 0.5 {fpt:.4e}")
         got[obs] = (fpt, plain)
-    # with the mse observer (the int4 presets' pairing) the fp target gains ~2 % on every
-    # CPU kernel set; with minmax the gain is within the kernels' spread on this 2-layer
-    # fixture (0.995x to 1.009x measured across ATEN_CPU_CAPABILITY default / avx2 /
-    # avx512), so there it must only not lose
+    # with the mse observer (the int4 presets' pairing) the fp target gains ~2 % wherever
+    # measured; with minmax the gain is within the kernels' spread on an AMX Xeon (whose
+    # trained fixture differs: tests/trained_reference.json): 0.995x to 1.009x across
+    # ATEN_CPU_CAPABILITY default / avx2 / avx512 (below 0.99x on the EPYCs), so there it
+    # must only not lose
     fpt, plain = got["mse"]
     assert fpt <= 0.99 * plain, ("mse", fpt, plain)
     fpt, plain = got["minmax"]

