@@ -6,13 +6,17 @@ On process 1 the writer's ``write_unit`` (as ``k3convert.shard.writer`` imported
 wrapped: the first unit is written normally (and journaled by the writer), the second
 ends the process with ``os._exit(1)`` after its header and first tensor went through,
 leaving a partial temporary unit file behind, as a crash or a killed node would. Run with
-``--workers 1`` so "the second unit" starts only after the first one is done.
+``--workers 1`` so "the second unit" starts only after the first one is done. It dies
+once both processes have recorded their share of the source's fingerprint in the journal
+(as in a long run, where hashing runs ahead of writing): a rerun keeps the journaled
+units only when it can tell, by content, that the source is the one they came from.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 def main() -> None:
@@ -27,6 +31,10 @@ def main() -> None:
         calls += 1
         if calls < 2:
             return real(ck, up, out, compression, on_bytes=on_bytes, **kw)
+        prints = [out / writer.JOURNAL / f"source-{r}-of-2.fingerprint" for r in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(p.is_file() for p in prints) and time.monotonic() < deadline:
+            time.sleep(0.02)
         seen = 0
 
         def then_die(n: int) -> None:

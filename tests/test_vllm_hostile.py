@@ -23,7 +23,7 @@ from k3convert.checkpoint.output import OwnedStage
 from k3convert.engines.vllm_index import check_vllm
 from k3convert.engines.vllm_sharded import INDEX
 from k3convert.engines.vllm_write import STAGE, write_vllm
-from k3convert.errors import ConfigError, OutputError
+from k3convert.errors import CheckpointError, ConfigError, OutputError
 from k3convert.stream.format import StreamCorruptError
 from k3convert.synth import synthesize
 
@@ -87,10 +87,15 @@ def test_a_linked_stage_never_deletes_the_source(llama, tmp_path):
 
 
 def test_a_source_named_like_the_stage_is_refused(llama, tmp_path):
+    """Read as an unfinished output (refuse_partial), and were it read, the stage would
+    be the source (guard_out): either way refused, untouched."""
     src = _copy(llama, tmp_path / f".o.{STAGE}")
     before = _snapshot(src)
-    with pytest.raises(OutputError, match="is the source"):
+    with pytest.raises((OutputError, CheckpointError), match=r"is the source|unfinished output"):
         write_vllm(src=src, out=tmp_path / "o")
+    assert _snapshot(src) == before
+    with pytest.raises(OutputError, match="is the source"):
+        OwnedStage(tmp_path / "o", STAGE, [src]).open()
     assert _snapshot(src) == before
 
 
@@ -329,3 +334,54 @@ def test_written_index_lists_carried_files_and_the_source_by_content(written, ll
 def test_writer_refuses_cleanly_where_the_layout_is_unknown(llama, tmp_path):
     with pytest.raises(ConfigError, match="must be a positive integer"):
         write_vllm(src=llama, out=tmp_path / "o", tp=0)
+
+
+def test_a_stage_swapped_for_a_link_after_the_lock_is_never_written_through(
+    llama, tmp_path, monkeypatch
+):
+    """The review's race: the stage renamed away and a link to the source put at its name
+    once the checks passed. Every write goes to the locked directory itself (not through
+    the name), and the commit sees the swap: refused, the source untouched."""
+    from k3convert.engines import vllm_write as vw
+
+    src = _copy(llama, tmp_path / "m")
+    before = _snapshot(src)
+    real = vw._write_ranks
+
+    def swap_then_write(work, *a, **k):
+        stage = tmp_path / f".o.{STAGE}"
+        stage.rename(tmp_path / "moved")
+        stage.symlink_to(src)
+        return real(work, *a, **k)
+
+    monkeypatch.setattr(vw, "_write_ranks", swap_then_write)
+    with pytest.raises(OutputError, match="was replaced while k3convert held it"):
+        write_vllm(src=src, out=tmp_path / "o", tp=2)
+    assert _snapshot(src) == before and not (tmp_path / "o").exists()
+    assert (tmp_path / "moved" / "model-rank-1-part-0.safetensors").is_file()
+
+
+def test_an_out_that_appears_meanwhile_keeps_the_finished_stage(llama, tmp_path, monkeypatch):
+    from k3convert.engines import vllm_write as vw
+
+    out, real = tmp_path / "o", vw._write_ranks
+
+    def someone_makes_out(work, *a, **k):
+        n = real(work, *a, **k)
+        out.mkdir()
+        (out / "theirs.txt").write_text("not ours")
+        return n
+
+    monkeypatch.setattr(vw, "_write_ranks", someone_makes_out)
+    with pytest.raises(OutputError, match="appeared while this run wrote it"):
+        write_vllm(src=llama, out=out, tp=2)
+    monkeypatch.undo()
+    assert (out / "theirs.txt").read_text() == "not ours"
+    stage = tmp_path / f".o.{STAGE}"
+    assert (stage / "model-rank-1-part-0.safetensors").is_file()
+    with pytest.raises(CheckpointError, match="unfinished output"):
+        check_vllm(stage)  # a stage is never taken for an output
+    (out / "theirs.txt").unlink()
+    out.rmdir()
+    assert write_vllm(src=llama, out=out, tp=2).files_resumed == 2
+    assert "intact" in check_vllm(out)

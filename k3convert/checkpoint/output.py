@@ -45,7 +45,7 @@ INDEX = "model.safetensors.index.json"
 PARTIAL_MARKER = ".k3-partial.json"
 #: an interrupted ``shard`` keeps its journal in OUT until the manifest is written
 STREAM_JOURNAL = ".k3-journal"
-_PARTIAL_RX = re.compile(r"^\..+\.partial-\d+$")
+_PARTIAL_RX = re.compile(r"^\..+\.(partial-\d+|vllm-partial)$")
 _RANK_DIR_RX = re.compile(r"rank\d{5}")  # a stream's per-rank folder (formats/musa-stream.md)
 
 
@@ -265,8 +265,8 @@ def refuse_partial(path: str | os.PathLike) -> None:
     if (d / PARTIAL_MARKER).exists() or _PARTIAL_RX.match(d.resolve().name):
         raise CheckpointError(
             f"{p}: is the unfinished output of an interrupted k3convert run (a "
-            f"'.OUT.partial-PID' directory), not a checkpoint; rerun the command that "
-            f"wrote it (it removes the stale directory) and use its OUT."
+            f"'.OUT.partial-PID' or '.OUT.vllm-partial' directory), not a checkpoint; "
+            f"rerun the command that wrote it (it resumes or removes it) and use its OUT."
         )
     if is_unfinished_stream(d):
         raise CheckpointError(
@@ -371,11 +371,14 @@ class OwnedStage:
     * the run holds an exclusive ``flock`` on the directory itself for as long as it
       writes: a second writer of the same OUT is refused at once (exit 2), and the lock
       moves with the directory when it is renamed to OUT;
+    * once locked, every file operation goes through :attr:`work`, a path to the locked
+      directory itself (``/proc/self/fd/N``): a name swapped for a link after the checks
+      (to the source, say) is never written into, emptied or removed;
     * cleanup removes only names the writer declares its own (``owns(name)``), and a
       name that is not a regular file / directory of its own is refused, not removed;
-    * :meth:`commit` refuses any entry the writer did not account for, removes the
-      marker, fsyncs and renames (refusing an OUT that appeared meanwhile unless
-      ``force``).
+    * :meth:`commit` checks OUT first, then refuses any entry the writer did not
+      account for, removes the marker, fsyncs and renames (the marker is put back if
+      the rename fails, so a rerun resumes the finished stage).
     """
 
     def __init__(self, out: Path, kind: str, sources: Iterable[str | os.PathLike | None]):
@@ -385,16 +388,31 @@ class OwnedStage:
         self._sources = list(sources)
         self._fd: int | None = None
 
+    @property
+    def work(self) -> Path:
+        """The locked directory, as a path that cannot be redirected by a rename or a
+        link at :attr:`path` (Linux: the open descriptor in /proc; else the path)."""
+        if self._fd is not None and os.path.isdir(f"/proc/self/fd/{self._fd}"):
+            return Path(f"/proc/self/fd/{self._fd}")
+        return self.path
+
     # -- taking the stage ----------------------------------------------------------
     def open(self) -> OwnedStage:
+        try:
+            return self._open()
+        except BaseException as e:
+            self.close()
+            if isinstance(e, OSError):
+                raise write_error(e, self.out, "taking the stage directory") from e
+            raise
+
+    def _open(self) -> OwnedStage:
         p = self.path
         guard_out(p, self._sources)  # a link; the source itself; inside / above one
         try:
             st = os.lstat(p)
         except FileNotFoundError:
             st = None
-        except OSError as e:
-            raise write_error(e, self.out, "checking the stage directory") from e
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise OutputError(
                 f"{p}: exists and is not a directory k3convert made (a file or a link); "
@@ -402,18 +420,14 @@ class OwnedStage:
                 f"make: remove it yourself, or choose another OUT."
             )
         if st is not None:
-            self._check_marker()
+            self._check_marker(p)
         else:
-            try:
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.mkdir()
-            except FileExistsError:
-                pass  # another run made it this instant: the lock below decides
-            except OSError as e:
-                raise write_error(e, self.out, "creating the stage directory") from e
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # (another run, this instant:
+                p.mkdir()  # the lock below decides)
         self._lock()
-        self._check_marker()
-        atomic_write(p / PARTIAL_MARKER, json.dumps(
+        self._check_marker(self.work)
+        atomic_write(self.work / PARTIAL_MARKER, json.dumps(
             {**_marker(), "out": str(self.out.resolve()), "kind": self.kind}))  # fmt: skip
         return self
 
@@ -421,40 +435,60 @@ class OwnedStage:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError as e:
-            raise write_error(e, self.out, "opening the stage directory") from e
+            raise OutputError(
+                f"{self.path}: cannot be opened as a directory ({e.strerror}): it was "
+                f"replaced, or is a link, while k3convert took it; rerun."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            who = self._read_marker() or {}
+            who = self._read_marker(self.path) or {}
             raise OutputError(
                 f"{self.out}: another k3convert run (pid {who.get('pid', '?')}) is writing "
                 f"it right now ({self.path.name}); wait for it to finish, or choose another "
                 f"OUT."
             ) from None
-        st, now = os.fstat(fd), os.lstat(self.path)
-        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # swapped under us
+        except OSError as e:
             os.close(fd)
-            raise OutputError(f"{self.path}: was replaced while k3convert opened it; rerun.")
+            raise OutputError(
+                f"{self.path}: cannot be locked ({e.strerror}); the filesystem has no "
+                f"working locks, so two runs could write OUT at once: write OUT on a local "
+                f"filesystem."
+            ) from None
         self._fd = fd
+        self._same_directory()
 
-    def _read_marker(self) -> dict | None:
-        m = self.path / PARTIAL_MARKER
+    def _same_directory(self) -> None:
+        """The name still leads to the locked directory (not swapped under us)."""
         try:
-            st = os.lstat(m)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 16:
-                return None
-            doc = json.loads(m.read_text())
-        except (OSError, ValueError):
-            return None
-        return doc if isinstance(doc, dict) else None
+            now = os.lstat(self.path)
+        except OSError:
+            now = None
+        st = os.fstat(self._fd)
+        if now is None or (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+            raise OutputError(
+                f"{self.path}: was replaced while k3convert held it; nothing was removed "
+                f"through the new name. Check what else writes there, and rerun."
+            )
 
-    def _check_marker(self) -> None:
-        """The existing directory is this kind of stage of this OUT, by a dead run of
-        this host (or an empty directory: nothing in it to lose)."""
-        doc = self._read_marker()
-        if doc is None and not any(os.scandir(self.path)):
-            return
+    def _read_marker(self, d: Path) -> dict | None:
+        from .bounded import read_json  # (regular file, bounded, strict; never blocks)
+
+        try:
+            doc = read_json(d / PARTIAL_MARKER, "report", OutputError)
+        except OutputError:
+            return None
+        return doc
+
+    def _check_marker(self, d: Path) -> None:
+        """The directory ``d`` (the stage) is this kind of stage of this OUT, by a dead
+        run of this host (or an empty directory: nothing in it to lose)."""
+        doc = self._read_marker(d)
+        if doc is None:
+            with os.scandir(d) as it:
+                if not any(it):
+                    return
         mine = (
             doc is not None
             and doc.get("tool") == "k3convert"
@@ -485,7 +519,10 @@ class OwnedStage:
     def clean(self, owns: Callable[[str], bool], keep: Callable[[str], bool]) -> None:
         """Remove the entries this writer owns (``owns``) that it will not reuse
         (``keep`` False); refuse any entry it does not own."""
-        for e in os.scandir(self.path):
+        work = self.work
+        with os.scandir(work) as it:
+            entries = list(it)
+        for e in entries:
             if e.name == PARTIAL_MARKER:
                 continue
             if not owns(e.name) or e.is_symlink():
@@ -497,13 +534,29 @@ class OwnedStage:
             if keep(e.name):
                 continue
             if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path)
+                shutil.rmtree(work / e.name)
             else:
-                os.unlink(e.path)
+                os.unlink(work / e.name)
+
+    def check_out(self, force: bool) -> None:
+        """OUT may be replaced by the commit: absent, or (``force``) a previous output.
+        A writer calls it before it drops its resume journal, and :meth:`commit` again."""
+        if os.path.lexists(self.out):
+            if not force:
+                raise OutputError(
+                    f"{self.out} appeared while this run wrote it; choose another OUT or "
+                    f"pass --force (the finished stage {self.path.name} is kept: rerun to "
+                    f"use it)."
+                )
+            check_replaceable(self.out, _looks_like(self.out), "k3convert output")
+            guard_out(self.out, self._sources)
 
     def commit(self, expected: set[str], force: bool) -> None:
         """Rename the stage to OUT: it must hold exactly ``expected`` (and the marker)."""
-        names = {e.name for e in os.scandir(self.path)} - {PARTIAL_MARKER}
+        self.check_out(force)
+        work = self.work
+        with os.scandir(work) as it:
+            names = {e.name for e in it} - {PARTIAL_MARKER}
         if names != expected:
             extra, missing = sorted(names - expected), sorted(expected - names)
             raise OutputError(
@@ -511,34 +564,38 @@ class OwnedStage:
                 f"{missing or 'nothing'} at commit; something else wrote into it. Remove "
                 f"it and rerun."
             )
-        (self.path / PARTIAL_MARKER).unlink()
-        fsync_dir(self.path)
-        if os.path.lexists(self.out):
-            if not force:
-                raise OutputError(
-                    f"{self.out} appeared while this run wrote it; choose another OUT or "
-                    f"pass --force."
-                )
-            check_replaceable(self.out, _looks_like(self.out, expected), "k3convert output")
-            guard_out(self.out, self._sources)
-            shutil.rmtree(self.out)
-        self.path.rename(self.out)
+        marker = (work / PARTIAL_MARKER).read_text()
+        (work / PARTIAL_MARKER).unlink()
+        fsync_dir(work)
+        try:
+            if os.path.lexists(self.out):  # --force, checked above
+                shutil.rmtree(self.out)
+            self._same_directory()  # (the name is renamed, the lock goes with it)
+            self.path.rename(self.out)
+        except BaseException:
+            with contextlib.suppress(OSError):  # still the stage: a rerun resumes it
+                atomic_write(work / PARTIAL_MARKER, marker)
+            raise
         fsync_dir(self.out.parent)
 
     def remove(self, owns: Callable[[str], bool]) -> None:
         """Drop what this writer made in the stage (a refusal mid-write that a rerun
         cannot resume), and the stage itself once empty; anything else stays."""
-        if self._fd is None or self.path.is_symlink() or not self.path.is_dir():
+        if self._fd is None:
             return
-        for e in os.scandir(self.path):
+        work = self.work
+        with os.scandir(work) as it:
+            entries = list(it)
+        for e in entries:
             if e.name != PARTIAL_MARKER and (not owns(e.name) or e.is_symlink()):
                 continue
             if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path, ignore_errors=True)
+                shutil.rmtree(work / e.name, ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
-                    os.unlink(e.path)
-        with contextlib.suppress(OSError):
+                    os.unlink(work / e.name)
+        with contextlib.suppress(OSError, OutputError):  # (not if the name was swapped)
+            self._same_directory()
             self.path.rmdir()
 
     def close(self) -> None:
@@ -553,8 +610,9 @@ class OwnedStage:
         self.close()
 
 
-def _looks_like(out: Path, expected: set[str]) -> bool:
-    return out.is_dir() and bool(expected & {p.name for p in out.iterdir()})
+def _looks_like(out: Path) -> bool:
+    """A previous output of an engine target (its index is there)."""
+    return out.is_dir() and any(p.name.startswith("k3convert-") for p in out.iterdir())
 
 
 # -- durable small writes (the stream's manifest and journal use them too) ---------------

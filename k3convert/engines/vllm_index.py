@@ -10,8 +10,10 @@ import stat
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..checkpoint.bounded import read_json
+from ..checkpoint.output import refuse_partial
 from ..stream.format import StreamCorruptError
 from ..stream.hashing import file_digest
 from .vllm_layers import Rank
@@ -87,11 +89,14 @@ def check_vllm(path: str | os.PathLike) -> str:
     once, shapes, dtypes, finite values). Raises StreamCorruptError naming the first
     problem; returns a summary."""
     d = Path(path)
+    refuse_partial(d)  # a stage (interrupted, or refused at its commit) is no output
     index = read_index(d)
     try:
         return _check_files(d, index)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a malformed entry
         raise StreamCorruptError(f"{d / INDEX}: malformed ({e!r}); rewrite OUT.") from e
+    except SafetensorError as e:  # a rank file whose listed hash matches, yet is no file
+        raise StreamCorruptError(f"{d}: a rank file is not valid safetensors ({e}).") from e
 
 
 def check_listed(d: Path, index: dict) -> None:
@@ -100,6 +105,13 @@ def check_listed(d: Path, index: dict) -> None:
     an added rank file (vLLM would read it by its name), an edited config.json or
     tokenizer, a link, are refused."""
     listed = {f["name"]: f for f in index["carried"]}
+    for name in listed:  # plain names, and never a rank file (vLLM loads those by name)
+        if (not isinstance(name, str) or name in ("", ".", "..", INDEX) or "/" in name
+                or name.endswith(".safetensors")):  # fmt: skip
+            raise StreamCorruptError(
+                f"{d / INDEX}: carried file {name!r} is not a plain, non-weight file name; "
+                f"rewrite OUT."
+            )
     names = {f["name"] for f in index["files"]} | set(listed) | {INDEX}
     for e in os.scandir(d):
         if e.name not in names and e.name not in REPORTS:

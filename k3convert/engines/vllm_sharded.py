@@ -229,7 +229,14 @@ def _check_source(ck: Checkpoint) -> tuple:
                 f"{kv.get('type')} {kv.get('strategy')}."
             )
         for g in (qc.get("config_groups") or {}).values():
-            ia, w = g.get("input_activations") or {}, g.get("weights") or {}
+            ia = g.get("input_activations") or {} if isinstance(g, dict) else None
+            w = g.get("weights") or {} if isinstance(g, dict) else None
+            if not isinstance(ia, dict) or not isinstance(w, dict):
+                raise ConfigError(
+                    f"{ck.root}: config.json's quantization_config.config_groups hold a "
+                    f"group whose weights / input_activations are not objects; the config is "
+                    f"damaged - re-export it."
+                )
             static_fp8 = (ia.get("type"), ia.get("strategy")) == ("float", "tensor")
             if ia and not ia.get("dynamic") and not static_fp8:
                 raise ConfigError(

@@ -32,7 +32,7 @@ from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.bounded import read_json
 from ..checkpoint.output import OwnedStage, check_output, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
-from ..errors import ConfigError, K3Error
+from ..errors import ConfigError, K3Error, OutputError
 from ..shard.unit_io import fsync_path
 from ..shard.writer import carried_files
 from ..stream.hashing import file_digest, tag
@@ -174,43 +174,55 @@ def write_vllm(
         fingerprint = pool.submit(source_fingerprint, ck, stop)
         try:
             stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
-        except BaseException:
-            stop.set()
-            raise
-        try:
-            journal = stage.path / JOURNAL
-            journal.mkdir(exist_ok=True)
-            resumed = 0
-            head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
-            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                      desc=f"vllm tp{tp} pp{pp}", disable=not progress) as bar:  # fmt: skip
-                for r, params in plans.items():
-                    key = _rank_key(head, r.file(), params)
-                    entry, kept = _write_rank(stage.path, journal, r, params, key, fingerprint)
-                    index["files"].append(entry)
-                    resumed += kept
-                    bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
+            work = stage.work  # the locked directory, whatever its name now leads to
+            resumed = _write_ranks(work, plans, index, fingerprint, progress, total)
             index["source_files"] = fingerprint.result()
             for name, f in carried:
-                shutil.copyfile(f, stage.path / name)
-                fsync_path(stage.path / name)
-                index["carried"].append({"name": name, "bytes": (stage.path / name).stat().st_size,
-                                         "hash": file_digest(stage.path / name, HASH)})  # fmt: skip
-            shutil.rmtree(journal)
-            atomic_json(stage.path / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
-            stage.commit(rank_names | carried_names | {INDEX}, force)
+                shutil.copyfile(f, work / name)
+                fsync_path(work / name)
+                index["carried"].append({"name": name, "bytes": (work / name).stat().st_size,
+                                         "hash": file_digest(work / name, HASH)})  # fmt: skip
+            stage.check_out(force)  # (before the journal goes: a refusal keeps it resumable)
+            shutil.rmtree(work / JOURNAL)
+            atomic_json(work / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
+        except OutputError:  # OUT appeared meanwhile: the stage is kept for a rerun
+            stop.set()
+            raise
         except K3Error:
             stop.set()
             stage.remove(owns)  # a damaged or refused source: nothing to resume
             raise
-        except OSError as e:
+        except BaseException as e:  # (an interruption, a full disk: kept for the rerun)
             stop.set()
-            raise write_error(e, out) from e
-        except BaseException:  # (an interruption: the stage is kept for the rerun)
-            stop.set()
+            if isinstance(e, OSError):
+                raise write_error(e, out) from e
             raise
+        try:  # its refusals (OUT appeared meanwhile) keep the finished stage for a rerun
+            stage.commit(rank_names | carried_names | {INDEX}, force)
+        except OSError as e:
+            raise write_error(e, out) from e
     size = sum(f["bytes"] for f in index["files"])
     return VllmShardResult(out, len(index["files"]), size, time.perf_counter() - t0, resumed)
+
+
+def _write_ranks(work: Path, plans: dict, index: dict, fingerprint, progress: bool,
+                 total: int) -> int:  # fmt: skip
+    """Every rank file into the stage ``work`` (its index entries appended to
+    ``index["files"]``); the number kept from an interrupted run."""
+    journal = work / JOURNAL
+    journal.mkdir(exist_ok=True)
+    resumed = 0
+    head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
+    lay = index["layout"]
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+              desc=f"vllm tp{lay['tp']} pp{lay['pp']}", disable=not progress) as bar:  # fmt: skip
+        for r, params in plans.items():
+            key = _rank_key(head, r.file(), params)
+            entry, kept = _write_rank(work, journal, r, params, key, fingerprint)
+            index["files"].append(entry)
+            resumed += kept
+            bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
+    return resumed
 
 
 def _finite(t: torch.Tensor, p: Param, fname: str) -> torch.Tensor:

@@ -253,10 +253,16 @@ def write_stream(
         # a rerun (process 0 decides for all: the others may see this run's entries)
         resuming = group.share(_has_unit_entries(out) if group.leader else None)
         earlier = _read_fingerprint(fp_file) if resuming else None
+        if resuming:  # recorded again only once the stale units are dropped
+            fp_file.unlink(missing_ok=True)
         hasher = SourceHasher(source.root, my_files, workers, tick)
-        recorder = threading.Thread(target=_record_fingerprint, args=(hasher, fp_file),
-                                    name="k3hash-record", daemon=True)  # fmt: skip
-        recorder.start()
+        recorder = None
+        if not resuming:  # nothing stale to drop: recorded as soon as hashed
+            recorder = threading.Thread(
+                target=_record_fingerprint, args=(hasher, fp_file, len(my_files)),
+                name="k3hash-record", daemon=True,
+            )  # fmt: skip
+            recorder.start()
         with lock:
             bar.total = (bar.total or 0) + sum(f.size for f in my_files)
             bar.total += sum(up.header()[2] for up in mine)
@@ -275,10 +281,11 @@ def write_stream(
                             on_unit)  # fmt: skip
         try:
             if resuming:
-                _forget_if_source_changed(out, mine, group, earlier, hasher.result())
+                _forget_if_source_changed(out, mine, group, earlier, hasher, fp_file)
             units.write(mine, workers)
             sha = hasher.result()
-            recorder.join()  # (its file is in the journal, which the commit removes)
+            if recorder is not None:
+                recorder.join()  # (its file is in the journal, which the commit removes)
             synced = syncer.finish()
             to_sync = [out / up.file for up in mine if out / up.file not in synced]
             to_sync += sorted({(out / up.file).parent for up in mine})
@@ -333,8 +340,13 @@ def _commit_shares(out: Path, plan: Plan, source, shares: list, carry, compress:
 
 
 def _has_unit_entries(out: Path) -> bool:
+    """Whether an earlier run left unit entries (True when it cannot tell: the content
+    check that follows then decides)."""
     j = out / JOURNAL
-    return j.is_dir() and any(p.suffix == ".json" for p in j.iterdir())
+    try:
+        return j.is_dir() and any(p.suffix == ".json" for p in j.iterdir())
+    except OSError:
+        return True
 
 
 def _read_fingerprint(path: Path) -> dict | None:
@@ -345,27 +357,43 @@ def _read_fingerprint(path: Path) -> dict | None:
     return doc
 
 
-def _record_fingerprint(hasher: SourceHasher, path: Path) -> None:
+def _record_fingerprint(hasher: SourceHasher, path: Path, n_files: int) -> None:
     """This process's share of the source by content, in the journal as soon as it is
-    hashed: what a rerun compares before it keeps a unit of this run."""
+    hashed (all of it: a cancelled hash records nothing): what a rerun compares before
+    it keeps a unit of this run."""
     try:
         sha = hasher.result()
     except BaseException:  # (re-raised where the writer calls result())
+        return
+    if hasher.stop.is_set() or len(sha) != n_files:
         return
     with contextlib.suppress(OSError):  # (then a rerun rewrites every unit: never wrong)
         atomic_json(path, dict(sorted(sha.items())), fsync=False)
 
 
-def _forget_if_source_changed(out: Path, mine, group: ProcessGroup, earlier, now) -> None:
+def _forget_if_source_changed(out: Path, mine, group: ProcessGroup, earlier, hasher,
+                              fp_file: Path) -> None:  # fmt: skip
     """Keep an interrupted run's units only if the source is the same by content (the
     sha256 of every file, not size and mtime): a file swapped for another of the same
     size with its mtime restored would otherwise mix two checkpoints in one stream.
-    Every process compares its share; if any differs (or was never recorded), every
-    process drops its units' journal entries and rewrites them."""
-    same = all(group.gather(earlier is not None and earlier == dict(sorted(now.items()))))
+    Every process hashes and compares its share (every process reaches each collective,
+    a failed hash included); if any differs (or was never recorded), every process drops
+    its units' journal entries. Only then, after a barrier, is the new fingerprint
+    recorded: an interruption before that leaves none, and the next run rewrites all."""
+    err, now = None, None
+    try:
+        now = dict(sorted(hasher.result().items()))
+    except Exception as e:
+        err = e
+    group.agree(err, "hashing the source")
+    same = all(group.gather(earlier is not None and earlier == now))
     if not same:
         for up in mine:
             journal_path(out, up).unlink(missing_ok=True)
+    group.barrier()
+    if not hasher.stop.is_set():
+        with contextlib.suppress(OSError):
+            atomic_json(fp_file, now, fsync=False)
 
 
 def _prepare_stream_dir(out: Path, force: bool, total: int) -> BaseException | None:
