@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from .arch import resolve
 from .checkpoint import TensorMeta
-from .engines.vllm_layers import FUSED_SETS
+from .engines.vllm_layers import FUSED_SETS, whole_fp8_blocks
 from .errors import ConfigError
 from .layout import Layout
 from .quant.schemes import FP4Scheme, FP8Scheme, IntScheme
@@ -286,10 +286,9 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
         bn, bk = getattr(scheme, "block", (None, None))
         if kernel_class(scheme) == "fp8-block":
             expert = r.role.expert is not None
-            fused_leaf = len(members) > 1
-            last = fused_leaf and r is members[-1] and not expert
             col = n > 1 and r.role.split_dim == 0
-            if (col or (fused_leaf and not last) or (expert and fused_leaf)) and out % bn:
+            index = next(i for i, x in enumerate(members) if x is r)
+            if whole_fp8_blocks(index, len(members), col, expert) and out % bn:
                 add(r, f"its output slice {out} is not a multiple of the block's {bn} rows "
                     f"(vLLM: output_partition_size not divisible by block_n)",
                     f"use fp8-dynamic for it, a block of {_divisor_hint(out)} rows, or keep "

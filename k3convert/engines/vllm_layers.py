@@ -202,14 +202,22 @@ def last_loaded(ck: Checkpoint, modules: list[str], part: str) -> str:
     return max(modules, key=order)
 
 
+def whole_fp8_blocks(index: int, members: int, split: bool, expert: bool = False) -> bool:
+    """Whether member ``index`` of ``members`` (1: an unmerged Linear) must hold whole FP8
+    blocks of output rows on each rank, by vLLM 0.32's ``validate_fp8_block_shape``
+    (``_moe`` for experts): every member of a layer split over tp; in a merged layer
+    that is not split, every member but the last (which may end in a partial block),
+    and every member of a merged expert (gate / up in ``w13``). The writer and
+    ``serving.check_plan`` both ask this."""
+    return split or (members > 1 and (expert or index < members - 1))
+
+
 def _whole_blocks(prefix: str, spans: dict, block: int) -> None:
     """vLLM's ``validate_fp8_block_shape`` for a merged FP8-block layer: each member's rows
-    on a rank are whole blocks (the last member's may end in a partial one when the layer
-    is not split over tp)."""
+    on a rank are whole blocks where :func:`whole_fp8_blocks` says so."""
     split = any(b - a < full for a, b, full in spans.values())
-    check = list(spans.items()) if split else list(spans.items())[:-1]
-    for m, (a, b, _) in check:
-        if (b - a) % block:
+    for i, (m, (a, b, _)) in enumerate(spans.items()):
+        if whole_fp8_blocks(i, len(spans), split) and (b - a) % block:
             raise ConfigError(
                 f"{prefix}.{m}: {b - a} rows per rank are not whole FP8 blocks of {block}, "
                 f"and vLLM refuses them in its merged layer; re-quantize with a scheme "
