@@ -268,8 +268,8 @@ def shard(
         str,
         typer.Option(
             help="stream (k3convert's per-rank streaming format) or vllm (vLLM's "
-            "pre-sharded files for load_format='sharded_state'; llama, qwen3_moe, "
-            "deepseek_v3 / kimi_k2 and kimi_k3; --tp / --pp / --ep)."
+            "pre-sharded files for load_format='sharded_state'; llama, qwen2, qwen3, "
+            "mistral, qwen3_moe, deepseek_v3 / kimi_k2 and kimi_k3; --tp / --pp / --ep)."
         ),
     ] = "stream",
 ):

@@ -64,6 +64,7 @@ from k3convert.engines.vllm_write import write_vllm
 from k3convert.pipeline import quantize
 from k3convert.recipe import load_recipe
 from k3convert.synth import synthesize
+from tests.models import save_model
 from tests.test_vllm import _engine_env, _vllm_python
 from tests.test_vllm_sharded import SYNTH, _synth
 
@@ -75,6 +76,11 @@ LAYOUTS = {
     "llama-nvfp4": [(1, 1, 1), (2, 1, 1)],
     "llama-fp8-tensor": [(1, 1, 1), (2, 1, 1)],
     "llama-f32": [(2, 1, 1)],
+    # the dense GQA kin written by the llama arch's roles, no engine code of their own:
+    # q / k / v biases (qwen2), q / k norms and tied embeddings (qwen3)
+    "qwen2": [(2, 1, 1)],
+    "qwen3": [(2, 1, 1)],
+    "mistral": [(1, 1, 2)],
     "qwen3-moe": [(1, 1, 2), (2, 1, 2)],
     "deepseek-v3": [(1, 1, 2)],
     "deepseek-v3-fp8-block": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
@@ -160,6 +166,8 @@ def _checkpoint(name: str, root: Path) -> Path:
                      progress=False)  # fmt: skip
         elif name == "llama-f32":  # a float32 checkpoint, written and loaded in float32
             synthesize(config="llama3-8b", out=out, tiny=True, encoding="plain", dtype="fp32")
+        elif name in ("qwen2", "qwen3", "mistral"):  # transformers' own tiny models
+            save_model(name, out, dtype=torch.bfloat16)
         elif name == "llama-fp8-block":  # every tp 2 slice a whole number of 128-blocks
             wide = {"kv_heads": 4, "hidden": 256, "intermediate": 512}
             synthesize(config="llama3-8b", out=root / "wide", tiny=True, encoding="plain",

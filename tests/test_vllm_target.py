@@ -541,3 +541,25 @@ def test_targets_are_one_registry_the_cli_and_recipes_consult(llama, tmp_path):
     write_vllm(src=llama, out=out)
     assert targets.written_by(out) is targets.get("vllm")
     assert targets.written_by(llama) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_dense_gqa_kin_need_no_engine_code(family, tmp_path):
+    """qwen2 (q / k / v biases), qwen3 (q / k norms, tied embeddings) and mistral are
+    written by the llama arch's roles: every tensor maps back from the tp 2 rank files
+    bit for bit (vLLM's own loader holds the same files: tests/test_vllm_per_rank.py)."""
+    from k3convert.engines.vllm_source import VllmSource
+    from tests.models import save_model
+
+    src = save_model(family, tmp_path / family, dtype=torch.bfloat16)
+    out = tmp_path / "v"
+    write_vllm(src=src, out=out, tp=2)
+    back, ck = VllmSource(out), open_checkpoint(src)
+    assert back.names() == sorted(ck.names())
+    for n in ck.names():
+        assert torch.equal(back.get(n), ck.get(n)), n
+    flat = _load(out / "model-rank-0-part-0.safetensors")
+    if family == "qwen2":
+        assert "model.layers.0.self_attn.qkv_proj.bias" in flat
+    if family == "qwen3":
+        assert "model.layers.0.self_attn.q_norm.weight" in flat

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..arch import resolve, validate_source
+from ..arch import get_arch, resolve, validate_source
 from ..checkpoint import Checkpoint
 from ..checkpoint.output import STREAM_JOURNAL
 from ..errors import ConfigError
@@ -53,9 +53,14 @@ FORMAT = "k3convert-vllm-sharded-state"
 INDEX_VERSION = 2
 HASH = "xxh3-128"  # each rank file's, as ``ALGO:HEX`` (stream.hashing)
 JOURNAL = STREAM_JOURNAL  # in the stage: one entry per finished rank file
+#: the dense GQA model types: every one the llama arch reads (llama, qwen2, qwen3,
+#: mistral). vLLM's classes for them keep Hugging Face's names and share llama's merged
+#: parameters, so the arch's roles decide what is written (q / k norms, q / k / v
+#: biases, tied embeddings): a model type added to that arch needs no engine code
+DENSE_GQA = (get_arch("llama").name, *get_arch("llama").aliases)
 #: families whose vLLM model class this writes (model_type -> vLLM class)
 FAMILIES = {
-    "llama": "LlamaForCausalLM",
+    **{mt: "LlamaForCausalLM-like (Hugging Face names)" for mt in DENSE_GQA},
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
