@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +66,6 @@ TARGETS: dict[str, Target] = {
         ".engines.vllm_sharded:FAMILIES",
     ),
 }
-DEFAULT = "stream"
 
 
 def names() -> tuple[str, ...]:
@@ -90,15 +88,3 @@ def written_by(path: str | os.PathLike) -> Target | None:
         if t.is_output(path):
             return t
     return None
-
-
-def describe(exclude_default: bool = False) -> str:
-    """The targets for ``--help``: "stream (...) or vllm (...; families ...)"."""
-    parts = []
-    for t in TARGETS.values():
-        fams = t.families_attr and ", ".join(t.families())
-        parts.append(f"{t.name} ({t.summary}{'; ' + fams if fams else ''})")
-    return " or ".join(parts)
-
-
-WriteFn = Callable[..., object]
