@@ -3,9 +3,8 @@
 Every JSON / text file k3convert reads from a model or output directory goes through
 :func:`read_bytes` / :func:`read_json`:
 
-* regular files only: a FIFO, socket or device named like a file is refused without
-  blocking on it (opened ``O_NONBLOCK``, checked with ``fstat`` on the opened file, so a
-  name swapped between a check and the open is caught too);
+* regular files only (:func:`~.safetensors_io.open_regular`): a FIFO, socket or device
+  named like a file is refused without blocking on it;
 * a size cap per kind of file (:data:`LIMITS`), checked before a byte is read: a
   100 MB ``config.json`` is an error, not gigabytes of Python objects;
 * strict JSON (:func:`~.safetensors_io.strict_json_loads`): a key given twice, nesting
@@ -17,11 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
 from ..errors import CheckpointError, K3Error
-from .safetensors_io import strict_json_loads
+from .safetensors_io import open_regular, strict_json_loads
 
 MiB = 1 << 20
 #: the most each kind of file may hold. A real release's files sit far below: Kimi K3's
@@ -37,33 +35,36 @@ LIMITS = {
 }
 
 
+def _open(p: Path, kind: str, error: type[K3Error]):
+    """``p`` opened (a regular file: :func:`~.safetensors_io.open_regular`) and checked
+    against ``LIMITS[kind]`` before a byte is read."""
+    limit = LIMITS[kind]
+    fh = open_regular(p, error)
+    size = os.fstat(fh.fileno()).st_size
+    if size > limit:
+        fh.close()
+        raise error(
+            f"{p}: {size / MiB:.1f} MiB, more than the {limit // MiB} MiB a {kind} file may "
+            f"hold; this is not a real model's {kind} file - check the path, or trim the file."
+        )
+    return fh
+
+
+def check_file(path: str | os.PathLike, kind: str, error: type[K3Error] = CheckpointError) -> None:
+    """``error`` unless ``path`` is a regular file under ``LIMITS[kind]``; nothing read (for
+    a file another library reads next: transformers' tokenizer files)."""
+    _open(Path(path), kind, error).close()
+
+
 def read_bytes(path: str | os.PathLike, kind: str, error: type[K3Error] = CheckpointError) -> bytes:
     """The bytes of regular file ``path``, at most ``LIMITS[kind]`` of them."""
     p = Path(path)
     limit = LIMITS[kind]
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise error(f"{p}: cannot read ({e.strerror}).") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(
-                f"{p}: is not a regular file (a FIFO, socket, device or directory); "
-                f"k3convert reads only regular files - replace it with the real file."
-            )
-        if st.st_size > limit:
-            raise error(
-                f"{p}: {st.st_size / MiB:.1f} MiB, more than the {limit // MiB} MiB a {kind} "
-                f"file may hold; this is not a real model's {kind} file - check the path, "
-                f"or trim the file."
-            )
-        with os.fdopen(fd, "rb", closefd=False) as fh:
+    with _open(p, kind, error) as fh:
+        try:
             data = fh.read(limit + 1)
-    except OSError as e:
-        raise error(f"{p}: cannot read ({e.strerror}).") from e
-    finally:
-        os.close(fd)
+        except OSError as e:
+            raise error(f"{p}: cannot read ({e.strerror}).") from e
     if len(data) > limit:  # grew while being read
         raise error(f"{p}: grew past the {limit // MiB} MiB a {kind} file may hold.")
     return data

@@ -227,13 +227,21 @@ def _marker() -> dict:
     }
 
 
+def _read_marker(d: Path) -> dict | None:
+    """The owner marker of partial directory ``d`` (a regular file, bounded, strict: it
+    never blocks), or None when there is none that reads as one."""
+    from .bounded import read_json
+
+    try:
+        return read_json(d / PARTIAL_MARKER, "report", OutputError)
+    except OutputError:
+        return None
+
+
 def _owned_stale(d: Path, out: Path) -> bool:
     """True if ``d`` is a partial output of ``out`` by a k3convert run that is dead."""
-    try:
-        m = json.loads((d / PARTIAL_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(m, dict) or m.get("tool") != "k3convert" or m.get("out") != str(out):
+    m = _read_marker(d)
+    if m is None or m.get("tool") != "k3convert" or m.get("out") != str(out):
         return False
     if m.get("host") != socket.gethostname() or not isinstance(m.get("pid"), int):
         return False  # another machine's run on a shared filesystem: cannot tell
@@ -443,7 +451,7 @@ class OwnedStage:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            who = self._read_marker(self.path) or {}
+            who = _read_marker(self.path) or {}
             raise OutputError(
                 f"{self.out}: another k3convert run (pid {who.get('pid', '?')}) is writing "
                 f"it right now ({self.path.name}); wait for it to finish, or choose another "
@@ -472,19 +480,10 @@ class OwnedStage:
                 f"through the new name. Check what else writes there, and rerun."
             )
 
-    def _read_marker(self, d: Path) -> dict | None:
-        from .bounded import read_json  # (regular file, bounded, strict; never blocks)
-
-        try:
-            doc = read_json(d / PARTIAL_MARKER, "report", OutputError)
-        except OutputError:
-            return None
-        return doc
-
     def _check_marker(self, d: Path) -> None:
         """The directory ``d`` (the stage) is this kind of stage of this OUT, by a dead
         run of this host (or an empty directory: nothing in it to lose)."""
-        doc = self._read_marker(d)
+        doc = _read_marker(d)
         if doc is None:
             with os.scandir(d) as it:
                 if not any(it):

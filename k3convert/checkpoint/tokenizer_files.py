@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ConfigError, K3Error
-from .bounded import read_bytes
+from .bounded import check_file
 
 #: files whose presence means the model directory ships a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
@@ -33,7 +33,7 @@ def check_tokenizer_files(d: Path, error: type[K3Error] = ConfigError) -> None:
     for name in TOKENIZER_READS:
         f = d / name
         if os.path.lexists(f):
-            read_bytes(f, "tokenizer", error)
+            check_file(f, "tokenizer", error)
 
 
 def is_panic(e: BaseException) -> bool:

@@ -17,14 +17,12 @@ from ..checkpoint.output import refuse_partial
 from ..stream.format import StreamCorruptError
 from ..stream.hashing import file_digest
 from .vllm_layers import Rank
-from .vllm_sharded import FORMAT, HASH, INDEX, INDEX_VERSION
+from .vllm_sharded import FORMAT, HASH, INDEX, INDEX_VERSION, MAX_WORLD
 
 #: files k3convert's own steps add after the commit (``convert``'s report), which no
 #: loader reads: allowed unlisted, as regular files
 CONVERT_REPORT = "convert_report.json"
 REPORTS = frozenset({CONVERT_REPORT})
-#: the most ranks an index may name (the writer's own bound: ``vllm_write.MAX_WORLD``)
-MAX_WORLD = 4096
 
 
 def read_index(path: str | os.PathLike) -> dict:
@@ -123,14 +121,18 @@ def check_listed(d: Path, index: dict) -> None:
         if not stat.S_ISREG(os.lstat(e.path).st_mode):
             raise StreamCorruptError(f"{d / e.name}: is not a regular file; rewrite OUT.")
     for name, f in listed.items():
-        p = d / name
-        if not p.is_file():
-            raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
-        if p.stat().st_size != f["bytes"] or file_digest(p, HASH) != f["hash"]:
-            raise StreamCorruptError(
-                f"{p}: differs from the file written ({INDEX} records its size and {HASH} "
-                f"hash); restore it, or rewrite OUT."
-            )
+        _as_written(d / name, f)
+
+
+def _as_written(p: Path, f: dict) -> None:
+    """File ``p`` has the size and hash its index entry ``f`` records."""
+    if not p.is_file():
+        raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
+    if p.stat().st_size != f["bytes"] or file_digest(p, HASH) != f["hash"]:
+        raise StreamCorruptError(
+            f"{p}: size or {HASH} hash differs from the file written ({INDEX} records "
+            f"both); restore it, or rewrite OUT."
+        )
 
 
 def _check_files(d: Path, index: dict) -> str:
@@ -149,10 +151,7 @@ def _check_files(d: Path, index: dict) -> str:
     n = 0
     for f in index["files"]:
         p = d / f["name"]
-        if not p.is_file():
-            raise StreamCorruptError(f"{p}: missing (listed in {INDEX}); rewrite OUT.")
-        if p.stat().st_size != f["bytes"] or file_digest(p, HASH) != f["hash"]:
-            raise StreamCorruptError(f"{p}: size or {HASH} hash differs from {INDEX}.")
+        _as_written(p, f)
         with safe_open(p, "pt") as sf:
             keys = list(sf.keys())
             if sorted(keys) != sorted(f["tensors"]):

@@ -20,6 +20,10 @@ from .params import ALL, Param, Piece, Slicer, module_parts, origin
 
 TP_PATTERN = "model-rank-{tp}-part-{part}.safetensors"
 PP_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
+#: any name either pattern gives (a rank file of some layout)
+RANK_FILE_RX = re.compile(
+    "|".join(re.sub(r"\\\{\w+\\\}", r"\\d+", re.escape(p)) for p in (TP_PATTERN, PP_PATTERN))
+)
 #: vLLM's merged column-parallel parameters (QKVParallelLinear /
 #: MergedColumnParallelLinear) and their members, in the order their rows are stacked.
 #: The one statement of which Linears vLLM runs as one GEMM: the writer stacks them, and

@@ -51,6 +51,9 @@ INDEX = "k3convert-vllm.json"
 FORMAT = "k3convert-vllm-sharded-state"
 #: 2: the index binds the directory (carried files hashed, the source fingerprinted)
 INDEX_VERSION = 2
+#: the most ranks (tp x pp) a layout may have: more than any cluster vLLM runs on;
+#: checked by the writer before a single rank is built, and by every index read
+MAX_WORLD = 4096
 HASH = "xxh3-128"  # each rank file's, as ``ALGO:HEX`` (stream.hashing)
 JOURNAL = STREAM_JOURNAL  # in the stage: one entry per finished rank file
 #: the dense GQA model types: every one the llama arch reads (llama, qwen2, qwen3,

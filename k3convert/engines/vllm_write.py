@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import threading
 import time
@@ -33,19 +32,21 @@ from ..checkpoint.bounded import read_json
 from ..checkpoint.output import OwnedStage, check_output, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import ConfigError, K3Error, OutputError
+from ..formats.dtypes import all_finite
 from ..shard.unit_io import fsync_path
 from ..shard.writer import carried_files
 from ..stream.hashing import file_digest, tag
 from ..stream.hashing import new as new_hasher
 from ..stream.manifest_doc import atomic_json
 from .params import Param
-from .vllm_layers import Rank
+from .vllm_layers import RANK_FILE_RX, Rank
 from .vllm_sharded import (
     FORMAT,
     HASH,
     INDEX,
     INDEX_VERSION,
     JOURNAL,
+    MAX_WORLD,
     VLLM_VERSION,
     dtype_of,
     rank_params,
@@ -62,11 +63,7 @@ class VllmShardResult:
     files_resumed: int = 0
 
 
-#: the most ranks (tp x pp) a layout may have: more than any cluster vLLM runs on, and
-#: checked before a single rank is built
-MAX_WORLD = 4096
 STAGE = "vllm-partial"  # the stage ``.OUT.vllm-partial``, kept after an interruption
-_RANK_RX = re.compile(r"model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors(\.tmp)?")
 
 
 def _stage_of(out: Path) -> Path:
@@ -165,7 +162,8 @@ def write_vllm(
     carried_names = {name for name, _ in carried}
 
     def owns(name: str) -> bool:
-        return (name in (JOURNAL, INDEX) or name in carried_names or bool(_RANK_RX.fullmatch(name))
+        rank_file = RANK_FILE_RX.fullmatch(name.removesuffix(".tmp"))
+        return (name in (JOURNAL, INDEX) or name in carried_names or bool(rank_file)
                 or name.startswith((f"{INDEX}.tmp-", ".k3-")))  # fmt: skip
 
     stage, stop = OwnedStage(out, STAGE, [ck.root]), threading.Event()
@@ -226,19 +224,15 @@ def _write_ranks(work: Path, plans: dict, index: dict, fingerprint, progress: bo
 
 
 def _finite(t: torch.Tensor, p: Param, fname: str) -> torch.Tensor:
-    """``t`` (a block of parameter ``p``) if every value is finite, else ConfigError
-    naming the source tensor. One float32 sum first; the exact test only when it is not
-    finite. FP8 codes: the e4m3fn NaN code (there is no inf)."""
+    """``t`` (a block of parameter ``p``) if every value is finite
+    (:func:`~..formats.dtypes.all_finite`), else ConfigError naming the source tensor.
+    FP8 codes: the e4m3fn NaN code (there is no inf)."""
     if not t.is_floating_point():
         return t
     if t.dtype == torch.float8_e4m3fn:
         bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-    elif t.element_size() == 1:
-        bad = not bool(torch.isfinite(t.float()).all())
     else:
-        bad = not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(
-            torch.isfinite(t).all()
-        )
+        bad = not all_finite(t if t.element_size() > 1 else t.float())
     if bad:
         names = sorted({pc.name for pc in p.pieces}) or [p.name]
         what = names[0] if len(names) == 1 else f"one of {', '.join(names)}"

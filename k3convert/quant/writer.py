@@ -54,6 +54,7 @@ from ..checkpoint.output import (
 )
 from ..checkpoint.safetensors_io import SafetensorsWriter, map_chunks
 from ..engines.vllm_layers import FUSED_SETS
+from ..formats.dtypes import all_finite
 from ..parallel import procs
 from ..parallel.procs import cores_per_process
 from . import fidelity, fp4_requant
@@ -136,15 +137,6 @@ def _checked(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize > 1
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """One reduction that allocates nothing: min and max propagate NaN, and are finite
-    exactly when every value is."""
-    if not t.numel():
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
 def _non_finite(name: str, bad: int, where: Path) -> NonFiniteWeightError:
     return NonFiniteWeightError(
         f"{where}: tensor '{name}' holds {bad} NaN/Inf value(s); the source is "
@@ -156,13 +148,13 @@ def _check_finite(name: str, t: torch.Tensor, where: Path) -> None:
     """NaN / Inf in a tensor copied as it is (the count is taken only for the message).
     Quantized tensors are not checked here: every scheme takes the maximum of every
     group and refuses a non-finite one (:func:`_produce` names the file)."""
-    if _checked(t.dtype) and not _finite(t):
+    if _checked(t.dtype) and not all_finite(t):
         raise _non_finite(name, int((~torch.isfinite(t)).sum()), where)
 
 
 def _check_finite_chunks(name: str, path: Path, info, where: Path) -> None:
     """:func:`_check_finite` over a stored tensor, one mapped chunk at a time."""
-    if not _checked(info.dtype) or all(_finite(c) for c in map_chunks(path, info)):
+    if not _checked(info.dtype) or all(all_finite(c) for c in map_chunks(path, info)):
         return
     bad = sum(int((~torch.isfinite(c)).sum()) for c in map_chunks(path, info))
     raise _non_finite(name, bad, where)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.bounded import LIMITS, read_json
+from ..checkpoint.bounded import read_json
 from ..checkpoint.output import guard_out, probe_writable, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
-from ..checkpoint.tokenizer_files import TOKENIZER_FILES, is_panic, quiet_panics
+from ..checkpoint.tokenizer_files import (
+    TOKENIZER_FILES,
+    check_tokenizer_files,
+    is_panic,
+    quiet_panics,
+)
 from ..errors import CheckpointError, ConfigError, K3Error, OutputError
 from ..sources import open_source
 from ..stream import Stream
@@ -141,20 +145,7 @@ def _needs_custom_code(src: Path) -> bool:
     """True if tokenizer_config.json or config.json maps a tokenizer class to code. Both
     are read bounded and strict (:mod:`..checkpoint.bounded`), and every tokenizer file
     present must be a regular file under the tokenizer size cap: CheckpointError if not."""
-    for name in TOKENIZER_FILES:
-        f = src / name
-        if not os.path.lexists(f):
-            continue
-        try:
-            st = f.stat()
-        except OSError as e:
-            raise CheckpointError(f"{f}: cannot read ({e.strerror}).") from e
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{f}: is not a regular file (a FIFO, socket or device).")
-        if st.st_size > LIMITS["tokenizer"]:
-            raise CheckpointError(
-                f"{f}: {st.st_size >> 20} MiB, more than a tokenizer file may hold."
-            )
+    check_tokenizer_files(src, CheckpointError)
     for name, kind in (("tokenizer_config.json", "tokenizer"), ("config.json", "config")):
         f = src / name
         if not os.path.lexists(f):

@@ -8,11 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 
 from ..checkpoint.bounded import read_bytes
-from ..checkpoint.safetensors_io import strict_json_loads
+from ..checkpoint.safetensors_io import open_regular, strict_json_loads
 from .consistency import inside
 from .format import StreamCorruptError
 
@@ -39,30 +38,18 @@ def check_carried_file(p: Path, entry: dict, got: tuple[int, str]) -> None:
 
 def file_digest_sha256(p: Path) -> tuple[int, str]:
     """(size, sha256 hex) of regular file ``p``; a missing, unreadable or non-regular
-    file (a FIFO is not waited on) is StreamCorruptError."""
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise StreamCorruptError(
-            f"{p}: carried file cannot be read ({e.strerror}); {CARRIED_FIX}."
-        ) from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StreamCorruptError(
-                f"{p}: carried file is not a regular file (a FIFO, socket, device or "
-                f"directory); {CARRIED_FIX}."
-            )
-        h, size = hashlib.sha256(), 0
-        with os.fdopen(fd, "rb", closefd=False) as fh:
+    file (a FIFO is not waited on: :func:`~..checkpoint.safetensors_io.open_regular`) is
+    StreamCorruptError."""
+    h, size = hashlib.sha256(), 0
+    with open_regular(p, StreamCorruptError) as fh:
+        try:
             while chunk := fh.read(1 << 20):
                 h.update(chunk)
                 size += len(chunk)
-    except OSError as e:
-        raise StreamCorruptError(
-            f"{p}: carried file cannot be read ({e.strerror}); {CARRIED_FIX}."
-        ) from e
-    finally:
-        os.close(fd)
+        except OSError as e:
+            raise StreamCorruptError(
+                f"{p}: carried file cannot be read ({e.strerror}); {CARRIED_FIX}."
+            ) from e
     return size, h.hexdigest()
 
 

@@ -125,28 +125,12 @@ class _Tok:
         self.tok: Any = None
 
     def encode(self, text: str, where: str) -> list[int]:
-        from ..checkpoint.tokenizer_files import (
-            check_tokenizer_files,
-            is_panic,
-            panic_message,
-            quiet_panics,
-        )
+        from ..checkpoint.tokenizer_files import is_panic, quiet_panics
 
         if self.tok is None:
             note = None
-            if self.dir is not None:
-                d = Path(self.dir)
-                check_tokenizer_files(d, ConfigError)  # regular files under the size cap
-                try:
-                    with quiet_panics():
-                        self.tok, note = load_tokenizer(d)
-                        if self.tok is not None:
-                            self.tok.encode("Probe: 1 2 3, \u00fc\u00f1 \u65e5\u672c\n\tend.")
-                except BaseException as e:  # a Rust panic of the tokenizers library
-                    if not is_panic(e):
-                        raise
-                    self.tok = None
-                    raise ConfigError(panic_message(d, e)) from None
+            if self.dir is not None:  # (files checked, a panic at load or on a probe
+                self.tok, note = load_tokenizer(Path(self.dir))  # text: the note says why)
             if self.tok is None:
                 why = note or (
                     f"no tokenizer in {self.dir}" if self.dir is not None else "no tokenizer given"
