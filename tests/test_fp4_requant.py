@@ -11,6 +11,7 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -357,6 +358,26 @@ def test_requant_declines_what_it_cannot_do_exactly(path):
               IntScheme("t-f16", num_bits=4, scale_dtype="float16")):  # fmt: skip
         assert not fp4_requant.supported(s) and fp4_requant.requantize(p, s) is None
     assert fp4_requant.requantize({**p, "weight_scale": p["weight_scale"][:, :4]}, nv) is None
+
+
+@pytest.mark.parametrize("code,byte", [(255, 0x00), (254, 0x44), (253, 0x66)])
+def test_damaged_scales_are_refused_by_every_scheme(path, code, byte):
+    """An MX group whose decode is not finite (an E8M0 NaN code; 254 with a magnitude of 2,
+    253 with 4: values past float32's / bfloat16's range) is declined by every byte path,
+    and the float path every scheme then takes refuses it, naming the tensor; a finite
+    group at the top of the range (254 with 1.5) is not damaged."""
+    p = _mx(16, 256, 117, 124)
+    p["weight_scale"][3, 2] = code
+    p["weight_packed"][3, 32:48] = byte
+    assert not fp4_requant.decodes_finite(p["weight_packed"], p["weight_scale"])
+    search = dataclasses.replace(get_scheme("int4-g32"), observer="search")
+    for s in (*NV_SCHEMES.values(), get_scheme("fp8-block"), get_scheme("fp8-channel"),
+              get_scheme("w4a16"), search, get_scheme("w8a8"), get_scheme("mxfp4")):  # fmt: skip
+        assert fp4_requant.requantize(p, s, name="t") is None, s.name
+        with pytest.raises(NonFiniteWeightError, match="tensor 't' holds NaN/Inf"):
+            s.quantize(_decode32(p), name="t")
+    p["weight_packed"][3, 32:48] = 0x33  # 1.5 * 2**127: finite
+    assert fp4_requant.decodes_finite(p["weight_packed"], p["weight_scale"]) == (code != 255)
 
 
 def test_abs_max_from_group_maxima(path):

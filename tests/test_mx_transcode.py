@@ -191,6 +191,52 @@ def test_int4_search_kernel_equals_torch_at_any_thread_count(monkeypatch):
     torch.set_num_threads(2)
 
 
+@pytest.mark.parametrize("scheme,lo,hi", [("int4-g32", 117, 125), ("w4a16", 110, 127),
+                                          ("int4-g64", 100, 127), ("w4a16", 16, 240)])
+def test_int4_search_measures_its_own_loss(monkeypatch, scheme, lo, hi):
+    """The loss the search kernel measures while it rounds (no decode of the output) is
+    what :func:`fidelity.measure` gives from the release's decode and the output's
+    dequantization: the same counts, largest error and relative error (its sums are exact,
+    measure's are float64 in another order), portable and AVX2 loops, 1 to 3 threads.
+    Groups left out of the search (more than 7 binades down: rounded to zero) included."""
+    if not HAVE_CC:
+        pytest.skip("no C compiler")
+    s = _search(scheme)
+    p = _release(96, 1024, seed=lo)
+    g = torch.Generator().manual_seed(hi)
+    p["weight_scale"] = torch.randint(lo, hi, p["weight_scale"].shape, generator=g).to(torch.uint8)
+    want = fidelity.measure("t", fmt.MXFP4, scheme, _decode(p),
+                            s.dequantize(fp4_requant.requantize(p, s)), (1, 32))  # fmt: skip
+    assert want.changed and want.groups_changed
+    call = native.mx_int4_search
+    for simd in (True, False):
+        for n in (1, 2, 3):
+            monkeypatch.setattr(native, "mx_int4_search",
+                                lambda *a, **k: call(*a, **{**k, "simd": simd, "nthreads": n}))  # fmt: skip
+            stats: dict = {}
+            fp4_requant.requantize(p, s, stats=stats)
+            got = fidelity.from_sums("t", fmt.MXFP4, scheme, (96, 1024), (1, 32), stats["loss"])
+            assert (got.changed, got.groups_changed, got.groups, got.max_abs_err) == (
+                want.changed, want.groups_changed, want.groups, want.max_abs_err), (simd, n)
+            assert got.rel_err == pytest.approx(want.rel_err, rel=1e-12)
+
+
+def test_fp8_block_transcode_says_when_it_is_exact(path):
+    """The FP8 transcode reports itself exact from its block keys (no comparison run)
+    exactly when every value is held; a group 28 binades down is not."""
+    s = get_scheme("fp8-block")
+    p = _release(256, 384, seed=4)
+    for deep in (False, True):
+        if deep:
+            p["weight_scale"][5, 0] = int(p["weight_scale"].max()) - 28
+            p["weight_packed"][5, :16] = 0x77
+        stats: dict = {}
+        out = fp4_requant.requantize(p, s, name="t", stats=stats)
+        held = fidelity.measure("t", fmt.MXFP4, "fp8-block", _decode(p), s.dequantize(out),
+                                (1, 32)).exact  # fmt: skip
+        assert stats.get("exact", False) == held == (not deep)
+
+
 def test_int4_search_within_5_percent_of_exhaustive():
     """On a K3-shaped slice, int4 g32 with the search: relative MSE within 1.05x of the
     best bfloat16 scale per group among all of them between amax / 10 and amax / 4, and
@@ -237,7 +283,7 @@ def test_native_search_refuses_bad_arguments():
         pytest.skip("no C compiler")
     p = _release(8, 256)
     err = mx_int4._byte_errors(torch.bfloat16, -8, 7, 0)
-    rel, _, nib = mx_int4._tables(torch.bfloat16, -8, 7, 0)
+    rel, _, nib, aerr = mx_int4._tables(torch.bfloat16, -8, 7, 0)
     vals = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
     args = (p["weight_packed"], p["weight_scale"], 1, 0, err, nib, rel, vals, 1e-38, 0x88)
     assert native.mx_int4_search(*args, (16, 240)) is not None
@@ -279,6 +325,24 @@ def test_measure_counts_values_groups_and_error():
     assert doc["tensors"] == 2 and doc["exact"] == 1 and doc["worst"] == ["w"]
     assert fidelity.LossReport.from_json(doc).to_json() == doc
     assert "1 of 2 tensors" in rep.summary() and "w (rel err" in rep.summary()
+
+
+def test_loss_report_is_strict_json(tmp_path):
+    """transcode_report.json never holds a NaN / Infinity literal: a non-finite error is
+    null, and reads back as infinite."""
+    src, out = torch.zeros(2, 32), torch.zeros(2, 32)
+    out[0, 0] = 1.0
+    e = fidelity.measure("w", fmt.MXFP4, "int4-g32", src, out, (1, 32))
+    assert e.rel_err == float("inf")
+    rep = fidelity.LossReport([e])
+    rep.write(tmp_path / fidelity.FILE)
+
+    def refuse(c):
+        raise AssertionError(f"non-standard JSON constant {c}")
+
+    doc = json.loads((tmp_path / fidelity.FILE).read_text(), parse_constant=refuse)
+    assert doc["entries"][0]["rel_err"] is None and doc["entries"][0]["max_abs_err"] == 1.0
+    assert fidelity.LossReport.from_json(doc).entries[0].rel_err == float("inf")
 
 
 def test_convert_and_verify_state_the_loss_report(tmp_path):

@@ -49,13 +49,15 @@ from . import outbuf
 
 #: the kernels' ABI number (``k3_fp4_kernels_version`` in fp4_kernels.c): a built module
 #: reporting another one was compiled from another source and is not used
-ABI = 19
+ABI = 20
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
 #: output bytes below which a kernel runs on the calling thread alone: under ~1 MiB the
 #: threads' start and join (tens of microseconds each) cost more than they save
 PAR_MIN_BYTES = 1 << 20
+#: int groups per partial sum of :func:`mx_int4_search`'s loss (a thread takes whole ones)
+LOSS_CHUNK = 1024
 #: the C side's int parameters (thread counts, group sizes, ranges) are 32-bit
 _INT32_MAX = 2**31 - 1
 
@@ -92,7 +94,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.k3_mx_int4.restype = i64
     f32 = ctypes.c_float
     lib.k3_mx_int4_search.argtypes = [p, p, i64, i64, i32, p, p, i32, p, p, f32, i32, i32, i32,
-                                      p, p, i32, i32]  # fmt: skip
+                                      p, p, p, p, p, p, i64, i32, i32]  # fmt: skip
     lib.k3_mx_int4_search.restype = i64
     lib.k3_fp4_kernels_version.restype = ctypes.c_int
     lib.k3_fp4_simd_level.restype = ctypes.c_int
@@ -428,15 +430,21 @@ SEARCH_MAX_SUB = 4
 def mx_int4_search(packed: torch.Tensor, codes: torch.Tensor, sub: int, depth: int,
                    err: torch.Tensor, nibs: torch.Tensor, rel: torch.Tensor,
                    vals: torch.Tensor, zero_scale: float, zero_byte: int,
-                   code_range: tuple[int, int], *, simd: bool = True,
-                   nthreads: int | None = None):  # fmt: skip
+                   code_range: tuple[int, int], *, loss_tables=None,
+                   simd: bool = True, nthreads: int | None = None):  # fmt: skip
     """MXFP4 ``packed`` [out, cols] / E8M0 ``codes`` [out, cols / 16] -> symmetric int4 with
     each int group's scale searched (:mod:`k3convert.quant.mx_int4` builds the tables):
     (uint8 bytes like ``packed``, float32 scales [out, cols / (16 * sub)], the number of
-    codes outside ``code_range``: the output is to be dropped unless 0). ``err`` int32
-    [8, depth + 1, 256, 16] (read as uint32, each below 2**26), ``nibs`` uint8 [8, ncand,
-    depth + 2, 16] (nibble maps), ``rel`` float32
-    [8, ncand], ``vals`` float32 [8]. None without the kernels."""
+    codes outside ``code_range``: the output is to be dropped unless 0, the loss totals
+    or None). ``err`` int32 [8, depth + 1, 256, 16] (read as uint32, each below 2**26),
+    ``nibs`` uint8 [8, ncand, depth + 2, 16] (nibble maps), ``rel`` float32 [8, ncand],
+    ``vals`` float32 [8]. ``loss_tables``: (ltab uint8 [8 * ncand * (depth + 1) + 1, 2,
+    16], sq16 uint8 [16], lval float32 [8, ncand, depth + 1, 16]; built by
+    :func:`k3convert.quant.mx_int4.loss_tables`): the kernel then also returns the loss
+    against the release's decode, float64 [5] (squared error,
+    squared reference, largest |error|, values changed, MX groups changed), summed per
+    chunk of :data:`LOSS_CHUNK` int groups in group order and over the chunks here, so
+    the figures do not depend on the thread count. None without the kernels."""
     lib = _kernels()
     if lib is None:
         return None
@@ -462,11 +470,33 @@ def mx_int4_search(packed: torch.Tensor, codes: torch.Tensor, sub: int, depth: i
         or not isinstance(zero_scale, float)
     ):  # fmt: skip
         raise ValueError("native MXFP4 -> int4 search: tables or group size of the wrong shape")
+    if loss_tables is not None:
+        if not (isinstance(loss_tables, tuple) and len(loss_tables) == 3
+                and all(isinstance(t, torch.Tensor) for t in loss_tables)):  # fmt: skip
+            raise ValueError("native MXFP4 -> int4 search: loss_tables must be three tensors")
+        ltab, sq16, lval = loss_tables
+        if (
+            not _cpu(ltab, sq16, lval)
+            or ltab.dtype != torch.uint8 or tuple(ltab.shape) != (8 * ncand * (depth + 1) + 1, 2, 16)
+            or int(ltab[:, 0].max()) > 1 or int(ltab[:, 1].max()) > 15
+            or sq16.dtype != torch.uint8 or sq16.numel() != 16 or int(sq16.max()) > 144
+            or lval.dtype != torch.float32 or tuple(lval.shape) != (8, ncand, depth + 1, 16)
+            or not bool(torch.isfinite(lval).all())
+        ):  # fmt: skip
+            raise ValueError("native MXFP4 -> int4 search: loss tables of the wrong shape")
     res = torch.empty(packed.shape, dtype=torch.uint8)
     scale = torch.empty(out, cols // (16 * sub), dtype=torch.float32)
     n = threads_for(res.numel(), nthreads)
+    chunks = -(-scale.numel() // LOSS_CHUNK)
+    loss = torch.zeros(chunks, 5, dtype=torch.float64) if loss_tables is not None else None
+    lt = (None, None, None) if loss is None else (ltab.data_ptr(), sq16.data_ptr(), lval.data_ptr())
     bad = lib.k3_mx_int4_search(packed.data_ptr(), codes.data_ptr(), scale.numel(), sub, depth,
                                 err.data_ptr(), nibs.data_ptr(), ncand, rel.data_ptr(),
                                 vals.data_ptr(), zero_scale, zero_byte, lo, hi, res.data_ptr(),
-                                scale.data_ptr(), _isa(simd), n)  # fmt: skip
-    return res, scale, int(bad)
+                                scale.data_ptr(), *lt, None if loss is None else loss.data_ptr(),
+                                LOSS_CHUNK,
+                                _isa(simd), n)  # fmt: skip
+    if loss is not None:
+        top = loss[:, 2].amax() if chunks else torch.zeros((), dtype=torch.float64)
+        loss = torch.cat([loss[:, [0, 1]].sum(0), top.view(1), loss[:, [3, 4]].sum(0)])
+    return res, scale, int(bad), loss

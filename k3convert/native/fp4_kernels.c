@@ -401,16 +401,114 @@ int64_t k3_mx_int4(const uint8_t *src, const uint8_t *codes, int64_t groups, int
  * rel[k * ncand + best] * 2**(e_ref - 127). The return: the number of codes of nonzero
  * MX groups outside [lo, hi] (nonzero: the caller drops the output). */
 typedef struct {
-    const uint8_t *src, *codes, *nibs;
+    const uint8_t *src, *codes, *nibs, *ltab, *sq16;
     const uint32_t *err, *vbits;
-    const float *rel;
+    const float *rel, *lval;
     uint8_t *out;
     float *scale;
-    int64_t sub;
+    double *loss;
+    int64_t sub, chunk;
     int depth, ncand, lo, hi, simd;
     float zero_scale;
     uint8_t zero_byte;
 } k3_search_args;
+
+/* 2**p as a double, for p in double's normal range */
+static inline double k3_pow2d(int p) {
+    uint64_t b = (uint64_t)(p + 1023) << 52;
+    double x;
+    memcpy(&x, &b, 8);
+    return x;
+}
+
+/* One MX group's share of the loss (16 bytes s under the nibble tables of its row):
+ * *sq = sum of (2 e2m1(n))**2 over its 32 values (sq16: the release's squares, x4),
+ * return value: values changed (chg: 0 / 1 per nibble) | the largest rank of a value's
+ * |error| (rank: 0..15 per nibble, the row's |errors| ascending) << 8. */
+static inline int k3_mx_stats(const uint8_t *s, const uint8_t *sq16, const uint8_t *chg,
+                              const uint8_t *rank, int *sq) {
+    int q2 = 0, c = 0, r = 0;
+    for (int q = 0; q < 16; q++) {
+        int lo = s[q] & 15, hi = s[q] >> 4;
+        q2 += sq16[lo] + sq16[hi];
+        c += chg[lo] + chg[hi];
+        r = rank[lo] > r ? rank[lo] : r;
+        r = rank[hi] > r ? rank[hi] : r;
+    }
+    *sq = q2;
+    return c | r << 8;
+}
+
+#ifdef K3_HAVE_NIB_SIMD
+/* k3_mx_stats by byte shuffles and sums of absolute differences */
+__attribute__((target("avx2"))) static inline int k3_mx_stats_avx2(
+    const uint8_t *s, const uint8_t *sq16, const uint8_t *chg, const uint8_t *rank, int *sq) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), z = _mm_setzero_si128();
+    __m128i v = _mm_loadu_si128((const __m128i *)s);
+    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    __m128i tq = _mm_loadu_si128((const __m128i *)sq16);
+    __m128i tc = _mm_loadu_si128((const __m128i *)chg);
+    __m128i tr = _mm_loadu_si128((const __m128i *)rank);
+    __m128i q = _mm_add_epi64(_mm_sad_epu8(_mm_shuffle_epi8(tq, lo), z),
+                              _mm_sad_epu8(_mm_shuffle_epi8(tq, hi), z));
+    __m128i c = _mm_sad_epu8(_mm_add_epi8(_mm_shuffle_epi8(tc, lo), _mm_shuffle_epi8(tc, hi)), z);
+    __m128i r = _mm_max_epu8(_mm_shuffle_epi8(tr, lo), _mm_shuffle_epi8(tr, hi));
+    r = _mm_max_epu8(r, _mm_srli_si128(r, 8));
+    r = _mm_max_epu8(r, _mm_srli_si128(r, 4));
+    r = _mm_max_epu8(r, _mm_srli_si128(r, 2));
+    r = _mm_max_epu8(r, _mm_srli_si128(r, 1));
+    *sq = _mm_cvtsi128_si32(q) + _mm_extract_epi32(q, 2);
+    return (_mm_cvtsi128_si32(c) + _mm_extract_epi32(c, 2)) | (_mm_cvtsi128_si32(r) & 0xFF) << 8;
+}
+#endif
+
+/* The loss of int group g against the release's decode, added to the totals of its chunk
+ * (loss + 5 * (g / chunk): squared error, squared reference, largest |error|, values
+ * changed, MX groups changed). The squared error of the kept MX groups is the winning
+ * candidate's sum `acc_best` (units 2**-24 * U**2: exact); per MX group the release's
+ * squares, the values changed and the largest |error| come from byte tables of its row
+ * (k, best, d): ltab uint8 [8][ncand][depth + 1][2][16] (changed 0 / 1, rank of |error|)
+ * and lval float32 [8][ncand][depth + 1][16] (|error| / U by rank); an MX group left out
+ * (more than depth binades down: rounded to zero) loses its values (row depth + 1 of
+ * ltab's changed: value nonzero). Every term is exact in double; the sums run in group
+ * order within a chunk. */
+static inline __attribute__((always_inline)) void k3_search_loss(
+                           const k3_search_args *a, int64_t g, const uint8_t *s,
+                           const uint8_t *e, const uint8_t *m, int k, int best, int e_ref,
+                           uint32_t acc_best, int vec) {
+    double *L = a->loss + 5 * (g / a->chunk);
+    const float *v = (const float *)a->vbits;
+    const int64_t row0 = (int64_t)(k * a->ncand + best) * (a->depth + 1);
+    const uint8_t *nz = a->ltab + (int64_t)8 * a->ncand * (a->depth + 1) * 32; /* left out */
+    double u = k3_pow2d(e_ref - 127), err2 = (double)acc_best * k3_pow2d(2 * (e_ref - 127) - 24);
+    double ref2 = 0, top = L[2];
+    int64_t chg = 0, gch = 0;
+    for (int64_t j = 0; j < a->sub; j++) {
+        if (!m[j]) continue; /* every value +-0: held */
+        int d = e_ref - e[j], sq, st;
+        int kept = d <= a->depth;
+        const uint8_t *t = kept ? a->ltab + (row0 + d) * 32 : nz;
+#ifdef K3_HAVE_NIB_SIMD
+        if (vec)
+            st = k3_mx_stats_avx2(s + 16 * j, a->sq16, t, t + 16, &sq);
+        else
+#endif
+            st = k3_mx_stats(s + 16 * j, a->sq16, t, t + 16, &sq);
+        double uj = k3_pow2d(e[j] - 127), r2 = 0.25 * (double)sq * uj * uj;
+        double worst = kept ? (double)a->lval[(row0 + d) * 16 + (st >> 8)] * u
+                            : (double)v[m[j]] * uj;
+        if (!kept) err2 += r2;
+        top = worst > top ? worst : top;
+        ref2 += r2;
+        chg += st & 0xFF;
+        gch += (st & 0xFF) != 0;
+    }
+    L[0] += err2;
+    L[1] += ref2;
+    L[2] = top;
+    L[3] += (double)chg;
+    L[4] += (double)gch;
+}
 
 /* the per-group steps both loops share: e_ref and the class from the maxima m; returns
  * e_ref (-1: a zero group) and sets *k, *bad */
@@ -487,6 +585,7 @@ static int64_t k3_search_generic(const k3_search_args *a, int64_t lo, int64_t hi
             for (int q = 0; q < 16; q++) o[16 * j + q] = k3_nib(map, s[16 * j + q]);
         }
         a->scale[g] = k3_search_scale(a, k, best, e_ref);
+        if (a->loss) k3_search_loss(a, g, s, e, m, k, best, e_ref, acc[best], 0);
     }
     return bad;
 }
@@ -504,6 +603,14 @@ __attribute__((target("avx2"))) static inline int k3_first_min(__m256i v0, __m25
     uint32_t e0 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(v0, mn)));
     uint32_t e1 = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(v1, mn)));
     return __builtin_ctz(e0 | e1 << 8);
+}
+
+/* lane l of the 16 sums v0 | v1 */
+__attribute__((target("avx2"))) static inline uint32_t k3_lane(__m256i v0, __m256i v1, int l) {
+    uint32_t acc[16];
+    _mm256_storeu_si256((__m256i *)acc, v0);
+    _mm256_storeu_si256((__m256i *)(acc + 8), v1);
+    return acc[l];
 }
 
 /* one MX group per int group (g = 32): d is 0, the class follows from m alone */
@@ -535,6 +642,10 @@ __attribute__((target("avx2"))) static int64_t k3_search1_avx2(const k3_search_a
         __m128i v = _mm_loadu_si128((const __m128i *)s);
         _mm_storeu_si128((__m128i *)(a->out + 16 * g), k3_nib16(v, mm, mm));
         a->scale[g] = k3_search_scale(a, k, best, e);
+        if (a->loss) {
+            uint8_t m1 = (uint8_t)m, e1 = (uint8_t)e;
+            k3_search_loss(a, g, s, &e1, &m1, k, best, e, k3_lane(v0, v1, best), 1);
+        }
     }
     return bad;
 }
@@ -582,6 +693,7 @@ __attribute__((target("avx2"))) static int64_t k3_search_avx2(const k3_search_ar
             _mm_storeu_si128((__m128i *)(o + 16 * j), k3_nib16(v, mm, mm));
         }
         a->scale[g] = k3_search_scale(a, k, best, e_ref);
+        if (a->loss) k3_search_loss(a, g, s, e, m, k, best, e_ref, k3_lane(v0, v1, best), 1);
     }
     return bad;
 }
@@ -596,15 +708,20 @@ static int64_t k3_mx_int4_search_body(const void *c, int64_t lo, int64_t hi) {
 }
 
 /* groups int groups of sub (1..4) MX groups; ncand <= 16; vals: float32 [8] e2m1 */
+/* loss: NULL, or float64 [ceil(groups / chunk)][5] zeroed by the caller, filled by
+ * k3_search_loss from ltab, sq16 (uint8 [16]) and lval; the threads' ranges are whole chunks, so the totals do not
+ * depend on the thread count */
 int64_t k3_mx_int4_search(const uint8_t *src, const uint8_t *codes, int64_t groups,
                           int64_t sub, int depth, const uint32_t *err, const uint8_t *nibs,
                           int ncand, const float *rel, const float *vals, float zero_scale,
                           int zero_byte, int lo, int hi, uint8_t *out, float *scale,
-                          int simd, int nthreads) {
-    k3_search_args a = {src, codes, nibs, err, (const uint32_t *)vals, rel, out, scale,
-                        sub < 1 ? 1 : sub > 4 ? 4 : sub, depth, ncand, lo, hi, simd,
-                        zero_scale, (uint8_t)zero_byte};
-    return k3_parallel(k3_mx_int4_search_body, &a, groups, 1, nthreads);
+                          const uint8_t *ltab, const uint8_t *sq16, const float *lval,
+                          double *loss, int64_t chunk, int simd, int nthreads) {
+    k3_search_args a = {src, codes, nibs, ltab, sq16, err, (const uint32_t *)vals, rel, lval,
+                        out, scale,
+                        loss, sub < 1 ? 1 : sub > 4 ? 4 : sub, chunk < 1 ? 1 : chunk, depth,
+                        ncand, lo, hi, simd, zero_scale, (uint8_t)zero_byte};
+    return k3_parallel(k3_mx_int4_search_body, &a, groups, loss ? a.chunk : 1, nthreads);
 }
 
 /* -- FP4 -> bfloat16 / float32 through the tensor's nibble table ----------------------
@@ -907,7 +1024,7 @@ void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 19; }
+int k3_fp4_kernels_version(void) { return 20; }
 
 /* the widest vector ISA level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 BW + VBMI) */
 int k3_fp4_simd_level(void) { return k3_level(2); }

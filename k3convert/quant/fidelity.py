@@ -17,6 +17,7 @@ checkpoint it checks carries one.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,9 +50,13 @@ class TensorLoss:
         return self.changed == 0
 
     def to_json(self) -> dict:
+        """Strict JSON: a non-finite error (a comparison against an all-zero tensor that
+        changed) is ``null``, never a ``NaN`` / ``Infinity`` literal."""
         d = asdict(self)
         d["group"] = list(self.group)
         d["exact"] = self.exact
+        for k in ("rel_err", "max_abs_err"):
+            d[k] = d[k] if math.isfinite(d[k]) else None
         return d
 
 
@@ -86,6 +91,23 @@ def measure(name: str, source: str, target: str, src: torch.Tensor, out: torch.T
     return TensorLoss(
         name, source, target, rows * cols, changed, nb0 * nb1, int(hit.sum()), (g0, g1),
         err2 / ref2 if ref2 > 0 else (0.0 if err2 == 0 else float("inf")), worst,
+    )  # fmt: skip
+
+
+def from_sums(name: str, source: str, target: str, shape, group: tuple[int, int],
+              sums: Mapping) -> TensorLoss:  # fmt: skip
+    """The :class:`TensorLoss` of a transcode that measured what it rounded while writing
+    (``sums``: ``err2``, ``ref2``, ``max_abs``, ``changed``, ``groups_changed``; see
+    :func:`k3convert.quant.mx_int4.search`): :func:`measure`'s figures without a decode of
+    the output."""
+    rows, cols = shape
+    g0, g1 = max(1, min(group[0], rows)), max(1, min(group[1], cols))
+    err2, ref2 = float(sums["err2"]), float(sums["ref2"])
+    return TensorLoss(
+        name, source, target, rows * cols, int(sums["changed"]),
+        -(-rows // g0) * -(-cols // g1), int(sums["groups_changed"]), (g0, g1),
+        err2 / ref2 if ref2 > 0 else (0.0 if err2 == 0 else float("inf")),
+        float(sums["max_abs"]),
     )  # fmt: skip
 
 
@@ -154,7 +176,7 @@ class LossReport:
         return f"{head}; {lossy} changed, worst: {worst}{tail}"
 
     def write(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        Path(path).write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
     def from_json(cls, doc: Mapping) -> LossReport:
@@ -164,6 +186,8 @@ class LossReport:
         for e in doc.get("entries", []):
             e = {k: v for k, v in e.items() if k != "exact"}
             e["group"] = tuple(e["group"])
+            for k in ("rel_err", "max_abs_err"):  # null: not finite (see TensorLoss.to_json)
+                e[k] = float("inf") if e.get(k) is None else e[k]
             out.append(TensorLoss(**e))
         return cls(out, doc.get("unmeasured", ()))
 

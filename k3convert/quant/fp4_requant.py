@@ -119,6 +119,23 @@ def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     return top if bool(torch.isfinite(top)) else None
 
 
+#: E8M0 codes below this decode every E2M1 value finitely (6 * 2**(252 - 127) < 2**128)
+_FINITE_BELOW = 253
+
+
+def decodes_finite(packed: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether every value of MXFP4 ``packed`` / ``codes`` decodes to a finite float32
+    (and bfloat16: the same range): no E8M0 NaN code (255) and no group whose largest
+    value overflows (code 254 with a magnitude of 2 or more, 253 with 4 or more). Such a
+    release is damaged; the byte paths decline it so that the float path refuses it with
+    the tensor's name, under every scheme alike. The codes alone settle the common case."""
+    if not codes.numel() or int(codes.amax()) < _FINITE_BELOW:
+        return True
+    m = fp4.max_codes(packed, fmt.MX_GROUP // 2)
+    hit = _present(codes.to(torch.int32).mul_(8).add_(m))
+    return bool(torch.isfinite(_values()[hit // 8, hit % 8]).all())
+
+
 def _mx_parts(parts: Mapping[str, torch.Tensor]) -> bool:
     packed, codes = parts.get("weight_packed"), parts.get("weight_scale")
     if packed is None or codes is None or packed.dtype != torch.uint8 or packed.ndim != 2:
@@ -166,12 +183,16 @@ def requantize(
     NVFP4: the exact transcode, its global scale from ``top_code`` (the fused set's
     :func:`top_code`; None: this tensor's own). FP8: :func:`fp8_exact`. int4:
     ``scheme.quantize`` of the float32 decode, bit for bit. stats: ``exact`` set True
-    where every value is known to be held (the NVFP4 transcode without rounded groups)."""
+    where every value is known to be held (NVFP4 / FP8 transcodes without rounded
+    groups); ``loss`` where the transcode measured what it rounded (the int4 search: see
+    :func:`.mx_int4.search`)."""
     if not _supported(scheme) or not _mx_parts(parts) or not parts["weight_packed"].numel():
         return None
     packed, codes = parts["weight_packed"].contiguous(), parts["weight_scale"].contiguous()
+    if not decodes_finite(packed, codes):
+        return None  # the float path refuses it, naming the tensor, as every scheme does
     if isinstance(scheme, FP8Scheme):
-        return fp8_exact(packed, codes, scheme, name)
+        return fp8_exact(packed, codes, scheme, name, stats=stats)
     if isinstance(scheme, FP4Scheme):
         if bool((codes == 255).any()):
             return None  # E8M0 NaN: the float path names the tensor
@@ -189,7 +210,11 @@ def requantize(
             )
         return {**res, **scheme.act_values()}
     if scheme.observer == "search" and mx_int4.applies(scheme):
-        return mx_int4.search(packed, codes, scheme)
+        loss: dict | None = {} if stats is not None else None
+        got = mx_int4.search(packed, codes, scheme, loss)
+        if got is not None and loss:
+            stats["loss"] = loss
+        return got
     try:
         return _to_int4(packed, codes, scheme, name)
     except (NonFiniteWeightError, WeightRangeError):
@@ -240,7 +265,8 @@ def nvfp4_exact(packed: torch.Tensor, codes: torch.Tensor, top: int | None = Non
     }, n_low
 
 
-def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name: str):
+def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name: str,
+              stats: dict | None = None):  # fmt: skip
     """MXFP4 as ``scheme`` (any FP8 strategy) with power-of-two scales (see the module
     doc): the scheme with ``scale_fmt='ue8m0'`` on the bfloat16 decode (exact: an E2M1 value
     times a power of two has one significand bit). Its scale ``2**ceil(log2(amax / 448))``
@@ -248,10 +274,11 @@ def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name
     ``x / scale`` is exact, so the e4m3 cast keeps every value within 17 binades of it
     and rounds (to nearest, ties to even) only those below. The stored parts are the
     scheme's own (float32 scales that happen to be powers of two). Whole blocks take
-    :func:`_fp8_bytes` (the same bytes from a table, no float copy)."""
+    :func:`_fp8_bytes` (the same bytes from a table, no float copy; it sets ``stats
+    ["exact"]`` where no MX group lies below what e4m3 holds)."""
     if bool((codes == 255).any()):
         return None  # E8M0 NaN: the float path names the tensor
-    fast = _fp8_bytes(packed, codes, scheme)
+    fast = _fp8_bytes(packed, codes, scheme, stats)
     if fast is not None:
         return fast
     w = fp4.decode_mxfp4({"weight_packed": packed, "weight_scale": codes}, fmt.QuantParams(),
@@ -274,7 +301,20 @@ def _fp8_byte_values() -> torch.Tensor:
     return v.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16).view(torch.bfloat16)
 
 
-def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme):
+@functools.lru_cache(maxsize=1)
+def _fp8_exact_keys() -> torch.Tensor:
+    """bool [256 keys * 8]: at ``k * 8 + m``, whether key ``k`` of :func:`_fp8_bytes` holds
+    exactly every E2M1 value of magnitude code at most ``m`` (``e2m1(n) * 2**(k - 127)``
+    is the value of its e4m3 byte): a group is exact when its largest code ``m`` is."""
+    e2m1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
+    want = e2m1[None, :] * torch.exp2(torch.arange(256, dtype=torch.float64) - 127)[:, None]
+    got = _fp8_byte_values().view(torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
+    held = (got.double() == want).view(256, 2, 8).all(1)  # [key, magnitude code]
+    return held.to(torch.int8).cummin(1).values.bool().reshape(-1)
+
+
+def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme,
+               stats: dict | None = None):  # fmt: skip
     """:func:`fp8_exact` for whole blocks straight from the bytes: each block's largest
     exponent ``E`` from the MX groups' maxima and codes (no decode), then every value is
     ``e2m1(n) * 2**(k - 127)`` for its MX group's key ``k = e - E + 8`` and the output
@@ -299,6 +339,9 @@ def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme):
     e = torch.where(zero, -118, e)  # a zero block: scale 2**-126, as the general path
     per_group = e.repeat_interleave(b0, 0).repeat_interleave(sub, 1)  # [out, inp / 32]
     keys = (codes.to(torch.int16) - per_group + 8).clamp_(0, 255).to(torch.uint8)
+    if stats is not None:  # exact unless a group holding a value has a key e4m3 cannot hold
+        key = keys.to(torch.int32).mul_(8).add_(m)
+        stats["exact"] = bool(_fp8_exact_keys()[_present(key)].all())
     vals = _fp8_byte_values()
     res = None
     if native.ENABLED and native.library() is not None:

@@ -78,8 +78,9 @@ _UNIT = 2.0**24
 @functools.lru_cache(maxsize=8)
 def _tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
     """(rel_scale float32 [classes, C], err float64 [classes, C, depth + 1, 16] in units of
-    2**-24, nibbles uint8 [classes, C, depth + 2, 16]): see the module doc. Row
-    ``depth + 1`` of the nibbles is a left-out MX group (every code 0)."""
+    2**-24, nibbles uint8 [classes, C, depth + 2, 16], |error| float32 [classes, C,
+    depth + 1, 16] in units of U): see the module doc. Row ``depth + 1`` of the nibbles is
+    a left-out MX group (every code 0)."""
     cls = torch.tensor(CLASSES, dtype=torch.float32)
     ratio = torch.tensor([1.0 / t for t in DENOMS], dtype=torch.float32)
     rel = (cls[:, None] * ratio[None, :]).to(sdtype)  # the stored scale / U
@@ -88,14 +89,15 @@ def _tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
     s = rel.float()[:, :, None, None]
     q = torch.round((v[None, None] / s).clamp_(qmin, qmax))
     dq = (q.to(sdtype) * rel[:, :, None, None]).float()  # the loaders' dequantization
-    err = (v[None, None] - dq).double().square_().mul_(_UNIT)
+    diff = (v[None, None] - dq).abs_()  # multiples of 2**-12 below 8: exact in float32
     # a value above its group's maximum never occurs: no error there (keeps the bound)
-    err.masked_fill_(v.abs()[None, None] > cls[:, None, None, None], 0.0)
+    diff.masked_fill_(v.abs()[None, None] > cls[:, None, None, None], 0.0)
+    err = diff.double().square_().mul_(_UNIT)
     if not bool((err == err.round()).all()) or float(err.max()) >= 2.0**25:
         raise AssertionError("int4 search: an error is not an integer below 2**25 units")
     nib = ((q.to(torch.int32) - qmin) & 15).to(torch.uint8)  # pack_int32's offset (+8)
     zero = torch.full((*nib.shape[:2], 1, 16), -qmin & 15, dtype=torch.uint8)
-    return rel.float(), err, torch.cat([nib, zero], 2).contiguous()
+    return rel.float(), err, torch.cat([nib, zero], 2).contiguous(), diff.contiguous()
 
 
 @functools.lru_cache(maxsize=8)
@@ -103,7 +105,7 @@ def _byte_errors(sdtype: torch.dtype, qmin: int, qmax: int, depth: int) -> torch
     """The kernel's error table: int32 [classes, depth + 1, 256 bytes, 16 lanes], a byte's
     two nibbles' errors per candidate (lanes past C zero), each below 2**26, so the sums
     over an int group of up to 128 values stay below 2**32 (the kernel's uint32 lanes)."""
-    rel, err, _ = _tables(sdtype, qmin, qmax, depth)
+    rel, err, _, _ = _tables(sdtype, qmin, qmax, depth)
     b = torch.arange(256)
     k, c = rel.shape
     pair = err[:, :, :, b & 15] + err[:, :, :, b >> 4]  # [K, C, depth + 1, 256]
@@ -112,12 +114,38 @@ def _byte_errors(sdtype: torch.dtype, qmin: int, qmax: int, depth: int) -> torch
     return lanes.contiguous()
 
 
-def search(packed: torch.Tensor, codes: torch.Tensor, scheme) -> dict | None:
+@functools.lru_cache(maxsize=8)
+def loss_tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
+    """The search kernel's loss tables (:func:`k3convert.native.mx_int4_search`): per row
+    (class, candidate, d) each nibble's changed flag and the rank of its |error| among the
+    row's, then one row for an MX group left out (changed: the value is nonzero); the
+    release's squares (2 e2m1(n))**2 by nibble; each row's |errors| / U by rank."""
+    diff = _tables(sdtype, qmin, qmax, depth)[3]  # [8, C, depth + 1, 16]
+    rows = diff.reshape(-1, 16)
+    srt = rows.sort(1).values  # ascending: the rank of v is how many are below it
+    rank = (srt[:, None, :] < rows[:, :, None]).sum(2)
+    ltab = torch.zeros(rows.shape[0] + 1, 2, 16, dtype=torch.uint8)
+    ltab[:-1, 0] = (rows != 0).to(torch.uint8)
+    ltab[:-1, 1] = rank.to(torch.uint8)
+    ltab[-1, 0] = (E2M1 != 0).to(torch.uint8)
+    lval = torch.zeros_like(rows)
+    lval.scatter_(1, rank, rows)  # rank r -> its value (equal values share a rank)
+    sq16 = (2 * E2M1).square().to(torch.uint8)
+    return ltab.contiguous(), sq16.contiguous(), lval.view(diff.shape).contiguous()
+
+
+def search(packed: torch.Tensor, codes: torch.Tensor, scheme, loss: dict | None = None) -> dict | None:
     """MXFP4 ``packed`` [out, in/2] / ``codes`` [out, in/32] as ``scheme`` with searched
     scales (see the module doc); None where the E8M0 code of an MX group holding a nonzero
     value lies outside :data:`CODES` (the caller takes the float path). The kernel of
     :mod:`k3convert.native` where it is available, else torch ops: the same bytes (the
-    sums are exact, the first smallest wins in both)."""
+    sums are exact, the first smallest wins in both).
+
+    loss: filled, where the kernel ran, with what the search knows of every value it
+    rounds (``err2``, ``ref2``: the squared error and the release's squared values,
+    ``max_abs``, ``changed`` values, ``groups_changed`` MX groups): the loss report's
+    figures without decoding the output again (:func:`k3convert.quant.fidelity.from_sums`;
+    tests/test_mx_transcode.py holds them to :func:`~k3convert.quant.fidelity.measure`)."""
     out, cols = packed.shape
     inp = 2 * cols
     g = scheme.group_size
@@ -130,14 +158,19 @@ def search(packed: torch.Tensor, codes: torch.Tensor, scheme) -> dict | None:
     if native.ENABLED and packed.numel() and sub <= native.SEARCH_MAX_SUB:
         err = _byte_errors(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
         nib = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)[2]
+        lt = None if loss is None else loss_tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
         got = native.mx_int4_search(packed, codes, sub, depth, err, nib, rel,
                                     torch.tensor(E2M1_VALUES, dtype=torch.float32),
                                     float(zero), -scheme.qmin & 15 | (-scheme.qmin & 15) << 4,
-                                    CODES)  # fmt: skip
+                                    CODES, loss_tables=lt)  # fmt: skip
         if got is not None:
-            qbytes, scale, bad = got
+            qbytes, scale, bad, sums = got
             if bad:
                 return None
+            if loss is not None:
+                err2, ref2, top, changed, groups = sums.tolist()
+                loss.update(err2=err2, ref2=ref2, max_abs=top, changed=int(changed),
+                            groups_changed=int(groups))  # fmt: skip
             return _parts(qbytes, scale.to(scheme.sdtype), out, inp)
     return _search_torch(packed, codes, scheme, sub, ng, depth, zero)
 
@@ -154,7 +187,7 @@ def _search_torch(packed, codes, scheme, sub, ng, depth, zero) -> dict:
     """:func:`search` in torch ops, a band of rows at a time: each int group's histogram
     of (d, nibble) times the error table."""
     out, cols = packed.shape
-    rel, err, nib = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
+    rel, err, nib, _ = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
     ncand = rel.shape[1]
     bins = (depth + 1) * 16
     errs = err.view(len(CLASSES), ncand, bins).transpose(1, 2).contiguous()  # [K, bins, C]

@@ -191,7 +191,8 @@ def _produce(
         except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
             raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
     if losses is not None and re_encodes(r):
-        losses.append(release_loss(ckpt, r, parts, exact=stats.get("exact", False)))
+        losses.append(release_loss(ckpt, r, parts, exact=stats.get("exact", False),
+                                   sums=stats.get("loss")))  # fmt: skip
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
     for k, v in r.scheme.act_values(input_scales.get(r.module)).items():
         out[f"{r.module}.{k}"] = v
@@ -223,10 +224,13 @@ def re_encodes(r: Decision) -> bool:
     return r.encoded and not r.kept and not r.as_stored and len(r.shape) == 2
 
 
-def release_loss(ckpt, r: Decision, parts: Mapping[str, torch.Tensor], *, exact: bool = False):
+def release_loss(ckpt, r: Decision, parts: Mapping[str, torch.Tensor], *, exact: bool = False,
+                 sums: Mapping | None = None):  # fmt: skip
     """Row ``r``'s :class:`.fidelity.TensorLoss` against the release's decode (a row that
     :func:`re_encodes`; ``parts``: its weight parts under ``r.scheme``). exact: known to
-    hold every value (no comparison is run)."""
+    hold every value; sums: what the transcode measured while rounding (see
+    :func:`.fidelity.from_sums`). Either way no comparison is run; otherwise the release
+    and the output are decoded and compared (:func:`.fidelity.measure`)."""
     m = ckpt.meta(r.name)
     enc = fmt.ENCODINGS[m.encoding]
     scale = m.parts.get(enc.scale_part)
@@ -236,6 +240,8 @@ def release_loss(ckpt, r: Decision, parts: Mapping[str, torch.Tensor], *, exact:
         group = (1, m.shape[1])
     if exact:
         return fidelity.exact(r.name, m.encoding, r.scheme.name, m.shape, group)
+    if sums is not None:
+        return fidelity.from_sums(r.name, m.encoding, r.scheme.name, m.shape, group, sums)
     return fidelity.measure(r.name, m.encoding, r.scheme.name, ckpt.get(r.name),
                             r.scheme.dequantize(parts), group)  # fmt: skip
 
