@@ -22,7 +22,10 @@ command's own), interleaved (A B C ... A B C ...), median of ``--repeats`` (3), 
                            one: k3convert.native.outbuf, as in every k3convert run)
   k3convert nvfp4 -> bf16  the same on the NVFP4 copy
   mxfp4 -> nvfp4 (exact)   quantize_stored(ck, name, nvfp4a16): what `k3convert quantize`
-                           runs per tensor, the exact transcode (k3convert.quant.fp4_requant)
+                           runs per tensor, the exact transcode (k3convert.quant.fp4_requant),
+                           with its loss report (from the transcode's own figures where it
+                           has them, else the decode of source and output compared, as the
+                           writer does)
   mxfp4 -> fp8-block (exact)  the same with fp8-block (power-of-two 128 x 128 block scales
                            on the bfloat16 decode)
   mxfp4 -> int4 g128 minmax   w4a16 (int4, group 128, bf16 scales) with the minmax
@@ -69,6 +72,7 @@ if how != "safe_open":  # imports before the clock, as the requant stages' schem
 scheme = None
 if how.startswith("requant:"):
     from k3convert.quant import get_scheme
+    from k3convert.quant import fidelity
     from k3convert.quant.writer import quantize_stored
     name, _, observer = how.partition(":")[2].partition(":")
     scheme = get_scheme(name)
@@ -93,8 +97,12 @@ else:
         if scheme is None:
             t = ck.get(k, torch.bfloat16)
             n += t.numel()
-        else:
-            parts = quantize_stored(ck, k, scheme)
+        else:  # with the loss report, as quantize's writer computes it
+            stats = {}
+            parts = quantize_stored(ck, k, scheme, stats=stats)
+            if not stats.get("exact") and "loss" not in stats:  # measured by decoding again
+                fidelity.measure(k, "mxfp4", scheme.name, ck.get(k), scheme.dequantize(parts),
+                                 (1, 32))
             n += ck.meta(k).shape[0] * ck.meta(k).shape[1]
             t = parts
         del t

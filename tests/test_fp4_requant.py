@@ -762,3 +762,83 @@ def test_cli_shows_its_own_warnings_as_one_line(capsys):
     cli._show_warning(fp4_requant.TranscodeLossWarning("'x': 1 of 2 MXFP4 groups"),
                       fp4_requant.TranscodeLossWarning, "f.py", 1)  # fmt: skip
     assert capsys.readouterr().err == "warning: 'x': 1 of 2 MXFP4 groups\n"
+
+
+# -- the writer's shared scales and read-ahead ------------------------------------------------
+def test_shared_scales_computed_once_per_set_as_reached(mx_src, monkeypatch):
+    """The fused sets' shared scales are computed when a member is first asked for, once
+    per set however many workers ask at once, and equal what every member's own group
+    maxima give (largest |value| from the decode, largest E8M0 code of a nonzero group)."""
+    import threading
+
+    from k3convert.quant import writer
+
+    ck = open_checkpoint(mx_src)
+    plan = plan_quantization(src=mx_src, scheme="nvfp4a16")[1]
+    sets = fused_groups(plan)
+    assert len(sets) >= 8
+    calls: list = []
+    real = writer._set_scale
+    monkeypatch.setattr(writer, "_set_scale", lambda c, m: calls.append(m) or real(c, m))
+    shared = writer.shared_amax(ck, plan)
+    assert bool(shared) and not calls  # nothing read before the writer asks
+    names = [r.name for g in sets for r in g] * 3
+    got: dict = {}
+    ths = [threading.Thread(target=lambda ns=names[i::4]: got.update({n: shared.get(n) for n in ns}))
+           for i in range(4)]  # fmt: skip
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert len(calls) == len(sets)
+    for g in sets:
+        want_top = max(float(ck.get(r.name).abs().amax()) for r in g)
+        codes = [fp4_requant.top_code(ck.get_parts(r.name)) for r in g]
+        assert {float(got[r.name].amax) for r in g} == {want_top}
+        assert {got[r.name].top_code for r in g} == {max(c for c in codes if c is not None)}
+    assert shared.get("not.a.fused.weight") is None
+
+
+def test_read_ahead_advises_the_rows_ahead_in_order(mx_src, monkeypatch):
+    """The writer's read-ahead hands out every row in order and asks the kernel for the
+    source bytes of the row `ahead` places later (only rows of at least READ_AHEAD_MIN
+    bytes); advice that fails is ignored; every descriptor it opened is closed."""
+    import os
+
+    from k3convert.quant import writer
+
+    ck = open_checkpoint(mx_src)
+    plan = plan_quantization(src=mx_src, scheme="nvfp4a16")[1]
+    rows = plan.rows
+    advised: list = []
+    monkeypatch.setattr(writer, "READ_AHEAD_MIN", 0)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n)))
+    before = len(os.listdir("/proc/self/fd"))
+    assert list(writer._read_ahead(ck, rows, 2)) == rows
+    want = sorted((p.raw.start, p.raw.nbytes) for r in rows
+                  for p in ck.meta(r.name).parts.values() if p.raw is not None)  # fmt: skip
+    assert sorted(advised) == want
+    assert len(os.listdir("/proc/self/fd")) == before
+
+    def fail(*a):
+        raise OSError(22, "no")
+
+    monkeypatch.setattr(os, "posix_fadvise", fail)
+    assert list(writer._read_ahead(ck, rows, 3)) == rows
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_check_scale_reads_e4m3_nan_bytes():
+    from k3convert.quant.writer import _check_scale
+
+    s = torch.full((4, 8), 2.0).to(torch.float8_e4m3fn)
+    _check_scale("m.weight_scale", s, Path("/x"))
+    for byte in (0x7F, 0xFF):
+        bad = s.clone()
+        bad.view(torch.uint8)[1, 2] = byte
+        with pytest.raises(NonFiniteWeightError, match="1 of its 32 value"):
+            _check_scale("m.weight_scale", bad, Path("/x"))
+    b = torch.ones(3, 3, dtype=torch.bfloat16)
+    b[0, 0] = float("inf")
+    with pytest.raises(NonFiniteWeightError, match="1 of its 9"):
+        _check_scale("m.input_scale", b, Path("/x"))

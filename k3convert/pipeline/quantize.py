@@ -39,7 +39,6 @@ from ..quant.writer import (
     mark_actorder,
     output_config,
     shared_amax,
-    torch_threads,
     write_shards,
 )
 from ..recipe import load_recipe
@@ -453,11 +452,12 @@ def _provenance(calibrated, calibrate, algorithm: str) -> dict:
 
 
 def fuse_scales(prepared: Prepared, workers: int = 1) -> None:
-    """The last step of a preparation: the fused NVFP4 sets' shared largest |value|
-    (one pass over those tensors; nothing for other schemes). A ``plan_only`` preparation
-    that needs no calibration is complete after it (``convert`` uses it so)."""
-    with torch_threads(1 if workers > 1 else torch.get_num_threads()):
-        prepared.shared = shared_amax(prepared.ckpt, prepared.plan, workers)
+    """The last step of a preparation: the fused NVFP4 sets' shared largest |value|,
+    computed as the writer reaches each set (:class:`k3convert.quant.writer.SharedScales`;
+    nothing for other schemes). A ``plan_only`` preparation that needs no calibration is
+    complete after it (``convert`` uses it so)."""
+    del workers  # the writer's workers compute the sets they reach
+    prepared.shared = shared_amax(prepared.ckpt, prepared.plan)
 
 
 class UncalibratedInputWarning(UserWarning):

@@ -105,6 +105,22 @@ def _values() -> torch.Tensor:
     return fp4.mx_values(torch.float32)
 
 
+def abs_max_and_top(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, int | None] | None:
+    """(:func:`abs_max`, :func:`top_code`) of MXFP4 parts from one pass over their group
+    maxima; None where :func:`abs_max` is."""
+    if not _mx_parts(parts):
+        return None
+    packed, codes = parts["weight_packed"].contiguous(), parts["weight_scale"].contiguous()
+    m = fp4.max_codes(packed, fmt.MX_GROUP // 2)
+    hit = _present(codes.to(torch.int32).mul_(8).add_(m))
+    if not hit.numel():
+        return torch.zeros(()), None
+    top = _values()[hit // 8, hit % 8].amax()
+    if not bool(torch.isfinite(top)):
+        return None
+    return top, _top(codes, m)
+
+
 def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """max |value| of MXFP4 parts (float32 0-dim), exactly the maximum of their decode,
     from the group maxima alone; None where it is not finite or the parts are not MXFP4's
