@@ -111,9 +111,11 @@ def main() -> None:
     synth(src, a)
     total = tree_bytes(src)
     big, expert = largest_expert(src)
-    stages = [("startup", [*K3[:1], "-c", "import torch, k3convert.cli"], ""),
-              ("cp -r", ["cp", "-r", src, out], ""),
-              ("cp -r + sync", ["sh", "-c", f'cp -r "{src}" "{out}" && sync'], "")]
+    stages = [
+        ("startup", [*K3[:1], "-c", "import torch, k3convert.cli"], ""),
+        ("cp -r", ["cp", "-r", src, out], ""),
+        ("cp -r + sync", ["sh", "-c", f'cp -r "{src}" "{out}" && sync'], ""),
+    ]
     for s in SCHEMES:
         stages.append((f"quantize {s}", [*K3, "quantize", src, out, "--scheme", s, "--keep",
                                          NON_EXPERTS, "--workers", a.workers, "--no-progress"],
@@ -167,11 +169,14 @@ def main() -> None:
     for r in rows:
         print("  ".join(f"{c:>{w[i]}}" if i else f"{c:<{w[0]}}" for i, c in enumerate(r))
               if len(r) > 2 else f"{r[0]:<{w[0]}}  {r[1]}")  # fmt: skip
-    print("read GB/s: source bytes / median; write GB/s: output bytes / median; over startup: "
-          "peak RSS less the startup row's (python + torch + k3convert imported); / expert: "
-          "that over one routed expert (w1 + w2 + w3, every part)")
-    doc = {"source_bytes": total, "largest_expert_tensor": big, "expert": expert, "layers": a.layers,
-           "experts": a.experts, "workers": a.workers, "results": res, "written": written}  # fmt: skip
+    print(
+        "read GB/s: source bytes / median; write GB/s: output bytes / median; over startup: "
+        "peak RSS less the startup row's (python + torch + k3convert imported); / expert: "
+        "that over one routed expert (w1 + w2 + w3, every part)"
+    )
+    doc = {"source_bytes": total, "largest_expert_tensor": big, "expert": expert,
+           "layers": a.layers, "experts": a.experts, "workers": a.workers, "results": res,
+           "written": written}  # fmt: skip
     (a.root / "day0.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     if not a.keep_source:
         shutil.rmtree(src, ignore_errors=True)

@@ -784,8 +784,11 @@ def test_shared_scales_computed_once_per_set_as_reached(mx_src, monkeypatch):
     assert bool(shared) and not calls  # nothing read before the writer asks
     names = [r.name for g in sets for r in g] * 3
     got: dict = {}
-    ths = [threading.Thread(target=lambda ns=names[i::4]: got.update({n: shared.get(n) for n in ns}))
-           for i in range(4)]  # fmt: skip
+
+    def ask(ns):
+        got.update({n: shared.get(n) for n in ns})
+
+    ths = [threading.Thread(target=ask, args=(names[i::4],)) for i in range(4)]
     for t in ths:
         t.start()
     for t in ths:

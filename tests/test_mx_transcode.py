@@ -191,8 +191,10 @@ def test_int4_search_kernel_equals_torch_at_any_thread_count(monkeypatch):
     torch.set_num_threads(2)
 
 
-@pytest.mark.parametrize("scheme,lo,hi", [("int4-g32", 117, 125), ("w4a16", 110, 127),
-                                          ("int4-g64", 100, 127), ("w4a16", 16, 240)])
+@pytest.mark.parametrize(
+    "scheme,lo,hi",
+    [("int4-g32", 117, 125), ("w4a16", 110, 127), ("int4-g64", 100, 127), ("w4a16", 16, 240)],
+)
 def test_int4_search_measures_its_own_loss(monkeypatch, scheme, lo, hi):
     """The loss the search kernel measures while it rounds (no decode of the output) is
     what :func:`fidelity.measure` gives from the release's decode and the output's
@@ -211,13 +213,20 @@ def test_int4_search_measures_its_own_loss(monkeypatch, scheme, lo, hi):
     call = native.mx_int4_search
     for simd in (True, False):
         for n in (1, 2, 3):
-            monkeypatch.setattr(native, "mx_int4_search",
-                                lambda *a, **k: call(*a, **{**k, "simd": simd, "nthreads": n}))  # fmt: skip
+
+            def pinned(*a, simd=simd, n=n, **k):
+                return call(*a, **{**k, "simd": simd, "nthreads": n})
+
+            monkeypatch.setattr(native, "mx_int4_search", pinned)
             stats: dict = {}
             fp4_requant.requantize(p, s, stats=stats)
             got = fidelity.from_sums("t", fmt.MXFP4, scheme, (96, 1024), (1, 32), stats["loss"])
             assert (got.changed, got.groups_changed, got.groups, got.max_abs_err) == (
-                want.changed, want.groups_changed, want.groups, want.max_abs_err), (simd, n)
+                want.changed,
+                want.groups_changed,
+                want.groups,
+                want.max_abs_err,
+            ), (simd, n)
             assert got.rel_err == pytest.approx(want.rel_err, rel=1e-12)
 
 
@@ -283,7 +292,7 @@ def test_native_search_refuses_bad_arguments():
         pytest.skip("no C compiler")
     p = _release(8, 256)
     err = mx_int4._byte_errors(torch.bfloat16, -8, 7, 0)
-    rel, _, nib, aerr = mx_int4._tables(torch.bfloat16, -8, 7, 0)
+    rel, _, nib, _ = mx_int4._tables(torch.bfloat16, -8, 7, 0)
     vals = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
     args = (p["weight_packed"], p["weight_scale"], 1, 0, err, nib, rel, vals, 1e-38, 0x88)
     assert native.mx_int4_search(*args, (16, 240)) is not None

@@ -477,7 +477,8 @@ def mx_int4_search(packed: torch.Tensor, codes: torch.Tensor, sub: int, depth: i
         ltab, sq16, lval = loss_tables
         if (
             not _cpu(ltab, sq16, lval)
-            or ltab.dtype != torch.uint8 or tuple(ltab.shape) != (8 * ncand * (depth + 1) + 1, 2, 16)
+            or ltab.dtype != torch.uint8
+            or tuple(ltab.shape) != (8 * ncand * (depth + 1) + 1, 2, 16)
             or int(ltab[:, 0].max()) > 1 or int(ltab[:, 1].max()) > 15
             or sq16.dtype != torch.uint8 or sq16.numel() != 16 or int(sq16.max()) > 144
             or lval.dtype != torch.float32 or tuple(lval.shape) != (8, ncand, depth + 1, 16)

@@ -134,7 +134,9 @@ def loss_tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
     return ltab.contiguous(), sq16.contiguous(), lval.view(diff.shape).contiguous()
 
 
-def search(packed: torch.Tensor, codes: torch.Tensor, scheme, loss: dict | None = None) -> dict | None:
+def search(
+    packed: torch.Tensor, codes: torch.Tensor, scheme, loss: dict | None = None
+) -> dict | None:
     """MXFP4 ``packed`` [out, in/2] / ``codes`` [out, in/32] as ``scheme`` with searched
     scales (see the module doc); None where the E8M0 code of an MX group holding a nonzero
     value lies outside :data:`CODES` (the caller takes the float path). The kernel of
