@@ -25,8 +25,8 @@ Part names come from the schemes (and through them the format registry,
 with it (a static spec's ``input_scale``, NVFP4's ``input_global_scale``). NVFP4
 Linears that run fused at inference (q/k/v, gate/up, w1/w3, q_a/kv_a of a module)
 share one global scale from the largest |value| of the set, as llm-compressor fuses
-them and vLLM requires: a first pass maps each of those tensors once more to take its
-maximum (one tensor at a time), before anything is written.
+them and vLLM requires: computed when the writer reaches the set (:class:`SharedScales`),
+each member mapped once more for its maximum while its bytes are in the page cache.
 """
 
 from __future__ import annotations
