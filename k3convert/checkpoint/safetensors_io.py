@@ -325,8 +325,6 @@ def map_tensor(path: Path, info: RawTensorInfo) -> torch.Tensor:
     start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
     with open_regular(path) as fh:  # mmap keeps its own descriptor
         mm = mmap.mmap(fh.fileno(), info.end - start, offset=start, access=mmap.ACCESS_COPY)
-    if hasattr(mm, "madvise"):  # read ahead the whole range now, not a fault at a time
-        mm.madvise(mmap.MADV_WILLNEED)
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.start - start)
     if info.dtype == torch.bool:
         return flat.view(torch.bool).reshape(info.shape)
