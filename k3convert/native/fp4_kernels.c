@@ -468,7 +468,8 @@ __attribute__((target("avx2"))) static inline int k3_mx_stats_avx2(
  * candidate's sum `acc_best` (units 2**-24 * U**2: exact); per MX group the release's
  * squares, the values changed and the largest |error| come from byte tables of its row
  * (k, best, d): ltab uint8 [8][ncand][depth + 1][2][16] (changed 0 / 1, rank of |error|)
- * and lval float32 [8][ncand][depth + 1][16] (|error| / U by rank); an MX group left out
+ * and lval float32 [8][ncand][depth + 1][16] (|error| / U by rank; a rank is read & 15, so
+ * any table bytes stay in bounds and the caller checks shapes only); an MX group left out
  * (more than depth binades down: rounded to zero) loses its values (row depth + 1 of
  * ltab's changed: value nonzero). Every term is exact in double; the sums run in group
  * order within a chunk. */
@@ -495,7 +496,7 @@ static inline __attribute__((always_inline)) void k3_search_loss(
 #endif
             st = k3_mx_stats(s + 16 * j, a->sq16, t, t + 16, &sq);
         double uj = k3_pow2d(e[j] - 127), r2 = 0.25 * (double)sq * uj * uj;
-        double worst = kept ? (double)a->lval[(row0 + d) * 16 + (st >> 8)] * u
+        double worst = kept ? (double)a->lval[(row0 + d) * 16 + ((st >> 8) & 15)] * u
                             : (double)v[m[j]] * uj;
         if (!kept) err2 += r2;
         top = worst > top ? worst : top;

@@ -125,14 +125,8 @@ def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """max |value| of MXFP4 parts (float32 0-dim), exactly the maximum of their decode,
     from the group maxima alone; None where it is not finite or the parts are not MXFP4's
     shapes (the float path names the problem)."""
-    if not _mx_parts(parts):
-        return None
-    m = fp4.max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
-    hit = _present(parts["weight_scale"].contiguous().to(torch.int32).mul_(8).add_(m))
-    if not hit.numel():
-        return torch.zeros(())
-    top = _values()[hit // 8, hit % 8].amax()
-    return top if bool(torch.isfinite(top)) else None
+    got = abs_max_and_top(parts)
+    return None if got is None else got[0]
 
 
 #: E8M0 codes below this decode every E2M1 value finitely (6 * 2**(252 - 127) < 2**128)
