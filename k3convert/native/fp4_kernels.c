@@ -1,7 +1,8 @@
 /* k3convert's FP4 byte kernels: table gathers keyed by (group key, stored byte), and the
  * largest E2M1 magnitude code of each group. Plain C11 and pthreads, no allocation; the
  * Python side (k3convert/native/__init__.py) checks every size and key range before a
- * call, so these loops trust their arguments.
+ * call, so these loops trust their arguments (the search's loss tables: shapes only, the
+ * loop masks what it indexes with).
  *
  * Why C: one table load per stored byte is what the decode needs; torch's index_select
  * reaches about 1.3 GB/s of stored bytes on one core and needs an int32 index built per
@@ -467,12 +468,13 @@ __attribute__((target("avx2"))) static inline int k3_mx_stats_avx2(
  * changed, MX groups changed). The squared error of the kept MX groups is the winning
  * candidate's sum `acc_best` (units 2**-24 * U**2: exact); per MX group the release's
  * squares, the values changed and the largest |error| come from byte tables of its row
- * (k, best, d): ltab uint8 [8][ncand][depth + 1][2][16] (changed 0 / 1, rank of |error|)
- * and lval float32 [8][ncand][depth + 1][16] (|error| / U by rank; a rank is read & 15, so
- * any table bytes stay in bounds and the caller checks shapes only); an MX group left out
- * (more than depth binades down: rounded to zero) loses its values (row depth + 1 of
- * ltab's changed: value nonzero). Every term is exact in double; the sums run in group
- * order within a chunk. */
+ * (k, best, d): ltab uint8 [8 * ncand * (depth + 1) + 1][2][16] (per row: changed 0 / 1,
+ * rank of |error|; the last row: an MX group left out, more than depth binades down and
+ * rounded to zero, whose nonzero values all change) and lval float32 [8][ncand][depth +
+ * 1][16] (|error| / U by rank). A rank is read & 15, so any table bytes stay in bounds
+ * (the caller checks the tables' shapes, not their values: figures from tables other
+ * than mx_int4.loss_tables' are meaningless, never out of bounds). Every term is exact
+ * in double; the sums run in group order within a chunk. */
 static inline __attribute__((always_inline)) void k3_search_loss(
                            const k3_search_args *a, int64_t g, const uint8_t *s,
                            const uint8_t *e, const uint8_t *m, int k, int best, int e_ref,

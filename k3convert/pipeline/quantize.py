@@ -33,6 +33,7 @@ from ..parallel.procs import ProcessGroup
 from ..quant import fidelity, planning
 from ..quant.kvcache import kv_scale_tensors
 from ..quant.rules import Plan
+from ..quant.schemes import NonFiniteWeightError
 from ..quant.writer import (
     DEFAULT_SHARD_SIZE,
     default_workers,
@@ -261,12 +262,13 @@ def _on_leader(group, fn, what: str):
 @dataclass
 class Prepared:
     """Everything decided before the first output byte: the plan (after auto-keep), the
-    calibration's result and the values the writer needs."""
+    calibration's result and the values the writer needs (the fused sets' shared scales
+    are computed as the writer reaches them; a damaged MXFP4 member is refused here)."""
 
     ckpt: object
     plan: Plan
     input_scales: dict
-    shared: dict
+    shared: object  # quant.writer.SharedScales (name -> the fused set's shared scale)
     calibrated: object | None = None
     kv_tensors: dict | None = None
     provenance: dict | None = None
@@ -458,6 +460,10 @@ def fuse_scales(prepared: Prepared, workers: int = 1) -> None:
     complete after it (``convert`` uses it so)."""
     del workers  # the writer's workers compute the sets they reach
     prepared.shared = shared_amax(prepared.ckpt, prepared.plan)
+    try:
+        prepared.shared.check_release()
+    except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
+        raise NonFiniteWeightError(f"{prepared.ckpt.root}: {e}") from None
 
 
 class UncalibratedInputWarning(UserWarning):

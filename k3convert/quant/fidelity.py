@@ -187,7 +187,8 @@ class LossReport:
             e = {k: v for k, v in e.items() if k != "exact"}
             e["group"] = tuple(e["group"])
             for k in ("rel_err", "max_abs_err"):  # null: not finite (see TensorLoss.to_json)
-                e[k] = float("inf") if e.get(k) is None else e[k]
+                if k in e and e[k] is None:
+                    e[k] = float("inf")
             out.append(TensorLoss(**e))
         return cls(out, doc.get("unmeasured", ()))
 

@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +148,22 @@ class SharedScales:
 
     def __contains__(self, name: str) -> bool:
         return name in self._set_of
+
+    def check_release(self) -> None:
+        """Refuse, before the first output byte, a member stored as MXFP4 whose decode is
+        not finite (:func:`.fp4_requant.decodes_finite`; the scale bytes alone settle the
+        common case, so this reads 1/17 of the members' bytes), as the float path would
+        (one line naming the tensor). Members of other encodings are checked when the
+        writer reaches them (a damaged bf16 source fails then; the staged OUT is removed)."""
+        for r in (r for g in self._sets for r in g):
+            if self._ckpt.meta(r.name).encoding != fmt.MXFP4:
+                continue
+            parts = self._ckpt.get_parts(r.name)
+            packed, codes = parts.get("weight_packed"), parts.get("weight_scale")
+            if packed is None or codes is None:
+                continue
+            if not fp4_requant.decodes_finite(packed.contiguous(), codes.contiguous()):
+                r.scheme.abs_max(self._ckpt.get(r.name), name=r.name)  # raises, naming it
 
     def get(self, name: str, default=None) -> SharedScale | None:
         i = self._set_of.get(name)
@@ -473,7 +489,7 @@ def _read_ahead(ckpt, rows, ahead: int):
         if r.src_bytes < READ_AHEAD_MIN or not hasattr(os, "posix_fadvise"):
             return
         for part in ckpt.meta(r.name).parts.values():
-            if part.raw is None:
+            if part.raw is None or not part.raw.nbytes:  # length 0: "to the end of the file"
                 continue
             try:
                 fd = fds.get(part.file)
@@ -580,8 +596,9 @@ def write_shards(
                 with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
                     job = lambda r: _job(ckpt, r, w, input_scales, shared or {}, calibrated,  # noqa: E731
                                          losses)  # fmt: skip
-                    for r in _unordered(job, _read_ahead(ckpt, rows, workers + 1), workers):
-                        bar.update(r.src_bytes)
+                    with closing(_read_ahead(ckpt, rows, workers + 1)) as ahead:
+                        for r in _unordered(job, ahead, workers):
+                            bar.update(r.src_bytes)
     except Exception as e:
         if group.world == 1:
             raise
