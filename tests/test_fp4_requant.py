@@ -329,7 +329,7 @@ def test_nvfp4_fused_pair_shares_the_global_scale(path):
     """w1 / w3 (fused by vLLM, which takes one global scale for the pair): both from the
     pair's largest code, each exact where its groups are within reach of it."""
     w1, w3 = _mx(16, 256, 117, 124, seed=1), _mx(16, 256, 112, 120, seed=2)
-    top = max(fp4_requant.top_code(w1), fp4_requant.top_code(w3))
+    top = max(fp4_requant.abs_max_and_top(w1)[1], fp4_requant.abs_max_and_top(w3)[1])
     assert top == 124
     a = fp4_requant.requantize(w1, NV_SCHEMES["nvfp4a16"], top_code=top)
     b = fp4_requant.requantize(w3, NV_SCHEMES["nvfp4a16"], top_code=top)
@@ -383,12 +383,12 @@ def test_damaged_scales_are_refused_by_every_scheme(path, code, byte):
 def test_abs_max_from_group_maxima(path):
     for lo, hi in ((117, 124), (0, 5), (200, 252)):
         p = _mx(16, 512, lo, hi)
-        got = fp4_requant.abs_max(p)
+        got = fp4_requant.abs_max_and_top(p)[0]
         assert torch.equal(got, _decode32(p).abs().max())
     p["weight_scale"][0, 0] = 255
-    assert fp4_requant.abs_max(p) is None  # NaN: the float path raises with the name
-    assert torch.equal(fp4_requant.abs_max(_mx(4, 64, 0, 0) | {"weight_packed": torch.zeros(
-        4, 32, dtype=torch.uint8)}), torch.zeros(()))  # fmt: skip
+    assert fp4_requant.abs_max_and_top(p) is None  # NaN: the float path raises with the name
+    assert torch.equal(fp4_requant.abs_max_and_top(_mx(4, 64, 0, 0) | {"weight_packed": torch.zeros(
+        4, 32, dtype=torch.uint8)})[0], torch.zeros(()))  # fmt: skip
 
 
 # -- a whole quantize run from an MXFP4 checkpoint -------------------------------------------
@@ -796,7 +796,7 @@ def test_shared_scales_computed_once_per_set_as_reached(mx_src, monkeypatch):
     assert len(calls) == len(sets)
     for g in sets:
         want_top = max(float(ck.get(r.name).abs().amax()) for r in g)
-        codes = [fp4_requant.top_code(ck.get_parts(r.name)) for r in g]
+        codes = [fp4_requant.abs_max_and_top(ck.get_parts(r.name))[1] for r in g]
         assert {float(got[r.name].amax) for r in g} == {want_top}
         assert {got[r.name].top_code for r in g} == {max(c for c in codes if c is not None)}
     assert shared.get("not.a.fused.weight") is None
@@ -859,23 +859,23 @@ def test_damaged_fused_member_refused_before_writing(mx_src, tmp_path):
     """A fused-set member stored as MXFP4 whose scales decode past float32 is refused when
     the shared scales are prepared (before the first output byte), naming the tensor;
     an intact source passes the same check."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from k3convert.quant import writer
+    from tests.models import edit_tensors
 
     plan = plan_quantization(src=mx_src, scheme="nvfp4a16")[1]
     writer.shared_amax(open_checkpoint(mx_src), plan).check_release()
     bad = tmp_path / "bad"
     shutil.copytree(mx_src, bad)
     name = next(r.name for g in fused_groups(plan) for r in g if ".experts." in r.name)
-    for f in bad.glob("*.safetensors"):
-        with safe_open(f, "pt") as h:
-            sd = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
-        if f"{name}_scale" in sd:
-            sd[f"{name}_scale"][0, 0] = 254
-            sd[f"{name}_packed"][0, :16] = 0x77
-            save_file(sd, f, metadata={"format": "pt"})
+
+    def damage(sd) -> bool:
+        if f"{name}_scale" not in sd:
+            return False
+        sd[f"{name}_scale"][0, 0] = 254
+        sd[f"{name}_packed"][0, :16] = 0x77
+        return True
+
+    edit_tensors(bad, damage)
     shared = writer.shared_amax(open_checkpoint(bad), plan)
     with pytest.raises(NonFiniteWeightError, match=f"'{name}' holds NaN/Inf"):
         shared.check_release()

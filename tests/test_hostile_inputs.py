@@ -507,20 +507,21 @@ def test_release_with_an_overflowing_scale_is_refused_by_every_scheme(tmp_path):
     """An MXFP4 expert whose E8M0 code 254 puts a value past float32's range (damaged in
     transit) is refused the same way whatever the target scheme: exit 2, one line naming
     the tensor, nothing written (issue 51: nvfp4 / fp8-block used to write it)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from k3convert.synth import synthesize
+    from tests.models import edit_tensors
 
     src = tmp_path / "k3"
     synthesize(config="kimi-k3", out=src, tiny=True, seed=5)
-    f = src / "model.safetensors"
-    with safe_open(f, "pt") as h:
-        sd = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
     name = "language_model.model.layers.2.block_sparse_moe.experts.1.w1.weight"
-    sd[f"{name}_scale"][0, 0] = 254
-    sd[f"{name}_packed"][0, :16] = 0x77  # 6 * 2**127: +-inf in float32
-    save_file(sd, f, metadata={"format": "pt"})
+
+    def damage(sd) -> bool:
+        if f"{name}_scale" not in sd:
+            return False
+        sd[f"{name}_scale"][0, 0] = 254
+        sd[f"{name}_packed"][0, :16] = 0x77  # 6 * 2**127: +-inf in float32
+        return True
+
+    edit_tensors(src, damage)
     for scheme in ("nvfp4a16", "fp8-block", "int4-g32"):
         out = tmp_path / f"o-{scheme}"
         line = _one_error_line(_k3("quantize", src, out, "--scheme", scheme, "--no-progress",

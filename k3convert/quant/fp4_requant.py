@@ -106,8 +106,11 @@ def _values() -> torch.Tensor:
 
 
 def abs_max_and_top(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, int | None] | None:
-    """(:func:`abs_max`, :func:`top_code`) of MXFP4 parts from one pass over their group
-    maxima; None where :func:`abs_max` is."""
+    """(max |value| as float32 0-dim, exactly the maximum of the decode; the largest E8M0
+    code of a group holding a nonzero value, what an exact NVFP4 global scale is set
+    from, None for an all-zero tensor) of MXFP4 parts, from one pass over their group
+    maxima; None where the maximum is not finite or the parts are not MXFP4's shapes (the
+    float path names the problem)."""
     if not _mx_parts(parts):
         return None
     packed, codes = parts["weight_packed"].contiguous(), parts["weight_scale"].contiguous()
@@ -119,14 +122,6 @@ def abs_max_and_top(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, in
     if not bool(torch.isfinite(top)):
         return None
     return top, _top(codes, m)
-
-
-def abs_max(parts: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """max |value| of MXFP4 parts (float32 0-dim), exactly the maximum of their decode,
-    from the group maxima alone; None where it is not finite or the parts are not MXFP4's
-    shapes (the float path names the problem)."""
-    got = abs_max_and_top(parts)
-    return None if got is None else got[0]
 
 
 #: E8M0 codes below this decode every E2M1 value finitely (6 * 2**(252 - 127) < 2**128)
@@ -168,16 +163,6 @@ class TranscodeLossWarning(UserWarning):
     global scale lets e4m3 scales reach: those groups were rounded (see the module doc)."""
 
 
-def top_code(parts: Mapping[str, torch.Tensor]) -> int | None:
-    """The largest E8M0 code of an MXFP4 tensor's groups that hold a nonzero value (what
-    its exact NVFP4 global scale is set from); None for an all-zero tensor or parts that
-    are not MXFP4's shapes."""
-    if not _mx_parts(parts):
-        return None
-    m = fp4.max_codes(parts["weight_packed"].contiguous(), fmt.MX_GROUP // 2)
-    return _top(parts["weight_scale"].contiguous(), m)
-
-
 def requantize(
     parts: Mapping[str, torch.Tensor],
     scheme: Scheme,
@@ -190,8 +175,8 @@ def requantize(
     [out, in/32]) as ``scheme`` straight from their bytes; None where this path does not
     apply (see the module doc): the caller quantizes the decoded tensor.
 
-    NVFP4: the exact transcode, its global scale from ``top_code`` (the fused set's
-    :func:`top_code`; None: this tensor's own). FP8: :func:`fp8_exact`. int4:
+    NVFP4: the exact transcode, its global scale from ``top_code`` (the fused set's, from
+    :func:`abs_max_and_top`; None: this tensor's own). FP8: :func:`fp8_exact`. int4:
     ``scheme.quantize`` of the float32 decode, bit for bit. stats: ``exact`` set True
     where every value is known to be held (NVFP4 / FP8 transcodes without rounded
     groups); ``loss`` where the transcode measured what it rounded (the int4 search: see
@@ -204,8 +189,6 @@ def requantize(
     if isinstance(scheme, FP8Scheme):
         return fp8_exact(packed, codes, scheme, name, stats=stats)
     if isinstance(scheme, FP4Scheme):
-        if bool((codes == 255).any()):
-            return None  # E8M0 NaN: the float path names the tensor
         res, low = nvfp4_exact(packed, codes, top_code)
         if stats is not None:
             stats["exact"] = not low
@@ -249,7 +232,7 @@ _LOW_MAPS = torch.cat(
 def nvfp4_exact(packed: torch.Tensor, codes: torch.Tensor, top: int | None = None):
     """(NVFP4 parts of MXFP4 ``packed`` / ``codes``, the number of MX groups rounded): see
     the module doc. ``top``: the E8M0 code the global scale is set from (None: the
-    tensor's own :func:`top_code`)."""
+    tensor's own)."""
     m = fp4.max_codes(packed, fmt.MX_GROUP // 2)  # [out, in/32] largest magnitude code
     if top is None:
         top = _top(codes, m)
@@ -286,8 +269,6 @@ def fp8_exact(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme, name
     scheme's own (float32 scales that happen to be powers of two). Whole blocks take
     :func:`_fp8_bytes` (the same bytes from a table, no float copy; it sets ``stats
     ["exact"]`` where no MX group lies below what e4m3 holds)."""
-    if bool((codes == 255).any()):
-        return None  # E8M0 NaN: the float path names the tensor
     fast = _fp8_bytes(packed, codes, scheme, stats)
     if fast is not None:
         return fast

@@ -146,9 +146,6 @@ class SharedScales:
     def __bool__(self) -> bool:
         return bool(self._sets)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._set_of
-
     def check_release(self) -> None:
         """Refuse, before the first output byte, a member stored as MXFP4 whose decode is
         not finite (:func:`.fp4_requant.decodes_finite`; the scale bytes alone settle the
@@ -175,12 +172,6 @@ class SharedScales:
             if i not in self._done:
                 self._done[i] = _set_scale(self._ckpt, self._sets[i])
             return self._done[i]
-
-    def __getitem__(self, name: str) -> SharedScale:
-        got = self.get(name)
-        if got is None:
-            raise KeyError(name)
-        return got
 
 
 def shared_amax(ckpt, plan: Plan) -> SharedScales:
