@@ -138,6 +138,7 @@ def _rank(jobs: list[dict], world: int, rank: int, stores: list[str]) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.models.utils import _model_to_pp_missing_layer_names as pp_missing
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     for n, job in enumerate(jobs):
@@ -169,6 +170,11 @@ def _rank(jobs: list[dict], world: int, rank: int, stores: list[str]) -> None:
             tensors = {k: v.detach().contiguous() for k, v in state.items()}
             save_file(tensors, os.path.join(job["out"], f"rank-pp{pr}-tp{tr}.safetensors"))
             del model, state, tensors
+            # vLLM keeps each model's pipeline-missing layers keyed by id(model), once per
+            # process: the next job's model can be built at this one's address and would be
+            # given this layout's list (a pp-2 stage taking the tp-2 model's empty one
+            # loads the other stage's layers: KeyError, at random)
+            pp_missing.clear()
             destroy_model_parallel()
             destroy_distributed_environment()
 
