@@ -30,10 +30,12 @@ from .cli_options import (
     NoProgress,
     PPLayers,
     RedundantExperts,
+    StrictServing,
     examples,
 )
 from .cli_quantize import quantize
 from .errors import K3Error
+from .targets import target_help
 
 app = typer.Typer(
     name="k3convert",
@@ -73,7 +75,12 @@ def _root(
 
 @app.command(epilog=examples("inspect"))
 def inspect(
-    path: Annotated[Path, typer.Argument(help="Model directory, or a config.json alone.")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="Model directory, a config.json alone, or a preset (kimi-k3, kimi-k2, ...)."
+        ),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     tensors: Annotated[
         bool, typer.Option("--tensors", help="Also print the per-tensor role table.")
@@ -264,14 +271,16 @@ def shard(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --check: print JSON.")] = False,
-    target: Annotated[
-        str,
+    target: Annotated[str, typer.Option(help=target_help())] = "stream",
+    serving_device: Annotated[
+        str | None,
         typer.Option(
-            help="stream (k3convert's per-rank streaming format) or vllm (vLLM's "
-            "pre-sharded files for load_format='sharded_state'; llama, qwen2, qwen3, "
-            "mistral, qwen3_moe, deepseek_v3 / kimi_k2 and kimi_k3; --tp / --pp / --ep)."
+            help="With --target vllm: the device class vLLM will run OUT on, cuda or cpu, "
+            "checked before writing (a warning per problem). Default: this machine's (cuda "
+            "when torch sees a GPU, else cpu)."
         ),
-    ] = "stream",
+    ] = None,
+    strict_serving: StrictServing = False,
 ):
     """Reshard for TP / PP / EP into the per-rank, layer-ordered MUSA streaming format.
 
@@ -287,11 +296,30 @@ def shard(
         typer.echo(written.check(src))
         return
     if chosen.name == "vllm" and not check:
+        from .serving import ServingTarget, resolve_device
+
+        device = resolve_device(serving_device, engine_output=True)  # default: this machine's
+        serving = ServingTarget(tp=tp, moe_ep=ep, device=device, strict=strict_serving)
         _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant_experts,
-                    force, not no_progress)  # fmt: skip
+                    force, not no_progress, serving)  # fmt: skip
         return
+    if serving_device is not None or strict_serving:
+        raise typer.BadParameter(
+            "--serving-device and --strict-serving check what vLLM will run: they go with "
+            "--target vllm (quantize and convert take them too)."
+        )
     if check:
         report = check_stream(src)
+        if report.status == "not_stream" and not as_json:  # one error line, as elsewhere
+            from .errors import ConfigError
+
+            if (src / "config.json").is_file():
+                raise ConfigError(
+                    f"{src}: a checkpoint, not a stream (no manifest.json); `k3convert "
+                    f"inspect {src}` describes it, `k3convert shard {src} OUT` cuts a stream "
+                    f"from it."
+                )
+            raise ConfigError(report.problems[0])
         typer.echo(json.dumps(report.to_json(), indent=2) if as_json else str(report))
         raise typer.Exit(report.exit_code)
     if out is None:
@@ -320,10 +348,19 @@ def shard(
         f"skipped), {res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; manifest "
         f"{res.manifest}"
     )
+    if res.replicated_bytes and res.bytes_written > res.source_bytes:
+        from .units import human_bytes
+
+        typer.echo(
+            f"  larger than the source ({human_bytes(res.source_bytes)}): "
+            f"{human_bytes(res.replicated_bytes)} are copies held on more than one rank "
+            f"(tensors every rank needs whole, such as norms, routers and a vision tower), "
+            f"the rest unit headers and alignment"
+        )
 
 
 def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
-                progress) -> None:  # fmt: skip
+                progress, serving=None) -> None:  # fmt: skip
     from .engines.vllm_index import llm_call
     from .engines.vllm_write import write_vllm
 
@@ -337,7 +374,8 @@ def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundan
             f"{', '.join(given)} apply to the stream target; vLLM's sharded_state takes "
             f"--tp, --pp and --ep (vLLM places layers and experts itself)."
         )
-    res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress)
+    res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
+                     serving=serving, log=lambda line: typer.echo(line, err=True))  # fmt: skip
     typer.echo(
         f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s)"
         + (f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else "")
@@ -506,8 +544,14 @@ def main(argv: list[str] | None = None) -> int:
         _interrupted()
         return 130
     except Exception as e:  # click usage errors (typer vendors its own click)
-        if hasattr(e, "show") and hasattr(e, "exit_code"):
-            e.show()
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            # one line, as every other error (click's own is usage, hint and message)
+            ctx = getattr(e, "ctx", None)
+            msg = " ".join(e.format_message().split())
+            msg += "" if msg.endswith((".", "?")) else "."
+            what = "commands" if hasattr(getattr(ctx, "command", None), "commands") else "options"
+            where = f" `{ctx.command_path} --help` lists its {what}." if ctx else ""
+            typer.echo(f"error: {msg}{where}", err=True)
             return 2
         raise
     if rv == 130:  # typer answers Ctrl-C with exit code 130 and no word (no command does)

@@ -24,8 +24,9 @@ MARKER = ".k3convert-demo"
 def run_demo(
     *, out: str | Path, preset: str = "kimi-k3", echo: Callable[[str], None], progress: bool = True
 ):
-    """synth (tiny ``preset``) -> convert with the demo recipe; returns the result."""
-    out = Path(out)
+    """synth (tiny ``preset``) -> convert with the demo recipe; returns the result. Every
+    path it prints is absolute (``out`` resolved once), the first line says where."""
+    out = Path(out).resolve()
     model = out / "model"
     marker = out / MARKER
     if model.exists() and not marker.is_file():
@@ -33,6 +34,8 @@ def run_demo(
             f"{model}: exists and was not written by `k3convert demo` (no {marker}); "
             f"choose another --out directory."
         )
+    echo(f"demo: writing into {out}/ (model/, stream/, report.html; --out to change)")
+    echo("")
     echo(f"== synth: tiny {preset} (same names, dtypes and encodings as the release)")
     summary = synthesize(config=preset, out=model, tiny=True, seed=0, force=model.exists())
     marker.write_text("k3convert demo: model/, stream/, report.html are replaced on rerun\n")

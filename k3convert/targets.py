@@ -33,6 +33,10 @@ class Target:
     #: "module:NAME" of the ``model_type`` -> engine class mapping this target writes;
     #: None: every family k3convert reads
     families_attr: str | None = None
+    #: the families of ``families_attr`` as ``--help`` names them (kept here, not imported
+    #: from the engine module, so ``--help`` stays fast; tests/test_vllm_target.py checks
+    #: it names exactly that mapping's model types, and the README's list too)
+    families_help: str = ""
 
     def _load(self, ref: str):
         mod, name = ref.split(":")
@@ -64,8 +68,22 @@ TARGETS: dict[str, Target] = {
         ".engines.vllm_index:is_vllm_dir",
         ".engines.vllm_index:check_vllm",
         ".engines.vllm_sharded:FAMILIES",
+        "llama, qwen2, qwen3, mistral, qwen3_moe, deepseek_v3 / kimi_k2 and kimi_k3",
     ),
 }
+
+
+def target_help() -> str:
+    """``shard --target``'s help: each target, its summary and the families it writes."""
+    return (
+        " or ".join(
+            f"{t.name} ({t.summary}"
+            + (f"; {t.families_help}; --tp / --pp / --ep" if t.families_help else "")
+            + ")"
+            for t in TARGETS.values()
+        )
+        + "."
+    )
 
 
 def names() -> tuple[str, ...]:

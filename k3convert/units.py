@@ -73,3 +73,31 @@ def parse_tokens(text: str | int, option: str = "--context") -> int:
     if s.startswith("-") or not math.isfinite(v) or v < 1 or v != int(v):
         raise ConfigError(f"{option} '{text}' must be a positive whole number of tokens.")
     return int(v)
+
+
+def byte_bar(**kwargs):
+    """A tqdm progress bar counting bytes in the binary units the summaries print
+    (``25.5 MiB/100.0 MiB [00:02<00:06, 12.1 MiB/s]``): tqdm's own scaling labels powers of
+    1024 "MB" and its rate in powers of 1000. Keyword arguments are tqdm's; a bar whose
+    ``unit`` is set to another name later counts plain numbers of it."""
+    from tqdm import tqdm
+
+    class _Bytes(tqdm):
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            rate = d["rate"] if d["rate"] else (d["n"] / d["elapsed"] if d["elapsed"] else None)
+            unit = d["unit"]
+            fmt = human_bytes if unit == "B" else (lambda x: f"{x:g} {unit}")  # a stage in
+            d.update(  # other units (convert's calibration counts layers)
+                n_b=fmt(d["n"]),
+                total_b=fmt(d["total"]) if d["total"] else "?",
+                rate_b=f"{fmt(round(rate, 2))}/s" if rate else f"? {unit}/s",
+            )
+            return d
+
+    kwargs.setdefault(
+        "bar_format",
+        "{l_bar}{bar}| {n_b}/{total_b} [{elapsed}<{remaining}, {rate_b}]",
+    )
+    return _Bytes(unit="B", **kwargs)

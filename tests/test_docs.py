@@ -114,3 +114,16 @@ def test_every_documented_command_parses():
             cmd.make_context(cmd.name, list(rest))
         except Exception as e:  # click's usage errors
             raise AssertionError(f"{page}: {line!r}: {e}") from e
+
+
+def test_plots_need_only_the_readme_install():
+    """`--plot` (plan, verify, sensitivity) is on task pages that run as written after the
+    README's first install (`pip install -e .`, no extra): matplotlib is a dependency of
+    the package itself, not of the test extra."""
+    from importlib.metadata import requires
+
+    reqs = requires("k3convert") or []
+    core = [r for r in reqs if "extra ==" not in r]
+    assert any(r.startswith("matplotlib") for r in core), core
+    pages = [p for p in [ROOT / "README.md", *TASK_PAGES] if "--plot" in p.read_text()]
+    assert pages  # the page the newcomer ran: plan-layout

@@ -127,7 +127,7 @@ SCALE_DOWN = {
     # (a group of the release's own encoding, MXFP4 experts kept, sets no family)
     "demo": Case("kimi-k3", "fp8", ("fp8-dynamic", "mxfp4")),
     "kimi-k3-day0": Case("kimi-k3", "exact", ("mxfp4",)),
-    "kimi-k3-nvfp4-experts": Case("kimi-k3", "int4", ("nvfp4a16",)),
+    "kimi-k3-nvfp4-experts": Case("kimi-k3", "nvfp4a16", ("nvfp4a16",)),
     "kimi-k3-fp8-experts": Case("kimi-k3-128", "fp8", ("fp8-block",)),
     "kimi-k3-int4-experts": Case("kimi-k3", "int4", ("int4-g32",)),
     "kimi-k25-fp8-block-tp8": Case("kimi-k25", "fp8", ("fp8-block",)),

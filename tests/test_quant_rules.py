@@ -207,8 +207,13 @@ def test_recipe_errors():
 
 
 def test_unknown_role_names_nearest(dsv3):
-    r = parse_recipe({"quantize": {"rules": [{"roles": ["expert"], "scheme": "w4a16"}]}})
+    # refused with the recipe, before any model is read
     with pytest.raises(ConfigError, match=r"unknown role 'expert'.*Did you mean 'experts'"):
+        parse_recipe({"quantize": {"rules": [{"roles": ["expert"], "scheme": "w4a16"}]}})
+    # a kind of another architecture (KDA's b_proj): the recipe names no model type, so
+    # only the checkpoint's own tensors can refuse it
+    r = parse_recipe({"quantize": {"rules": [{"roles": ["b_proj"], "scheme": "w4a16"}]}})
+    with pytest.raises(ConfigError, match=r"unknown role 'b_proj'"):
         plan_quantization(src=dsv3, recipe=r)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -269,14 +270,27 @@ def test_cli_version_and_synth(tmp_path):
 
 def test_demo_runs(tmp_path):
     """synth a tiny Kimi K3, convert it with the demo preset, print the summary."""
-    r = _cli("demo", "--out", tmp_path / "demo", "--no-progress")
+    r = _cli("demo", "--out", "demo", "--no-progress", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "kimi_k3" in r.stdout and "verify      PASS" in r.stdout
+    # a relative --out: said where first, and every path printed is the absolute one
+    out = (tmp_path / "demo").resolve()
+    assert r.stdout.startswith(f"demo: writing into {out}/"), r.stdout[:300]
+    printed = re.findall(r"(\S*demo/(?:stream|model|report)\S*)", r.stdout)
+    assert printed and all(p.startswith(str(out)) for p in printed), printed
     rep = json.loads((tmp_path / "demo" / "stream" / "report.json").read_text())
     assert rep["passed"] is True and rep["layout"]["world"] == 4
     assert rep["units"]["written"] == rep["sizes"]["units"] > 0
     assert "fp8-dynamic" in rep["quantize"]["schemes"]
     assert (tmp_path / "demo" / "report.html").read_text().startswith("<!doctype html>")
+    # verify's summary: the measured KLD next to its limit (not the limit as "(max 0.01)"),
+    # the reference named, the family of what the conversion changed (FP8; the MXFP4
+    # experts are kept as released)
+    v = rep["verify"]["summary"]
+    assert v["threshold_family"] == "fp8" and v["reference"]["path"] == str(out / "model")
+    assert re.search(r"\n {14}KLD mean [\d.e-]+ <= 0\.01, max [\d.e-]+ ", r.stdout), r.stdout
+    assert f"reference: {out}/model (the original the candidate was converted from" in r.stdout
+    assert "(max 0.01)" not in r.stdout
 
 
 def test_demo_never_replaces_a_directory_it_did_not_write(tmp_path):

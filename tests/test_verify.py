@@ -243,6 +243,39 @@ def test_quantized_w4a16_checkpoint_layout_passes(quantized, quant_sources, caps
     assert "thresholds: int4" in out
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_nvfp4_checkpoint_gets_the_nvfp4_family_and_a_summary(scheme, quantized, quant_sources,
+                                                              capsys, tmp_path):  # fmt: skip
+    """An NVFP4 candidate is judged by its own family (not int4's); the printed summary
+    and the JSON name it, name the reference (the unquantized original, followed through
+    the checkpoint's provenance, and what ran it), put the KLD next to its limit and the
+    measured max, and say why top-1 was not judged when it was not."""
+    q = quantized(scheme)
+    rj = tmp_path / "q.json"
+    rc, out, err = _verify(capsys, q, "--layout", "tp=2", "--json", rj)
+    assert rc == 0, err
+    rep = json.loads(rj.read_text())
+    th, s, lg = rep["thresholds"], rep["summary"], rep["logits"]
+    assert th["kind"] == scheme and f"thresholds: {scheme}" in out
+    assert th["max_kld"] == {"nvfp4a16": 0.035, "nvfp4": 0.07}[scheme]
+    assert s["threshold_family"] == scheme and s["passed"] is True
+    src = str(quant_sources["llama"].resolve())
+    assert s["reference"]["path"] == src and s["reference"]["stored"] == ["float32"]
+    assert s["reference"]["what"] == "the original the candidate was converted from"
+    assert rep["reference_info"]["runner"] == "unsharded by k3convert's runtime in fp32"
+    assert s["lines"][0].startswith(f"PASS against the limits of the {scheme} family (NVFP4")
+    assert f"  reference: {src} (the original the candidate was converted from" in out
+    kld = lg["kld"]
+    assert f"  KLD mean {kld['mean']:.3g} <= {th['max_kld']:g}, max {kld['max']:.3g} " in out
+    top1 = next(c for c in s["checks"] if c["check"] == "top1")
+    if lg["decisive_positions"]:
+        assert top1["judged"] and top1["metric"] == "top1_decisive"
+    else:
+        assert not top1["judged"] and "no position where the reference's top" in top1["reason"]
+        assert f"  top-1 agreement {lg['top1']:.3f} not judged: no position" in out
+    assert all(x in out for x in s["lines"][1:])
+
+
 def test_quantized_w8a8_default_thresholds_pass(quantized, quant_sources, stream):
     q = quantized("w8a8")
     rep = run_verify(candidate=q, layout="tp=2", progress=False)

@@ -601,8 +601,8 @@ def test_top1_is_judged_where_the_reference_is_decisive():
 
 def test_a_group_carried_from_the_reference_sets_no_family():
     """Kimi K3's MXFP4 experts kept as released next to FP8 attention: judged as fp8, not
-    int4 (only what the conversion changed sets the family; an observer or targets that
-    differ do not make it another encoding). Without the reference: int4."""
+    mxfp4 (only what the conversion changed sets the family; an observer or targets that
+    differ do not make it another encoding). Without the reference: mxfp4."""
     mx = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
           "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}  # fmt: skip
     fp8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
@@ -614,14 +614,14 @@ def test_a_group_carried_from_the_reference_sets_no_family():
                     "input_activations": {**fp8, "strategy": "token", "dynamic": True}},
         "group_1": {"targets": ["re:.*experts.*"], "weights": {**mx, "observer": "minmax"}},
     }}}  # fmt: skip
-    assert thresholds_for_quant_config(cand).kind == "int4"
+    assert thresholds_for_quant_config(cand).kind == "mxfp4"
     assert thresholds_for_quant_config(cand, ref).kind == "fp8"
     only_mx = {"quantization_config": {"config_groups": {"g": cand["quantization_config"][
         "config_groups"]["group_1"]}}}  # fmt: skip
     assert thresholds_for_quant_config(only_mx, ref).kind == "exact"
     nvfp4 = {"quantization_config": {"config_groups": {"g": {"weights": {
         **mx, "group_size": 16, "strategy": "tensor_group", "scale_dtype": None}}}}}  # fmt: skip
-    assert thresholds_for_quant_config(nvfp4, ref).kind == "int4"  # re-encoded: judged
+    assert thresholds_for_quant_config(nvfp4, ref).kind == "nvfp4a16"  # re-encoded: judged
 
 
 def test_a_reshard_with_dynamic_activations_keeps_its_schemes_thresholds():
@@ -643,3 +643,168 @@ def test_a_reshard_with_dynamic_activations_keeps_its_schemes_thresholds():
         **qc["config_groups"]["g"], "targets": ["re:.*"]}}}}  # fmt: skip
     bf16 = _thresholds(observed, cfg, Layout(tp=1), torch.bfloat16, *none)
     assert bf16 == LOW_PRECISION_EXACT[torch.bfloat16]
+
+
+# -- FP4 families and the summary -----------------------------------------------------
+def test_fp4_schemes_get_their_own_threshold_families():
+    """NVFP4 / MXFP4 are not judged as int4: weight-only NVFP4 (nvfp4a16) tighter than
+    int4, MXFP4 as int4, NVFP4 W4A4 (nvfp4) looser; from the scheme name and from the
+    config.json the scheme writes. A mix takes the loosest; an FP4 weight of another
+    layout (no FP8 / E8M0 scales) is as coarse as int4."""
+    want = {"nvfp4a16": (0.035, 0.8), "mxfp4": (0.05, 0.8), "nvfp4": (0.07, 0.75)}
+    for name, (kld, top1) in want.items():
+        th = default_thresholds(name)
+        assert (th.kind, th.max_kld, th.min_top1, th.max_rel_err) == (name, kld, top1, None)
+        qc = _ct(get_scheme(name).ct_scheme(["Linear"]))
+        assert thresholds_for_quant_config({"quantization_config": qc}).kind == name
+    int4 = default_thresholds("int4").max_kld
+    assert default_thresholds("nvfp4a16").max_kld < int4 < default_thresholds("nvfp4").max_kld
+    mix = _ct(get_scheme("nvfp4a16").ct_scheme(["re:.*experts.*"]), W4A16)
+    assert thresholds_for_quant_config({"quantization_config": mix}).kind == "int4"
+    mix = _ct(get_scheme("nvfp4a16").ct_scheme(["re:.*experts.*"]), FP8)
+    assert thresholds_for_quant_config({"quantization_config": mix}).kind == "nvfp4a16"
+    odd = _ct({"weights": {"num_bits": 4, "type": "float", "group_size": 64}})
+    assert thresholds_for_quant_config({"quantization_config": odd}).kind == "int4"
+
+
+def test_fp4_limits_follow_their_rounding_error_against_int4():
+    """The FP4 limits are int4's scaled by (the format's RMS rounding error / int4 g128's)
+    squared (KLD is second order in the perturbation); W4A4 NVFP4 rounds the inputs as
+    coarsely as the weights: twice the error variance. Measured here on Gaussian weights
+    with the schemes themselves, so a change to either side shows."""
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+
+    def err(name):
+        s = get_scheme(name)
+        return float((s.dequantize(s.quantize(w)).float() - w).norm() / w.norm())
+
+    e_int4 = err("w4a16")
+    int4 = default_thresholds("int4").max_kld
+    for family, weights, inputs in (("nvfp4a16", "nvfp4a16", 1), ("mxfp4", "mxfp4", 1),
+                                    ("nvfp4", "nvfp4a16", 2)):  # fmt: skip
+        derived = int4 * inputs * (err(weights) / e_int4) ** 2
+        assert default_thresholds(family).max_kld == pytest.approx(derived, rel=0.15), family
+
+
+def _flat_report(kind="fp8", noise=0.05, **extra):
+    """A verify report on near-flat logits (no decisive position: a random model's), one
+    position 4x as far off as the others."""
+    g = torch.Generator().manual_seed(3)
+    ref = 0.05 * torch.randn(2, 8, 64, generator=g)
+    cand = ref + noise * torch.randn(2, 8, 64, generator=g)
+    cand[0, 0] += 4 * noise * torch.randn(64, generator=g)
+    m = compare_logits(ref, cand)
+    assert m["decisive_positions"] == 0
+    return {
+        "logits": m,
+        "thresholds": default_thresholds(kind).as_dict(),
+        "reference": "/models/orig",
+        "reference_kind": "runtime",
+        "reference_info": {
+            "path": "/models/orig",
+            "kind": "runtime",
+            "what": "the original the candidate was converted from",
+            "stored": ["bfloat16", "mxfp4"],
+            "runner": "unsharded by k3convert's runtime in fp32",
+        },
+        "decode": {"steps": 4, "passed": True, "max_rel_err": 2e-7, "argmax_equal": True},
+        **extra,
+    }
+
+
+def test_summary_puts_measured_values_next_to_their_limits():
+    """The KLD mean beside its limit and the measured max beside it (not the limit in
+    parentheses); top-1 not judged, with why in words; the raw max rel err, which no
+    quantized family judges, not in the summary but explained in the table; the
+    reference and the family named."""
+    from k3convert.verify.summary import build_summary
+
+    rep = _flat_report()
+    m = rep["logits"]
+    s = build_summary(rep)
+    head, ref, kld, top1, dec = s["lines"]
+    assert head == "PASS against the limits of the fp8 family (FP8 e4m3 weights / activations)"
+    assert ref == (
+        "reference: /models/orig (the original the candidate was converted from; "
+        "stored bfloat16 + mxfp4), run unsharded by k3convert's runtime in fp32"
+    )
+    assert kld.startswith(f"KLD mean {m['kld']['mean']:.3g} <= 0.01, max {m['kld']['max']:.3g} ")
+    assert m["kld"]["max"] > 0.01 > m["kld"]["mean"]  # the max is measured, above the limit
+    assert top1 == (f"top-1 agreement {m['top1']:.3f} not judged: no position where the "
+                    f"reference's top token leads by >= 0.5 nats (near-flat logits, typical "
+                    f"of a random-weight model); the KLD decides")  # fmt: skip
+    assert dec.startswith("decode: 4 KV-cache steps") and dec.endswith(": PASS")
+    assert not any("logits max rel err" in x or f"{m['max_rel_err']:.3g}" in x
+                   for x in s["lines"])  # fmt: skip
+    checks = {c["check"]: c for c in s["checks"]}
+    assert {k: (c["judged"], c["passed"]) for k, c in checks.items()} == {
+        "kld_mean": (True, True), "kld_max": (False, None), "top1": (False, None),
+        "max_rel_err": (False, None)}  # fmt: skip
+    assert checks["kld_mean"]["limit"] == 0.01 and checks["kld_max"]["value"] == m["kld"]["max"]
+    assert checks["top1"]["limit"] == 0.9 and "leads by >= 0.5 nats" in checks["top1"]["reason"]
+    assert "relative to the reference's largest |logit|" in checks["max_rel_err"]["reason"]
+    assert (s["threshold_family"], s["reference"]["path"]) == ("fp8", "/models/orig")
+    table = render_table(rep)
+    assert "summary: " + head in table and all(f"  {x}" in table for x in s["lines"][1:])
+    assert "(max_rel_err: max |candidate - reference| over all logits" in table
+    top1_row = next(x for x in table.splitlines() if x.startswith("  top1_decisive"))
+    assert top1_row.split()[-4:] == [">=", "0.9", "not", "judged"]
+    assert table.endswith("RESULT: PASS")
+
+
+def test_summary_of_an_exact_reshard_and_of_a_failure():
+    """Exact: the max rel err is judged, so it is in the summary with its limit and its
+    meaning. A failure: the failing figure with '>' and FAIL, the verdict names it."""
+    from k3convert.verify.summary import build_summary
+
+    rep = _flat_report("exact", noise=1e-9)
+    lines = build_summary(rep)["lines"]
+    assert lines[0].startswith("PASS against the limits of the exact family")
+    rel = rep["logits"]["max_rel_err"]
+    assert f"logits max rel err {rel:.3g} <= 1e-05 (largest |candidate - reference|" in lines[4]
+    rep = _flat_report("fp8", noise=0.5)
+    s = build_summary(rep)
+    assert s["passed"] is False and s["failure"].startswith("kld.mean = ")
+    fam = "fp8 family (FP8 e4m3 weights / activations)"
+    assert s["lines"][0] == f"FAIL against the limits of the {fam}: {s['failure']}"
+    mean = rep["logits"]["kld"]["mean"]
+    assert s["lines"][2].startswith(f"KLD mean {mean:.3g} > 0.01 FAIL, max ")
+    table = render_table(rep)  # the RESULT line says the failure once
+    assert table.count(s["failure"]) == 1 and table.endswith(f"RESULT: FAIL: {s['failure']}")
+
+
+def test_json_html_and_convert_summary_say_the_same(tmp_path):
+    """The verify JSON carries the summary (figures, limits, judged or not and why, the
+    reference, the family); convert's report.json keeps it, and its terminal summary and
+    HTML page print the same lines and reasons."""
+    import html
+
+    from k3convert.pipeline.convert_report import _verify_summary, render_summary
+    from k3convert.report_html import write_html
+    from k3convert.verify.summary import build_summary
+
+    rep = _flat_report("nvfp4a16", passed=True, failure=None)
+    rep["summary"] = build_summary(rep)
+    write_json(rep, tmp_path / "v.json")
+    back = json.loads((tmp_path / "v.json").read_text())
+    s = back["summary"]
+    assert s == json.loads(json.dumps(rep["summary"]))
+    assert s["threshold_family"] == "nvfp4a16" and s["reference"]["path"] == "/models/orig"
+    assert all({"value", "limit", "judged", "passed", "reason"} <= set(c) for c in s["checks"])
+    conv = {"recipe": "r", "source": "/models/orig", "out": "/o", "model_type": "kimi_k3",
+            "layout": {"tp": 2, "pp": 1, "moe_tp": 1, "moe_ep": 1, "redundant_experts": 0,
+                       "world": 2}, "processes": 1,
+            "sizes": {"source_bytes": 1, "quantized_bytes": None, "stream_bytes": 1,
+                      "units": 1},
+            "units": {"written": 1, "skipped": 0}, "seconds": {"total": 1.0},
+            "verify": _verify_summary(back), "passed": True}  # fmt: skip
+    assert conv["verify"]["summary"] == s and conv["verify"]["reference"] == "/models/orig"
+    text = render_summary(conv)
+    assert f"  verify      {s['lines'][0]}" in text
+    assert all(f"              {x}" in text for x in s["lines"][1:])
+    page = write_html(conv, None, tmp_path / "r.html").read_text()
+    assert all(html.escape(x) in page for x in s["lines"])
+    for c in s["checks"]:
+        assert html.escape(c["label"]) in page
+        assert html.escape(c["reason"] if c["reason"] else f"limit {c['op']} ") in page
+    assert "nvfp4a16 family (NVFP4 weights, 16-bit activations)" in page

@@ -32,7 +32,8 @@ from tests.test_vllm import _engine_env, _vllm_python
 
 LOADER = Path(__file__).resolve().parent / "vllm_rank_loader.py"
 #: the release's processor config, cut to what vLLM reads (mean / std 0.5: a non-identity
-#: normalisation, so the float32 input_norm buffers are written)
+#: normalisation, so the float32 input_norm buffers are written); synth writes it with the
+#: tiny vision config's sizes (test_synth_writes_the_release_processor_config)
 PREPROCESSOR = {
     "image_processor_type": "KimiK25FusedVisionProcessor",
     "media_proc_cfg": {"patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4,
@@ -45,8 +46,7 @@ LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "tp2-ep": (2, 2, 1), "pp2": (1, 1
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("k3") / "k3"
-    synthesize(config="kimi-k3", out=out, tiny=True)
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    synthesize(config="kimi-k3", out=out, tiny=True)  # with the release's processor config
     return out
 
 
@@ -122,6 +122,36 @@ def test_verify_reads_back_every_tensor_bit_for_bit(k3, written):
     assert "max_abs_err        0.0000e+00" in r.stdout
 
 
+def test_synth_then_shard_vllm_end_to_end(tmp_path):
+    """``synth kimi-k3 --tiny`` -> ``shard --target vllm`` as a user types it (issue 53):
+    synth writes the release's preprocessor_config.json (what vLLM's K3 reads: the
+    normalisation PREPROCESSOR holds, the tiny vision config's patch and merge sizes), so
+    the shard exits 0 with every rank file and carries the processor config."""
+    cli = [sys.executable, "-m", "k3convert"]
+    k3, out = tmp_path / "K3", tmp_path / "K3-vllm"
+    r = subprocess.run([*cli, "synth", "kimi-k3", str(k3), "--tiny"], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    proc = json.loads((k3 / "preprocessor_config.json").read_text())
+    vision = json.loads((k3 / "config.json").read_text())["vision_config"]
+    media, want = proc["media_proc_cfg"], PREPROCESSOR["media_proc_cfg"]
+    assert proc["image_processor_type"] == PREPROCESSOR["image_processor_type"]
+    for k in ("image_mean", "image_std", "temporal_merge_kernel_size"):
+        assert media[k] == want[k], k
+    assert media["patch_size"] == vision["patch_size"]
+    assert [media["merge_kernel_size"]] * 2 == vision["merge_kernel_size"]
+    assert media["patch_limit_on_one_side"] == vision["init_pos_emb_height"]
+    r = subprocess.run([*cli, "shard", str(k3), str(out), "--target", "vllm", "--tp", "2",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for f in ("model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors",
+              "preprocessor_config.json", "k3convert-vllm.json"):  # fmt: skip
+        assert (out / f).is_file(), f
+    with safe_open(out / "model-rank-0-part-0.safetensors", "pt") as f:
+        w = f.get_tensor("vision_tower.patch_embed.input_norm.weight")
+    assert torch.equal(w, torch.full((3,), (1 / 255) / 0.5))  # rescale / std, as vLLM
+
+
 def test_cli_names_the_kda_decode_backend_sharded_state_needs(k3, tmp_path):
     """vLLM's native / flashinfer KDA decode reads float32 copies that only its HF weight
     loader fills: the printed LLM(...) call picks the triton decode, which reads the
@@ -145,18 +175,17 @@ def test_refused_before_writing(k3, tmp_path):
         assert not out.exists()
     bare = tmp_path / "bare"  # no processor config: vLLM's K3 cannot start
     synthesize(config="kimi-k3", out=bare, tiny=True)
+    (bare / "preprocessor_config.json").unlink()
     argv = [sys.executable, "-m", "k3convert", "shard", str(bare), str(out), "--target", "vllm"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "no preprocessor_config.json" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
     plain = tmp_path / "plain"  # bf16 experts: vLLM serves K3 through Mxfp4Config only
     synthesize(config="kimi-k3", out=plain, tiny=True, encoding="plain")
-    (plain / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     with pytest.raises(ConfigError, match="quantization is none"):
         write_vllm(src=plain, out=out)
     wide = tmp_path / "wide"  # an expert width vLLM's MXFP4 backends would pad differently
     synthesize(config="kimi-k3", out=wide, tiny=True, overrides={"moe_intermediate": 320})
-    (wide / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     with pytest.raises(ConfigError, match=r"must be a multiple of 32 .* and 320 of 128"):
         write_vllm(src=wide, out=out)
     assert not out.exists()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -263,3 +264,26 @@ def test_sharded_state_logprobs_equal_the_hf_load(results, vllm_python, tp, name
     assert "logprobs" in hf, (hf.get("error"), hf.get("trace"))
     assert "logprobs" in ours, (ours.get("error"), ours.get("trace"))
     assert ours["logprobs"] == hf["logprobs"]
+
+
+def test_vllm_cpu_task_page_generates(vllm_python, tmp_path):
+    """docs/tasks/vllm-cpu.md as written: its commands (synth -> quantize w8a8 -> shard
+    --target vllm --tp 2), then its generate.py run by the vLLM venv's Python, with the
+    environment the script sets itself (no test-side VLLM_* variables): tokens come back.
+    ~1 min (a tiny model, 8 tokens, tp 2 on two cores)."""
+    from tests.test_docs import ROOT, _commands, _run_all
+
+    page = (ROOT / "docs" / "tasks" / "vllm-cpu.md").read_text()
+    _run_all(_commands(page), tmp_path)
+    scripts = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S)
+               if 'load_format="sharded_state"' in b]  # fmt: skip
+    assert len(scripts) == 1 and 'if __name__ == "__main__":' in scripts[0]
+    script = tmp_path / "generate.py"
+    script.write_text(scripts[0].replace("/tmp/", f"{tmp_path}/"))
+    env = {k: v for k, v in _engine_env().items() if not k.startswith("VLLM_")}
+    r = subprocess.run([vllm_python, str(script)], capture_output=True, text=True,
+                       timeout=900, env=env, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("generated ")]
+    n = int(line.split()[1])
+    assert n == 8 and re.search(r"\[\d+(, \d+){7}\]", line), line

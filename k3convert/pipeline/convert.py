@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..arch import resolve, validate_source
 from ..checkpoint import Checkpoint, open_checkpoint
@@ -60,12 +59,13 @@ from ..quant.writer import re_encodes, torch_threads
 from ..recipe import CALIBRATION, Recipe, apply_overrides, load_recipe, parse_recipe, recipe_to_dict
 from ..recipe.checks import check_model_type
 from ..report_html import write_html
-from ..serving import ServingTarget
+from ..serving import ServingTarget, resolve_device
 from ..serving import report as serving_report
 from ..shard.plan import ROUTING_COUNTS, build_plan
 from ..shard.writer import ShardResult, carried_files, write_stream
 from ..stream.format import JOURNAL, MANIFEST
 from ..stream.reader import load_manifest
+from ..units import byte_bar
 from ..verify.report import write_json
 from ..verify.run import run_verify
 from .convert_report import REPORT, build_report, quantize_summary, read_losses, render_summary
@@ -187,13 +187,11 @@ class _Display:
 
     def __init__(self, enabled: bool, stages: list[str]):
         self.stages = stages
-        self.bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024,
-                        disable=not enabled, smoothing=0.1, desc="convert")  # fmt: skip
+        self.bar = byte_bar(total=0, disable=not enabled, smoothing=0.1, desc="convert")
 
     def stage(self, name: str, total: float = 0, unit: str = "B") -> None:
         i = self.stages.index(name) + 1
         self.bar.unit = unit
-        self.bar.unit_scale = unit == "B"
         self.bar.reset(total=total)
         self.bar.set_postfix_str("", refresh=False)
         self.bar.set_description(f"convert [{i}/{len(self.stages)} {name}]", refresh=True)
@@ -518,7 +516,8 @@ def _check_serving(r: Recipe, prep, ck, log) -> list:
     warning per problem through ``log``, or with ``output.strict_serving`` an error
     before any work. Returns the problems."""
     lay = r.layout.layout()
-    target = ServingTarget(tp=lay.tp, moe_ep=lay.moe_ep, device=r.output.serving_device,
+    device = resolve_device(r.output.serving_device, engine_output=r.output.format == "vllm")
+    target = ServingTarget(tp=lay.tp, moe_ep=lay.moe_ep, device=device,
                            strict=r.output.strict_serving)  # fmt: skip
     problems = target.check(prep.plan, ck.config)
     serving_report(problems, log=log, plan=prep.plan)

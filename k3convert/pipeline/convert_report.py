@@ -10,7 +10,7 @@ from ..checkpoint.bounded import read_json
 from ..errors import K3Error
 from ..quant import fidelity
 from ..units import human_bytes
-from ..verify.metrics import top1_text
+from ..verify.summary import build_summary
 
 REPORT = "report.json"
 REPORT_FORMAT = "k3convert-convert-report-v1"
@@ -88,6 +88,7 @@ def build_report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=No
             "units": len(plan.units),
         },
         "units": {"written": res.units_written, "skipped": res.units_skipped},
+        "already_complete": done is not None,
         "seconds": {k: round(v, 3) for k, v in times.items()},
         "intermediate": str(inter) if inter is not None else None,
         "quantize": q,
@@ -104,8 +105,12 @@ def build_report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=No
 
 def _verify_summary(v: dict) -> dict:
     keep = ("passed", "failure", "thresholds", "logits", "decode", "candidate_kind",
-            "reference_kind", "seconds", "inputs")  # fmt: skip
-    return {k: v[k] for k in keep if k in v}
+            "reference", "reference_kind", "reference_note", "reference_info", "seconds",
+            "inputs", "summary")  # fmt: skip
+    out = {k: v[k] for k in keep if k in v}
+    if "summary" not in out:
+        out["summary"] = build_summary(out)
+    return out
 
 
 def render_summary(rep: dict) -> str:
@@ -123,6 +128,11 @@ def render_summary(rep: dict) -> str:
         + f" -> stream {human_bytes(s['stream_bytes'])} in {s['units']} units "
         f"({rep['units']['written']} written, {rep['units']['skipped']} already done)",
     ]
+    if rep.get("already_complete"):
+        lines.append(
+            "  rerun       OUT was already complete from this recipe and source: nothing "
+            "rewritten, verified again (--force rewrites it)"
+        )
     if rep.get("quantize"):
         q = rep["quantize"]
         cal = q.get("calibration") or {}
@@ -137,25 +147,11 @@ def render_summary(rep: dict) -> str:
     lines.append("  time        " + "  ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
     v = rep.get("verify")
     if v:
-        lg = v.get("logits") or {}
-        th = v.get("thresholds") or {}
-        kld = lg.get("kld") or {}
-
-        def f(x, spec=".3g"):
-            return "-" if x is None else format(x, spec)
-
-        lines.append(
-            f"  verify      {'PASS' if v.get('passed') else 'FAIL'}: KLD mean "
-            f"{f(kld.get('mean'))} (max {f(th.get('max_kld'))}), {top1_text(lg, th)}, "
-            f"max rel err "
-            f"{f(lg.get('max_rel_err'))}"
-            + (
-                f", decode {'ok' if v['decode'].get('passed') else 'FAIL'}"
-                if v.get("decode")
-                else ""
-            )
-            + (f"; {v['failure']}" if v.get("failure") else "")
-        )
+        # verify's own summary: each figure next to its limit, what was not judged and
+        # why, the reference and the threshold family
+        head, *rest = (v.get("summary") or build_summary(v))["lines"]
+        lines.append(f"  verify      {head}")
+        lines += [f"              {x}" for x in rest]
     else:
         lines.append("  verify      skipped (verify.enabled: false)")
     lines.append(f"  report      {rep['out']}/{REPORT}")

@@ -23,6 +23,8 @@ from ..parallel import procs
 from ..recipe import Recipe, recipe_to_dict
 from ..recipe.checks import check_model_type
 from ..recipe.sections import LayoutSection
+from ..serving import ServingTarget, resolve_device
+from ..serving import report as serving_report
 
 #: what convert writes next to the sharded files
 REPORT = CONVERT_REPORT  # (allowed unlisted in OUT by shard --check)
@@ -86,6 +88,11 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     out = guard_out(out, [ck.root])
     times: dict[str, float] = {}
     cut_from = ck.root
+    # vLLM on the recipe's serving device (auto: this machine's), before any byte is written
+    device = resolve_device(r.output.serving_device, engine_output=True)
+    strict = r.output.strict_serving
+    serving = ServingTarget(tp=r.layout.tp, moe_ep=ep, device=device, strict=strict)
+    checked = False
     if r.quantize is not None:
         inter = guard_out(out.parent / f"{out.name}.quantized", [ck.root, out])
         t = time.perf_counter()
@@ -98,8 +105,12 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
                     f"{inter}: exists and is not this recipe's quantization of {ck.root}; "
                     f"pass --force to redo it, or remove it."
                 )
+            serving_report(serving.check(None, ck.config, model=True), log=log)
             log(f"quantize -> {inter}")
-            quantize(src=ck.root, out=inter, recipe=r, force=force, progress=progress)
+            # (its plan is checked before it writes)
+            quantize(src=ck.root, out=inter, recipe=r, force=force, progress=progress,
+                     serving=serving, log=log)  # fmt: skip
+            checked = True
             (inter / SIDECAR).write_text(json.dumps(ident) + "\n")
         times["quantize"] = time.perf_counter() - t
         cut_from = inter
@@ -107,7 +118,7 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     lay = r.layout
     log(f"shard --target vllm -> {out} (tp {lay.tp}, pp {lay.pp}, ep {ep})")
     res = write_vllm(src=cut_from, out=out, tp=lay.tp, pp=lay.pp, ep=ep, force=force,
-                     progress=progress)  # fmt: skip
+                     progress=progress, serving=None if checked else serving, log=log)  # fmt: skip
     times["write"] = time.perf_counter() - t
     vrep = None
     if r.verify.enabled:
@@ -142,13 +153,12 @@ def render_vllm_summary(rep: dict) -> str:
     lines.append("  time        " + "  ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
     v = rep.get("verify")
     if v:
-        lg = v.get("logits") or {}
-        kld = (lg.get("kld") or {}).get("mean")
-        lines.append(
-            f"  verify      {'PASS' if v['passed'] else 'FAIL'} against {v['reference']}: "
-            f"KLD {kld:.3g}, top-1 {lg.get('top1', float('nan')):.3f}"
-            if kld is not None else f"  verify      {'PASS' if v['passed'] else 'FAIL'}"
-        )  # fmt: skip
+        # verify's own summary: figures next to their limits, the reference, the family
+        from ..verify.summary import build_summary
+
+        head, *rest = (v.get("summary") or build_summary(v))["lines"]
+        lines.append(f"  verify      {head}")
+        lines += [f"              {x}" for x in rest]
     from ..engines.vllm_index import llm_call
 
     lines.append(f"  load with   {llm_call(rep['out'])}")

@@ -351,7 +351,12 @@ def known_role_names(roles: Iterable[Role]) -> set[str]:
 
 
 def validate_rule_roles(rules: Sequence[Rule], roles: Iterable[Role]) -> None:
-    known = known_role_names(roles)
+    check_role_names(rules, known_role_names(roles))
+
+
+def check_role_names(rules: Sequence[Rule], known: set[str]) -> None:
+    """Every role a rule names is in ``known`` (ConfigError naming the rule, with the
+    closest name)."""
     for rule in rules:
         for name in rule.roles:
             if name not in known:

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from .. import __version__ as _k3_version
 from .. import formats as fmt
@@ -59,6 +58,7 @@ from ..engines.vllm_layers import FUSED_SETS
 from ..formats.dtypes import all_finite
 from ..parallel import procs
 from ..parallel.procs import cores_per_process
+from ..units import byte_bar
 from . import fidelity, fp4_requant
 from .kvcache import kv_cache_scheme
 from .planning import row_entries
@@ -570,11 +570,8 @@ def write_shards(
         for name, dt, shape in (e for r in rows for e in row_entries(r)):
             weight_map[name] = fname
             total += math.prod(shape) * dt.itemsize
-    bar = tqdm(
+    bar = byte_bar(
         total=sum(r.src_bytes for _, rows in mine for r in rows),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
         desc=f"quantize {Path(ckpt.root).name}",
         disable=not progress or not group.leader,
     )

@@ -18,8 +18,9 @@ from ..calibrate.sensitivity import METHODS, parse_budget
 from ..errors import ConfigError, short_repr
 from ..layout import MAX_DEGREE, divisors
 from ..memplan import DEVICES as PLAN_DEVICES
-from ..quant.rules import KEEP, check_pattern
+from ..quant.rules import KEEP, check_pattern, check_role_names, known_role_names, make_rule
 from ..quant.schemes import get_scheme
+from ..serving import AUTO as SERVING_AUTO
 from ..serving import DEVICES as SERVING_DEVICES
 from ..stream import hashing
 from ..stream.format import COMPRESSIONS
@@ -49,12 +50,12 @@ def check_model_type(r: Recipe, config: dict, root) -> None:
 def validate(r: Recipe) -> None:
     src = r.origin
     if r.quantize is not None:
-        _validate_quantize(r.quantize, src)
+        _validate_quantize(r.quantize, src, r.source.model_type)
     _validate_layout(r.layout, src)
     o = r.output
     _choice(o.compression, COMPRESSIONS, f"{src}: output.compression")
     _choice(o.unit_hash, hashing.ALGORITHMS, f"{src}: output.unit_hash")
-    _choice(o.serving_device, SERVING_DEVICES, f"{src}: output.serving_device")
+    _choice(o.serving_device, (SERVING_AUTO, *SERVING_DEVICES), f"{src}: output.serving_device")
     _choice(o.format, targets.names(), f"{src}: output.format")
     if o.workers is not None and o.workers < 1:
         raise ConfigError(f"{src}: output.workers must be at least 1, got {o.workers}.")
@@ -145,7 +146,7 @@ def _must_exist(path: str | None, where: str) -> None:
         raise ConfigError(f"{where}: {path} does not exist; fix the path in the recipe.")
 
 
-def _validate_quantize(q: QuantizeSection, src: str) -> None:
+def _validate_quantize(q: QuantizeSection, src: str, model_type: str | None) -> None:
     if q.scheme is not None:
         _scheme(get_scheme, q.scheme, {}, f"{src}: quantize.scheme")
     for i, rule in enumerate(q.rules):
@@ -155,6 +156,9 @@ def _validate_quantize(q: QuantizeSection, src: str) -> None:
             _scheme(get_scheme, rule.scheme, rule.options, where)
         elif rule.options:
             raise ConfigError(f"{where}: a 'keep' rule takes no options.")
+        if rule.roles:
+            check_role_names([make_rule(rule.scheme, roles=rule.roles, where=where)],
+                             role_names(model_type))  # fmt: skip
         for p in rule.match:
             check_pattern(p, f"{where}.match")
     for i, p in enumerate(q.keep):
@@ -168,6 +172,33 @@ def _validate_quantize(q: QuantizeSection, src: str) -> None:
         check_calibrate(q.calibrate, f"{src}: quantize.calibrate")
     if q.auto_keep is not None:
         check_auto_keep(q.auto_keep, f"{src}: quantize.auto_keep")
+
+
+def role_names(model_type: str | None) -> set[str]:
+    """The role names a rule may use, known before any checkpoint is read: the components,
+    their aliases, and the tensor kinds in the tables of ``model_type``'s architecture
+    (of every architecture when the recipe names none, or one without a bundled preset:
+    the checkpoint's own check then narrows them), read from the bundled presets'
+    configs. ``convert`` checks the same names against the source's own tensors."""
+    from ..arch import base as arch_base
+    from ..synth import PRESETS, preset_config
+
+    want = None
+    if model_type is not None:
+        try:
+            want = arch_base.get_arch(model_type)
+        except ConfigError:
+            want = None
+    by_arch: dict[str, set[str]] = {}
+    for name in PRESETS:
+        raw = preset_config(name)
+        arch = arch_base.arch_for_config(raw, name)
+        by_arch.setdefault(arch.name, set()).update(s.kind for s in arch.specs(arch.config(raw)))
+    if want is not None and want.name in by_arch:
+        kinds = by_arch[want.name]
+    else:  # no preset of that architecture: any architecture's kinds
+        kinds = set().union(*by_arch.values())
+    return known_role_names(()) | kinds
 
 
 def calibrate_section(

@@ -62,11 +62,38 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
     the module doc), with ``--set KEY=VALUE`` overrides applied first. ``path`` may
     also name a preset of :func:`presets` (``k3k-day0``)."""
     p = Path(path)
-    if not p.is_file() and str(path) in presets():
-        p = presets()[str(path)]
+    if not p.is_file():
+        known = presets()
+        if str(path) in known:
+            p = known[str(path)]
+        elif not p.exists():
+            raise ConfigError(f"{key_text(str(path))}: {_no_recipe(p, known)}")
     data = load_yaml(read_recipe_text(p), str(p))
-    data = apply_overrides(data, overrides, str(p))
-    return parse_recipe(data, str(p), base=p.resolve().parent)
+    merged = apply_overrides(data, overrides, str(p))
+    try:
+        return parse_recipe(merged, str(p), base=p.resolve().parent)
+    except ConfigError as e:
+        if not overrides:
+            raise
+        raise _blame_overrides(e, data, overrides, p) from None
+
+
+def _blame_overrides(e: ConfigError, data, overrides: Sequence[str], p: Path) -> ConfigError:
+    """The error of a recipe made invalid by ``--set``: the file's own when the file alone
+    fails the same way, else the ``--set`` it comes from (the one whose key the message
+    names, or all of them), the file named after it."""
+    try:
+        parse_recipe(data, str(p), base=p.resolve().parent)
+        alone = None
+    except ConfigError as e0:
+        alone = str(e0)
+    if alone == str(e):
+        return e
+    msg = str(e).removeprefix(f"{p}: ")
+    keys = [str(o).partition("=")[0].strip() for o in overrides]
+    named = [o for o, k in zip(overrides, keys, strict=True) if k and k in msg]
+    culprit = ", --set ".join(named or overrides)
+    return ConfigError(f"--set {culprit}: {msg.rstrip('.')} (in recipe {p}).")
 
 
 def _resolve_paths(r: Recipe, base: Path | None) -> Recipe:
@@ -116,6 +143,17 @@ def presets() -> dict[str, Path]:
         for f in sorted(d.glob("*.yaml")):
             out.setdefault(f.stem, f)
     return out
+
+
+def _no_recipe(p: Path, known: dict[str, Path]) -> str:
+    """Why a recipe argument names nothing, with the closest preset."""
+    name = p.stem if p.suffix in (".yaml", ".yml") else p.name
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" Did you mean the preset '{close[0]}'?" if close else ""
+    return (
+        f"no such recipe file, and no preset of that name.{hint} `k3convert recipe list` "
+        f"lists the presets."
+    )
 
 
 def preset_path(name: str) -> Path:

@@ -93,14 +93,15 @@ class LayoutSection:
 class OutputSection:
     """How units are written: ``compression`` (none / zstd), ``workers`` (units and
     tensors in flight; default: the CPUs), ``unit_hash`` (xxh3-128 / sha256). Where they
-    will be served: ``serving_device`` (vLLM on cuda / cpu) is checked at the layout's tp
-    (:mod:`k3convert.serving`: a warning per tensor it would refuse; ``strict_serving``:
-    an error before any work). ``format``: ``stream`` or ``vllm``."""
+    will be served: ``serving_device`` (vLLM on cuda / cpu; ``auto``: this machine's for
+    ``format: vllm``, else cuda: :func:`k3convert.serving.resolve_device`) is checked at
+    the layout's tp (:mod:`k3convert.serving`: a warning per tensor it would refuse;
+    ``strict_serving``: an error before any work). ``format``: ``stream`` or ``vllm``."""
 
     compression: str = "none"
     workers: int | None = None
     unit_hash: str = "xxh3-128"
-    serving_device: str = "cuda"
+    serving_device: str = "auto"
     strict_serving: bool = False
     #: stream (k3convert's per-rank stream) or vllm (vLLM's sharded_state files, as
     #: ``shard --target vllm`` writes them)

@@ -25,7 +25,7 @@ from ..checkpoint.bounded import read_json
 from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import ConfigError, short_list
 from ..layout import Layout, partition_layers, place_experts
-from ..stream.format import SplitError, build_header, unit_file, unit_metadata
+from ..stream.format import SplitError, build_header, nbytes_of, unit_file, unit_metadata
 from .split import PartSlice, Piece, split_tensor, whole
 
 _UNIT_RX = re.compile(r"(embed|vision|head)|(layer|mtp)\.(\d+)\Z")
@@ -84,6 +84,22 @@ class Plan:
 
     def rank_units(self, rank: int) -> list[UnitPlan]:
         return sorted((u for u in self.units if u.rank == rank), key=lambda u: u.index)
+
+    def replicated_bytes(self) -> int:
+        """Bytes the stream holds more than once: the same slice of a source tensor on
+        several ranks (what every rank needs whole - norms, a vision tower, a router -
+        or a share of heads replicated across ranks), counted past its first copy. Why a
+        stream can be larger than its source."""
+        seen: set[tuple] = set()
+        extra = 0
+        for up in self.units:
+            for t in up.tensors:
+                sl = t.slice
+                key = (t.src_logical, sl.part, sl.dim, sl.start, sl.length, sl.pad)
+                if key in seen:
+                    extra += nbytes_of(t.entry["dtype"], t.entry["shape"])
+                seen.add(key)
+        return extra
 
 
 #: the routing counts a calibrated ``quantize`` writes into its output (``{"layers": ...}``);

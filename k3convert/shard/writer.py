@@ -64,6 +64,7 @@ from ..stream.format import (
     rank_units_file,
 )
 from ..stream.manifest_doc import atomic_json, write_manifest_doc
+from ..units import byte_bar
 from .plan import ROUTING_COUNTS, Plan, UnitPlan, build_plan
 from .unit_io import (
     SourceHasher,
@@ -87,6 +88,10 @@ class ShardResult:
     seconds: float
     #: the routing counts file picked up from SRC (``routing_counts.json``), if one was
     expert_load_from: Path | None = None
+    #: bytes written more than once (the same slice on several ranks: Plan.replicated_bytes)
+    replicated_bytes: int = 0
+    #: the source's weight bytes
+    source_bytes: int = 0
 
 
 def _prepare_out(out: Path, force: bool) -> None:
@@ -102,13 +107,14 @@ def _prepare_out(out: Path, force: bool) -> None:
         return
     if complete:
         raise OutputError(
-            f"{out}: already holds a complete stream ({MANIFEST} present); pass force=True "
-            f"(--force) to replace it, or choose another output directory."
+            f"{out}: already holds a complete stream ({MANIFEST} present), and shard does "
+            f"not rewrite a finished output: `k3convert shard --check {out}` checks it, "
+            f"--force replaces it, or choose another output directory."
         )
     if not partial and any(out.iterdir()):
         raise OutputError(
             f"{out}: exists, is not empty and is not an interrupted k3convert shard "
-            f"(no {JOURNAL}/); choose an empty directory or pass force=True to replace it."
+            f"(no {JOURNAL}/); choose an empty directory or pass --force to replace it."
         )
 
 
@@ -229,10 +235,8 @@ def write_stream(
     lock = threading.Lock()
     own_bar = bar is None
     if own_bar:
-        bar = tqdm(
-            total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-            disable=not progress or not group.leader, smoothing=0.1,
-        )  # fmt: skip
+        bar = byte_bar(total=0, desc=desc, disable=not progress or not group.leader,
+                       smoothing=0.1)  # fmt: skip
 
     def tick(n: int) -> None:
         with lock:
@@ -336,6 +340,8 @@ def _commit_shares(out: Path, plan: Plan, source, shares: list, carry, compress:
         sum(r["bytes"] for r in all_results.values()),
         time.perf_counter() - t0,
         None,
+        plan.replicated_bytes(),
+        sum(f.size for f in source.files()),
     )
 
 

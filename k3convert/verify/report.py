@@ -24,6 +24,7 @@ from typing import Any
 from ..checkpoint.output import write_error
 from ..errors import ConfigError, OutputError
 from .metrics import Thresholds, check, limit_checks, locate_divergence
+from .summary import REL_ERR_REASON, build_summary
 
 PLOT_FLOOR = 1e-12
 _MAX_NAME = 60
@@ -109,11 +110,14 @@ def render_table(report: dict) -> str:
         nf = m.get("nonfinite_positions") or 0
         if nf:
             lines.append(f"  {'nonfinite_pos':<16} {nf:>12}  {'== 0':<14} FAIL")
+        unjudged = _unjudged(m, th)
         for name, value in rows:
             lim = limits.get(name)
-            limit = f"{lim['op']} {lim['limit']:g}" if lim else "-"
-            status = _mark(lim["passed"]) if lim else ""
+            limit = f"{lim['op']} {lim['limit']:g}" if lim else unjudged.get(name, "-")
+            status = _mark(lim["passed"]) if lim else ("not judged" if name in unjudged else "")
             lines.append(f"  {name:<16} {value:>12}  {limit:<14} {status}".rstrip())
+        if "max_rel_err" in unjudged:  # the figure's meaning, next to it
+            lines.append(f"  (max_rel_err: {REL_ERR_REASON})")
     layers = report.get("layers") or []
     if layers:
         lines += _layer_lines(layers, _quantized(report))
@@ -132,9 +136,26 @@ def render_table(report: dict) -> str:
     if report.get("peak_rss_mib") is not None:
         lines.append(f"peak memory (RSS): {report['peak_rss_mib']:.1f} MiB")
     passed, failure = _verdict(report, m, th, layers)
+    if m or report.get("summary"):
+        summary = report.get("summary") or build_summary(report)
+        head, *rest = summary["lines"]
+        head = head.removesuffix(f": {failure}") if failure else head  # RESULT says it
+        lines += [f"summary: {head}", *(f"  {x}" for x in rest)]
     if passed is not None:
         lines.append("RESULT: PASS" if passed else f"RESULT: FAIL: {failure}")
     return "\n".join(lines)
+
+
+def _unjudged(m: dict, th: Thresholds | None) -> dict[str, str]:
+    """Table rows shown with a limit that was not applied: {row: limit text}."""
+    if th is None:
+        return {}
+    out = {}
+    if th.max_rel_err is None:
+        out["max_rel_err"] = "-"
+    if th.min_top1 is not None and "decisive_positions" in m and not m["decisive_positions"]:
+        out["top1_decisive"] = f">= {th.min_top1:g}"
+    return out
 
 
 def _verdict(report, m, th, layers) -> tuple[bool | None, str | None]:
