@@ -374,8 +374,11 @@ def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundan
             f"{', '.join(given)} apply to the stream target; vLLM's sharded_state takes "
             f"--tp, --pp and --ep (vLLM places layers and experts itself)."
         )
+    from .serving import vllm_check
+
+    check = vllm_check(serving, lambda line: typer.echo(line, err=True))
     res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
-                     serving=serving, log=lambda line: typer.echo(line, err=True))  # fmt: skip
+                     before_write=check)  # fmt: skip
     typer.echo(
         f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s)"
         + (f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else "")

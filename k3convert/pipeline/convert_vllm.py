@@ -23,7 +23,7 @@ from ..parallel import procs
 from ..recipe import Recipe, recipe_to_dict
 from ..recipe.checks import check_model_type
 from ..recipe.sections import LayoutSection
-from ..serving import ServingTarget, resolve_device
+from ..serving import ServingTarget, resolve_device, vllm_check
 from ..serving import report as serving_report
 
 #: what convert writes next to the sharded files
@@ -118,7 +118,8 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     lay = r.layout
     log(f"shard --target vllm -> {out} (tp {lay.tp}, pp {lay.pp}, ep {ep})")
     res = write_vllm(src=cut_from, out=out, tp=lay.tp, pp=lay.pp, ep=ep, force=force,
-                     progress=progress, serving=None if checked else serving, log=log)  # fmt: skip
+                     progress=progress,
+                     before_write=None if checked else vllm_check(serving, log))  # fmt: skip
     times["write"] = time.perf_counter() - t
     vrep = None
     if r.verify.enabled:

@@ -53,7 +53,7 @@ from . import inputs as vin
 from . import metrics as vm
 from .decode import decode_check, special_tokens
 from .report import plot, write_json
-from .summary import build_summary
+from .summary import build_summary, reference_info
 
 
 def parse_layout(text: str | None) -> Layout | None:
@@ -712,39 +712,12 @@ def _verdict(report: dict, th, nonfinite, rss_all: list, dist_run: bool, cand_pa
 
 def _reference_info(ref_kind: str, ref_path: Path, reference, prov, cand_path: Path,
                     dtype: str) -> dict:  # fmt: skip
-    """What the candidate is compared with, for the report: the checkpoint (path, why
-    it is the reference, how it is stored) and what runs it."""
+    """What the candidate is compared with (:func:`summary.reference_info`), the original
+    followed through a quantized checkpoint's provenance."""
     orig, moved = None, None
     if prov is not None and (Path(prov) / "config.json").is_file():
         orig, moved = _original(Path(prov))
-    if orig is not None and orig.resolve() == ref_path.resolve():
-        what = (
-            "the candidate checkpoint itself, unsharded" if orig.resolve() == cand_path.resolve()
-            else "the quantized checkpoint the candidate was made from" if moved
-            else "the original the candidate was converted from"
-        )  # fmt: skip
-    else:
-        what = "the checkpoint named as the reference"
-    stored: dict[str, int] = {}
-    try:
-        ck = open_checkpoint(ref_path)
-        for name in ck.names():
-            meta = ck.meta(name)
-            stored[meta.storage] = stored.get(meta.storage, 0) + meta.nbytes
-    except (K3Error, OSError):
-        pass  # the run itself reports an unreadable reference
-    runner = (
-        "by transformers (its own model code) in float32"
-        if ref_kind == "transformers"
-        else f"unsharded by k3convert's runtime in {dtype}"
-    )
-    return {
-        "path": str(ref_path.resolve()),
-        "kind": ref_kind,
-        "what": what,
-        "stored": sorted(stored, key=lambda k: -stored[k]),
-        "runner": runner,
-    }
+    return reference_info(ref_kind, ref_path, orig, moved, cand_path, dtype)
 
 
 def _finite_or_none(x: float) -> float | None:

@@ -10,8 +10,11 @@ all print its ``lines``, so they say the same thing.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+from ..checkpoint import open_checkpoint
+from ..errors import K3Error
 from .metrics import DECISIVE_MARGIN, FAMILY_ABOUT, Thresholds, check, limit_checks
 
 #: why a figure next to a PASS is not judged (the JSON ``reason`` of its check)
@@ -208,3 +211,38 @@ def _top1_line(c: dict) -> str:
 
 
 __all__ = ["build_summary", "family_text", "reference_text"]
+
+
+def reference_info(ref_kind: str, ref_path: Path, orig: Path | None, moved, cand_path: Path,
+                   dtype: str) -> dict:  # fmt: skip
+    """What the candidate is compared with, for the report: the checkpoint (path, why it
+    is the reference - ``orig``: the original its provenance leads to, ``moved``: through
+    a quantized checkpoint -, how it is stored) and what runs it."""
+    if orig is not None and orig.resolve() == ref_path.resolve():
+        what = (
+            "the candidate checkpoint itself, unsharded" if orig.resolve() == cand_path.resolve()
+            else "the quantized checkpoint the candidate was made from" if moved
+            else "the original the candidate was converted from"
+        )  # fmt: skip
+    else:
+        what = "the checkpoint named as the reference"
+    stored: dict[str, int] = {}
+    try:
+        ck = open_checkpoint(ref_path)
+        for name in ck.names():
+            meta = ck.meta(name)
+            stored[meta.storage] = stored.get(meta.storage, 0) + meta.nbytes
+    except (K3Error, OSError):
+        pass  # the run itself reports an unreadable reference
+    runner = (
+        "by transformers (its own model code) in float32"
+        if ref_kind == "transformers"
+        else f"unsharded by k3convert's runtime in {dtype}"
+    )
+    return {
+        "path": str(ref_path.resolve()),
+        "kind": ref_kind,
+        "what": what,
+        "stored": sorted(stored, key=lambda k: -stored[k]),
+        "runner": runner,
+    }
