@@ -1170,8 +1170,8 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
     from k3convert import native
 
     rows, k = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 4])
-    fn = rng.choice(["gather", "max_codes", "fp4_decode", "gather_nib", "mx_int4",
-                     "mx_int4_search"])  # fmt: skip
+    fn = rng.choice(["gather", "max_codes", "fp4_decode", "mx_fp8_block", "gather_nib",
+                     "mx_int4", "mx_int4_search"])  # fmt: skip
     if fn == "gather":
         per, groups, keys = rng.choice([1, 8, 16]), rows * k, rng.randint(1, 3)
         dt = rng.choice([torch.uint8, torch.int32, torch.int64])
@@ -1189,6 +1189,15 @@ def native_call(g: torch.Generator, rng: random.Random) -> tuple[str, Callable, 
         table = rng.choice([None, native.decode_table(values, dtype)])
         kw = dict(packed=_u8(g, rows, cols), codes=_u8(g, rows, k), values=values, dtype=dtype,
                   group=group, table=table)  # fmt: skip
+    elif fn == "mx_fp8_block":
+        b0, sub = rng.choice([1, 2, 3]), rng.choice([1, 2, 4])
+        kw = dict(
+            packed=_u8(g, rows * b0, 16 * sub * k),
+            codes=_u8(g, rows * b0, sub * k),
+            block=(b0, 32 * sub),
+            table=_u8(g, 256, 2, 16),
+            top=_u8(g, 256, hi=8),
+        )
     else:
         cols = 16 * k * rng.choice([1, 2])
         kw = dict(packed=_u8(g, rows, cols), codes=_u8(g, rows, cols // 16, hi=256))
@@ -1269,7 +1278,8 @@ def mutate_native(kw: dict, rng: random.Random) -> str:
 
 
 def _decode_reference(kw: dict) -> torch.Tensor:
-    p, c, v = kw["packed"], kw["codes"], kw["values"]
+    p, c = kw["packed"], kw["codes"]
+    v = kw["values"]
     nib = torch.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1).long()
     code = c.long().repeat_interleave(kw["group"], dim=1)
     return v[code, nib]

@@ -30,7 +30,7 @@ from k3convert.checkpoint import open_checkpoint
 from k3convert.pipeline import quantize
 from k3convert.pipeline.quantize import plan_quantization
 from k3convert.quant import fp4_requant, get_scheme
-from k3convert.quant.schemes import IntScheme, NonFiniteWeightError
+from k3convert.quant.schemes import FP8Scheme, IntScheme, NonFiniteWeightError
 from k3convert.quant.writer import fused_groups
 
 #: the package was installed with its extension module built (setup.py); where a C
@@ -529,6 +529,44 @@ def test_kernels_same_bytes_at_any_thread_count(rows, cols):
     for simd in (True, False):
         got = _each_thread_count(lambda n, s=simd: [_nib_out(packed, nkey, maps, s, n)])
         assert torch.equal(got[0], _flat(want)), simd
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize(
+    "rows,cols,block",
+    [(1, 16, (1, 32)), (6, 64, (3, 64)), (9, 192, (3, 128)), (256, 448, (128, 128))],
+)
+@pytest.mark.parametrize("codes", ["near 127", "zero blocks", "wide", "past float32"])
+def test_fp8_block_kernel_every_loop_and_thread_count(rows, cols, block, codes, monkeypatch):
+    """The one-pass MXFP4 -> FP8-block kernel, every loop this CPU runs, at 1, 2, 3 threads
+    (1 to 2 bands of block rows each): the torch steps' bytes, scales and exactness, and
+    the same refusal where a block's scale leaves float32's normal range."""
+    packed = _rand((rows, cols), rows * cols)
+    lo, hi = {"near 127": (118, 130), "zero blocks": (118, 130), "wide": (3, 250),
+              "past float32": (1, 7)}[codes]  # fmt: skip
+    sc = _rand((rows, cols // 16), rows + cols, lo, hi)
+    if codes == "zero blocks":  # every other block row all zeros (and one group of -0)
+        for r0 in range(0, rows, 2 * block[0]):
+            packed[r0 : r0 + block[0]] = 0
+        packed[0, :16] = 0x88
+    scheme = FP8Scheme("fp8-block", strategy="block", block=block)
+    monkeypatch.setattr(native, "ENABLED", False)
+    stats: dict = {}
+    want = fp4_requant._fp8_bytes(packed, sc, scheme, stats)
+    monkeypatch.setattr(native, "ENABLED", True)
+    for simd in LEVELS:
+        got = [native.mx_fp8_block(packed, sc, block, fp4_requant._fp8_byte_table(),
+                                   fp4_requant._fp8_exact_top(), simd=simd, nthreads=n)
+               for n in THREADS]  # fmt: skip
+        if want is None:
+            assert all(g is None for g in got), simd
+            continue
+        for q, e, miss in got:
+            assert torch.equal(q, want["weight"].view(torch.uint8)), simd
+            assert torch.equal(torch.ldexp(torch.ones(e.shape), (e - 8).float()),
+                               want["weight_scale"]), simd  # fmt: skip
+            assert (miss == 0) == stats["exact"], (simd, miss)
+    assert (want is None) == (codes == "past float32")
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

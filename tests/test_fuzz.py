@@ -175,7 +175,7 @@ def test_fuzz_native_wrappers_under_sanitizers(tmp_path):
     assert "crashes   0 at 0 site(s)" in out, out
     accepted = int(out.split("accepted", 1)[1].split()[0])
     assert NATIVE_ITERATIONS // 10 < accepted < NATIVE_ITERATIONS * 9 // 10, out  # both outcomes
-    for fn in ("gather", "max_codes", "fp4_decode", "gather_nib", "mx_int4"):
+    for fn in ("gather", "max_codes", "fp4_decode", "mx_fp8_block", "gather_nib", "mx_int4"):
         assert f"ValueError ({fn})" in out, out
 
 

@@ -191,6 +191,28 @@ def test_packing_round_trip_and_matches_compressed_tensors(bits, shape):
         assert torch.equal(back.to(torch.int8), v)
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_unpacking_any_words_matches_compressed_tensors(bits, monkeypatch):
+    """Any int32 words (pad bits set too), both unpack paths (the bytes one for widths
+    dividing 8, the general one) against compressed-tensors' unpack_from_int32."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    import k3convert.formats.intn as intn
+
+    g = torch.Generator().manual_seed(100 + bits)
+    for shape in [(3, 1), (7, 33), (5, 1000)]:
+        for dim in (1, 0):
+            rows, n = (shape[0], shape[1]) if dim == 1 else (shape[1], shape[0])
+            raw = torch.randint(-(2**31), 2**31, (rows, intn.packed_len(n, bits)), generator=g,
+                                dtype=torch.int64).to(torch.int32)  # fmt: skip
+            p = raw if dim == 1 else raw.t().contiguous()
+            want = unpack_from_int32(p, bits, torch.Size(shape), packed_dim=dim).to(torch.int8)
+            for little in (True, False):
+                monkeypatch.setattr(intn, "_LITTLE", little and intn._LITTLE)
+                got = intn.unpack_int32(p, bits, shape, packed_dim=dim)
+                assert torch.equal(got, want), (shape, dim, little)
+
+
 @pytest.mark.parametrize(
     "name", ["w4a16", "w4a16-asym", "w3a16", "int3-g32-asym", "w2a16", "int2-g64-asym",
              "int8-g128", "int8-channel"],

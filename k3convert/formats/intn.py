@@ -88,6 +88,29 @@ def _pack_bytes(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     return out.contiguous().view(torch.int32)
 
 
+#: the host stores int32 words little-endian (the packed bit stream's byte order)
+_LITTLE = torch.tensor([1], dtype=torch.int32).view(torch.uint8)[0].item() == 1
+
+
+def _unpack_bytes(p: torch.Tensor, num_bits: int, rows: int, n: int) -> torch.Tensor:
+    """Fast path of :func:`unpack_int32` for 1/2/4/8 bits (the inverse of
+    :func:`_pack_bytes`, same output): each row's words as little-endian bytes, each
+    byte's ``8 / num_bits`` fields in order (uint8 arithmetic, no int64 temporaries), the
+    offset taken off modulo 256 and the bytes read as int8."""
+    b = p.contiguous().view(torch.uint8)  # [rows, 4 * words]
+    per = 8 // num_bits
+    if per == 1:
+        u = b.clone()
+    else:
+        mask = (1 << num_bits) - 1
+        u = torch.empty(rows, b.shape[1], per, dtype=torch.uint8)
+        for j in range(per):
+            torch.bitwise_and(b >> (j * num_bits), mask, out=u[:, :, j])
+        u = u.view(rows, -1)
+    u = u[:, :n].sub_(1 << (num_bits - 1))  # stored = value + 2**(bits - 1), mod 256
+    return u.view(torch.int8)
+
+
 def unpack_int32(
     packed: torch.Tensor, num_bits: int, shape: tuple[int, int], packed_dim: int = 1
 ) -> torch.Tensor:
@@ -104,6 +127,9 @@ def unpack_int32(
             f"packed shape {tuple(packed.shape)} does not hold {tuple(shape)} values of "
             f"{num_bits} bits packed along dim {packed_dim}"
         )
+    if 8 % num_bits == 0 and _LITTLE:
+        vals = _unpack_bytes(p, num_bits, rows, n)
+        return (vals.t() if packed_dim == 0 else vals).contiguous()
     w = p.to(torch.int64) & _MASK32
     w = torch.cat([w, torch.zeros(rows, 1, dtype=torch.int64)], dim=1)
     word, off = _bit_positions(n, num_bits)

@@ -49,7 +49,7 @@ from . import outbuf
 
 #: the kernels' ABI number (``k3_fp4_kernels_version`` in fp4_kernels.c): a built module
 #: reporting another one was compiled from another source and is not used
-ABI = 20
+ABI = 22
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
@@ -88,6 +88,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("k3_fp4_lut_bf16", "k3_fp4_lut_f32"):
         getattr(lib, name).argtypes = [p, p, i64, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
+    lib.k3_mx_fp8_block.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, i32, i32]
+    lib.k3_mx_fp8_block.restype = i64
     lib.k3_gather_nib.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_gather_nib.restype = None
     lib.k3_mx_int4.argtypes = [p, p, i64, i64, p, *[i32] * 5, p, p, p, i32, i32]
@@ -331,6 +333,52 @@ def fp4_decode(packed: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
     fn(packed.data_ptr(), codes.data_ptr(), codes.numel(), per, lut.data_ptr(),
        res.data_ptr(), _isa(simd, 2), n)  # fmt: skip
     return res
+
+
+#: k3_mx_fp8_block's answer when a block's scale leaves float32's normal range
+_FP8_DECLINE = 1 << 40
+
+
+def mx_fp8_block(packed: torch.Tensor, codes: torch.Tensor, block: tuple[int, int],
+                 table: torch.Tensor, top: torch.Tensor, *, simd: bool | int = True,
+                 nthreads: int | None = None):  # fmt: skip
+    """MXFP4 ``packed`` [out, in/2] / E8M0 ``codes`` [out, in/32] -> FP8 blocks of
+    ``block`` (rows, cols) with power-of-two scales in one pass per band of block rows
+    (:func:`k3convert.quant.fp4_requant._fp8_bytes` states the rule, and its torch steps
+    are the reference): (uint8 [out, in] e4m3 bytes, int16 [out / rows, in / cols] each
+    block's largest exponent ``E`` - its scale is ``2**(E - 8)`` -, the number of MX groups
+    some value of which e4m3 rounds: those whose largest magnitude code is past ``top``
+    [256], the largest code each key holds exactly). ``table``: uint8 [256, 2, 16], row
+    ``k``'s first 16 bytes the e4m3 bytes of key ``k``'s 16 nibbles (a bfloat16
+    :func:`decode_table` of them). None without the kernels, or where a block's scale
+    would leave float32's normal range (the caller's float path)."""
+    lib = _kernels()
+    if lib is None:
+        return None
+    bad = ValueError("native MXFP4 -> FP8 blocks: arguments of the wrong dtype, size or layout")
+    if not _cpu(packed, codes, table, top) or not isinstance(block, tuple) or len(block) != 2:
+        raise bad
+    b0 = _int(block[0], "mx_fp8_block block[0]", 1, 1 << 20)
+    b1 = _int(block[1], "mx_fp8_block block[1]", 32, 1 << 20)
+    out, cols = packed.shape if packed.ndim == 2 else (0, 0)
+    if (
+        packed.dtype != torch.uint8 or codes.dtype != torch.uint8 or packed.ndim != 2
+        or b1 % 32 or out % b0 or (2 * cols) % b1 or tuple(codes.shape) != (out, cols // 16)
+        or (table.dtype, tuple(table.shape)) != (torch.uint8, (256, 2, 16))
+        or (top.dtype, tuple(top.shape)) != (torch.uint8, (256,))
+    ):  # fmt: skip
+        raise bad
+    q = outbuf.empty((out, 2 * cols), torch.uint8)  # reused pages: no faults per tensor
+    e = torch.empty((out // b0, 2 * cols // b1), dtype=torch.int16)
+    if not q.numel():
+        return q, e, 0
+    n = threads_for(q.numel(), nthreads)
+    got = lib.k3_mx_fp8_block(packed.data_ptr(), codes.data_ptr(), out // b0, b0, cols // 16,
+                              b1 // 32, table.data_ptr(), top.data_ptr(), q.data_ptr(),
+                              e.data_ptr(), _isa(simd, 1), n)  # fmt: skip
+    if got >= _FP8_DECLINE:
+        return None
+    return q, e, int(got)
 
 
 def decode_table(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define K3_MAX_THREADS 64
@@ -973,6 +974,133 @@ void k3_gather_nib(const uint8_t *restrict src, const int32_t *restrict key, int
     k3_parallel(k3_gather_nib_body, &a, groups, 1, nthreads);
 }
 
+/* FP4 -> one byte per value through the low bytes of a bfloat16 decode table (the FP8
+ * re-encode: each row's 16 low bytes are e4m3 bytes): [groups x per] -> [groups x 2 per] */
+static void k3_lut_u8_generic_1(const uint8_t *restrict src, const uint8_t *restrict codes,
+                                int64_t groups, int64_t per, const uint8_t *restrict lut,
+                                uint8_t *restrict out) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *s = src + per * g, *t = lut + 32 * (int64_t)codes[g];
+        uint8_t *o = out + 2 * per * g;
+        for (int64_t k = 0; k < per; k++) {
+            o[2 * k] = t[s[k] & 15];
+            o[2 * k + 1] = t[s[k] >> 4];
+        }
+    }
+}
+
+#ifdef K3_HAVE_AVX2_PATH
+/* MXFP4 (16 bytes a group): the low and the high nibbles through the group's 16 bytes,
+ * interleaved back into value order */
+__attribute__((target("avx2"))) static void k3_lut16_u8_avx2_1(
+    const uint8_t *restrict src, const uint8_t *restrict codes, int64_t groups,
+    const uint8_t *restrict lut, uint8_t *restrict out) {
+    const __m128i m = _mm_set1_epi8(15);
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i t = _mm_loadu_si128((const __m128i *)(lut + 32 * (int64_t)codes[g]));
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + 16 * g));
+        __m128i l = _mm_shuffle_epi8(t, _mm_and_si128(v, m));
+        __m128i h = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), m));
+        _mm_storeu_si128((__m128i *)(out + 32 * g), _mm_unpacklo_epi8(l, h));
+        _mm_storeu_si128((__m128i *)(out + 32 * g + 16), _mm_unpackhi_epi8(l, h));
+    }
+}
+#endif
+
+/* MXFP4 -> FP8 blocks with power-of-two scales, in one pass per band of b0 rows
+ * (k3convert/quant/fp4_requant.py: _fp8_bytes has the derivation; its torch steps are the
+ * reference). Per block (b0 rows x sub MX groups): eb, the largest code + exponent of the
+ * group's largest magnitude code (m > 0) - the block maximum's exponent, biased; no such
+ * group: a zero block. A nonzero block with eb - 127 outside [-118, 135] declines the
+ * whole tensor (K3_FP8_DECLINE added to the return: the caller takes the float path);
+ * e_out[block] = eb - 127 (zero block: -118). Every MX group's key, clamp(code - e + 8,
+ * 0, 255), picks the e4m3 bytes of its values from lut (row key's first 16 bytes), and a
+ * group whose m is above top[key] (the largest code the key holds exactly) is counted:
+ * the return is that count (0: every value exact). */
+#define K3_FP8_DECLINE ((int64_t)1 << 40)
+typedef struct {
+    const uint8_t *src, *codes, *lut, *top;
+    uint8_t *out;
+    int16_t *e_out;
+    int64_t gpr, b0, sub; /* MX groups a row, rows a block, MX groups a block */
+    int simd;
+} k3_fp8_args;
+
+static const int8_t K3_EXP_OF_M[8] = {0, -1, 0, 0, 1, 1, 2, 2};
+
+/* one band: the groups' largest magnitude codes, the blocks' exponents, the keys (into
+ * the codes' place in buf), then one decode call for the whole band */
+static int64_t k3_fp8_band(const k3_fp8_args *a, int64_t band, uint8_t *mbuf, uint8_t *kbuf) {
+    int64_t gpr = a->gpr, b0 = a->b0, sub = a->sub, nb = gpr / sub, n = gpr * b0, miss = 0;
+    const uint8_t *s = a->src + 16 * n * band, *e = a->codes + n * band;
+    int16_t *eo = a->e_out + nb * band;
+    k3_max_codes_1(s, n, 16, mbuf, a->simd);
+    for (int64_t b = 0; b < nb; b++) eo[b] = -1000; /* biased; -1000: no value yet */
+    for (int64_t r = 0, i = 0; r < b0; r++) /* i = r * gpr + b * sub + j, no division */
+        for (int64_t b = 0; b < nb; b++) {
+            int t = eo[b];
+            for (int64_t j = 0; j < sub; j++, i++) {
+                int v = mbuf[i] ? (int)e[i] + K3_EXP_OF_M[mbuf[i] & 7] : -1000;
+                t = v > t ? v : t;
+            }
+            eo[b] = (int16_t)t;
+        }
+    int declined = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (eo[b] == -1000) {
+            eo[b] = -118; /* a zero block: scale 2**-126, as the float path */
+        } else {
+            eo[b] -= 127;
+            declined |= eo[b] < -118 || eo[b] > 135;
+        }
+    }
+    if (declined) return K3_FP8_DECLINE;
+    for (int64_t r = 0, i = 0; r < b0; r++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t j = 0; j < sub; j++, i++) {
+                int key = (int)e[i] - eo[b] + 8;
+                key = key < 0 ? 0 : key > 255 ? 255 : key;
+                kbuf[i] = (uint8_t)key;
+                miss += mbuf[i] > a->top[key];
+            }
+    uint8_t *o = a->out + 32 * n * band;
+#ifdef K3_HAVE_AVX2_PATH
+    if (k3_level(a->simd) >= 1) {
+        k3_lut16_u8_avx2_1(s, kbuf, n, a->lut, o);
+        return miss;
+    }
+#endif
+    k3_lut_u8_generic_1(s, kbuf, n, 16, a->lut, o);
+    return miss;
+}
+
+static int64_t k3_mx_fp8_block_body(const void *c, int64_t lo, int64_t hi) {
+    const k3_fp8_args *a = (const k3_fp8_args *)c;
+    int64_t n = a->gpr * a->b0, miss = 0;
+    uint8_t *buf = (uint8_t *)malloc(2 * (size_t)n);
+    if (buf == NULL) return K3_FP8_DECLINE; /* the caller's float path */
+    for (int64_t band = lo; band < hi; band++) {
+        int64_t r = k3_fp8_band(a, band, buf, buf + n);
+        if (r >= K3_FP8_DECLINE) {
+            miss = K3_FP8_DECLINE;
+            break;
+        }
+        miss += r;
+    }
+    free(buf);
+    return miss;
+}
+
+/* src uint8 [bands * b0 rows x 16 gpr], codes uint8 [bands * b0 x gpr] (gpr a multiple of
+ * sub), lut uint8 [256 x 32], top uint8 [256] -> out uint8 [rows x 32 gpr], e_out int16
+ * [bands x gpr / sub]; simd: the widest ISA level */
+int64_t k3_mx_fp8_block(const uint8_t *src, const uint8_t *codes, int64_t bands, int64_t b0,
+                        int64_t gpr, int64_t sub, const uint8_t *lut, const uint8_t *top,
+                        uint8_t *out, int16_t *e_out, int simd, int nthreads) {
+    k3_fp8_args a = {src, codes, lut, top, out, e_out, gpr, b0, sub, simd};
+    return k3_parallel(k3_mx_fp8_block_body, &a, bands, 1, nthreads);
+}
+
 /* flag bit 0: bfloat16 out (else float32); bits 2-3: the widest vector ISA a loop may use
  * (0 the portable loop, 1 AVX2, 2 AVX-512 BW + VBMI), taken where the CPU has it */
 static int64_t k3_fp4_lut_body(const void *c, int64_t lo, int64_t hi) {
@@ -1027,7 +1155,7 @@ void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 20; }
+int k3_fp4_kernels_version(void) { return 22; }
 
 /* the widest vector ISA level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 BW + VBMI) */
 int k3_fp4_simd_level(void) { return k3_level(2); }

@@ -304,13 +304,21 @@ def _fp8_exact_keys() -> torch.Tensor:
     return held.to(torch.int8).cummin(1).values.bool().reshape(-1)
 
 
+@functools.lru_cache(maxsize=1)
+def _fp8_exact_top() -> torch.Tensor:
+    """uint8 [256]: per key of :func:`_fp8_bytes`, the largest magnitude code whose values
+    (and every smaller one's) it holds exactly (:func:`_fp8_exact_keys`; 0 always: zero)."""
+    return _fp8_exact_keys().view(256, 8).to(torch.uint8).sum(1).sub_(1).to(torch.uint8)
+
+
 def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme,
                stats: dict | None = None):  # fmt: skip
     """:func:`fp8_exact` for whole blocks straight from the bytes: each block's largest
     exponent ``E`` from the MX groups' maxima and codes (no decode), then every value is
     ``e2m1(n) * 2**(k - 127)`` for its MX group's key ``k = e - E + 8`` and the output
-    byte one table load - the FP4 decode kernel with a table of e4m3 bytes (the low byte
-    of each 2-byte output), narrowed to one byte. The bytes of the general path
+    byte one table load (a table of e4m3 bytes). With the kernels, one C pass per band of
+    block rows (:func:`k3convert.native.mx_fp8_block`; the torch steps here are its
+    reference, taken without them). The bytes of the general path
     (tests/test_mx_transcode.py). None where this does not apply (other strategies, edge
     blocks, blocks whose MX groups straddle a block, exponents near float32's ends)."""
     out, cols = packed.shape
@@ -321,6 +329,15 @@ def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme,
     if out % b0 or inp % b1 or b1 % fmt.MX_GROUP:
         return None
     r, c, sub = out // b0, inp // b1, b1 // fmt.MX_GROUP
+    if native.ENABLED and native.library() is not None:  # the steps below in one C pass
+        got = native.mx_fp8_block(packed, codes, (b0, b1), _fp8_byte_table(), _fp8_exact_top())
+        if got is None:
+            return None  # a scale outside float32's normal range: the float path
+        q, e, miss = got
+        if stats is not None:
+            stats["exact"] = miss == 0
+        scale = torch.ldexp(torch.ones(r, c), (e - 8).float())
+        return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": scale}
     m = fp4.max_codes(packed, fmt.MX_GROUP // 2)  # [out, inp / 32]
     top = codes.to(torch.int16).sub_(127).add_(_EXP_OF_M[m.long()])  # zero groups: < -16000
     e = top.view(r, b0, c, sub).amax(3).amax(1)  # [r, c]: the block maximum's exponent
@@ -330,16 +347,9 @@ def _fp8_bytes(packed: torch.Tensor, codes: torch.Tensor, scheme: FP8Scheme,
     e = torch.where(zero, -118, e)  # a zero block: scale 2**-126, as the general path
     per_group = e.repeat_interleave(b0, 0).repeat_interleave(sub, 1)  # [out, inp / 32]
     keys = (codes.to(torch.int16) - per_group + 8).clamp_(0, 255).to(torch.uint8)
-    if stats is not None:  # exact unless a group holding a value has a key e4m3 cannot hold
-        key = keys.to(torch.int32).mul_(8).add_(m)
-        stats["exact"] = bool(_fp8_exact_keys()[_present(key)].all())
-    vals = _fp8_byte_values()
-    res = None
-    if native.ENABLED and native.library() is not None:
-        res = native.fp4_decode(packed, keys, vals, torch.bfloat16, fmt.MX_GROUP,
-                                table=_fp8_byte_table())  # fmt: skip
-    if res is None:
-        res = fp4.decode(packed, keys, fmt.MX_GROUP, _fp8_pair_table(), torch.bfloat16)
+    if stats is not None:  # exact unless a group's largest code is past what its key holds
+        stats["exact"] = bool(m.le(_lut_bytes(keys, _fp8_exact_top())).all())
+    res = fp4.decode(packed, keys, fmt.MX_GROUP, _fp8_pair_table(), torch.bfloat16)
     q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
     q.view(torch.uint8).copy_(res.view(torch.int16))  # each value's low byte (high: 0)
     scale = torch.ldexp(torch.ones(r, c), (e - 8).float())
