@@ -200,7 +200,9 @@ def test_unpacking_any_words_matches_compressed_tensors(bits, monkeypatch):
     import k3convert.formats.intn as intn
 
     g = torch.Generator().manual_seed(100 + bits)
-    for shape in [(3, 1), (7, 33), (5, 1000)]:
+    # (8, 2) along dim 0: one word a column, the transposed words' last stride 2 (the
+    # fuzzer's zero-point case)
+    for shape in [(3, 1), (8, 2), (7, 33), (5, 1000)]:
         for dim in (1, 0):
             rows, n = (shape[0], shape[1]) if dim == 1 else (shape[1], shape[0])
             raw = torch.randint(-(2**31), 2**31, (rows, intn.packed_len(n, bits)), generator=g,

@@ -97,7 +97,9 @@ def _unpack_bytes(p: torch.Tensor, num_bits: int, rows: int, n: int) -> torch.Te
     :func:`_pack_bytes`, same output): each row's words as little-endian bytes, each
     byte's ``8 / num_bits`` fields in order (uint8 arithmetic, no int64 temporaries), the
     offset taken off modulo 256 and the bytes read as int8."""
-    b = p.contiguous().view(torch.uint8)  # [rows, 4 * words]
+    # [rows, 4 * words] (flattened first: a tensor with a size-1 dim can count as
+    # contiguous with a last stride other than 1, which a dtype view refuses)
+    b = p.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)
     per = 8 // num_bits
     if per == 1:
         u = b.clone()

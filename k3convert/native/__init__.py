@@ -49,7 +49,7 @@ from . import outbuf
 
 #: the kernels' ABI number (``k3_fp4_kernels_version`` in fp4_kernels.c): a built module
 #: reporting another one was compiled from another source and is not used
-ABI = 22
+ABI = 23
 
 #: False: every caller takes its torch path (tests compare the two)
 ENABLED = True
@@ -88,7 +88,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("k3_fp4_lut_bf16", "k3_fp4_lut_f32"):
         getattr(lib, name).argtypes = [p, p, i64, i64, p, p, i32, i32]
         getattr(lib, name).restype = None
-    lib.k3_mx_fp8_block.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, i32, i32]
+    lib.k3_mx_fp8_block.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, p, i32, i32]
     lib.k3_mx_fp8_block.restype = i64
     lib.k3_gather_nib.argtypes = [p, p, i64, p, p, i32, i32]
     lib.k3_gather_nib.restype = None
@@ -372,10 +372,11 @@ def mx_fp8_block(packed: torch.Tensor, codes: torch.Tensor, block: tuple[int, in
     e = torch.empty((out // b0, 2 * cols // b1), dtype=torch.int16)
     if not q.numel():
         return q, e, 0
+    scratch = torch.empty(2 * codes.numel(), dtype=torch.uint8)  # 2 bytes an MX group
     n = threads_for(q.numel(), nthreads)
     got = lib.k3_mx_fp8_block(packed.data_ptr(), codes.data_ptr(), out // b0, b0, cols // 16,
                               b1 // 32, table.data_ptr(), top.data_ptr(), q.data_ptr(),
-                              e.data_ptr(), _isa(simd, 1), n)  # fmt: skip
+                              e.data_ptr(), scratch.data_ptr(), _isa(simd, 1), n)  # fmt: skip
     if got >= _FP8_DECLINE:
         return None
     return q, e, int(got)

@@ -17,7 +17,6 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define K3_MAX_THREADS 64
@@ -1020,7 +1019,7 @@ __attribute__((target("avx2"))) static void k3_lut16_u8_avx2_1(
 #define K3_FP8_DECLINE ((int64_t)1 << 40)
 typedef struct {
     const uint8_t *src, *codes, *lut, *top;
-    uint8_t *out;
+    uint8_t *out, *scratch;
     int16_t *e_out;
     int64_t gpr, b0, sub; /* MX groups a row, rows a block, MX groups a block */
     int simd;
@@ -1077,27 +1076,24 @@ static int64_t k3_fp8_band(const k3_fp8_args *a, int64_t band, uint8_t *mbuf, ui
 static int64_t k3_mx_fp8_block_body(const void *c, int64_t lo, int64_t hi) {
     const k3_fp8_args *a = (const k3_fp8_args *)c;
     int64_t n = a->gpr * a->b0, miss = 0;
-    uint8_t *buf = (uint8_t *)malloc(2 * (size_t)n);
-    if (buf == NULL) return K3_FP8_DECLINE; /* the caller's float path */
     for (int64_t band = lo; band < hi; band++) {
+        uint8_t *buf = a->scratch + 2 * n * band; /* the band's own: no allocation */
         int64_t r = k3_fp8_band(a, band, buf, buf + n);
-        if (r >= K3_FP8_DECLINE) {
-            miss = K3_FP8_DECLINE;
-            break;
-        }
+        if (r >= K3_FP8_DECLINE) return K3_FP8_DECLINE;
         miss += r;
     }
-    free(buf);
     return miss;
 }
 
 /* src uint8 [bands * b0 rows x 16 gpr], codes uint8 [bands * b0 x gpr] (gpr a multiple of
  * sub), lut uint8 [256 x 32], top uint8 [256] -> out uint8 [rows x 32 gpr], e_out int16
- * [bands x gpr / sub]; simd: the widest ISA level */
+ * [bands x gpr / sub]; scratch uint8 [2 x rows x gpr] (each group's largest code and
+ * key); simd: the widest ISA level */
 int64_t k3_mx_fp8_block(const uint8_t *src, const uint8_t *codes, int64_t bands, int64_t b0,
                         int64_t gpr, int64_t sub, const uint8_t *lut, const uint8_t *top,
-                        uint8_t *out, int16_t *e_out, int simd, int nthreads) {
-    k3_fp8_args a = {src, codes, lut, top, out, e_out, gpr, b0, sub, simd};
+                        uint8_t *out, int16_t *e_out, uint8_t *scratch, int simd,
+                        int nthreads) {
+    k3_fp8_args a = {src, codes, lut, top, out, scratch, e_out, gpr, b0, sub, simd};
     return k3_parallel(k3_mx_fp8_block_body, &a, bands, 1, nthreads);
 }
 
@@ -1155,7 +1151,7 @@ void k3_fp4_lut_f32(const uint8_t *restrict src, const uint8_t *restrict codes, 
 }
 
 /* the ABI version the loader checks (bumped with any signature change) */
-int k3_fp4_kernels_version(void) { return 22; }
+int k3_fp4_kernels_version(void) { return 23; }
 
 /* the widest vector ISA level this CPU runs (0 portable, 1 AVX2, 2 AVX-512 BW + VBMI) */
 int k3_fp4_simd_level(void) { return k3_level(2); }
