@@ -100,4 +100,7 @@ def byte_bar(**kwargs):
         "bar_format",
         "{l_bar}{bar}| {n_b}/{total_b} [{elapsed}<{remaining}, {rate_b}]",
     )
+    # shown after half a second: a run refused at once (an OUT already complete) prints
+    # its error line alone, not under an empty bar
+    kwargs.setdefault("delay", 0.5)
     return _Bytes(unit="B", **kwargs)
