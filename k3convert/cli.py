@@ -360,7 +360,7 @@ def shard(
 
 
 def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
-                progress, serving=None) -> None:  # fmt: skip
+                progress, serving) -> None:  # fmt: skip
     from .engines.vllm_index import llm_call
     from .engines.vllm_write import write_vllm
 
