@@ -138,7 +138,27 @@ LLMC_RECIPES = {
         "from llmcompressor.modifiers.quantization import QuantizationModifier",
         'QuantizationModifier(scheme="FP8", targets="Linear", ignore=["lm_head"])',
     ),
+    # NVFP4: its presets (group 16 under a global scale; NVFP4 also quantizes the
+    # activations, their global scale calibrated); the RTN rows are QuantizationModifier's
+    "RTN NVFP4A16": (
+        "from llmcompressor.modifiers.quantization import QuantizationModifier",
+        'QuantizationModifier(scheme="NVFP4A16", targets="Linear", ignore=["lm_head"])',
+    ),
+    "GPTQ NVFP4A16": (
+        "from llmcompressor.modifiers.gptq import GPTQModifier",
+        'GPTQModifier(scheme="NVFP4A16", targets="Linear", ignore=["lm_head"])',
+    ),
+    "RTN NVFP4": (
+        "from llmcompressor.modifiers.quantization import QuantizationModifier",
+        'QuantizationModifier(scheme="NVFP4", targets="Linear", ignore=["lm_head"])',
+    ),
+    "GPTQ NVFP4": (
+        "from llmcompressor.modifiers.gptq import GPTQModifier",
+        'GPTQModifier(scheme="NVFP4", targets="Linear", ignore=["lm_head"])',
+    ),
 }
+#: the NVFP4 rows (group 16 tiles both fixtures' widths: the same recipes on the MoE one)
+NVFP4_KEYS = ("RTN NVFP4A16", "GPTQ NVFP4A16", "RTN NVFP4", "GPTQ NVFP4")
 
 
 def _g32(modifier: str, symmetric: bool) -> str:
@@ -155,6 +175,7 @@ LLMC_RECIPES_G32 = {
     "GPTQ W4A16": (LLMC_RECIPES["GPTQ W4A16"][0], _g32("GPTQModifier", True)),
     "AWQ W4A16_ASYM": (LLMC_RECIPES["AWQ W4A16_ASYM"][0], _g32("AWQModifier", False)),
     "SmoothQuant+GPTQ W8A8": LLMC_RECIPES["SmoothQuant+GPTQ W8A8"],  # per channel: as is
+    **{k: LLMC_RECIPES[k] for k in NVFP4_KEYS},
 }
 #: k3convert's schemes on the deepseek_v3 fixture (group 32, as its llm-compressor rows)
 G32_SCHEMES = {"w4a16": "int4-g32", "w4a16-asym": "int4-g32-asym"}
@@ -181,6 +202,15 @@ QUALITY = (
     ("w8a8", "smoothquant+gptq+as", "SmoothQuant+GPTQ W8A8"),
     ("fp8", "static", "FP8 static"),
     ("fp8-dynamic", "rtn", None),
+    ("nvfp4a16", "rtn", "RTN NVFP4A16"),
+    ("nvfp4a16", "rtn+mse", "RTN NVFP4A16"),
+    ("nvfp4a16", "gptq", "GPTQ NVFP4A16"),
+    ("nvfp4a16", "gptq+mse", "GPTQ NVFP4A16"),
+    ("nvfp4a16", "gptq+mse+fpt", "GPTQ NVFP4A16"),
+    ("nvfp4", "static", "RTN NVFP4"),
+    ("nvfp4", "gptq", "GPTQ NVFP4"),
+    ("nvfp4", "gptq+mse", "GPTQ NVFP4"),
+    ("nvfp4", "gptq+mse+fpt", "GPTQ NVFP4"),
 )
 
 #: run in the llm-compressor interpreter: SRC OUT DATA N S PROCESSOR RECIPE-KEY
@@ -338,10 +368,29 @@ def metrics(ref: torch.Tensor, q: torch.Tensor, blocks: torch.Tensor) -> dict:
 _RUNTIME_REF: dict = {}
 
 
-def evaluate(out: Path, ref, blocks, src: Path | None = None) -> dict:
+def evaluate(out: Path, ref, blocks, src: Path | None = None, fp4: bool = False) -> dict:
     from transformers import CompressedTensorsConfig
 
     row: dict = {}
+    if fp4 and src is not None:
+        # NVFP4: transformers cannot run compressed FP4 in float32 on CPU (bf16 weights
+        # against float32 inputs) and loads MoE experts without their global scale;
+        # k3convert's runtime runs both tools' outputs the same way (weights dequantized,
+        # NVFP4 activations fake-quantized as compressed-tensors' forward_quantize:
+        # tests/test_formats_fp4.py holds it to transformers' bf16 logits), against its
+        # own logits of the unquantized model; "KLD w-only" stays transformers'
+        try:
+            key = str(src)
+            if key not in _RUNTIME_REF:
+                _RUNTIME_REF[key] = runtime_logits(src, blocks)
+            row.update(metrics(_RUNTIME_REF[key], runtime_logits(out, blocks), blocks))
+            row["loaded"] = "k3convert runtime (NVFP4 activations fake-quantized)"
+            q = logits_of(out, blocks,
+                          quantization_config=CompressedTensorsConfig(dequantize=True))  # fmt: skip
+            row["kld_wonly"] = metrics(ref, q, blocks)["kld_mean"]
+        except Exception as e:
+            row["loaded"] = row.get("loaded", "") + f"; failed: {type(e).__name__}: {str(e)[:80]}"
+        return row
     try:
         row.update(metrics(ref, logits_of(out, blocks), blocks), loaded="transformers + ct")
     except Exception as e:
@@ -411,12 +460,13 @@ def quality(
         recipes = LLMC_RECIPES_G32 if moe else LLMC_RECIPES
         for scheme, algo, key in QUALITY:
             if moe:  # group-wise schemes at group 32; per-channel W8A8 as it is
-                if scheme not in G32_SCHEMES and scheme != "w8a8":
+                if scheme not in G32_SCHEMES and scheme not in ("w8a8", "nvfp4a16", "nvfp4"):
                     continue
                 scheme = G32_SCHEMES.get(scheme, scheme)
             runs.append((f"k3convert {scheme} {algo}",
                          k3_argv(fixture, None, scheme, algo, data, n, Q_SEQ), key))  # fmt: skip
-            if key and llmc and not any(r[0].startswith(f"llm-compressor {key}") for r in runs):
+            if key and llmc and not any(r[0].startswith("llm-compressor ") and r[2] == key
+                                        for r in runs):  # fmt: skip
                 argv = llmc_argv(llmc, fixture, None, data, n, Q_SEQ, fixture, key, recipes)
                 runs.append((f"llm-compressor {key}" + (" g32" if moe else ""), argv, key))
         if only:
@@ -450,7 +500,8 @@ def quality(
             if row["walls"]:
                 row["wall_s"] = statistics.median(row["walls"])
             if "loaded" not in row:
-                row.update(evaluate(out, ref, blocks, fixture))
+                fp4 = "nvfp4" in name.lower()
+                row.update(evaluate(out, ref, blocks, fixture, fp4=fp4))
             table.append(row)
         for row in table:  # KLD over llm-compressor's for the same recipe and seed
             ref_row = next((r for r in table if r["seed"] == row["seed"] and r["key"]

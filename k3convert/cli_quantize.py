@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from .cli_options import Force, NoProgress, StrictServing
-from .errors import ConfigError, K3Error
+from .errors import ConfigError
 
 #: calibration / auto-keep options whose flag is not ``--`` + the key (error messages)
 _FLAGS = {"awq_clip": "--no-awq-clip", "act_order": "--no-act-order",
@@ -89,8 +89,8 @@ Calibrate = Annotated[
 Algorithm = Annotated[
     str | None,
     typer.Option(
-        help="With --calibrate: gptq (default; rtn for an FP4 --scheme, whose weights "
-        "GPTQ does not solve), awq (low-bit weight-only), smoothquant, smoothquant+gptq "
+        help="With --calibrate: gptq (default; int, FP8 and FP4 schemes), awq (low-bit "
+        "weight-only), smoothquant, smoothquant+gptq "
         "(W8A8), static (scales only) or rtn (scales and routing counts, weights rounded)."
     ),
 ]
@@ -134,8 +134,9 @@ Percentile = Annotated[
 WeightObserver = Annotated[
     str | None,
     typer.Option(
-        help="Integer schemes' weight scales: minmax (full range, default) or mse (each "
-        "group's clip ratio searched for the smallest rounding error; RTN, GPTQ and AWQ).",
+        help="Integer and FP4 schemes' weight scales: minmax (full range, default) or mse "
+        "(each group's scale searched for the smallest rounding error; RTN, GPTQ and AWQ; "
+        "under GPTQ an FP4 group's error is weighed by its block of the Hessian).",
     ),
 ]
 Alpha = Annotated[
@@ -164,6 +165,15 @@ NoAwqClip = Annotated[
         "--no-awq-clip",
         help="With --algorithm awq: skip AWQ's clip step (each int Linear's group "
         "ranges searched for the smallest output error over the calibration tokens).",
+    ),
+]
+GptqSolveReleased = Annotated[
+    bool,
+    typer.Option(
+        "--gptq-solve-released",
+        help="With GPTQ: also solve tensors released in MXFP4 under a scheme that holds "
+        "them exactly (nvfp4, nvfp4a16, mxfp4, fp8); by default they are transcoded "
+        "exactly and GPTQ solves the rest.",
     ),
 ]
 GptqFpTarget = Annotated[
@@ -253,6 +263,7 @@ def quantize(
     no_act_order: NoActOrder = False,
     no_awq_clip: NoAwqClip = False,
     gptq_fp_target: GptqFpTarget = None,
+    gptq_solve_released: GptqSolveReleased = False,
     kv_cache: KvCache = None,
     auto_keep: AutoKeep = None,
     auto_keep_scheme: AutoKeepScheme = None,
@@ -273,8 +284,8 @@ def quantize(
         offload_dir=offload_dir, moe_all_experts=moe_all_experts, observer=observer,
         percentile=percentile, alpha=alpha, alpha_search=alpha_search,
         no_act_order=no_act_order, no_awq_clip=no_awq_clip, gptq_fp_target=gptq_fp_target,
-        kv_cache=kv_cache, auto_keep=auto_keep, auto_keep_scheme=auto_keep_scheme, plot=plot,
-        sensitivity=sensitivity,
+        gptq_solve_released=gptq_solve_released, kv_cache=kv_cache, auto_keep=auto_keep,
+        auto_keep_scheme=auto_keep_scheme, plot=plot, sensitivity=sensitivity,
     )  # fmt: skip
     res = do_quantize(
         src=src,
@@ -306,7 +317,8 @@ def quantize(
 
 def _calibration_flags(*, scheme, recipe, calibrate, algorithm, dataset, num_samples, seq_len,
                        seed, offload_dir, moe_all_experts, observer, percentile, alpha,
-                       alpha_search, no_act_order, no_awq_clip, gptq_fp_target, kv_cache,
+                       alpha_search, no_act_order, no_awq_clip, gptq_fp_target,
+                       gptq_solve_released, kv_cache,
                        auto_keep, auto_keep_scheme, plot, sensitivity):  # fmt: skip
     """quantize's calibration and auto-keep flags, as the recipe sections they override
     (:func:`k3convert.recipe.calibrate_section` / :func:`~k3convert.recipe.
@@ -327,6 +339,7 @@ def _calibration_flags(*, scheme, recipe, calibrate, algorithm, dataset, num_sam
         ("percentile", percentile), ("alpha", alpha), ("kv_cache", kv_cache),
         ("alpha_search", alpha_search or None), ("act_order", False if no_act_order else None),
         ("awq_clip", False if no_awq_clip else None), ("gptq_fp_target", gptq_fp_target),
+        ("gptq_solve_released", gptq_solve_released or None),
     ) if v is not None}  # fmt: skip
     try:
         if auto_keep is not None:
@@ -339,7 +352,7 @@ def _calibration_flags(*, scheme, recipe, calibrate, algorithm, dataset, num_sam
             if extra:
                 raise ConfigError(f"{', '.join(extra)} only apply with --auto-keep.")
         if calibrate:
-            section.setdefault("algorithm", _default_algorithm(scheme))
+            section.setdefault("algorithm", "gptq")
             cal = calibrate_section({**data, **section}, name=_flag)
             return cal, None
     except ConfigError as e:
@@ -438,18 +451,3 @@ def _print_quantize(res, *, dry_run: bool, full_table: bool, plot) -> None:
             f"(shard --expert-load; picked up by shard --redundant-experts)"
         )
     typer.echo(res.summary())
-
-
-def _default_algorithm(scheme: str | None) -> str:
-    """--calibrate's algorithm when none is given: GPTQ, except for an FP4 scheme (NVFP4,
-    MXFP4), whose weights it does not solve: there calibration sets the input global
-    scales and rounds the weights to nearest (rtn)."""
-    from .quant.schemes import FP4Scheme, get_scheme  # torch: not at start-up
-
-    if scheme is not None:
-        try:
-            if isinstance(get_scheme(scheme), FP4Scheme):
-                return "rtn"
-        except K3Error:
-            pass  # an unknown name: the plan names the problem
-    return "gptq"

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from k3convert.calibrate.data import build_calibration_set
 from k3convert.calibrate.sequential import SequentialOptions, calibrate_sequential
-from k3convert.cli import main
 from k3convert.pipeline.quantize import UncalibratedInputWarning, plan_quantization
 from tests.models import save_model
 from tests.test_calibrate_moe import _cli
@@ -113,9 +112,81 @@ def test_cli_nvfp4_calibrated_and_uncalibrated(work, capsys):
         from k3convert.pipeline import quantize
 
         quantize(src=src, out=root / "nv-raw", scheme="nvfp4", progress=False)
-    # GPTQ cannot do NVFP4, and says so with advice that works (rtn / static do)
-    capsys.readouterr()
-    argv = ["quantize", src, root / "nv-gptq", "--scheme", "nvfp4", "--calibrate",
-            "--algorithm", "gptq", "--dataset", data]  # fmt: skip
-    rc = main([str(a) for a in argv])
-    assert rc == 2 and "--algorithm rtn (or static)" in capsys.readouterr().err
+
+
+def _fused_sets(st: dict) -> list[list[str]]:
+    """Module prefixes of ``st``'s sets of fused siblings (q/k/v, gate/up, q_a/kv_a, an
+    expert's w1/w3) with more than one member stored."""
+    from k3convert.engines.vllm_layers import FUSED_SETS
+
+    out = []
+    mods = {k.removesuffix(".weight_global_scale") for k in st if k.endswith("weight_global_scale")}
+    parents = {m.rpartition(".")[0] for m in mods}
+    for p in parents:
+        for names in FUSED_SETS:
+            got = [f"{p}.{n}" for n in names if f"{p}.{n}" in mods]
+            if len(got) > 1:
+                out.append(got)
+    return out
+
+
+def test_gptq_solves_nvfp4_with_the_fused_sets_global_scales(work):
+    """--calibrate with an FP4 scheme runs GPTQ by default (the input global scales as
+    before): every Linear's values are GPTQ's (not round to nearest's), and each fused
+    set (q_a / kv_a, gate / up, an expert's w1 / w3) keeps one global scale, the set's
+    largest |value|'s, as the uncalibrated writer gives it and a serving engine needs."""
+    root, data, src = work
+    out, raw = root / "nv-gptq", root / "nv-rtn"
+    rc, text = _cli(["quantize", src, out, "--scheme", "nvfp4", "--calibrate", "--dataset",
+                     data, "--num-samples", 4, "--seq-len", 16])  # fmt: skip
+    assert rc == 0, text
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
+    rc, text = _cli(["quantize", src, raw, "--scheme", "nvfp4"])
+    assert rc == 0, text
+    st, rt = load_file(out / "model.safetensors"), load_file(raw / "model.safetensors")
+    packed = [k for k in st if k.endswith("weight_packed") and ".layers." in k]
+    assert packed and all(st[k].shape == rt[k].shape for k in packed)
+    moved = {k for k in packed if not torch.equal(st[k], rt[k])}
+    dense = [k for k in packed if ".experts." not in k]  # (an expert may see no token)
+    assert dense and set(dense) <= moved, sorted(set(dense) - moved)
+    assert any(".experts." in k for k in moved)
+    sets = _fused_sets(st)
+    assert any(".experts." in s[0] for s in sets) and any("gate_proj" in s[0] for s in sets)
+    for members in sets:
+        g = [st[f"{m}.weight_global_scale"] for m in members]
+        assert all(torch.equal(g[0], x) for x in g), members
+        assert torch.equal(g[0], rt[f"{members[0]}.weight_global_scale"]), members
+
+
+def test_released_mxfp4_stays_exact_unless_solved(tmp_path):
+    """Kimi K3's routed experts are released in MXFP4, which NVFP4 holds exactly: GPTQ
+    leaves them to the exact transcode (every value the release's) and solves the rest;
+    ``--gptq-solve-released`` solves them too (then they move)."""
+    from k3convert.checkpoint import open_checkpoint
+    from k3convert.quant.schemes import get_scheme
+    from k3convert.synth import synthesize
+    from tests.test_calibrate_sequential import _ids_file
+
+    src = tmp_path / "k3"
+    # 2 layers (a dense one, then MoE), 4 experts: the smallest K3 with routed experts
+    synthesize(config="kimi-k3", out=src, tiny=True, overrides={"layers": 2, "experts": 4})
+    data = _ids_file(tmp_path / "ids.jsonl")
+    ck = open_checkpoint(src)
+    routed = [n for n in ck.names() if ".experts." in n and n.endswith(".weight")]
+    assert routed and all(ck.meta(n).encoding == "mxfp4-pack-quantized" for n in routed)
+    scheme = get_scheme("nvfp4a16")
+    moved = {}
+    for flag in ([], ["--gptq-solve-released"]):
+        out = tmp_path / ("solved" if flag else "exact")
+        rc, text = _cli(["quantize", src, out, "--scheme", "nvfp4a16", "--calibrate",
+                         "--dataset", data, "--num-samples", 2, "--seq-len", 8,
+                         "--no-progress", *flag])  # fmt: skip
+        assert rc == 0, text
+        oc = open_checkpoint(out)
+        moved[bool(flag)] = [n for n in routed if not torch.equal(
+            scheme.dequantize(oc.get_parts(n)), ck.get(n).float())]  # fmt: skip
+        dense = [n for n in oc.names() if ".experts." not in n and "self_attn.q_proj" in n]
+        assert dense and not torch.equal(oc.get(dense[0]).float(), ck.get(dense[0]).float())
+    assert moved[False] == []  # every routed expert holds the release's values
+    assert len(moved[True]) >= len(routed) // 4  # solved (those that saw tokens)

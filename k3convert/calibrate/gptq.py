@@ -34,8 +34,17 @@ the one llm-compressor computes (tests/test_gptq.py checks it):
   g_idx, so such a checkpoint would not load.
 
 Supported schemes: :class:`IntScheme` (2..8 bits, channel or group, symmetric or not,
-packed or int8) and :class:`FP8Scheme` with strategy ``tensor``, ``channel`` or
-``block`` (any block shape, float32 or ue8m0 scales). FP4 schemes are refused.
+packed or int8), :class:`FP8Scheme` with strategy ``tensor``, ``channel`` or
+``block`` (any block shape, float32 or ue8m0 scales) and :class:`FP4Scheme` (NVFP4's
+per-16 e4m3 scales under a per-tensor global scale, with or without activations;
+MXFP4's per-32 E8M0 exponents): each column is rounded to E2M1 against its group's
+fixed float32 scale (``e4m3 / global``, or ``2 ** (e - 127)``: what every loader
+multiplies by) as the scheme rounds. Its scales are the scheme's: the largest |value|
+per group (``minmax``, as llm-compressor's GPTQ for NVFP4 takes them), or with the
+``mse`` observer each group's scale searched for the smallest output error, weighed by
+the group's diagonal block of this Hessian (:mod:`k3convert.quant.fp4_search`, Model
+Optimizer's local-Hessian scale search). NVFP4's global scale is the fused set's
+(``global_amax``) so q / k / v and gate / up keep one, as a serving engine fuses them.
 
 :class:`HessianAccumulator` builds ``H = 2 / n * sum(x x^T)`` of one Linear's inputs in
 float32 over streamed batches, n counting tokens (padding excluded by a mask).
@@ -49,10 +58,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import formats as fmt
 from ..errors import ConfigError, NonFiniteError, short_repr
 from ..formats import FP8_MAX
+from ..formats.fp4 import E2M1, fp4_codes, pack_fp4
 from ..formats.intn import pack_int32, unpack_int32
+from ..quant import fp4_search
 from ..quant.schemes import (
+    FP4Scheme,
     FP8Scheme,
     IntScheme,
     NonFiniteWeightError,
@@ -359,15 +372,63 @@ class _FP8Columns:
         return {"weight": self.codes.t().contiguous()}
 
 
+class _FP4Columns:
+    """Rounds one column of an FP4Scheme weight (NVFP4 / MXFP4) to E2M1 against its
+    group's fixed float32 scale."""
+
+    def __init__(self, scheme: FP4Scheme, parts: dict, shape: tuple[int, int], name: str):
+        out, inp = shape
+        self.group = scheme.group
+        scale = parts["weight_scale"]
+        if scheme.encoding == fmt.NVFP4:  # as the loaders: scale / global in float32
+            eff = scale.float() / parts["weight_global_scale"].float().reshape(1, 1)
+        else:
+            eff = fmt.e8m0_to_float(scale)
+        if not bool(torch.isfinite(eff * fmt.FP4_MAX).all()):
+            raise WeightRangeError(
+                f"GPTQ for '{name}' (scheme '{scheme.name}'): a scale of this weight times 6 "
+                f"overflows float32; quantize it without calibration (round to nearest)."
+            )
+        self.eff_t = eff.t().contiguous()  # [ng, out]
+        self.codes = torch.empty(inp, out, dtype=torch.uint8)  # column-major while sweeping
+
+    def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        s = self.eff_t[col // self.group]
+        q = fp4_codes((w / s).clamp_(-fmt.FP4_MAX, fmt.FP4_MAX), out=self.codes[col])
+        return E2M1.index_select(0, q.long()).mul_(s)
+
+    def values(self) -> dict[str, torch.Tensor]:
+        return {"weight_packed": pack_fp4(self.codes.t().contiguous())}
+
+
+def _columns(scheme: Scheme):
+    if isinstance(scheme, IntScheme):
+        return _IntColumns
+    return _FP4Columns if isinstance(scheme, FP4Scheme) else _FP8Columns
+
+
+def _rtn_parts(scheme: Scheme, w: torch.Tensor, H: torch.Tensor, name: str, global_amax):
+    """The scheme's parts of ``w`` whose scales GPTQ rounds against: its own quantize;
+    an FP4 scheme with the ``mse`` observer searches each group's scale against its block
+    of ``H`` (the output error, not the weight's)."""
+    if not isinstance(scheme, FP4Scheme):
+        return scheme.quantize(w, name=name)
+    if scheme.observer == "mse":
+        blocks = fp4_search.local_blocks(H, scheme.group)
+        return fp4_search.quantize(scheme, w, name=name, global_amax=global_amax, gram=blocks)
+    return scheme.quantize_rtn(w, name=name, global_amax=global_amax)
+
+
 # -- GPTQ ------------------------------------------------------------------------------
 def _check_args(w, H, scheme, block_size, dampening, act_order, name):
     """(scheme None: not checked, for :func:`fp_target_weight`)"""
-    if scheme is not None and not isinstance(scheme, (IntScheme, FP8Scheme)):
+    if scheme is not None and not isinstance(scheme, (IntScheme, FP8Scheme, FP4Scheme)):
         kind = type(scheme).__name__ if isinstance(scheme, Scheme) else short_repr(scheme)
         raise ConfigError(
             f"GPTQ for '{name}': scheme {getattr(scheme, 'name', kind)!r} ({kind}) is not "
-            f"supported; GPTQ handles int schemes (int2..int8, channel or group) and FP8 "
-            f"schemes (tensor, channel, block). Quantize it without calibration."
+            f"supported; GPTQ handles int schemes (int2..int8, channel or group), FP8 "
+            f"schemes (tensor, channel, block) and FP4 schemes (nvfp4, mxfp4). Quantize it "
+            f"without calibration."
         )
     if not isinstance(w, torch.Tensor) or w.ndim != 2 or not w.is_floating_point():
         raise ConfigError(
@@ -443,6 +504,7 @@ def gptq_quantize(
     act_order: bool = False,
     name: str = "weight",
     target: torch.Tensor | None = None,
+    global_amax: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The parts ``scheme.quantize(w)`` stores, with values chosen by GPTQ.
 
@@ -454,7 +516,9 @@ def gptq_quantize(
     ``actorder: weight``; the stored format is unchanged); name: the tensor, for errors;
     target: the weight the sweep approximates instead of w (same shape, e.g.
     :func:`fp_target_weight`'s), rounded against w's scales and zero points (the
-    scheme's, observed on w: w's range, not the shifted target's, sets the grid).
+    scheme's, observed on w: w's range, not the shifted target's, sets the grid);
+    global_amax: an NVFP4 scheme's global scale from this largest |value| (the fused
+    set's, e.g. q / k / v) instead of w's own.
     """
     _check_args(w, H, scheme, block_size, dampening, act_order, name)
     if target is not None:
@@ -468,10 +532,8 @@ def gptq_quantize(
             raise NonFiniteError(f"GPTQ for '{name}': the target weight holds NaN/Inf.")
     out, inp = w.shape
     scheme.check(name, (out, inp))
-    parts = scheme.quantize(w, name=name)  # round to nearest: its scales are GPTQ's
-    cols = (_IntColumns if isinstance(scheme, IntScheme) else _FP8Columns)(
-        scheme, parts, (out, inp), name
-    )
+    parts = _rtn_parts(scheme, w, H, name, global_amax)  # its scales are GPTQ's
+    cols = _columns(scheme)(scheme, parts, (out, inp), name)
     W = (w if target is None else target).to(torch.float32, copy=True)
     H = H.to(torch.float32, copy=True)
     order = None

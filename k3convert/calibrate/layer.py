@@ -47,6 +47,7 @@ from .passes import (
     round_to_nearest,
     static_input,
     token_mask,
+    transcoded_exactly,
 )
 
 
@@ -63,8 +64,9 @@ class _Layer:
     """The state of one layer's calibration (see the module doc)."""
 
     def __init__(self, rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos,
-                 masks, amasks, journal, observer, group, fp):  # fmt: skip
+                 masks, amasks, journal, observer, group, fp, shared=None):  # fmt: skip
         self.rt, self.src, self.ckpt, self.allrows, self.i = rt, src, ckpt, allrows, i
+        self.shared = shared  # NVFP4 fused sets' global scales (quant.writer.SharedScales)
         self.options, self.hidden, self.pos, self.masks, self.amasks = (
             options, hidden, pos, masks, amasks)  # fmt: skip
         self.journal, self.observer, self.group, self.fp = journal, observer, group, fp
@@ -73,8 +75,10 @@ class _Layer:
         self.by_name = {e.name: e for e in self.entries.values()}
         self.mine = {n: rows[n] for n in self.by_name if n in rows}
         mine = self.mine
+        solve_released = bool(options.gptq_solve_released)
         self.gptq = {n for n, r in mine.items()
-                     if algorithm in GPTQ_ALGORITHMS and gptq_supported(r.scheme)}  # fmt: skip
+                     if algorithm in GPTQ_ALGORITHMS and gptq_supported(r.scheme)
+                     and (solve_released or not transcoded_exactly(ckpt, n, r.scheme))}  # fmt: skip
         self.clip = set()
         if algorithm == "awq" and options.awq_clip:
             self.clip = {n for n, r in mine.items()
@@ -269,7 +273,9 @@ class _Layer:
             if n in self.others:  # another process's solve
                 continue
             w = smoothed(n) if n in touched else self.ckpt.get(n)
-            got = self.gptq_pass.solve(n, w, r.scheme)
+            share = self.shared.get(n) if self.shared else None
+            got = self.gptq_pass.solve(n, w, r.scheme,
+                                       None if share is None else share.amax)  # fmt: skip
             parts = None
             if got is not None:
                 parts, fell_back = got
@@ -289,7 +295,7 @@ class _Layer:
                         ExpertFallbackWarning, stacklevel=3,
                     )  # fmt: skip
                     rec["fallbacks"].append(n)
-                parts = round_to_nearest(self.ckpt, n, r.scheme, w, n in touched)
+                parts = round_to_nearest(self.ckpt, n, r.scheme, w, n in touched, share)
                 if n in touched:  # the smoothed weight's parts (the source's are not these)
                     rec["parts"].append(n)
                     parts_out.update({f"{r.module}.{k}": v.contiguous()
@@ -321,12 +327,12 @@ class _Layer:
 
 
 def calibrate_layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks,
-                    amasks, journal, observer, group, fp=None) -> dict:  # fmt: skip
+                    amasks, journal, observer, group, fp=None, shared=None) -> dict:  # fmt: skip
     """Calibrate decoder layer ``i`` (see the module doc); the layer's journal record:
     input scales, routed-token counts, fallbacks, the rows whose parts are journaled,
     smoothing choices, routing counts, KV absmax."""
     L = _Layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden, pos, masks,
-               amasks, journal, observer, group, fp)  # fmt: skip
+               amasks, journal, observer, group, fp, shared)  # fmt: skip
     mine, by_name = L.mine, L.by_name
     handles = [rt.add_hook(L.on_linear, set(mine) | L.smoothing.names)]
     if L.router is not None:

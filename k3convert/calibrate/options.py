@@ -90,19 +90,25 @@ class DataOptions(_Group):
 
 @dataclass(frozen=True)
 class GPTQOptions(_Group):
-    """GPTQ (:class:`~.passes.GPTQPass`): block size, dampening, act-order, and the
-    full-precision target's strength (``gptq_fp_target``, 0 = GPTQ's own target)."""
+    """GPTQ (:class:`~.passes.GPTQPass`): block size, dampening, act-order, the
+    full-precision target's strength (``gptq_fp_target``, 0 = GPTQ's own target), and
+    whether tensors released in MXFP4 whose scheme holds them exactly (NVFP4, MXFP4,
+    FP8) are solved too (``gptq_solve_released``; by default they are transcoded
+    exactly, :func:`~.passes.transcoded_exactly`)."""
 
     block_size: int
     dampening: float
     act_order: bool
     fp_target: float
+    solve_released: bool
 
     KEYS: ClassVar = {"block_size": "block_size", "dampening": "dampening",
-                      "act_order": "act_order", "fp_target": "gptq_fp_target"}  # fmt: skip
+                      "act_order": "act_order", "fp_target": "gptq_fp_target",
+                      "solve_released": "gptq_solve_released"}  # fmt: skip
 
     def check(self, name: Name = option_name) -> None:
         _positive_int(self.block_size, "block_size", name)
+        _flag(self.solve_released, "gptq_solve_released", name)
         d = self.dampening
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
             raise ConfigError(f"{name('dampening')} must be a number >= 0, got {d!r}.")
@@ -114,11 +120,11 @@ class GPTQOptions(_Group):
             )
 
     def check_given(self, opts, algorithm, given, name) -> None:
-        if "gptq_fp_target" in given and algorithm not in GPTQ_ALGORITHMS:
-            raise ConfigError(
-                f"{name('gptq_fp_target')} only applies with {name('algorithm')} gptq or "
-                f"smoothquant+gptq."
-            )
+        for key in ("gptq_fp_target", "gptq_solve_released"):
+            if key in given and algorithm not in GPTQ_ALGORITHMS:
+                raise ConfigError(
+                    f"{name(key)} only applies with {name('algorithm')} gptq or smoothquant+gptq."
+                )
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,8 @@ class SequentialOptions:
     of hidden states is carried beside the quantized one, and each GPTQ Linear
     accumulates the cross term ``(Xf - X) X^T`` beside its Hessian
     (:func:`~.gptq.fp_target_weight`; scales stay the weight's own).
+    gptq_solve_released: GPTQ also solves tensors released in MXFP4 under a scheme that
+    holds them exactly (NVFP4, MXFP4, FP8); off, they are transcoded exactly.
     """
 
     dataset: str | os.PathLike = "default"
@@ -274,6 +282,7 @@ class SequentialOptions:
     smooth_tokens: int = 4096
     kv_cache: str | None = None
     gptq_fp_target: float = 0.0
+    gptq_solve_released: bool = False
 
     def data(self) -> DataOptions:
         return DataOptions.of(self)
@@ -323,7 +332,10 @@ class SequentialOptions:
 
     def _gptq_options(self, algorithm: str | None) -> dict:
         if algorithm is None or algorithm in GPTQ_ALGORITHMS:
-            return {"gptq_fp_target": float(self.gptq_fp_target)}
+            out = {"gptq_fp_target": float(self.gptq_fp_target)}
+            if self.gptq_solve_released:  # (absent when off: earlier records unchanged)
+                out["gptq_solve_released"] = True
+            return out
         return {}
 
     def _smoothing_options(self, algorithm: str | None) -> dict:

@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..formats import FP4_MAX, FP8_MAX
 from ..quant import fp4_requant, mse_observer
 from ..quant.mse_observer import GroupGram
-from ..quant.schemes import FP8Scheme, IntScheme, Scheme
+from ..quant.schemes import FP4Scheme, FP8Scheme, IntScheme, Scheme
 from .gptq import (
     CrossAccumulator,
     GPTQFallbackWarning,
@@ -63,7 +63,18 @@ class ExpertFallbackWarning(UserWarning):
 
 # -- what each scheme asks of calibration -------------------------------------------------
 def gptq_supported(scheme: Scheme) -> bool:
-    return isinstance(scheme, (IntScheme, FP8Scheme))
+    return isinstance(scheme, (IntScheme, FP8Scheme, FP4Scheme))
+
+
+def transcoded_exactly(ckpt, name: str, scheme: Scheme) -> bool:
+    """Whether tensor ``name`` is released in MXFP4 and ``scheme``'s format holds its
+    values (NVFP4: e4m3 scales under a global scale; FP8: a float per value; MXFP4: the
+    same format): such a tensor is transcoded from its bytes (:mod:`..quant.fp4_requant`),
+    and GPTQ leaves it alone unless asked (``gptq_solve_released``). Integer schemes
+    cannot hold it: GPTQ solves those."""
+    if ckpt.meta(name).encoding != fmt.MXFP4:
+        return False
+    return isinstance(scheme, (FP8Scheme, FP4Scheme))
 
 
 def group_of(scheme: IntScheme, shape) -> int:
@@ -114,17 +125,23 @@ def dequantized(scheme: Scheme, parts: dict) -> torch.Tensor:
     return scheme.dequantize(parts).to(torch.float32)
 
 
-def round_to_nearest(ckpt, name: str, scheme: Scheme, w: torch.Tensor, smoothed: bool):
+def round_to_nearest(ckpt, name: str, scheme: Scheme, w: torch.Tensor, smoothed: bool,
+                     share=None):  # fmt: skip
     """A rounded-to-nearest Linear's parts as the writer will store them: an MXFP4 source
     (not smoothed) through :mod:`..quant.fp4_requant` (the exact NVFP4 / FP8 transcode,
     int4's searched scales), so the layers after it calibrate on the written values;
-    else the scheme's own quantize of ``w``. (Its transcode warning is the writer's.)"""
+    else the scheme's own quantize of ``w``. (Its transcode warning is the writer's.)
+    share: the fused set's :class:`~..quant.writer.SharedScale` (NVFP4's global scale)."""
     if not smoothed and ckpt.meta(name).encoding == fmt.MXFP4 and fp4_requant.supported(scheme):
+        top = share.top_code if share is not None else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", fp4_requant.TranscodeLossWarning)
-            parts = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name)
+            parts = fp4_requant.requantize(ckpt.get_parts(name), scheme, name=name,
+                                           top_code=top)  # fmt: skip
         if parts is not None:
             return parts
+    if share is not None and isinstance(scheme, FP4Scheme):
+        return scheme.quantize(w, name=name, global_amax=share.amax)
     return scheme.quantize(w, name=name)
 
 
@@ -172,9 +189,11 @@ class GPTQPass:
                 )
             self.cross[name].add(x, got.pop(0), mask)
 
-    def solve(self, name: str, w: torch.Tensor, scheme: Scheme) -> tuple[dict, bool] | None:
+    def solve(self, name: str, w: torch.Tensor, scheme: Scheme,
+              global_amax=None) -> tuple[dict, bool] | None:  # fmt: skip
         """(parts, fell back to round to nearest: Hessian not positive definite), or None
-        when ``name`` is not solved here or saw no token."""
+        when ``name`` is not solved here or saw no token. global_amax: NVFP4's fused set's
+        largest |value| (its global scale)."""
         acc = self.acc.get(name)
         if acc is None or not acc.tokens:
             return None
@@ -189,7 +208,8 @@ class GPTQPass:
             warnings.simplefilter("always", GPTQFallbackWarning)
             parts = gptq_quantize(w, H, scheme, block_size=o.block_size,
                                   dampening=float(o.dampening), act_order=bool(o.act_order),
-                                  name=name, target=target)  # fmt: skip
+                                  name=name, target=target,
+                                  global_amax=global_amax)  # fmt: skip
         del target
         fell_back = False
         for c in caught:  # not positive definite: rounded to nearest (listed too)

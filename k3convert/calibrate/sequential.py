@@ -60,6 +60,7 @@ from .. import __version__ as _k3_version
 from ..checkpoint.bounded import read_json
 from ..errors import ConfigError
 from ..parallel.procs import ProcessGroup
+from ..quant.writer import shared_amax
 from ..runtime.decoder import AttnResState
 from ..runtime.runtime import Runtime
 from .data import CalibrationSet
@@ -293,7 +294,7 @@ def check_algorithm(plan, algorithm: str) -> None:
         bad = sorted({r.scheme.name for r in rows if not gptq_supported(r.scheme)})
         if bad:
             raise ConfigError(
-                f"GPTQ handles int and FP8 schemes; scheme(s) {', '.join(bad)} are not "
+                f"GPTQ handles int, FP8 and FP4 schemes; scheme(s) {', '.join(bad)} are not "
                 f"supported. Use --algorithm rtn (or static) for them, or another scheme."
             )
     if algorithm == "static" and not any(static_input(r.scheme) for r in rows):
@@ -400,6 +401,7 @@ def _run(
     done = int(state["done"])
     rows = {r.name: r for r in plan.rows if not r.kept and not r.as_stored}
     allrows = {r.name: r for r in plan.rows}
+    shared = shared_amax(ckpt, plan)  # NVFP4's fused sets: one global scale each
     if done == 0:
         for b, (b_ids, _) in enumerate(batches):
             pv, grid = pixels[b] if pixels[b] is not None else (None, None)
@@ -423,7 +425,8 @@ def _run(
     for i in range(done, rt.num_layers):
         t0 = time.perf_counter()
         rec = calibrate_layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden,
-                              pos, masks, amasks, journal, observer, group, fp)  # fmt: skip
+                              pos, masks, amasks, journal, observer, group, fp,
+                              shared)  # fmt: skip
         rec["seconds"] = time.perf_counter() - t0
         last = i + 1 == rt.num_layers
         if not last:

@@ -19,7 +19,7 @@ from ..formats import ACTIVATION_PARTS
 from ..formats.dtypes import FLOAT_DTYPES
 from . import mx_int4
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
-from .schemes import IntScheme, get_scheme, known_schemes
+from .schemes import FP4Scheme, IntScheme, get_scheme, known_schemes
 
 
 def config_dtype(config: dict) -> torch.dtype:
@@ -120,16 +120,19 @@ def mx_search(ckpt, plan: Plan) -> list:
 
 
 def with_observer(plan: Plan, observer: str) -> list:
-    """The plan's rows with every integer scheme's weight observer set to ``observer``."""
+    """The plan's rows with every integer and FP4 scheme's weight observer set to
+    ``observer`` (FP8 scales have no search: those rows keep theirs)."""
     if observer not in ("minmax", "mse"):
         raise ConfigError(f"weight observer must be minmax or mse, not {short_repr(observer)}.")
-    ints = [r for r in plan.quantized if isinstance(r.scheme, IntScheme) and not r.as_stored]
+    ints = [r for r in plan.quantized
+            if isinstance(r.scheme, (IntScheme, FP4Scheme)) and not r.as_stored]  # fmt: skip
     if not ints:
         used = sorted({r.scheme.name for r in plan.quantized}) or ["none: every tensor is kept"]
         raise ConfigError(
-            f"the weight observer ({observer}) chooses integer scales; no tensor of this plan "
-            f"is quantized to an integer scheme (schemes: {', '.join(used)}). Use an int "
-            f"scheme (w4a16, w4a16-asym, w8a8, int4-g128, ...) or drop --weight-observer."
+            f"the weight observer ({observer}) chooses integer and FP4 scales; no tensor of "
+            f"this plan is quantized to such a scheme (schemes: {', '.join(used)}). Use an "
+            f"int or FP4 scheme (w4a16, w8a8, int4-g128, nvfp4a16, nvfp4, ...) or drop "
+            f"--weight-observer."
         )
     cache: dict = {}
     rows = []

@@ -35,6 +35,14 @@ class FP4Scheme(Scheme):
 
     #: the format written (a key of ``formats.FORMATS``)
     encoding: str = ""
+    #: how each group's scale is chosen: ``minmax`` (its largest |value|, as
+    #: compressed-tensors) or ``mse`` (the stored scale codes around it searched for the
+    #: smallest error, :mod:`k3convert.quant.fp4_search`); the parts are the same tensors
+    observer: str = "minmax"
+
+    def __post_init__(self):
+        if self.observer not in ("minmax", "mse"):
+            raise ConfigError(f"weight observer must be minmax or mse, not {self.observer!r}.")
 
     @property
     def spec(self) -> fmt.Encoding:
@@ -45,7 +53,7 @@ class FP4Scheme(Scheme):
         return self.spec.group
 
     def options(self) -> dict:
-        return {}
+        return {"observer": self.observer}
 
     @property
     def shares_global_scale(self) -> bool:
@@ -87,13 +95,22 @@ class FP4Scheme(Scheme):
         return self.spec.dequantize(parts, fmt.QuantParams())
 
     def weight_args(self):
-        return {**self.spec.weight_args, "actorder": None, "observer": "minmax"}
+        return {**self.spec.weight_args, "actorder": None, "observer": self.observer}
 
     @property
     def format(self):
         return self.spec.name
 
     def quantize(self, w: torch.Tensor, *, name: str = "weight", global_amax=None):
+        """w: [out, in] -> parts: :meth:`quantize_rtn`'s, or with the ``mse`` observer
+        each group's scale searched (:func:`k3convert.quant.fp4_search.quantize`)."""
+        if self.observer == "mse":
+            from .. import fp4_search
+
+            return fp4_search.quantize(self, w, name=name, global_amax=global_amax)
+        return self.quantize_rtn(w, name=name, global_amax=global_amax)
+
+    def quantize_rtn(self, w: torch.Tensor, *, name: str = "weight", global_amax=None):
         """w: [out, in] -> parts. A band of rows at a time: group maxima of |w| on the raw
         bits (exact), scales per group, then ``w / scale`` in float32 into one reused
         buffer, clamped to [-6, 6], rounded to E2M1 codes and packed two per byte.
