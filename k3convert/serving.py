@@ -32,7 +32,6 @@ from .checkpoint import TensorMeta
 from .engines.vllm_layers import FUSED_SETS, whole_fp8_blocks
 from .errors import ConfigError
 from .layout import Layout
-from .quant.schemes import FP4Scheme, FP8Scheme, IntScheme
 from .shard.plan import Splitter
 from .stream.format import SplitError
 
@@ -214,28 +213,13 @@ class Problem:
 
 @functools.lru_cache(maxsize=256)
 def kernel_class(scheme) -> str:
-    """The class of vLLM kernel a scheme needs (a key of :data:`KERNELS`); cached per
-    scheme (a plan of a 3 T model asks once per tensor)."""
-    act = scheme.act
-    if isinstance(scheme, FP8Scheme):
-        if scheme.strategy == "block":
-            return "fp8-block"
-        if act is None:
-            return "fp8-w8a16"
-        return "fp8-w8a8-dynamic" if act.dynamic else "fp8-w8a8-static"
-    if isinstance(scheme, IntScheme):
-        if act is None:
-            if scheme.num_bits == 4:
-                return "int4-w4a16"
-            return "int8-w8a16" if scheme.num_bits == 8 else "intN-w-a16"
-        if act.type == "float":
-            return "int4-w4a8-fp8"
-        return "int8-w8a8" if scheme.strategy == "channel" else "int8-group-w8a8"
-    if isinstance(scheme, FP4Scheme):
-        if scheme.encoding.startswith("mxfp4"):  # (the format name, mxfp4-pack-quantized)
-            return "mxfp4-a16"
-        return "nvfp4" if act is not None else "nvfp4-a16"
-    raise ConfigError(f"scheme '{scheme.name}' has no serving kernel class.")
+    """The class of vLLM kernel a scheme needs (a key of :data:`KERNELS`), as the scheme
+    declares it (:attr:`~.quant.schemes.Scheme.support`); cached per scheme (a plan of a
+    3 T model asks once per tensor)."""
+    kernel = scheme.support.kernel
+    if kernel not in KERNELS:
+        raise ConfigError(f"scheme '{scheme.name}' has no serving kernel class ({kernel}).")
+    return kernel
 
 
 def _engine(device: str) -> str:

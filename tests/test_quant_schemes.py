@@ -385,3 +385,102 @@ def test_scales_are_compressed_tensors_calculate_qparams(name, scale):
         if s.packed:
             zp = unpack_int32(zp, s.num_bits, tuple(ct_zp.shape), packed_dim=0)
         assert torch.equal(zp.to(torch.int8), ct_zp.to(torch.int8))
+
+
+# -- what each scheme declares (Scheme.support) -----------------------------------------
+#: every registered scheme's declaration: (serving kernel class, verify family, GPTQ
+#: column rounder, takes the mse observer, AWQ clip step, "T": produced from MXFP4 bytes /
+#: "H": holds an MXFP4 release exactly). These are the values the modules computed from
+#: the schemes' classes and names before they asked the schemes (checked equal on every
+#: registered scheme when the declarations were introduced)
+SUPPORT = {
+    "fp8": ("fp8-w8a8-static", "fp8", "fp8", False, False, "TH"),
+    "fp8-dynamic": ("fp8-w8a8-dynamic", "fp8", "fp8", False, False, "TH"),
+    "fp8-block": ("fp8-block", "fp8", "fp8", False, False, "TH"),
+    "fp8-block-ue8m0": ("fp8-block", "fp8", "fp8", False, False, "TH"),
+    "w8a8": ("int8-w8a8", "int8", "int", True, False, "--"),
+    "w8a8-g128": ("int8-group-w8a8", "int8", "int", True, True, "--"),
+    "w4a16": ("int4-w4a16", "int4", "int", True, True, "T-"),
+    "w4a16-asym": ("int4-w4a16", "int4", "int", True, True, "--"),
+    "w4a8-fp8": ("int4-w4a8-fp8", "int4", "int", True, True, "--"),
+    "w3a16": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "w2a16": ("intN-w-a16", "int2", "int", True, True, "--"),
+    "mxfp4": ("mxfp4-a16", "mxfp4", "fp4", True, False, "-H"),
+    "nvfp4a16": ("nvfp4-a16", "nvfp4a16", "fp4", True, False, "TH"),
+    "nvfp4": ("nvfp4", "nvfp4", "fp4", True, False, "TH"),
+    "fp8-tensor": ("fp8-w8a16", "fp8", "fp8", False, False, "TH"),
+    "fp8-channel": ("fp8-w8a16", "fp8", "fp8", False, False, "TH"),
+    "fp8-block-w": ("fp8-block", "fp8", "fp8", False, False, "TH"),
+    "int8-channel": ("int8-w8a16", "int8", "int", True, False, "--"),
+    "int8-g32": ("int8-w8a16", "int8", "int", True, True, "--"),
+    "int8-g32-asym": ("int8-w8a16", "int8", "int", True, True, "--"),
+    "int8-g64": ("int8-w8a16", "int8", "int", True, True, "--"),
+    "int8-g64-asym": ("int8-w8a16", "int8", "int", True, True, "--"),
+    "int8-g128": ("int8-w8a16", "int8", "int", True, True, "--"),
+    "int8-g128-asym": ("int8-w8a16", "int8", "int", True, True, "--"),
+    "int4-g32": ("int4-w4a16", "int4", "int", True, True, "T-"),
+    "int4-g32-asym": ("int4-w4a16", "int4", "int", True, True, "--"),
+    "int4-g64": ("int4-w4a16", "int4", "int", True, True, "T-"),
+    "int4-g64-asym": ("int4-w4a16", "int4", "int", True, True, "--"),
+    "int4-g128": ("int4-w4a16", "int4", "int", True, True, "T-"),
+    "int4-g128-asym": ("int4-w4a16", "int4", "int", True, True, "--"),
+    "int3-g32": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "int3-g32-asym": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "int3-g64": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "int3-g64-asym": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "int3-g128": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "int3-g128-asym": ("intN-w-a16", "int3", "int", True, True, "--"),
+    "int2-g32": ("intN-w-a16", "int2", "int", True, True, "--"),
+    "int2-g32-asym": ("intN-w-a16", "int2", "int", True, True, "--"),
+    "int2-g64": ("intN-w-a16", "int2", "int", True, True, "--"),
+    "int2-g64-asym": ("intN-w-a16", "int2", "int", True, True, "--"),
+    "int2-g128": ("intN-w-a16", "int2", "int", True, True, "--"),
+    "int2-g128-asym": ("intN-w-a16", "int2", "int", True, True, "--"),
+}
+
+
+def test_every_scheme_declares_what_it_supports():
+    from k3convert import formats as fmt
+    from k3convert.calibrate.passes import gptq_supported
+    from k3convert.quant import fp4_requant
+    from k3convert.serving import KERNELS, kernel_class
+    from k3convert.verify.metrics import FAMILIES, default_thresholds
+
+    assert set(SUPPORT) == set(known_schemes())
+    for name, (kernel, family, gptq, mse, clip, mx) in SUPPORT.items():
+        s = get_scheme(name)
+        p = s.support
+        got = (p.kernel, p.verify_family, p.gptq, "mse" in p.observers, p.awq_clip,
+               ("T" if fmt.MXFP4 in p.transcodes else "-") + ("H" if fmt.MXFP4 in p.holds
+                                                               else "-"))  # fmt: skip
+        assert got == (kernel, family, gptq, mse, clip, mx), name
+        # the modules answer with the declaration
+        assert kernel_class(s) == kernel and kernel in KERNELS
+        assert default_thresholds(name) == FAMILIES[family]
+        assert gptq_supported(s) == (gptq is not None)
+        assert fp4_requant.supported(s) == (mx[0] == "T")
+
+
+def test_modules_ask_the_scheme():
+    """A scheme that declares no GPTQ and no observers (here an int4 one overriding its
+    declaration, as a new format would state its own) is refused by GPTQ and by
+    --weight-observer, and serving / verify read its kernel and family from it."""
+    import dataclasses
+
+    from k3convert.calibrate.gptq import gptq_quantize
+    from k3convert.calibrate.passes import gptq_supported
+    from k3convert.quant.schemes import IntScheme
+    from k3convert.quant.schemes.base import Support
+    from k3convert.serving import kernel_class
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain(IntScheme):
+        @property
+        def support(self):
+            return Support(kernel="int8-w8a16", verify_family="int8")
+
+    s = Plain("plain-int4", num_bits=4, group_size=32)
+    assert not gptq_supported(s) and kernel_class(s) == "int8-w8a16"
+    w = torch.randn(8, 64)
+    with pytest.raises(ConfigError, match="not supported"):
+        gptq_quantize(w, torch.eye(64), s)

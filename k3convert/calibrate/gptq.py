@@ -401,17 +401,15 @@ class _FP4Columns:
         return {"weight_packed": pack_fp4(self.codes.t().contiguous())}
 
 
-def _columns(scheme: Scheme):
-    if isinstance(scheme, IntScheme):
-        return _IntColumns
-    return _FP4Columns if isinstance(scheme, FP4Scheme) else _FP8Columns
+#: the column rounder of each ``Scheme.support.gptq`` kind
+_COLUMNS = {"int": _IntColumns, "fp8": _FP8Columns, "fp4": _FP4Columns}
 
 
 def _rtn_parts(scheme: Scheme, w: torch.Tensor, H: torch.Tensor, name: str, global_amax):
     """The scheme's parts of ``w`` whose scales GPTQ rounds against: its own quantize;
     an FP4 scheme with the ``mse`` observer searches each group's scale against its block
     of ``H`` (the output error, not the weight's)."""
-    if not isinstance(scheme, FP4Scheme):
+    if scheme.support.gptq != "fp4":
         return scheme.quantize(w, name=name)
     if scheme.observer == "mse":
         blocks = fp4_search.local_blocks(H, scheme.group)
@@ -422,7 +420,8 @@ def _rtn_parts(scheme: Scheme, w: torch.Tensor, H: torch.Tensor, name: str, glob
 # -- GPTQ ------------------------------------------------------------------------------
 def _check_args(w, H, scheme, block_size, dampening, act_order, name):
     """(scheme None: not checked, for :func:`fp_target_weight`)"""
-    if scheme is not None and not isinstance(scheme, (IntScheme, FP8Scheme, FP4Scheme)):
+    known = isinstance(scheme, Scheme) and scheme.support.gptq in _COLUMNS
+    if scheme is not None and not known:
         kind = type(scheme).__name__ if isinstance(scheme, Scheme) else short_repr(scheme)
         raise ConfigError(
             f"GPTQ for '{name}': scheme {getattr(scheme, 'name', kind)!r} ({kind}) is not "
@@ -533,7 +532,7 @@ def gptq_quantize(
     out, inp = w.shape
     scheme.check(name, (out, inp))
     parts = _rtn_parts(scheme, w, H, name, global_amax)  # its scales are GPTQ's
-    cols = _columns(scheme)(scheme, parts, (out, inp), name)
+    cols = _COLUMNS[scheme.support.gptq](scheme, parts, (out, inp), name)
     W = (w if target is None else target).to(torch.float32, copy=True)
     H = H.to(torch.float32, copy=True)
     order = None

@@ -32,7 +32,6 @@ from safetensors.torch import save_file
 
 from ..errors import ConfigError
 from ..parallel.procs import balance
-from ..quant.schemes import IntScheme
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
 from .options import GPTQ_ALGORITHMS, SMOOTHING
 from .passes import (
@@ -82,8 +81,7 @@ class _Layer:
         self.clip = set()
         if algorithm == "awq" and options.awq_clip:
             self.clip = {n for n, r in mine.items()
-                         if isinstance(r.scheme, IntScheme)
-                         and r.scheme.strategy == "group"}  # fmt: skip
+                         if r.scheme.support.awq_clip}  # fmt: skip
         self.static = {n for n, r in mine.items() if static_input(r.scheme)}
         self.others = self._others()
         solved = [n for n in self.gptq if n not in self.others]

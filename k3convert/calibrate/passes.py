@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..formats import FP4_MAX, FP8_MAX
 from ..quant import fp4_requant, mse_observer
 from ..quant.mse_observer import GroupGram
-from ..quant.schemes import FP4Scheme, FP8Scheme, IntScheme, Scheme
+from ..quant.schemes import IntScheme, Scheme
 from .gptq import (
     CrossAccumulator,
     GPTQFallbackWarning,
@@ -63,7 +63,7 @@ class ExpertFallbackWarning(UserWarning):
 
 # -- what each scheme asks of calibration -------------------------------------------------
 def gptq_supported(scheme: Scheme) -> bool:
-    return isinstance(scheme, (IntScheme, FP8Scheme, FP4Scheme))
+    return scheme.support.gptq is not None
 
 
 def transcoded_exactly(ckpt, name: str, scheme: Scheme) -> bool:
@@ -72,9 +72,7 @@ def transcoded_exactly(ckpt, name: str, scheme: Scheme) -> bool:
     same format): such a tensor is transcoded from its bytes (:mod:`..quant.fp4_requant`),
     and GPTQ leaves it alone unless asked (``gptq_solve_released``). Integer schemes
     cannot hold it: GPTQ solves those."""
-    if ckpt.meta(name).encoding != fmt.MXFP4:
-        return False
-    return isinstance(scheme, (FP8Scheme, FP4Scheme))
+    return ckpt.meta(name).encoding == fmt.MXFP4 and fmt.MXFP4 in scheme.support.holds
 
 
 def group_of(scheme: IntScheme, shape) -> int:
@@ -140,7 +138,7 @@ def round_to_nearest(ckpt, name: str, scheme: Scheme, w: torch.Tensor, smoothed:
                                            top_code=top)  # fmt: skip
         if parts is not None:
             return parts
-    if share is not None and isinstance(scheme, FP4Scheme):
+    if share is not None and getattr(scheme, "shares_global_scale", False):
         return scheme.quantize(w, name=name, global_amax=share.amax)
     return scheme.quantize(w, name=name)
 

@@ -75,20 +75,9 @@ def supported(scheme: Scheme) -> bool:
 
 
 def _supported(scheme: Scheme) -> bool:
-    if not fp4.LITTLE_ENDIAN:
-        return False
-    if isinstance(scheme, FP4Scheme):
-        return scheme.encoding == fmt.NVFP4
-    if isinstance(scheme, FP8Scheme):
-        return True
-    return (
-        isinstance(scheme, IntScheme)
-        and scheme.packed
-        and scheme.symmetric
-        and scheme.num_bits == 4
-        and scheme.observer in ("minmax", "search")
-        and scheme.sdtype in (torch.bfloat16, torch.float32)
-    )
+    """The scheme declares it (``support.transcodes``); big-endian hosts take the float
+    path (the byte tables are little-endian)."""
+    return fp4.LITTLE_ENDIAN and fmt.MXFP4 in scheme.support.transcodes
 
 
 def _gather_bytes(packed: torch.Tensor, rowkey: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

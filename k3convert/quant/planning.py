@@ -19,7 +19,7 @@ from ..formats import ACTIVATION_PARTS
 from ..formats.dtypes import FLOAT_DTYPES
 from . import mx_int4
 from .rules import Decision, Plan, Rule, TensorInfo, make_rule, resolve
-from .schemes import FP4Scheme, IntScheme, get_scheme, known_schemes
+from .schemes import IntScheme, get_scheme, known_schemes
 
 
 def config_dtype(config: dict) -> torch.dtype:
@@ -120,12 +120,13 @@ def mx_search(ckpt, plan: Plan) -> list:
 
 
 def with_observer(plan: Plan, observer: str) -> list:
-    """The plan's rows with every integer and FP4 scheme's weight observer set to
-    ``observer`` (FP8 scales have no search: those rows keep theirs)."""
+    """The plan's rows with the weight observer of every scheme that takes one (its
+    ``support.observers``: integer and FP4) set to ``observer`` (FP8 scales have no
+    search: those rows keep theirs)."""
     if observer not in ("minmax", "mse"):
         raise ConfigError(f"weight observer must be minmax or mse, not {short_repr(observer)}.")
     ints = [r for r in plan.quantized
-            if isinstance(r.scheme, (IntScheme, FP4Scheme)) and not r.as_stored]  # fmt: skip
+            if "mse" in r.scheme.support.observers and not r.as_stored]  # fmt: skip
     if not ints:
         used = sorted({r.scheme.name for r in plan.quantized}) or ["none: every tensor is kept"]
         raise ConfigError(

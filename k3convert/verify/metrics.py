@@ -382,7 +382,9 @@ def default_thresholds(kind: str) -> Thresholds:
     """Thresholds of a family or scheme name.
 
     Families: "exact" (unquantized resharding), "fp8", "int8", "int4", "int3", "int2".
-    Scheme names map to the loosest family of their weights and activations: fp8 /
+    A registered scheme's name takes the family the scheme declares
+    (``Scheme.support.verify_family``); other names map to the loosest family of their
+    weights and activations by their spelling: fp8 /
     fp8-block / fp8-dynamic / fp8-* -> fp8; int8-* and wNaM by N-bit int weights and
     M-bit activations (int, or fp8 for a "-fp8" suffix; 16 = not quantized): w8a8 /
     w8a8-g128 -> int8, w4a16 / w4a16-asym / w4a8-fp8 -> int4, w3a16 -> int3;
@@ -394,6 +396,10 @@ def default_thresholds(kind: str) -> Thresholds:
     k = kind.strip().lower()
     if k in FAMILIES:
         return FAMILIES[k]
+    from ..quant.schemes import get_scheme, known_schemes  # (torch; verify may not need it)
+
+    if k in known_schemes():  # a registered scheme says its family
+        return FAMILIES[get_scheme(k).support.verify_family]
     for pattern, family in _ALIASES:
         if re.fullmatch(pattern, k):
             return FAMILIES[family]

@@ -41,6 +41,36 @@ def _nbytes(parts: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
 
 
 @dataclass(frozen=True)
+class Support:
+    """What one scheme supports, stated in one place: the modules that act on a scheme
+    (serving checks, verify thresholds, calibration, the MXFP4 transcodes, the weight
+    observers) ask its :attr:`Scheme.support` instead of testing its class or name. A new
+    format touches the format registry, its scheme (this declaration) and its tests.
+
+    kernel: the class of serving kernel it needs (a key of ``serving.KERNELS``, which
+    says which engine on which device has one: the engines that load it);
+    verify_family: the verify threshold family of its outputs (a key of
+    ``verify.metrics.FAMILIES``);
+    gptq: how GPTQ rounds one of its columns (``int``, ``fp8``, ``fp4``: the column
+    rounder of :mod:`k3convert.calibrate.gptq`), None where GPTQ does not apply;
+    observers: the weight observers it takes (``--weight-observer``), ``()`` for none;
+    awq_clip: AWQ's clip step searches its group ranges;
+    transcodes: released encodings it is produced from straight from their bytes
+    (:mod:`k3convert.quant.fp4_requant`);
+    holds: released encodings whose every value it holds, so calibration transcodes them
+    instead of solving them (unless asked: ``gptq_solve_released``).
+    """
+
+    kernel: str
+    verify_family: str
+    gptq: str | None = None
+    observers: tuple[str, ...] = ()
+    awq_clip: bool = False
+    transcodes: tuple[str, ...] = ()
+    holds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Scheme:
     """Base of every weight scheme.
 
@@ -85,6 +115,11 @@ class Scheme:
 
     def weight_args(self) -> dict:
         """compressed-tensors QuantizationArgs dict of the weights."""
+        raise NotImplementedError
+
+    @property
+    def support(self) -> Support:
+        """What this scheme supports (see :class:`Support`)."""
         raise NotImplementedError
 
     @property

@@ -14,7 +14,7 @@ from ...errors import (
     WeightRangeError,
 )
 from ...formats.fp4 import fp4_codes, pack_fp4
-from .base import _SIGNLESS, Scheme, _not_finite
+from .base import _SIGNLESS, Scheme, Support, _not_finite
 
 #: float dtypes whose group maxima and scale arithmetic run in that dtype, as
 #: compressed-tensors does for a model loaded in it; others (float16, an encoded source
@@ -96,6 +96,22 @@ class FP4Scheme(Scheme):
 
     def weight_args(self):
         return {**self.spec.weight_args, "actorder": None, "observer": self.observer}
+
+    @property
+    def support(self) -> Support:
+        """MXFP4 weights (vLLM's W4A16 MXFP4 kernels) or NVFP4 with or without its
+        activations, each its own verify family; GPTQ rounds to E2M1 against the fixed
+        scales; minmax or mse scales; an MXFP4 release is held exactly (NVFP4 is
+        transcoded from its bytes; MXFP4 is copied as stored)."""
+        if self.encoding == fmt.MXFP4:
+            kernel, family, transcodes = "mxfp4-a16", "mxfp4", ()
+        elif self.act is not None:
+            kernel, family, transcodes = "nvfp4", "nvfp4", (fmt.MXFP4,)
+        else:
+            kernel, family, transcodes = "nvfp4-a16", "nvfp4a16", (fmt.MXFP4,)
+        return Support(kernel=kernel, verify_family=family, gptq="fp4",
+                       observers=("minmax", "mse"), transcodes=transcodes,
+                       holds=(fmt.MXFP4,))  # fmt: skip
 
     @property
     def format(self):

@@ -17,6 +17,7 @@ from .base import (
     _F32_MAX,
     _SIGNLESS,
     Scheme,
+    Support,
     _finite_scale,
     _not_finite,
     _one_of,
@@ -188,6 +189,20 @@ class FP8Scheme(Scheme):
         b0, b1 = self.block
         s = scale.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
         return (x * s).float()
+
+    @property
+    def support(self) -> Support:
+        """vLLM's FP8 kernels by strategy and activations; GPTQ rounds to e4m3 against
+        the fixed scales; no weight observer (the scale is the range's); an MXFP4
+        release is transcoded from its bytes and held exactly."""
+        if self.strategy == "block":
+            kernel = "fp8-block"
+        elif self.act is None:
+            kernel = "fp8-w8a16"
+        else:
+            kernel = "fp8-w8a8-dynamic" if self.act.dynamic else "fp8-w8a8-static"
+        return Support(kernel=kernel, verify_family="fp8", gptq="fp8",
+                       transcodes=(fmt.MXFP4,), holds=(fmt.MXFP4,))  # fmt: skip
 
     def weight_args(self):
         a = {

@@ -19,12 +19,25 @@ from .base import (
     _DTYPES,
     _SIGNLESS,
     Scheme,
+    Support,
     _finite_scale,
     _not_finite,
     _one_of,
     _out_of_range,
     _positive_int,
 )
+
+#: verify families of integer weights / activations, tightest first (a subset of
+#: ``verify.metrics.FAMILIES``' order: a scheme takes the looser of its two)
+_LOOSER = ("int8", "fp8", "int4", "int3", "int2")
+
+
+def _int_family(bits: int) -> str:
+    if bits >= 8:
+        return "int8"
+    if bits >= 4:
+        return "int4"
+    return "int3" if bits == 3 else "int2"
 
 
 @dataclass(frozen=True)
@@ -349,6 +362,30 @@ class IntScheme(Scheme):
         if zp is not None:
             x = x - zp.to(scale.dtype)[..., None]
         return (x * scale[..., None]).view(out, inp).float()
+
+    @property
+    def support(self) -> Support:
+        """vLLM's integer kernels by bits and activations; the verify family is the looser
+        of the weights' and the activations'; GPTQ on the fixed scales; minmax or mse
+        ranges; AWQ's clip step for group scales; a symmetric packed int4 with bf16 /
+        float32 scales is produced from MXFP4 bytes (its scale search or minmax)."""
+        act = self.act
+        if act is None:
+            kernel = {4: "int4-w4a16", 8: "int8-w8a16"}.get(self.num_bits, "intN-w-a16")
+        elif act.type == "float":
+            kernel = "int4-w4a8-fp8"
+        else:
+            kernel = "int8-w8a8" if self.strategy == "channel" else "int8-group-w8a8"
+        family = _int_family(self.num_bits)
+        if act is not None:
+            af = "fp8" if act.type == "float" and act.num_bits == 8 else _int_family(act.num_bits)
+            family = max(family, af, key=_LOOSER.index)
+        mx = (self.packed and self.symmetric and self.num_bits == 4
+              and self.observer in ("minmax", "search")
+              and self.sdtype in (torch.bfloat16, torch.float32))  # fmt: skip
+        return Support(kernel=kernel, verify_family=family, gptq="int",
+                       observers=("minmax", "mse"), awq_clip=self.strategy == "group",
+                       transcodes=(fmt.MXFP4,) if mx else ())  # fmt: skip
 
     def weight_args(self):
         return {
