@@ -211,6 +211,12 @@ QUALITY = (
     ("nvfp4", "gptq", "GPTQ NVFP4"),
     ("nvfp4", "gptq+mse", "GPTQ NVFP4"),
     ("nvfp4", "gptq+mse+fpt", "GPTQ NVFP4"),
+    # MoE only: every expert calibrated on every token, as llm-compressor's default
+    # (moe_calibrate_all_experts=True) does
+    ("nvfp4a16", "gptq+all", "GPTQ NVFP4A16"),
+    ("nvfp4a16", "gptq+mse+all", "GPTQ NVFP4A16"),
+    ("nvfp4a16", "gptq+mse+fpt+all", "GPTQ NVFP4A16"),
+    ("nvfp4", "gptq+mse+all", "GPTQ NVFP4"),
 )
 
 #: run in the llm-compressor interpreter: SRC OUT DATA N S PROCESSOR RECIPE-KEY
@@ -248,6 +254,9 @@ def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list
     if algorithm is not None and algorithm.endswith("+as"):
         algorithm = algorithm.removesuffix("+as")
         argv += ["--alpha-search"]
+    if algorithm is not None and algorithm.endswith("+all"):
+        algorithm = algorithm.removesuffix("+all")
+        argv += ["--moe-all-experts"]
     if algorithm is not None and algorithm.endswith("+fpt"):
         algorithm = algorithm.removesuffix("+fpt")
         argv += ["--gptq-fp-target", "0.5"]
@@ -459,6 +468,8 @@ def quality(
         moe = fixture_kind.startswith("deepseek_v3")
         recipes = LLMC_RECIPES_G32 if moe else LLMC_RECIPES
         for scheme, algo, key in QUALITY:
+            if algo.endswith("+all") and not moe:
+                continue
             if moe:  # group-wise schemes at group 32; per-channel W8A8 as it is
                 if scheme not in G32_SCHEMES and scheme not in ("w8a8", "nvfp4a16", "nvfp4"):
                     continue
