@@ -16,7 +16,10 @@ same tokens). Each stage a fresh process, interleaved A B C ... A B C ..., media
                         scheme="W4A16", targets="Linear", ignore=["lm_head"]),
                         max_seq_length=S, num_calibration_samples=N)`` (its sequential
                         pipeline, on CPU); time per layer: the oneshot() call / layers;
-- k3convert rtn:        ``quantize --scheme w4a16`` without calibration (a reference).
+- k3convert rtn:        ``quantize --scheme w4a16`` without calibration (a reference);
+- ``--speed-scheme nvfp4a16 --speed-algorithm gptq+mse``: the same stages for NVFP4
+  (llm-compressor's ``GPTQModifier(scheme="NVFP4A16")``; k3convert with
+  ``--weight-observer mse``, its three sweeps a Linear).
 
 Quality, on the trained llama fixture (tests/trained.py: a 4-layer hidden-128 model
 trained on the built-in corpus, with its own tokenizer), calibrated on --q-samples x 128
@@ -36,9 +39,19 @@ clip step, the activation-aware form of that search, by default), "+fpt" rows of
 (``--gptq-fp-target 0.5``: GPTAQ-style, the target moved half way to the full-precision
 model's outputs);
 llm-compressor where it has the same scheme + algorithm: GPTQ W4A16, AWQ W4A16_ASYM,
-SmoothQuant+GPTQ W8A8, FP8 (static) via QuantizationModifier, each with its default
+SmoothQuant+GPTQ W8A8, FP8 (static) via QuantizationModifier, NVFP4A16 / NVFP4 (RTN via
+QuantizationModifier, GPTQ), each with its default
 observer ("x llmc": a row's KLD over that llm-compressor row's, same seed; "s x llmc"
 the same for the wall time).
+
+NVFP4 rows (k3convert nvfp4a16 / nvfp4 with rtn, gptq, "+mse", "+fpt"; on the MoE
+fixture also "+all": ``--moe-all-experts``, every expert calibrated on every token as
+llm-compressor's default ``moe_calibrate_all_experts`` does) are evaluated by
+k3convert's runtime for both tools (weights dequantized, NVFP4 activations
+fake-quantized as compressed-tensors' ``forward_quantize``, against its own logits of the
+unquantized model): transformers cannot run compressed FP4 in float32 on CPU and loads
+NVFP4 MoE experts without their global scale; "KLD w-only" stays transformers'
+(meaningless on the MoE fixture for that reason).
 
 Seeds and repeats: ``--seeds 0 1`` calibrates every row on each seed's windows (seed 0:
 the first 127-token windows of the training stream; another seed: windows drawn by
@@ -560,6 +573,10 @@ _PER_LAYER = re.compile(
 )
 
 
+#: --speed-scheme -> the llm-compressor recipe timed against it
+SPEED_LLMC = {"w4a16": "GPTQ W4A16", "nvfp4a16": "GPTQ NVFP4A16", "nvfp4": "GPTQ NVFP4"}
+
+
 def speed(root: Path, llmc: str | None, a) -> tuple[dict, dict, str]:
     from tests.trained import trained_model
 
@@ -578,18 +595,20 @@ def speed(root: Path, llmc: str | None, a) -> tuple[dict, dict, str]:
         return outs[name]
 
     n, s = a.samples, a.seq_len
+    scheme, algo = a.speed_scheme, a.speed_algorithm
+    key = SPEED_LLMC[scheme]
     stages = []
     for d in depths:
         name = f"k3convert gptq {d}L"
-        argv = k3_argv(srcs[d], out(name), "w4a16", "gptq", data, n, s)
-        stages.append((name, argv, "quantize --scheme w4a16 --calibrate --algorithm gptq"))
+        argv = k3_argv(srcs[d], out(name), scheme, algo, data, n, s)
+        stages.append((name, argv, " ".join(argv[3:4] + argv[6:8]) + f" ({algo})"))
         if d == a.layers or a.llmc_both_depths:
             name = f"llm-compressor GPTQ {d}L"
             why = "llm-compressor: not available (no interpreter imports llmcompressor)"
-            argv = llmc and llmc_argv(llmc, srcs[d], out(name), data, n, s, processor, "GPTQ W4A16")
-            stages.append((name, argv, "oneshot GPTQModifier W4A16" if llmc else why))
+            argv = llmc and llmc_argv(llmc, srcs[d], out(name), data, n, s, processor, key)
+            stages.append((name, argv, f"oneshot {key}" if llmc else why))
     name = f"k3convert rtn {a.layers}L"
-    stages.append((name, k3_argv(srcs[a.layers], out(name), "w4a16"), "quantize --scheme w4a16"))
+    stages.append((name, k3_argv(srcs[a.layers], out(name), scheme), f"quantize --scheme {scheme}"))
 
     per_layer: dict[str, list[float]] = {}
 
@@ -609,7 +628,8 @@ def speed(root: Path, llmc: str | None, a) -> tuple[dict, dict, str]:
     warm(p for d in depths for p in srcs[d].iterdir())
     results = interleaved(stages, a.repeats, reset, on_output=on_output)
     note = (
-        "llama-shaped bf16, hidden 768, intermediate 2048, vocab 32000; "
+        f"{scheme}, k3convert {algo}; llama-shaped bf16, hidden 768, intermediate 2048, "
+        "vocab 32000; "
         + ", ".join(f"{d} layers = {params[d] / 1e6:.1f} M params" for d in depths)
         + f"; calibration {n} x {s} tokens; repeats {a.repeats}; "
         f"peak RSS floor {rss_floor():.0f} MiB (the launcher's)"
@@ -678,6 +698,17 @@ def main() -> None:
         help="quality: interleaved runs per row (wall: their median)",
     )
     ap.add_argument("--quick", action="store_true", help="1 repeat, 4 layers, 4 x 128 tokens")
+    ap.add_argument(
+        "--speed-scheme",
+        default="w4a16",
+        choices=sorted(SPEED_LLMC),
+        help="speed: the scheme (llm-compressor's GPTQ preset of it alongside)",
+    )
+    ap.add_argument(
+        "--speed-algorithm",
+        default="gptq",
+        help="speed: k3convert's algorithm row (gptq, gptq+mse, gptq+mse+fpt)",
+    )
     ap.add_argument("--llmc-both-depths", action="store_true", help="llm-compressor at both")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--only", help="quality: comma-separated substrings of the rows to run")

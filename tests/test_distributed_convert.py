@@ -169,7 +169,8 @@ def launched(srcs) -> dict:
     root = srcs["root"] / "two"
     root.mkdir()
     outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt"}  # fmt: skip
+            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt",
+            "nvfp4": root / "nvfp4"}  # fmt: skip
     jobs = [
         ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
         ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
@@ -177,6 +178,7 @@ def launched(srcs) -> dict:
         ["quantize", srcs["ds"], outs["quantize"], *quantize_args(srcs)],
         ["quantize", srcs["ds"], outs["awq"], *awq_args(srcs)],
         ["quantize", srcs["ds"], outs["fpt"], *quantize_args(srcs), *FPT],
+        ["quantize", srcs["ds"], outs["nvfp4"], *nvfp4_args(srcs)],
     ]
     (root / "jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
     clean = _Torchrun([TESTS / "dist_jobs.py", root / "jobs.json", root / "rc"], root / "log")
@@ -207,8 +209,10 @@ def one_proc(srcs, launched) -> dict[str, Path]:
     assert main(["quantize", str(srcs["ds"]), str(root / "awq"), *awq_args(srcs)]) == 0
     fpt = main(["quantize", str(srcs["ds"]), str(root / "fpt"), *quantize_args(srcs), *FPT])
     assert fpt == 0
+    assert main(["quantize", str(srcs["ds"]), str(root / "nvfp4"), *nvfp4_args(srcs)]) == 0
     return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt"}  # fmt: skip
+            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt",
+            "nvfp4": root / "nvfp4"}  # fmt: skip
 
 
 def quantize_args(srcs) -> list[str]:
@@ -216,6 +220,14 @@ def quantize_args(srcs) -> list[str]:
     return ["--scheme", "int4-g32", "--keep", "re:.*kv_b_proj.*", "--calibrate", "--dataset",
             str(srcs["root"] / "ids.jsonl"),
             "--num-samples", "8", "--seq-len", "32", "--shard-size-gb", "0.00005"]  # fmt: skip
+
+
+def nvfp4_args(srcs) -> list[str]:
+    """GPTQ for NVFP4 with the mse observer (three sweeps a Linear, fused sets' global
+    scales taken from all their members whichever process solves them)."""
+    return ["--scheme", "nvfp4a16", "--weight-observer", "mse", "--keep",
+            "re:.*kv_b_proj.*", "--calibrate", "--dataset", str(srcs["root"] / "ids.jsonl"),
+            "--num-samples", "8", "--seq-len", "32"]  # fmt: skip
 
 
 #: GPTQ with the full-precision target (a second hidden-state stream on every process)
@@ -324,6 +336,18 @@ def test_quantize_gptq_two_processes_identical(one_proc, two_proc):
     cfg = json.loads(files["config.json"])
     assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
     assert not (two_proc["quantize"].parent / "quantize.calib").exists()
+
+
+@needs_gloo
+def test_quantize_nvfp4_gptq_two_processes_identical(one_proc, two_proc):
+    """GPTQ for NVFP4 under torchrun: the FP4 solves split over the processes; the output
+    is the one-process run's, file for file."""
+    _job_ok(two_proc)
+    files = _assert_same_tree(one_proc["nvfp4"], two_proc["nvfp4"])
+    cfg = json.loads(files["config.json"])
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
+    group = next(iter(cfg["quantization_config"]["config_groups"].values()))
+    assert group["weights"]["observer"] == "mse"
 
 
 @needs_gloo
