@@ -682,3 +682,32 @@ def test_requantize_mxfp4_source_one_tensor_at_a_time(scheme, workers, path, fp4
             ).max()
         want = sch.quantize(s.get(r.name), **kw)
         assert _same({k: v for k, v in q.get_parts(r.name).items()}, want), r.name
+
+
+def test_both_fp4_roundings_are_compressed_tensors_cast():
+    """fp4_codes (a table gather) and fp4_codes_short (a search of the rounding edges, for
+    GPTQ's columns) give the same codes, whose values are compressed-tensors'
+    ``cast_to_fp4``: on every edge, its float32 neighbours, and random values."""
+    import math
+
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
+    from k3convert.formats.fp4 import E2M1, fp4_codes, fp4_codes_short
+
+    vals = []
+    for k in range(0, 25 * 4 + 1):
+        v = k / 16
+        for d in (-2, -1, 0, 1, 2):
+            u = torch.tensor(v, dtype=torch.float32)
+            for _ in range(abs(d)):
+                u = torch.nextafter(u, torch.tensor(math.inf if d > 0 else -math.inf))
+            vals += [float(u), -float(u)]
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor(vals, dtype=torch.float32).clamp(-6, 6),
+                   (torch.randn(200_000, generator=g) * 3).clamp(-6, 6),
+                   torch.tensor([0.0, -0.0, 6.0, -6.0])])  # fmt: skip
+    a, b = fp4_codes(x), fp4_codes_short(x)
+    assert torch.equal(a, b)
+    assert torch.equal(E2M1[a.long()], cast_to_fp4(x.clone()).float())
+    assert int(a[-3]) == 0  # -0.0 is code 0; a negative value rounding to 0 keeps its sign
+    assert int(fp4_codes_short(torch.tensor([-0.1]))[0]) == 8

@@ -63,7 +63,7 @@ import torch
 from .. import formats as fmt
 from ..errors import ConfigError, NonFiniteError, short_repr
 from ..formats import FP8_MAX
-from ..formats.fp4 import E2M1, fp4_codes, pack_fp4
+from ..formats.fp4 import E2M1, fp4_codes_short, pack_fp4
 from ..formats.intn import pack_int32, unpack_int32
 from ..quant import fp4_search
 from ..quant.schemes import (
@@ -396,7 +396,7 @@ class _FP4Columns:
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         s = self.eff_t[col // self.group]
-        q = fp4_codes((w / s).clamp_(-fmt.FP4_MAX, fmt.FP4_MAX), out=self.codes[col])
+        q = fp4_codes_short(w / s, out=self.codes[col])  # (beyond 6: the top code)
         return E2M1.index_select(0, q.long()).mul_(s)
 
     def values(self) -> dict[str, torch.Tensor]:
@@ -535,7 +535,6 @@ def gptq_quantize(
     scheme.check(name, (out, inp))
     candidates = _scale_candidates(scheme, w, H, name, global_amax)
     W = (w if target is None else target).to(torch.float32, copy=True)
-    H0 = H.to(torch.float32)
     H = H.to(torch.float32, copy=True)
     order = None
     if act_order:
@@ -545,30 +544,50 @@ def gptq_quantize(
     ids = order.tolist() if order is not None else range(inp)
     Hinv = _inverse_factor(W, H, dampening, name).unsqueeze(0)
     del H
-    best = None
-    for parts in candidates:
+    if len(candidates) == 1:
+        parts = candidates[0]
         cols = _COLUMNS[scheme.support.gptq](scheme, parts, (out, inp), name)
-        _sweep(W.clone() if len(candidates) > 1 else W, Hinv, cols, ids, block_size, name)
-        got = {**parts, **cols.values()}
-        if len(candidates) == 1:
-            return got
-        # the objective GPTQ minimises, on the calibration inputs: tr((Q - Wt) H (Q - Wt)^T)
-        d = scheme.dequantize(got).to(torch.float32)
-        d -= (w if target is None else target).to(torch.float32)
-        loss = float(((d @ H0) * d).sum())
-        if best is None or loss < best[0]:
-            best = (loss, got)
-    return best[1]
+        _sweep(W, Hinv, cols, ids, block_size, name)
+        return {**parts, **cols.values()}
+    # several sets of scales (an FP4 scheme's mse observer): GPTQ's rows are independent,
+    # so one sweep runs them all stacked [k * out, in], and each row keeps the set whose
+    # sweep has the smallest error on the calibration inputs: GPTQ's own loss, the sum of
+    # its columns' err^2 (err = (w - q) / [H^-1 factor]_ii; (q - wt) Hd (q - wt)^T / 2
+    # with the dampened Hessian)
+    k = len(candidates)
+    stacked = _stacked(candidates)
+    cols = _COLUMNS[scheme.support.gptq](scheme, stacked, (k * out, inp), name)
+    loss = _sweep(W.repeat(k, 1), Hinv, cols, ids, block_size, name, loss=True)
+    got = {**stacked, **cols.values()}
+    rows = loss.view(k, out).argmin(0) * out + torch.arange(out)  # (the first on a tie)
+    res = dict(candidates[0])
+    for key in ("weight_packed", "weight_scale"):
+        res[key] = got[key][rows].contiguous()
+    return res
+
+
+def _stacked(candidates: list[dict]) -> dict:
+    """FP4 parts of the same weight under several sets of scales, their rows stacked (the
+    global scale is the same for every set: the fused set's)."""
+    first = candidates[0]
+    g = first.get("weight_global_scale")
+    for p in candidates[1:]:
+        if g is not None and not torch.equal(p["weight_global_scale"], g):
+            raise AssertionError("FP4 scale candidates with different global scales")
+    out = dict(first)
+    out["weight_scale"] = torch.cat([p["weight_scale"] for p in candidates])
+    out["weight_packed"] = torch.cat([p["weight_packed"] for p in candidates])
+    return out
 
 
 def _scale_candidates(scheme: Scheme, w, H, name: str, global_amax) -> list[dict]:
     """The parts whose scales GPTQ rounds against: the scheme's own (:func:`_rtn_parts`);
-    an FP4 scheme with the ``mse`` observer tries three (round to nearest's, each group's
-    scale searched on its block of H, and searched on the weight's squared error), and
-    :func:`gptq_quantize` keeps the sweep with the smallest error on the calibration
-    inputs: measured per Linear on the trained llama, neither search wins everywhere
-    (each is 2-6 % worse than round to nearest's scales on some Linear), and this
-    error picks the best of the three on held-out tokens too."""
+    an FP4 scheme with the ``mse`` observer tries three (each group's scale searched on
+    its block of H, round to nearest's, searched on the weight's squared error), and
+    :func:`gptq_quantize` keeps, row by row, the sweep with the smallest error on the
+    calibration inputs: measured per Linear on the trained llama, neither search wins
+    everywhere (each is 2-6 % worse than round to nearest's scales on some Linear), and
+    that error picks the best of the three on held-out tokens too."""
     first = _rtn_parts(scheme, w, H, name, global_amax)
     if scheme.support.gptq != "fp4" or scheme.observer != "mse":
         return [first]
@@ -581,11 +600,13 @@ def _scale_candidates(scheme: Scheme, w, H, name: str, global_amax) -> list[dict
     return out
 
 
-def _sweep(W, Hinv, cols, ids, block_size: int, name: str) -> None:
+def _sweep(W, Hinv, cols, ids, block_size: int, name: str, loss: bool = False):
     """GPTQ's column sweep of ``W`` [out, in] (float32, in sweep order; overwritten) with
     the upper Cholesky factor ``Hinv`` [1, in, in] of the dampened inverse Hessian, each
-    column rounded by ``cols`` (which keeps the codes)."""
+    column rounded by ``cols`` (which keeps the codes). loss: return each row's GPTQ loss
+    (the sum of its columns' squared scaled errors, float64 [out]), else None."""
     inp = W.shape[1]
+    total = torch.zeros(W.shape[0], dtype=torch.float64) if loss else None
     W = W.unsqueeze(0)
     for i1 in range(0, inp, block_size):
         i2 = min(i1 + block_size, inp)
@@ -607,5 +628,8 @@ def _sweep(W, Hinv, cols, ids, block_size: int, name: str) -> None:
                 f"near the float32 max, or an ill-conditioned Hessian); quantize this tensor "
                 f"without calibration, or raise dampening."
             )
+        if total is not None:
+            total += Err1.double().square().sum(0)
         if i2 < inp:  # the product on llm-compressor's layout, so its sums are the same
             W[:, :, i2:] -= torch.bmm(Err1.t().contiguous().unsqueeze(0), Hinv[:, i1:i2, i2:])
+    return total

@@ -133,6 +133,31 @@ _QUARTER_LUT = torch.tensor(
 )
 
 
+def _edges() -> torch.Tensor:
+    """The 7 rounding edges between E2M1 magnitudes as ``torch.bucketize`` must see them:
+    a value on an edge goes to the lower index, so an edge whose tie goes up (to an even
+    upper index: 0.75, 1.75, 3.5) is its float32 predecessor."""
+    m = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    mid = (m[:-1] + m[1:]) / 2  # exact
+    up = torch.arange(1, 8) % 2 == 0
+    return torch.where(up, torch.nextafter(mid, torch.zeros(7)), mid)
+
+
+_E2M1_EDGES = _edges()
+
+
+def fp4_codes_short(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fp4_codes` by a search of the 7 rounding edges (``torch.bucketize``): the
+    same codes (tests/test_formats_fp4.py), in fewer ops: faster on a short vector (a
+    GPTQ column: 30 vs 45 us at 2048 values), slower on a long one (the table gather
+    wins above ~100 K values)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"fp4_codes expects float32 values, got {x.dtype}")
+    idx = torch.bucketize(x.abs(), _E2M1_EDGES, out_int32=True)
+    codes = idx.to(torch.uint8) if out is None else out.copy_(idx)
+    return codes.bitwise_or_((x < 0).to(torch.uint8) << 3)
+
+
 def fp4_codes(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """E2M1 codes (uint8, ``sign << 3 | index``) of float32 ``x``, already clamped to
     [-6, 6]: round to nearest, ties to the even index (see the module docstring).
