@@ -251,7 +251,7 @@ def two_proc(launched, one_proc) -> dict:
 
 
 def _job_ok(two: dict) -> None:
-    assert two["rc"] == 0 and two["codes"] == [[0] * 6, [0] * 6], (
+    assert two["rc"] == 0 and two["codes"] == [[0] * 7, [0] * 7], (
         f"torchrun rc {two['rc']}, per-process exit codes {two['codes']}:\n"
         f"{two['out'][-3000:]}\n{two['err'][-5000:]}"
     )
