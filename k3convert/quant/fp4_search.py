@@ -34,6 +34,7 @@ import torch
 
 from .. import formats as fmt
 from ..formats.fp4 import E2M1, fp4_codes, pack_fp4
+from .mse_observer import RunningMin, group_quadratic
 
 __all__ = ["MX_OFFSETS", "NV_OFFSETS", "local_blocks", "quantize"]
 
@@ -78,10 +79,7 @@ def _round(g: torch.Tensor, eff: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def _loss(err: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
     """Per group: ``sum err ** 2``, or ``err^T G err`` with ``gram`` [ng, gs, gs]."""
-    if gram is None:
-        return err.square().sum(-1)
-    gd = torch.bmm(err.transpose(0, 1), gram).transpose(0, 1)
-    return gd.mul_(err).sum(-1)
+    return err.square().sum(-1) if gram is None else group_quadratic(err, gram)
 
 
 def quantize(
@@ -113,18 +111,12 @@ def quantize(
         wg = w[r0:r1].to(torch.float32).view(r1 - r0, ng, g)
         c0 = codes0[r0:r1]
         live = wg.abs().amax(-1) > 0  # an all-zero group keeps its code
-        best_loss = best_codes = best_c = None
+        pick = RunningMin()
         for k in offsets:
             c = torch.where(live, (c0 + k).clamp(lo, hi), c0)
             q, dq = _round(wg, _eff(c, nv, gscale))
-            loss = _loss(dq.sub_(wg), gram)
-            if best_loss is None:
-                best_loss, best_codes, best_c = loss, q, c
-                continue
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best_c = torch.where(better, c, best_c)
-            best_codes = torch.where(better.unsqueeze(-1), q, best_codes)
+            pick.offer(_loss(dq.sub_(wg), gram), c, q)
+        best_c, best_codes = pick.values
         chosen[r0:r1] = best_c
         packed[r0:r1] = pack_fp4(best_codes.view(r1 - r0, inp))
     stored = chosen.to(torch.uint8)

@@ -33,12 +33,42 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GroupGram", "candidates", "quantize"]
+__all__ = ["GroupGram", "RunningMin", "candidates", "group_quadratic", "quantize"]
 
 
 def candidates(grid: int, maxshrink: float) -> list[float]:
     """The shrink ratios tried, widest first (at least the full range)."""
     return [1.0 - i / grid for i in range(max(1, int(maxshrink * grid + 1e-9)))]
+
+
+class RunningMin:
+    """Per-group choice among candidates scored one after another: ``offer(loss, *values)``
+    with each candidate's per-group loss and its per-group values (None: not tracked);
+    the first smallest loss wins (``loss``, ``values``)."""
+
+    def __init__(self):
+        self.loss = None
+        self.values: list = []
+
+    def offer(self, loss: torch.Tensor, *values) -> None:
+        if self.loss is None:
+            self.loss, self.values = loss, list(values)
+            return
+        better = loss < self.loss
+        self.loss = torch.where(better, loss, self.loss)
+        self.values = [
+            None
+            if v is None
+            else torch.where(better.view(*better.shape, *[1] * (v.ndim - better.ndim)), v, old)
+            for v, old in zip(values, self.values, strict=True)
+        ]
+
+
+def group_quadratic(err: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Per group ``d^T G_g d`` of errors ``err`` [rows, ng, gs] under ``gram`` [ng, gs, gs]
+    (one batched product over the groups): [rows, ng]."""
+    gd = torch.bmm(err.transpose(0, 1), gram).transpose(0, 1)
+    return gd.mul_(err).sum(-1)
 
 
 def _clamp(g: torch.Tensor, lo, hi, r: float) -> torch.Tensor:
@@ -86,9 +116,8 @@ def _round_and_loss(scheme, g, scale, zp, qmin, qmax, gram=None):
     if zp is not None:
         dq.sub_(zp.to(scale.dtype).unsqueeze(-1))
     err = dq.mul_(scale.unsqueeze(-1)).float().sub_(g)
-    if gram is not None:  # per group: d^T G_g d, as one batched product over the groups
-        gd = torch.bmm(err.transpose(0, 1), gram).transpose(0, 1)
-        return q, gd.mul_(err).sum(-1)
+    if gram is not None:  # per group: d^T G_g d
+        return q, group_quadratic(err, gram)
     err.abs_()
     norm = float(scheme.mse_norm)
     return q, (err.square_() if norm == 2.0 else err.pow_(norm)).sum(-1)
@@ -121,18 +150,12 @@ def _rows(scheme, g: torch.Tensor, name: str, gram=None, exact: bool = False):
         return raw.to(sd), zp
 
     qmin, qmax = float(scheme.qmin), float(scheme.qmax)
-    low = pick_s = pick_z = None
+    pick = RunningMin()
     for r in candidates(scheme.mse_grid, scheme.mse_maxshrink):
         scale, zp = fast(r) if ok else _exact_candidate(scheme, g, lo, hi, r, name)
         _, loss = _round_and_loss(scheme, g, scale, zp, qmin, qmax, gram)
-        if low is None:
-            low, pick_s, pick_z = loss, scale, zp
-            continue
-        better = loss < low
-        low = torch.where(better, loss, low)
-        pick_s = torch.where(better, scale, pick_s)
-        if zp is not None:
-            pick_z = torch.where(better, zp, pick_z)
+        pick.offer(loss, scale, zp)
+    pick_s, pick_z = pick.values
     q, _ = _round_and_loss(scheme, g, pick_s, pick_z, qmin, qmax)
     return q.to(torch.int8), pick_s, pick_z
 
