@@ -172,7 +172,7 @@ GptqSolveReleased = Annotated[
     typer.Option(
         "--gptq-solve-released",
         help="With GPTQ: also solve tensors released in MXFP4 under a scheme that holds "
-        "them exactly (nvfp4, nvfp4a16, mxfp4, fp8); by default they are transcoded "
+        "them exactly (nvfp4, nvfp4a16, mxfp4, fp8-block); by default they are transcoded "
         "exactly and GPTQ solves the rest.",
     ),
 ]

@@ -100,6 +100,9 @@ def test_bfloat16_weights_and_the_fused_global_scale():
     rtn = scheme.quantize_rtn(w, global_amax=amax)
     assert torch.equal(ours["weight_global_scale"], rtn["weight_global_scale"])
     assert torch.equal(ours["input_global_scale"], rtn["input_global_scale"])
+    strided = w.t().contiguous().t()  # a transposed view: the same parts
+    got = scheme.quantize(strided, global_amax=amax)
+    assert all(torch.equal(got[k], ours[k]) for k in ours)
     wf = w.float()
     assert float((scheme.dequantize(ours) - wf).square().sum()) < float(
         (scheme.dequantize(rtn) - wf).square().sum()

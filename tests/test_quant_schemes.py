@@ -392,10 +392,11 @@ def test_scales_are_compressed_tensors_calculate_qparams(name, scale):
 #: column rounder, takes the mse observer, AWQ clip step, "T": produced from MXFP4 bytes /
 #: "H": holds an MXFP4 release exactly). These are the values the modules computed from
 #: the schemes' classes and names before they asked the schemes (checked equal on every
-#: registered scheme when the declarations were introduced)
+#: registered scheme when the declarations were introduced); "H" is new with them (GPTQ
+#: leaves such a release to its exact transcode): FP8 holds it with block scales only
 SUPPORT = {
-    "fp8": ("fp8-w8a8-static", "fp8", "fp8", False, False, "TH"),
-    "fp8-dynamic": ("fp8-w8a8-dynamic", "fp8", "fp8", False, False, "TH"),
+    "fp8": ("fp8-w8a8-static", "fp8", "fp8", False, False, "T-"),
+    "fp8-dynamic": ("fp8-w8a8-dynamic", "fp8", "fp8", False, False, "T-"),
     "fp8-block": ("fp8-block", "fp8", "fp8", False, False, "TH"),
     "fp8-block-ue8m0": ("fp8-block", "fp8", "fp8", False, False, "TH"),
     "w8a8": ("int8-w8a8", "int8", "int", True, False, "--"),
@@ -408,8 +409,8 @@ SUPPORT = {
     "mxfp4": ("mxfp4-a16", "mxfp4", "fp4", True, False, "-H"),
     "nvfp4a16": ("nvfp4-a16", "nvfp4a16", "fp4", True, False, "TH"),
     "nvfp4": ("nvfp4", "nvfp4", "fp4", True, False, "TH"),
-    "fp8-tensor": ("fp8-w8a16", "fp8", "fp8", False, False, "TH"),
-    "fp8-channel": ("fp8-w8a16", "fp8", "fp8", False, False, "TH"),
+    "fp8-tensor": ("fp8-w8a16", "fp8", "fp8", False, False, "T-"),
+    "fp8-channel": ("fp8-w8a16", "fp8", "fp8", False, False, "T-"),
     "fp8-block-w": ("fp8-block", "fp8", "fp8", False, False, "TH"),
     "int8-channel": ("int8-w8a16", "int8", "int", True, False, "--"),
     "int8-g32": ("int8-w8a16", "int8", "int", True, True, "--"),

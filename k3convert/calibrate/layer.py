@@ -74,10 +74,19 @@ class _Layer:
         self.by_name = {e.name: e for e in self.entries.values()}
         self.mine = {n: rows[n] for n in self.by_name if n in rows}
         mine = self.mine
-        solve_released = bool(options.gptq_solve_released)
+        keys = {e.key: e.name for e in self.entries.values()}
+        self.smoothing = SmoothingPass(SMOOTHING.get(algorithm), rt.text, i, keys, allrows,
+                                       options.awq(), options.smoothquant(),
+                                       hidden.n)  # fmt: skip
+        # a tensor released in MXFP4 whose scheme holds it stays the exact transcode, unless
+        # asked (gptq_solve_released) or smoothing may change it (then it is solved)
+        smoothable = {n for m in self.smoothing.maps
+                      for n in (*m.balance, m.prev, *m.compensate)}  # fmt: skip
+        keep_exact = not options.gptq_solve_released
         self.gptq = {n for n, r in mine.items()
                      if algorithm in GPTQ_ALGORITHMS and gptq_supported(r.scheme)
-                     and (solve_released or not transcoded_exactly(ckpt, n, r.scheme))}  # fmt: skip
+                     and not (keep_exact and n not in smoothable
+                              and transcoded_exactly(ckpt, n, r.scheme))}  # fmt: skip
         self.clip = set()
         if algorithm == "awq" and options.awq_clip:
             self.clip = {n for n, r in mine.items()
@@ -106,10 +115,6 @@ class _Layer:
         self.fp_experts = sorted({self.by_name[n].role.expert for n in self.gptq_pass.cross
                                   if self.by_name[n].role.expert is not None})  # fmt: skip
         self.fp_state: dict = {}  # the FP stream's routed-expert input
-        keys = {e.key: e.name for e in self.entries.values()}
-        self.smoothing = SmoothingPass(SMOOTHING.get(algorithm), rt.text, i, keys, allrows,
-                                       options.awq(), options.smoothquant(),
-                                       hidden.n)  # fmt: skip
         self.last = i + 1 == rt.num_layers
 
     def _others(self) -> set[str]:

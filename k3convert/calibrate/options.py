@@ -93,7 +93,7 @@ class GPTQOptions(_Group):
     """GPTQ (:class:`~.passes.GPTQPass`): block size, dampening, act-order, the
     full-precision target's strength (``gptq_fp_target``, 0 = GPTQ's own target), and
     whether tensors released in MXFP4 whose scheme holds them exactly (NVFP4, MXFP4,
-    FP8) are solved too (``gptq_solve_released``; by default they are transcoded
+    FP8 blocks) are solved too (``gptq_solve_released``; by default they are transcoded
     exactly, :func:`~.passes.transcoded_exactly`)."""
 
     block_size: int
@@ -257,7 +257,8 @@ class SequentialOptions:
     accumulates the cross term ``(Xf - X) X^T`` beside its Hessian
     (:func:`~.gptq.fp_target_weight`; scales stay the weight's own).
     gptq_solve_released: GPTQ also solves tensors released in MXFP4 under a scheme that
-    holds them exactly (NVFP4, MXFP4, FP8); off, they are transcoded exactly.
+    holds them exactly (NVFP4, MXFP4, FP8 blocks); off, they are transcoded exactly (a
+    tensor smoothing may change is solved either way).
     """
 
     dataset: str | os.PathLike = "default"

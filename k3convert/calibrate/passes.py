@@ -71,8 +71,12 @@ def transcoded_exactly(ckpt, name: str, scheme: Scheme) -> bool:
     values (NVFP4: e4m3 scales under a global scale; FP8: a float per value; MXFP4: the
     same format): such a tensor is transcoded from its bytes (:mod:`..quant.fp4_requant`),
     and GPTQ leaves it alone unless asked (``gptq_solve_released``). Integer schemes
-    cannot hold it: GPTQ solves those."""
-    return ckpt.meta(name).encoding == fmt.MXFP4 and fmt.MXFP4 in scheme.support.holds
+    cannot hold it: GPTQ solves those. (A scheme produced from the bytes needs the byte
+    path, little-endian hosts; MXFP4 itself is exact through the float path too.)"""
+    sup = scheme.support
+    if ckpt.meta(name).encoding != fmt.MXFP4 or fmt.MXFP4 not in sup.holds:
+        return False
+    return not sup.transcodes or fp4_requant.supported(scheme)
 
 
 def group_of(scheme: IntScheme, shape) -> int:

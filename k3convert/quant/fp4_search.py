@@ -108,7 +108,7 @@ def quantize(
     band = max(1, (1 << 19) // max(1, inp))
     for r0 in range(0, out, band):
         r1 = min(out, r0 + band)
-        wg = w[r0:r1].to(torch.float32).view(r1 - r0, ng, g)
+        wg = w[r0:r1].to(torch.float32).contiguous().view(r1 - r0, ng, g)
         c0 = codes0[r0:r1]
         live = wg.abs().amax(-1) > 0  # an all-zero group keeps its code
         pick = RunningMin()

@@ -194,15 +194,18 @@ class FP8Scheme(Scheme):
     def support(self) -> Support:
         """vLLM's FP8 kernels by strategy and activations; GPTQ rounds to e4m3 against
         the fixed scales; no weight observer (the scale is the range's); an MXFP4
-        release is transcoded from its bytes and held exactly."""
+        release is transcoded from its bytes, and held exactly by block scales (a 128 x
+        128 block spans a few binades of E8M0 exponents, e4m3 with its power-of-two scale
+        17; one scale per row or tensor may not reach a row's smallest groups)."""
         if self.strategy == "block":
             kernel = "fp8-block"
         elif self.act is None:
             kernel = "fp8-w8a16"
         else:
             kernel = "fp8-w8a8-dynamic" if self.act.dynamic else "fp8-w8a8-static"
+        holds = (fmt.MXFP4,) if self.strategy == "block" else ()
         return Support(kernel=kernel, verify_family="fp8", gptq="fp8",
-                       transcodes=(fmt.MXFP4,), holds=(fmt.MXFP4,))  # fmt: skip
+                       transcodes=(fmt.MXFP4,), holds=holds)  # fmt: skip
 
     def weight_args(self):
         a = {
