@@ -41,11 +41,11 @@ MXFP4's per-32 E8M0 exponents): each column is rounded to E2M1 against its group
 fixed float32 scale (``e4m3 / global``, or ``2 ** (e - 127)``: what every loader
 multiplies by) as the scheme rounds. Its scales are the scheme's: the largest |value|
 per group (``minmax``, as llm-compressor's GPTQ for NVFP4 takes them), or with the
-``mse`` observer the best of three sweeps (the smallest ``tr((Q - W) H (Q - W)^T)``):
-on round to nearest's scales, on each group's scale searched for its output error under
-its diagonal block of this Hessian (Model Optimizer's local-Hessian scale search), and
-on each group's scale searched for its squared error (:mod:`k3convert.quant.fp4_search`);
-the sweep on the chosen scales is still llm-compressor's. NVFP4's global scale is the fused set's
+``mse`` observer three sets of scales swept at once (each group's scale searched for its
+output error under its diagonal block of this Hessian, Model Optimizer's local-Hessian
+scale search; round to nearest's; each group's scale searched for its squared error:
+:mod:`k3convert.quant.fp4_search`), each row keeping the set with the smallest GPTQ
+loss; a row's sweep is still llm-compressor's on its scales. NVFP4's global scale is the fused set's
 (``global_amax``) so q / k / v and gate / up keep one, as a serving engine fuses them.
 
 :class:`HessianAccumulator` builds ``H = 2 / n * sum(x x^T)`` of one Linear's inputs in
