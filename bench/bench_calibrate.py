@@ -402,10 +402,7 @@ def evaluate(out: Path, ref, blocks, src: Path | None = None, fp4: bool = False)
         # tests/test_formats_fp4.py holds it to transformers' bf16 logits), against its
         # own logits of the unquantized model; "KLD w-only" stays transformers'
         try:
-            key = str(src)
-            if key not in _RUNTIME_REF:
-                _RUNTIME_REF[key] = runtime_logits(src, blocks)
-            row.update(metrics(_RUNTIME_REF[key], runtime_logits(out, blocks), blocks))
+            row.update(runtime_metrics(out, src, blocks))
             row["loaded"] = "k3convert runtime (NVFP4 activations fake-quantized)"
             q = logits_of(out, blocks,
                           quantization_config=CompressedTensorsConfig(dequantize=True))  # fmt: skip
@@ -432,14 +429,20 @@ def evaluate(out: Path, ref, blocks, src: Path | None = None, fp4: bool = False)
         # and activations fake-quantized as the checkpoint says (the agreement of the two
         # evaluators on what both load: tests/test_quant_oracle.py)
         try:  # against the runtime's own logits of the unquantized model
-            key = str(src)
-            if key not in _RUNTIME_REF:
-                _RUNTIME_REF[key] = runtime_logits(src, blocks)
-            row.update(metrics(_RUNTIME_REF[key], runtime_logits(out, blocks), blocks))
+            row.update(runtime_metrics(out, src, blocks))
             row["loaded"] = f"k3convert runtime ({row['loaded']})"
         except Exception as e:
             row["loaded"] += f"; runtime failed: {type(e).__name__}: {str(e)[:80]}"
     return row
+
+
+def runtime_metrics(out: Path, src: Path, blocks: torch.Tensor) -> dict:
+    """:func:`metrics` of k3convert's runtime logits of ``out`` against its logits of the
+    unquantized ``src`` (computed once per source)."""
+    key = str(src)
+    if key not in _RUNTIME_REF:
+        _RUNTIME_REF[key] = runtime_logits(src, blocks)
+    return metrics(_RUNTIME_REF[key], runtime_logits(out, blocks), blocks)
 
 
 @torch.no_grad()

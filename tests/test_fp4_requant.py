@@ -415,6 +415,7 @@ def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch
     shares one global scale, as vLLM's fused MoE and Linear layers take one."""
     calls = []
     real = fp4_requant.requantize
+    byte_path = fp4_requant.supported
 
     def counted(*a, **kw):
         got = real(*a, **kw)
@@ -426,7 +427,7 @@ def test_quantize_from_mxfp4_same_bytes_every_path(mx_src, tmp_path, monkeypatch
     hows = (["native"] if HAVE_CC else []) + ["torch"] + (["float"] if observer else [])
     for how in hows:
         monkeypatch.setattr(native, "ENABLED", how == "native")
-        float_path = (lambda s: False) if how == "float" else fp4_requant._supported
+        float_path = (lambda s: False) if how == "float" else byte_path
         monkeypatch.setattr(fp4_requant, "supported", float_path)
         calls.clear()
         out = tmp_path / how

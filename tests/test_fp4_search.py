@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from k3convert import formats as fmt
 from k3convert.cli import main
+from k3convert.errors import ConfigError
 from k3convert.quant import fp4_search
 from k3convert.quant.schemes import get_scheme
 from tests.models import save_model
@@ -134,7 +135,7 @@ def test_recipe_option_and_cli(tmp_path):
     round to nearest's; a scheme without a search (fp8) is refused with advice."""
     src = save_model("llama", tmp_path / "src")
     assert get_scheme("nvfp4a16", observer="mse").observer == "mse"
-    with pytest.raises(Exception, match="minmax or mse"):
+    with pytest.raises(ConfigError, match="minmax or mse"):
         get_scheme("nvfp4a16", observer="max")
     outs = {}
     for obs in ("minmax", "mse"):

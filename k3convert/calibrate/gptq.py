@@ -381,11 +381,7 @@ class _FP4Columns:
     def __init__(self, scheme: FP4Scheme, parts: dict, shape: tuple[int, int], name: str):
         out, inp = shape
         self.group = scheme.group
-        scale = parts["weight_scale"]
-        if scheme.encoding == fmt.NVFP4:  # as the loaders: scale / global in float32
-            eff = scale.float() / parts["weight_global_scale"].float().reshape(1, 1)
-        else:
-            eff = fmt.e8m0_to_float(scale)
+        eff = fp4_search.effective_scales(parts)
         if not bool(torch.isfinite(eff * fmt.FP4_MAX).all()):
             raise WeightRangeError(
                 f"GPTQ for '{name}' (scheme '{scheme.name}'): a scale of this weight times 6 "
@@ -407,15 +403,11 @@ class _FP4Columns:
 _COLUMNS = {"int": _IntColumns, "fp8": _FP8Columns, "fp4": _FP4Columns}
 
 
-def _rtn_parts(scheme: Scheme, w: torch.Tensor, H: torch.Tensor, name: str, global_amax):
-    """The scheme's parts of ``w`` whose scales GPTQ rounds against: its own quantize;
-    an FP4 scheme with the ``mse`` observer searches each group's scale against its block
-    of ``H`` (the output error, not the weight's)."""
+def _rtn_parts(scheme: Scheme, w: torch.Tensor, name: str, global_amax):
+    """The scheme's parts of ``w``: its own quantize; an FP4 scheme's round to nearest
+    (the fused set's global scale; its ``mse`` candidates: :func:`_scale_candidates`)."""
     if scheme.support.gptq != "fp4":
         return scheme.quantize(w, name=name)
-    if scheme.observer == "mse":
-        blocks = fp4_search.local_blocks(H, scheme.group)
-        return fp4_search.quantize(scheme, w, name=name, global_amax=global_amax, gram=blocks)
     return scheme.quantize_rtn(w, name=name, global_amax=global_amax)
 
 
@@ -588,12 +580,12 @@ def _scale_candidates(scheme: Scheme, w, H, name: str, global_amax) -> list[dict
     calibration inputs: measured per Linear on the trained llama, neither search wins
     everywhere (each is 2-6 % worse than round to nearest's scales on some Linear), and
     that error picks the best of the three on held-out tokens too."""
-    first = _rtn_parts(scheme, w, H, name, global_amax)
+    rtn = _rtn_parts(scheme, w, name, global_amax)
     if scheme.support.gptq != "fp4" or scheme.observer != "mse":
-        return [first]
-    out = [first]
-    for parts in (scheme.quantize_rtn(w, name=name, global_amax=global_amax),
-                  fp4_search.quantize(scheme, w, name=name, global_amax=global_amax)):  # fmt: skip
+        return [rtn]
+    kw = {"name": name, "global_amax": global_amax, "base": rtn}
+    out = [fp4_search.quantize(scheme, w, gram=fp4_search.local_blocks(H, scheme.group), **kw)]
+    for parts in (rtn, fp4_search.quantize(scheme, w, **kw)):
         if not any(torch.equal(parts["weight_scale"].view(torch.uint8),
                                p["weight_scale"].view(torch.uint8)) for p in out):  # fmt: skip
             out.append(parts)

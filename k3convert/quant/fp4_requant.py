@@ -70,13 +70,9 @@ D_LO, D_HI = -7, 2
 
 
 def supported(scheme: Scheme) -> bool:
-    """Whether :func:`requantize` can produce ``scheme`` from MXFP4 parts."""
-    return _supported(scheme)
-
-
-def _supported(scheme: Scheme) -> bool:
-    """The scheme declares it (``support.transcodes``); big-endian hosts take the float
-    path (the byte tables are little-endian)."""
+    """Whether :func:`requantize` can produce ``scheme`` from MXFP4 parts: the scheme
+    declares it (``support.transcodes``); big-endian hosts take the float path (the byte
+    tables are little-endian)."""
     return fp4.LITTLE_ENDIAN and fmt.MXFP4 in scheme.support.transcodes
 
 
@@ -170,7 +166,7 @@ def requantize(
     where every value is known to be held (NVFP4 / FP8 transcodes without rounded
     groups); ``loss`` where the transcode measured what it rounded (the int4 search: see
     :func:`.mx_int4.search`)."""
-    if not _supported(scheme) or not _mx_parts(parts) or not parts["weight_packed"].numel():
+    if not supported(scheme) or not _mx_parts(parts) or not parts["weight_packed"].numel():
         return None
     packed, codes = parts["weight_packed"].contiguous(), parts["weight_scale"].contiguous()
     if not decodes_finite(packed, codes):

@@ -60,6 +60,14 @@ def local_blocks(H: torch.Tensor, group: int) -> torch.Tensor:
     return torch.diagonal(v, dim1=0, dim2=2).permute(2, 0, 1).contiguous()
 
 
+def effective_scales(parts: dict) -> torch.Tensor:
+    """float32 [out, in / group] scales the loaders multiply an FP4 weight's E2M1 values
+    by: NVFP4 ``e4m3 / global`` (in float32, as compressed-tensors), MXFP4 ``2**(e-127)``."""
+    g = parts.get("weight_global_scale")
+    codes = parts["weight_scale"].view(torch.uint8).to(torch.int32)
+    return _eff(codes, g is not None, None if g is None else g.float().reshape(()))
+
+
 def _eff(codes: torch.Tensor, nv: bool, gscale: torch.Tensor | None) -> torch.Tensor:
     """float32 scales the loaders multiply by, of int32 scale codes."""
     if nv:
@@ -84,13 +92,15 @@ def _loss(err: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
 
 def quantize(
     scheme, w: torch.Tensor, *, name: str = "weight", global_amax=None,
-    gram: torch.Tensor | None = None,
+    gram: torch.Tensor | None = None, base: dict | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The parts of ``w`` [out, in] under the FP4 ``scheme`` with each group's scale
     searched (see the module doc). global_amax: as :meth:`FP4Scheme.quantize` (NVFP4: the
     fused set's largest |value|); gram: [in / group, group, group] weights of each
-    group's error (:func:`local_blocks` of a Hessian), None for the squared error."""
-    base = scheme.quantize_rtn(w, name=name, global_amax=global_amax)
+    group's error (:func:`local_blocks` of a Hessian), None for the squared error; base:
+    ``scheme.quantize_rtn(w, global_amax=global_amax)`` when the caller has it."""
+    if base is None:
+        base = scheme.quantize_rtn(w, name=name, global_amax=global_amax)
     out, inp = w.shape
     g = scheme.group
     ng = inp // g
