@@ -62,10 +62,13 @@ deepseek_v3`` adds the MoE fixture (MLA, routed + shared experts; its widths nee
 group 32, so its rows use the int4-g32 schemes, and llm-compressor W4A16 group 128 cannot
 run on it: its llm-compressor rows are the same modifiers with int4 group-32
 ``config_groups``; the per-channel W8A8 rows run on it as they are). ``--fixture
-deepseek_v3+outliers``: that fixture with outlier channels (tests/outliers.py: 4 of its
-128 residual channels 32x larger at every norm's output, the same function bit for bit),
-the structure SmoothQuant moves into the weights; the trained 4-layer fixtures have
-little of it. "+as" rows: SmoothQuant with ``--alpha-search``.
+deepseek_v3+outliers`` / ``llama+outliers``: that fixture with outlier channels
+(tests/outliers.py: 4 of its residual channels 32x larger at every norm's output, the
+same function bit for bit), the structure SmoothQuant moves into the weights; the
+trained 4-layer fixtures have little of it. "+as" rows: SmoothQuant with
+``--alpha-search``; "+g0": with ``--sq-min-gain 0``. Smoothing with FP4: k3convert AWQ
+(nvfp4a16, nvfp4) and SmoothQuant + GPTQ (nvfp4) against llm-compressor's AWQ NVFP4A16
+and SmoothQuant (strength 0.5) + GPTQ NVFP4.
 
 Targets (issue 9): k3convert GPTQ time <= llm-compressor's on the same model; KLD <=
 llm-compressor's for the same scheme and algorithm; peak RSS flat as layers are added
@@ -169,9 +172,22 @@ LLMC_RECIPES = {
         "from llmcompressor.modifiers.gptq import GPTQModifier",
         'GPTQModifier(scheme="NVFP4", targets="Linear", ignore=["lm_head"])',
     ),
+    # smoothing with NVFP4: AWQ (its scale search takes tensor_group) and SmoothQuant
+    # (at its default strength) before GPTQ
+    "AWQ NVFP4A16": (
+        "from llmcompressor.modifiers.awq import AWQModifier",
+        'AWQModifier(scheme="NVFP4A16", targets=["Linear"], ignore=["lm_head"])',
+    ),
+    "SmoothQuant+GPTQ NVFP4": (
+        "from llmcompressor.modifiers.gptq import GPTQModifier\n"
+        "from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier",
+        '[SmoothQuantModifier(smoothing_strength=0.5), GPTQModifier(scheme="NVFP4", '
+        'targets="Linear", ignore=["lm_head"])]',
+    ),
 }
 #: the NVFP4 rows (group 16 tiles both fixtures' widths: the same recipes on the MoE one)
-NVFP4_KEYS = ("RTN NVFP4A16", "GPTQ NVFP4A16", "RTN NVFP4", "GPTQ NVFP4")
+NVFP4_KEYS = ("RTN NVFP4A16", "GPTQ NVFP4A16", "RTN NVFP4", "GPTQ NVFP4", "AWQ NVFP4A16",
+              "SmoothQuant+GPTQ NVFP4")  # fmt: skip
 
 
 def _g32(modifier: str, symmetric: bool) -> str:
@@ -224,6 +240,14 @@ QUALITY = (
     ("nvfp4", "gptq", "GPTQ NVFP4"),
     ("nvfp4", "gptq+mse", "GPTQ NVFP4"),
     ("nvfp4", "gptq+mse+fpt", "GPTQ NVFP4"),
+    # smoothing with FP4 ("+g0": --sq-min-gain 0, every mapping that gains smoothed)
+    ("nvfp4a16", "awq", "AWQ NVFP4A16"),
+    ("nvfp4a16", "awq+mse", "AWQ NVFP4A16"),
+    ("nvfp4", "awq", "GPTQ NVFP4"),
+    ("nvfp4", "smoothquant+gptq", "SmoothQuant+GPTQ NVFP4"),
+    ("nvfp4", "smoothquant+gptq+mse+as", "SmoothQuant+GPTQ NVFP4"),
+    ("nvfp4", "smoothquant+gptq+mse+as+g0", "SmoothQuant+GPTQ NVFP4"),
+    ("nvfp4", "smoothquant+gptq+mse+fpt+as+g0", "SmoothQuant+GPTQ NVFP4"),
     # MoE only: every expert calibrated on every token, as llm-compressor's default
     # (moe_calibrate_all_experts=True) does
     ("nvfp4a16", "gptq+all", "GPTQ NVFP4A16"),
@@ -264,6 +288,9 @@ def llmc_argv(py, src, out, data, n, s, processor, key, recipes=None) -> list[st
 
 def k3_argv(src, out, scheme, algorithm=None, data=None, n=None, s=None) -> list[str]:
     argv = [PY, "-m", "k3convert", "quantize", str(src), str(out), "--scheme", scheme]
+    if algorithm is not None and algorithm.endswith("+g0"):
+        algorithm = algorithm.removesuffix("+g0")
+        argv += ["--sq-min-gain", "0"]
     if algorithm is not None and algorithm.endswith("+as"):
         algorithm = algorithm.removesuffix("+as")
         argv += ["--alpha-search"]
@@ -309,12 +336,13 @@ def speed_rows(n: int, s: int) -> list[list[int]]:
 
 
 #: --fixture choices: the trained fixtures, and the MoE one with outlier channels
-FIXTURES = ("llama", "deepseek_v3", "deepseek_v3+outliers")
+FIXTURES = ("llama", "deepseek_v3", "llama+outliers", "deepseek_v3+outliers")
 
 
 def fixture_model(kind: str, root: Path) -> Path:
-    """The model directory of a --fixture choice. ``deepseek_v3+outliers``: the MoE
-    fixture with 4 of its 128 residual channels 32x larger at every norm's output
+    """The model directory of a --fixture choice. ``deepseek_v3+outliers`` (and
+    ``llama+outliers``): the fixture with 4 of its residual channels 32x larger at every
+    norm's output
     (tests/outliers.py: the same function bit for bit, the activation structure of
     larger trained models that SmoothQuant exists for), written under ``root`` once."""
     from tests.outliers import with_outlier_channels

@@ -159,6 +159,51 @@ def test_gptq_solves_nvfp4_with_the_fused_sets_global_scales(work):
         assert torch.equal(g[0], rt[f"{members[0]}.weight_global_scale"]), members
 
 
+def test_smoothed_fused_sets_keep_one_global_scale(work, monkeypatch):
+    """SmoothQuant (and AWQ) with NVFP4: smoothing changes a fused set's weights (q_a /
+    kv_a, gate / up, an expert's w1 / w3: one norm's readers, and up_proj's rows where
+    up -> down is smoothed), so the set's one global scale is compressed-tensors'
+    ``generate_gparam`` of the largest |value| of the weights actually quantized (the
+    smoothed ones, every member in float32 alike), not of the source's; sets smoothing
+    left alone keep the uncalibrated writer's."""
+    import k3convert.calibrate.layer as layer_mod
+
+    root, data, src = work
+    seen: dict = {}
+    real = layer_mod.round_to_nearest
+
+    def spy(ckpt, name, scheme, w, smoothed, share=None):
+        seen[name] = (float(w.float().abs().max()), None if share is None else float(share.amax),
+                      smoothed, w.dtype)  # fmt: skip
+        return real(ckpt, name, scheme, w, smoothed, share)
+
+    monkeypatch.setattr(layer_mod, "round_to_nearest", spy)
+    out, raw = root / "nv-sq", root / "nv-sq-rtn"
+    rc, text = _cli(["quantize", src, out, "--scheme", "nvfp4", "--calibrate", "--algorithm",
+                     "smoothquant", "--alpha-search", "--sq-min-gain", 0, "--dataset", data,
+                     "--num-samples", 4, "--seq-len", 16])  # fmt: skip
+    assert rc == 0, text
+    rc, text = _cli(["quantize", src, raw, "--scheme", "nvfp4"])
+    assert rc == 0, text
+    st, rt = load_file(out / "model.safetensors"), load_file(raw / "model.safetensors")
+    sets = _fused_sets(st)
+    assert any(".experts." in s[0] for s in sets) and any("q_a_proj" in s[0] for s in sets)
+    changed = 0
+    for members in sets:
+        g = [st[f"{m}.weight_global_scale"] for m in members]
+        assert all(torch.equal(g[0], x) for x in g), members
+        got = [seen[f"{m}.weight"] for m in members]
+        if not any(s[2] for s in got):  # not smoothed: as the plain writer has it
+            assert torch.equal(g[0], rt[f"{members[0]}.weight_global_scale"]), members
+            continue
+        changed += 1
+        top = max(s[0] for s in got)
+        assert all(s[1] == top and s[2] and s[3] == torch.float32 for s in got), (members, got)
+        assert float(g[0]) == _gparam(top), members
+        assert not torch.equal(g[0], rt[f"{members[0]}.weight_global_scale"]), members
+    assert changed >= 2, changed
+
+
 def test_released_mxfp4_stays_exact_unless_solved(tmp_path):
     """Kimi K3's routed experts are released in MXFP4, which NVFP4 holds exactly: GPTQ
     leaves them to the exact transcode (every value the release's) and solves the rest;

@@ -223,10 +223,13 @@ def quantize_args(srcs) -> list[str]:
 
 
 def nvfp4_args(srcs) -> list[str]:
-    """GPTQ for NVFP4 with the mse observer (three sweeps a Linear, fused sets' global
-    scales taken from all their members whichever process solves them)."""
-    return ["--scheme", "nvfp4a16", "--weight-observer", "mse", "--keep",
-            "re:.*kv_b_proj.*", "--calibrate", "--dataset", str(srcs["root"] / "ids.jsonl"),
+    """SmoothQuant + GPTQ for NVFP4 (W4A4) with the mse observer: every mapping's search
+    on each process, three sweeps a Linear, fused sets' global scales taken from all
+    their smoothed members whichever process solves them."""
+    return ["--scheme", "nvfp4", "--weight-observer", "mse", "--keep",
+            "re:.*kv_b_proj.*", "--calibrate", "--algorithm", "smoothquant+gptq",
+            "--alpha-search", "--sq-min-gain", "0",
+            "--dataset", str(srcs["root"] / "ids.jsonl"),
             "--num-samples", "8", "--seq-len", "32"]  # fmt: skip
 
 
@@ -340,12 +343,14 @@ def test_quantize_gptq_two_processes_identical(one_proc, two_proc):
 
 @needs_gloo
 def test_quantize_nvfp4_gptq_two_processes_identical(one_proc, two_proc):
-    """GPTQ for NVFP4 under torchrun: the FP4 solves split over the processes; the output
-    is the one-process run's, file for file."""
+    """SmoothQuant + GPTQ for NVFP4 under torchrun: the FP4 solves split over the
+    processes, smoothed fused sets sharing one global scale; the output is the
+    one-process run's, file for file."""
     _job_ok(two_proc)
     files = _assert_same_tree(one_proc["nvfp4"], two_proc["nvfp4"])
     cfg = json.loads(files["config.json"])
-    assert cfg["k3convert"]["calibration"]["algorithm"] == "gptq"
+    assert cfg["k3convert"]["calibration"]["algorithm"] == "smoothquant+gptq"
+    assert cfg["k3convert"]["calibration"]["smoothed_mappings"] > 0
     group = next(iter(cfg["quantization_config"]["config_groups"].values()))
     assert group["weights"]["observer"] == "mse"
 

@@ -406,8 +406,13 @@ def test_absurd_layout_degrees_fail_at_once(tmp_path, key):
     ("calibrate", "message"),
     [
         ("{algorithm: gptq, alpha: 0.8}",
-         "quantize.calibrate.alpha / quantize.calibrate.alpha_search only apply with "
-         "quantize.calibrate.algorithm smoothquant"),
+         "quantize.calibrate.alpha / quantize.calibrate.alpha_search / "
+         "quantize.calibrate.sq_min_gain only apply with quantize.calibrate.algorithm "
+         "smoothquant"),
+        ("{algorithm: gptq, sq_min_gain: 0}",
+         "quantize.calibrate.sq_min_gain only apply with quantize.calibrate.algorithm"),
+        ("{algorithm: smoothquant, sq_min_gain: 1}",
+         "calibration option sq_min_gain must be a number in [0, 1)"),
         ("{algorithm: smoothquant, alpha: 0.8, alpha_search: true}",
          "give quantize.calibrate.alpha or quantize.calibrate.alpha_search, not both"),
         ("{algorithm: awq, gptq_fp_target: 0.5}",

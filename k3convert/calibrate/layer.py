@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from ..errors import ConfigError
 from ..parallel.procs import balance
+from ..quant.writer import SharedScale
 from ..runtime.decoder import ROUTERS, gated_mlp, layer_output
 from .options import GPTQ_ALGORITHMS, SMOOTHING
 from .passes import (
@@ -77,7 +78,7 @@ class _Layer:
         keys = {e.key: e.name for e in self.entries.values()}
         self.smoothing = SmoothingPass(SMOOTHING.get(algorithm), rt.text, i, keys, allrows,
                                        options.awq(), options.smoothquant(),
-                                       hidden.n)  # fmt: skip
+                                       hidden.n, shared.members if shared else None)  # fmt: skip
         # a tensor released in MXFP4 whose scheme holds it stays the exact transcode, unless
         # asked (gptq_solve_released) or smoothing may change it (then it is solved)
         smoothable = {n for m in self.smoothing.maps
@@ -271,12 +272,13 @@ class _Layer:
         round to nearest): (parts to journal, name -> its dequantized weight)."""
         parts_out: dict[str, torch.Tensor] = {}
         overrides: dict = {}
+        set_amax: dict[tuple, SharedScale] = {}
         for n in sorted(self.mine):
             r = self.mine[n]
             if n in self.others:  # another process's solve
                 continue
-            w = smoothed(n) if n in touched else self.ckpt.get(n)
-            share = self.shared.get(n) if self.shared else None
+            share = self._share(n, smoothed, touched, set_amax)
+            w, changed = self._weight(n, smoothed, touched, share)
             got = self.gptq_pass.solve(n, w, r.scheme,
                                        None if share is None else share.amax)  # fmt: skip
             parts = None
@@ -298,14 +300,41 @@ class _Layer:
                         ExpertFallbackWarning, stacklevel=3,
                     )  # fmt: skip
                     rec["fallbacks"].append(n)
-                parts = round_to_nearest(self.ckpt, n, r.scheme, w, n in touched, share)
-                if n in touched:  # the smoothed weight's parts (the source's are not these)
+                parts = round_to_nearest(self.ckpt, n, r.scheme, w, changed, share)
+                if changed:
+                    # the smoothed weight's parts, or a member of a smoothed fused set (its
+                    # global scale is the set's smoothed one): the source's are not these
                     rec["parts"].append(n)
                     parts_out.update({f"{r.module}.{k}": v.contiguous()
                                       for k, v in parts.items()})  # fmt: skip
             overrides[n] = functools.partial(dequantized, r.scheme, parts)
             del w
         return parts_out, overrides
+
+    def _weight(self, n: str, smoothed, touched, share) -> tuple[torch.Tensor, bool]:
+        """(the weight ``n`` is quantized from, whether it is not the source's): smoothed
+        (float32) where smoothing changed it or a member of its fused set (the members
+        then compute their global scale alike, in float32, and none is a transcode of
+        the source's bytes), else as stored."""
+        if n in touched or (share is not None and share.smoothed):
+            return smoothed(n), True
+        return self.ckpt.get(n), False
+
+    def _share(self, n: str, smoothed, touched, cache: dict) -> SharedScale | None:
+        """What ``n``'s NVFP4 fused set shares: the source's (:class:`SharedScales`), or,
+        where smoothing changed a member, the set's largest |value| after smoothing (every
+        member is then quantized under it; every process computes the same value)."""
+        share = self.shared.get(n) if self.shared else None
+        if share is None:
+            return None
+        members = self.shared.members(n)
+        if not any(k in touched for k in members):
+            return share
+        if members not in cache:
+            top = torch.stack([self.allrows[k].scheme.abs_max(smoothed(k), name=k)
+                               for k in members]).amax()  # fmt: skip
+            cache[members] = SharedScale(top, None, smoothed=True)
+        return cache[members]
 
     def rerun(self, overrides: dict, kv: bool) -> dict | None:
         """The layer on its quantized weights: the next layer's inputs, and what enters
@@ -369,8 +398,14 @@ def calibrate_layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden,
     if group.world == 1:
         rec["solves"] = [len(parts_out_names(parts_out, mine))]
     else:
-        weight = lambda n: smoothed(n) if n in touched else ckpt.get(n)  # noqa: E731
-        _share_solves(group, journal, i, mine, L.others, weight, rec, parts_out, overrides)
+        sets: dict = {}
+
+        def rtn(n: str) -> dict:  # as its owner rounded it (L.solve)
+            share = L._share(n, smoothed, touched, sets)
+            w, changed = L._weight(n, smoothed, touched, share)
+            return round_to_nearest(ckpt, n, mine[n].scheme, w, changed, share)
+
+        _share_solves(group, journal, i, mine, L.others, rtn, rec, parts_out, overrides)
     for n in sorted(touched - set(mine)):  # kept tensors smoothing changed (norms, router)
         t = smoothed(n).contiguous()
         parts_out[n] = t
@@ -391,12 +426,13 @@ def calibrate_layer(rt, src, ckpt, rows, allrows, i, algorithm, options, hidden,
     return rec
 
 
-def _share_solves(group, journal: Path, i: int, mine, others, weight, rec, parts_out,
+def _share_solves(group, journal: Path, i: int, mine, others, rtn, rec, parts_out,
                   overrides) -> None:  # fmt: skip
     """Under torchrun: write the parts of this process's share of layer ``i``'s GPTQ
     Linears, wait for every process, then take the others' parts (and their fallbacks)
     as if solved here. A Linear of another share that wrote no parts saw no token and was
-    rounded to nearest: that is recomputed here (cheap, the same bytes). The record's
+    rounded to nearest: that is recomputed here (``rtn(name)``: cheap, the same bytes,
+    its fused set's global scale and an MXFP4 source's transcode included). The record's
     lists keep the one-process order (sorted names)."""
     path = journal / f"layer-{i}.gptq-{group.rank}.safetensors"
     err = None
@@ -424,7 +460,7 @@ def _share_solves(group, journal: Path, i: int, mine, others, weight, rec, parts
     for n in sorted(others):
         parts = got.get(n)
         if parts is None:  # no token reached it: its owner rounded it to nearest
-            parts = mine[n].scheme.quantize(weight(n), name=n)
+            parts = rtn(n)
         overrides[n] = functools.partial(dequantized, mine[n].scheme, parts)
     fb = {n for f, _, _ in lists for n in f}
     done = {n for _, p, _ in lists for n in p}

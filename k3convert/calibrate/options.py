@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from ..errors import ConfigError
 from .observers import OBSERVERS, check_percentile
-from .smooth import check_alpha
+from .smooth import SQ_MIN_GAIN, check_alpha
 
 #: the calibration algorithms (``quantize --algorithm``, a recipe's ``calibrate.algorithm``)
 ALGORITHMS = ("rtn", "gptq", "static", "awq", "smoothquant", "smoothquant+gptq")
@@ -154,22 +154,32 @@ class AWQOptions(_Group):
 @dataclass(frozen=True)
 class SmoothQuantOptions(_Group):
     """SmoothQuant (:class:`~.passes.SmoothingPass`): the migration strength, or a search
-    over it per mapping."""
+    over it per mapping, and the local gain a mapping must show to be smoothed
+    (``sq_min_gain``, :data:`~.smooth.SQ_MIN_GAIN` by default)."""
 
     alpha: float
     alpha_search: bool
+    min_gain: float
 
-    KEYS: ClassVar = {"alpha": "alpha", "alpha_search": "alpha_search"}
+    KEYS: ClassVar = {"alpha": "alpha", "alpha_search": "alpha_search",
+                      "min_gain": "sq_min_gain"}  # fmt: skip
 
     def check(self, name: Name = option_name) -> None:
         check_alpha(self.alpha)
         _flag(self.alpha_search, "alpha_search", name)
+        g = self.min_gain
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < 1:
+            raise ConfigError(
+                f"{name('sq_min_gain')} must be a number in [0, 1) (the fraction of a "
+                f"mapping's quantization error smoothing must remove; 0: any gain), got {g!r}."
+            )
 
     def check_given(self, opts, algorithm, given, name) -> None:
-        if ({"alpha", "alpha_search"} & set(given)) and not algorithm.startswith("smoothquant"):
+        keys = {"alpha", "alpha_search", "sq_min_gain"}
+        if (keys & set(given)) and not algorithm.startswith("smoothquant"):
             raise ConfigError(
-                f"{name('alpha')} / {name('alpha_search')} only apply with "
-                f"{name('algorithm')} smoothquant[+gptq]."
+                f"{name('alpha')} / {name('alpha_search')} / {name('sq_min_gain')} only "
+                f"apply with {name('algorithm')} smoothquant[+gptq]."
             )
         if "alpha" in given and self.alpha_search:
             raise ConfigError(f"give {name('alpha')} or {name('alpha_search')}, not both.")
@@ -243,7 +253,11 @@ class SequentialOptions:
     ``<out>.calib/``; dtype: compute dtype of the runtime; moe_all_experts: routed experts'
     statistics over all calibration tokens (see :mod:`.sequential`); observer / percentile:
     how static input scales are chosen (:mod:`.observers`: ``minmax``, ``percentile`` of
-    |x|, ``mse``-optimal clipping). AWQ: awq_grid / awq_duo_scaling its scale search;
+    |x|, ``mse``-optimal clipping). SmoothQuant: alpha or alpha_search, and sq_min_gain
+    (a mapping is smoothed only where that removes at least this fraction of its
+    balance Linears' quantization error on the sampled rows; 0.25 by default, see
+    :data:`.smooth.SQ_MIN_GAIN`; 0 measured best for W4A4 on a dense model). AWQ:
+    awq_grid / awq_duo_scaling its scale search;
     awq_clip (default on, as the original AWQ's ``auto_clip``): after smoothing, each
     group-wise integer Linear's ranges are searched for the smallest output error over the
     calibration tokens (:func:`k3convert.quant.mse_observer.quantize` with the group
@@ -277,6 +291,7 @@ class SequentialOptions:
     percentile: float = 99.99
     alpha: float = 0.5
     alpha_search: bool = False
+    sq_min_gain: float = SQ_MIN_GAIN
     awq_grid: int = 20
     awq_duo_scaling: bool = True
     awq_clip: bool = True
@@ -345,6 +360,8 @@ class SequentialOptions:
         if kind in ("smoothquant", "all"):
             out["alpha"] = None if self.alpha_search else float(self.alpha)
             out["alpha_search"] = self.alpha_search
+            if self.sq_min_gain != SQ_MIN_GAIN:  # (absent at its default: records unchanged)
+                out["sq_min_gain"] = float(self.sq_min_gain)
         if kind in ("awq", "all"):
             out.update(awq_grid=self.awq_grid, awq_duo_scaling=self.awq_duo_scaling,
                        awq_clip=self.awq_clip)  # fmt: skip

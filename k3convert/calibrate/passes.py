@@ -31,6 +31,7 @@ from .. import formats as fmt
 from ..errors import ConfigError
 from ..formats import FP4_MAX, FP8_MAX
 from ..quant import fp4_requant, mse_observer
+from ..quant.activations import nv_input_global_scale
 from ..quant.mse_observer import GroupGram
 from ..quant.schemes import IntScheme, Scheme
 from .gptq import (
@@ -102,24 +103,13 @@ def _qmax(scheme: Scheme) -> float:
     return float(2 ** (act.num_bits - 1) - 1)
 
 
-#: NVFP4's input global scale is e4m3's max times E2M1's over the Linear's largest |input|
-#: (compressed-tensors' ``generate_gparam``, as llm-compressor calibrates it); below this
-#: largest |input| it would not be a finite float32
-_NV_GLOBAL_NUM = FP8_MAX * FP4_MAX
-_NV_MIN_AMAX = _NV_GLOBAL_NUM / float(torch.finfo(torch.float32).max)
-
-
 def input_value(scheme: Scheme, clip: float) -> float | None:
     """What calibration stores for a Linear whose inputs' clip value is ``clip``: its
     static input scale (``clip / qmax``), or NVFP4's input global scale (float32, from
-    the largest |input|); None where no finite positive value follows (no real input)."""
+    the largest |input|, :func:`..quant.activations.nv_input_global_scale`); None where no
+    finite positive value follows (no real input)."""
     if nv_input(scheme):
-        if not math.isfinite(clip) or clip < _NV_MIN_AMAX:
-            return None
-        # scalar / tensor, as compressed-tensors writes it (torch computes it as the
-        # tensor's reciprocal times the scalar: the same float32 bits)
-        g = float(_NV_GLOBAL_NUM / torch.tensor([clip], dtype=torch.float32))
-        return g if math.isfinite(g) and g > 0 else None
+        return nv_input_global_scale(clip)
     return max(clip, torch.finfo(torch.float32).tiny) / _qmax(scheme)
 
 
@@ -315,8 +305,11 @@ class SmoothingPass:
     see :data:`.smooth.SQ_MIN_GAIN`), and the scales chosen from them."""
 
     def __init__(self, kind: str | None, text, layer: int, keys: dict, allrows: dict,
-                 awq: AWQOptions, sq: SmoothQuantOptions, batches: int):  # fmt: skip
+                 awq: AWQOptions, sq: SmoothQuantOptions, batches: int,
+                 set_of=None):  # fmt: skip
         self.kind, self.awq, self.sq = kind, awq, sq
+        #: name -> its NVFP4 fused set's names (quant.writer.SharedScales.members) or None
+        self.set_of = set_of
         self.maps = []
         if kind is not None:
             fixed = any(n.endswith((".k_scale", ".v_scale")) for n in allrows)  # kept scales
@@ -356,13 +349,14 @@ class SmoothingPass:
                 continue
             if self.kind == "awq":
                 s, ratio = awq_scales(m, weight, scheme_of, stats, awq.grid, awq.duo_scaling,
-                                      layer_loss)  # fmt: skip
+                                      layer_loss, self.set_of)  # fmt: skip
                 sm.chosen[m.label] = ratio
                 if ratio is None:
                     continue
             else:
                 alphas = SQ_ALPHAS if sq.alpha_search else (float(sq.alpha),)
-                s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas, plain)
+                s, alpha = smoothquant_search(m, weight, scheme_of, stats, alphas, plain,
+                                              self.set_of, sq.min_gain)  # fmt: skip
                 sm.chosen[m.label] = alpha
                 if alpha is None:
                     continue

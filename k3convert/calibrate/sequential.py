@@ -65,7 +65,7 @@ from ..runtime.decoder import AttnResState
 from ..runtime.runtime import Runtime
 from .data import CalibrationSet
 from .layer import calibrate_layer
-from .options import ALGORITHMS, GPTQ_ALGORITHMS, SMOOTHING, SequentialOptions
+from .options import ALGORITHMS, GPTQ_ALGORITHMS, SequentialOptions
 from .passes import (
     ExpertFallbackWarning,
     gptq_supported,
@@ -281,15 +281,6 @@ def check_algorithm(plan, algorithm: str) -> None:
             f"calibration algorithm '{algorithm}' is not known; use one of {', '.join(ALGORITHMS)}."
         )
     rows = [r for r in plan.quantized if not r.as_stored]
-    if algorithm in SMOOTHING:
-        bad = sorted({r.scheme.name for r in rows
-                      if getattr(r.scheme, "shares_global_scale", False)})  # fmt: skip
-        if bad:
-            raise ConfigError(
-                f"--algorithm {algorithm} does not handle scheme(s) {', '.join(bad)} (their "
-                f"fused Linears share one global scale); use --algorithm rtn, or a scheme "
-                f"without a global scale (int, fp8, mxfp4)."
-            )
     if algorithm in GPTQ_ALGORITHMS:
         bad = sorted({r.scheme.name for r in rows if not gptq_supported(r.scheme)})
         if bad:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import ConfigError
-from ..quant.activations import fake_quant_activation
+from ..quant.activations import fake_quant_activation, nv_input_global_scale
 
 #: Linears that read the attention block's normed input (``input_layernorm``)
 _ATTENTION_READERS = (
@@ -268,14 +268,61 @@ def _group(scheme, width: int) -> int:
     return int(g)
 
 
-def _fake(scheme, w: torch.Tensor, name: str) -> torch.Tensor:
+def _fake(scheme, w: torch.Tensor, name: str, global_amax=None) -> torch.Tensor:
     """Round to nearest and back. The search scores candidate scales with the ``minmax``
     observer even where the scheme's is ``mse``: the clip search then runs once on the
     chosen smoothing (as AWQ's own clip step follows its scale search) instead of once
-    per candidate, 20x the work; scoring inside the search measured no better (issue 22)."""
+    per candidate, 20x the work; scoring inside the search measured no better (issue 22).
+    global_amax: NVFP4's fused set's largest |value| (its shared global scale)."""
     if getattr(scheme, "observer", "minmax") != "minmax":
         scheme = replace(scheme, observer="minmax")
+    if global_amax is not None:
+        return scheme.dequantize(scheme.quantize(w, name=name, global_amax=global_amax)).float()
     return scheme.dequantize(scheme.quantize(w, name=name)).float()
+
+
+class _SetMax:
+    """NVFP4's fused sets under a candidate smoothing ``s``: the largest |value| of the
+    set a balance Linear belongs to (what its shared global scale is made from), from each
+    member's column maxima (``max_ij |w_ij| s_j = max_j (max_i |w_ij|) s_j`` exactly:
+    rounding a product by a positive factor is monotone). set_of(name): the names of its
+    fused set (:meth:`..quant.writer.SharedScales.members`), or () if it has none."""
+
+    def __init__(self, m: Mapping, weight, set_of):
+        self.sets = {n: tuple(set_of(n)) for n in m.balance} if set_of is not None else {}
+        self.sets = {n: ms for n, ms in self.sets.items() if ms}
+        self.cols: dict[str, torch.Tensor] = {}
+        self.fixed: dict[str, torch.Tensor] = {}
+        for ms in set(self.sets.values()):
+            for k in ms:
+                if k in m.balance:
+                    self.cols[k] = weight(k).abs().amax(0)
+                else:  # not smoothed by this mapping: its own maximum
+                    self.fixed[k] = weight(k).abs().amax()
+
+    def __call__(self, name: str, s: torch.Tensor) -> torch.Tensor | None:
+        ms = self.sets.get(name)
+        if not ms:
+            return None
+        return torch.stack([(self.cols[k] * s).amax() if k in self.cols else self.fixed[k]
+                            for k in ms]).amax()  # fmt: skip
+
+
+def search_activation(scheme, x: torch.Tensor, plain: bool):
+    """The activation spec a search fake-quantizes a Linear's (smoothed) input ``x``
+    with, as it will run: a dynamic spec as it is; NVFP4's (local scales on the fly) under
+    the input global scale calibration will store for this input (from its largest |x|,
+    :func:`..quant.activations.nv_input_global_scale`); None for a static per-tensor spec
+    (judged on the weights) and for ``plain`` Linears (inputs not quantized where run)."""
+    act = None if plain else scheme.act
+    if act is None:
+        return None
+    if act.dynamic is True:
+        return act
+    if act.strategy == "tensor_group":
+        g = nv_input_global_scale(float(x.abs().max()))
+        return act.with_global_scale(g) if g is not None else None
+    return None
 
 
 def smoothquant_scales(m: Mapping, weight, stats: Statistics, alpha: float) -> torch.Tensor:
@@ -324,19 +371,24 @@ def smoothquant_search(
     stats: Statistics,
     alphas=SQ_ALPHAS,
     plain=frozenset(),
+    set_of=None,
+    min_gain: float = SQ_MIN_GAIN,
 ) -> tuple[torch.Tensor, float | None]:
     """SmoothQuant's strength chosen per mapping among ``alphas`` and no smoothing (None):
     the candidate whose smoothed, *activation- and weight-fake-quantized* balance Linears
     best reproduce their exact outputs on the sampled rows — the error W8A8 adds, dynamic
     input quantization included (compressed-tensors' fake quantization of the scheme's
     activation spec; static specs are judged on the weights alone) — provided it beats no
-    smoothing by :data:`SQ_MIN_GAIN`. ``plain``: Linears whose inputs are not quantized
-    where the checkpoint runs (routed experts): judged on their weights alone; a mapping
+    smoothing by ``min_gain`` (by default :data:`SQ_MIN_GAIN`). ``plain``: Linears whose
+    inputs are not quantized where the checkpoint runs (routed experts): judged on their
+    weights alone; a mapping
     whose balance is all plain is not smoothed (there is no input error to move). A fixed
     ``--alpha`` is ``alphas=(alpha,)``: that strength where it helps, none elsewhere. A
     mapping with kept readers (an MoE's router) gets power-of-two scales: its compensated
     columns are then exact in bf16 and the router's logits, hence the top-k choice, do
-    not move."""
+    not move. NVFP4 (W4A4): inputs under their calibrated global scale
+    (:func:`search_activation`), weights under their fused set's (``set_of``, see
+    :class:`_SetMax`), both recomputed for each candidate as calibration will."""
     width = stats.max[m.source].shape[0]
     if all(n in plain for n in m.balance):
         return torch.ones(width), None
@@ -344,22 +396,22 @@ def smoothquant_search(
     cands: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones(width))]
     cands += [(a, exact(smoothquant_scales(m, weight, stats, a))) for a in alphas]
     loss = torch.zeros(len(cands), dtype=torch.float64)
+    set_max = _SetMax(m, weight, set_of)
     for n in m.balance:
         x = stats.sample(n if n in m.routed else m.source)
         if x is None:
             continue
         w, sch = weight(n), scheme_of(n)
-        act = sch.act if n not in plain else None
-        spec = act if act is not None and act.dynamic is True else None
         y = x @ w.T
         for c, (_, s) in enumerate(cands):
-            xa = fake_quant_activation((x / s)[None], spec)[0]
-            loss[c] += float((xa @ _fake(sch, w * s, n).T - y).pow(2).sum())
+            xs = x / s
+            xa = fake_quant_activation(xs[None], search_activation(sch, xs, n in plain))[0]
+            loss[c] += float((xa @ _fake(sch, w * s, n, set_max(n, s)).T - y).pow(2).sum())
         del w, y
     best = int(loss.argmin())
     if not bool(torch.isfinite(loss).all()):
         raise ConfigError(f"SmoothQuant: a non-finite loss in {m.label}; check the weights.")
-    if loss[best] > (1.0 - SQ_MIN_GAIN) * loss[0]:
+    if loss[best] > (1.0 - min_gain) * loss[0]:
         best = 0  # a small local gain is not worth the risk (see SQ_MIN_GAIN)
     return cands[best][1], cands[best][0]
 
@@ -372,6 +424,7 @@ def awq_scales(
     grid: int = 20,
     duo: bool = True,
     layer_loss=None,
+    set_of=None,
 ) -> tuple[torch.Tensor, float | None]:
     """AWQ's searched scales and the ratio chosen (None: no smoothing won).
 
@@ -379,7 +432,12 @@ def awq_scales(
     layer's output when each balance Linear ``n`` computes with ``fake(n)`` (its smoothed,
     fake-quantized, unsmoothed weight) and everything else is exact — AWQ's loss on the
     block the mapping feeds. Without it (and for Linear -> Linear mappings, whose reader's
-    output is that block's output) the loss is the balance Linears' own output error."""
+    output is that block's output) the loss is the balance Linears' own output error.
+    NVFP4 weights take their fused set's global scale under each candidate (``set_of``,
+    :class:`_SetMax`). Quantized inputs are not in AWQ's loss (a weight-only search): for
+    W4A4 (``nvfp4``) scoring the balance Linears' own error with their NVFP4 inputs
+    fake-quantized instead of the block loss chose scales that raised the trained llama's
+    KL (1.41e-2 against 1.37e-2 weight-only, round to nearest 1.39e-2)."""
     x_mean = stats.mean(m.source)
     width = x_mean.shape[0]
     w_mean = torch.zeros(width, dtype=torch.float64)
@@ -406,11 +464,12 @@ def awq_scales(
         s = s.clamp(min=1e-4)
         cands.append(s / (s.max() * s.min()).sqrt())
     loss = torch.zeros(len(cands), dtype=torch.float64)
+    set_max = _SetMax(m, weight, set_of)
     if layer_loss is not None and m.prev_is_norm:
         for c, s in enumerate(cands):
 
             def fake(n: str, s=s) -> torch.Tensor:
-                return _fake(scheme_of(n), weight(n) * s, n) / s
+                return _fake(scheme_of(n), weight(n) * s, n, set_max(n, s)) / s
 
             loss[c] = float(layer_loss(m.balance, fake))
         return _best(m, cands, ratios, loss)
@@ -422,7 +481,7 @@ def awq_scales(
         sch = scheme_of(n)
         y = x @ w.T
         for c, s in enumerate(cands):
-            wq = _fake(sch, w * s, n) / s
+            wq = _fake(sch, w * s, n, set_max(n, s)) / s
             loss[c] += float(((x @ wq.T) - y).pow(2).sum())
         del w, y
     return _best(m, cands, ratios, loss)

@@ -240,6 +240,24 @@ def _qdq(
     return out * scale
 
 
+#: NVFP4's input global scale is e4m3's max times E2M1's over the Linear's largest |input|
+#: (compressed-tensors' ``generate_gparam``, as llm-compressor calibrates it); below this
+#: largest |input| it would not be a finite float32
+_NV_GLOBAL_NUM = FP8_MAX * FP4_MAX
+_NV_MIN_AMAX = _NV_GLOBAL_NUM / float(torch.finfo(torch.float32).max)
+
+
+def nv_input_global_scale(amax: float) -> float | None:
+    """NVFP4's ``input_global_scale`` for inputs whose largest |value| is ``amax`` (float32,
+    scalar / tensor as compressed-tensors writes it: torch computes it as the tensor's
+    reciprocal times the scalar, the same bits); None where no finite positive value
+    follows (no real input)."""
+    if not math.isfinite(amax) or amax < _NV_MIN_AMAX:
+        return None
+    g = float(_NV_GLOBAL_NUM / torch.tensor([amax], dtype=torch.float32))
+    return g if math.isfinite(g) and g > 0 else None
+
+
 def fake_quant_activation(x: torch.Tensor, spec: ActivationSpec | None) -> torch.Tensor:
     """Quantize-dequantize a Linear input as compressed-tensors does at inference.
 

@@ -95,10 +95,13 @@ class SharedScale:
     """What the members of a fused set (see :func:`fused_groups`) share: the largest
     |value| of the set (the global scale of a quantized NVFP4), and, where every member is
     MXFP4, the largest E8M0 code of their nonzero groups (the global scale of the exact
-    MXFP4 -> NVFP4 transcode, :func:`fp4_requant.nvfp4_exact`)."""
+    MXFP4 -> NVFP4 transcode, :func:`fp4_requant.nvfp4_exact`). smoothed: calibration's
+    value for a set whose members smoothing changed (the largest |value| after smoothing;
+    every member's parts are then calibration's)."""
 
     amax: torch.Tensor
     top_code: int | None
+    smoothed: bool = False
 
 
 def _member_scale(ckpt, r: Decision) -> tuple[torch.Tensor, int | None, bool]:
@@ -161,6 +164,11 @@ class SharedScales:
                 continue
             if not fp4_requant.decodes_finite(packed.contiguous(), codes.contiguous()):
                 r.scheme.abs_max(self._ckpt.get(r.name), name=r.name)  # raises, naming it
+
+    def members(self, name: str) -> tuple[str, ...]:
+        """The tensor names of ``name``'s fused set (() if it is in none)."""
+        i = self._set_of.get(name)
+        return () if i is None else tuple(r.name for r in self._sets[i])
 
     def get(self, name: str, default=None) -> SharedScale | None:
         i = self._set_of.get(name)
