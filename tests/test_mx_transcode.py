@@ -230,6 +230,50 @@ def test_int4_search_measures_its_own_loss(monkeypatch, scheme, lo, hi):
             assert got.rel_err == pytest.approx(want.rel_err, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    "scheme,lo,hi",
+    [("int4-g32", 117, 125), ("w4a16", 110, 127), ("int4-g64", 100, 127), ("w4a16", 16, 240)],
+)
+def test_int4_minmax_measures_its_loss_in_the_kernel(monkeypatch, scheme, lo, hi):
+    """``minmax`` with the loss report: the search kernel over minmax's one candidate
+    writes the bytes of ``scheme.quantize`` of the float32 decode (and of the minmax
+    kernel, without the report) and measures the loss :func:`fidelity.measure` gives,
+    portable and AVX2 loops, 1 to 3 threads."""
+    if not HAVE_CC:
+        pytest.skip("no C compiler")
+    s = dataclasses.replace(get_scheme(scheme), observer="minmax")
+    assert mx_int4.applies(s)
+    p = _release(96, 1024, seed=lo, spread=1.5)
+    g = torch.Generator().manual_seed(hi)
+    p["weight_scale"] = torch.randint(lo, hi, p["weight_scale"].shape, generator=g).to(torch.uint8)
+    x = _decode(p)
+    want_parts = s.quantize(x)
+    plain = fp4_requant.requantize(p, s)  # no report asked: the minmax kernel
+    want = fidelity.measure("t", fmt.MXFP4, scheme, x, s.dequantize(want_parts), (1, 32))
+    assert want.changed and want.groups_changed
+    call = native.mx_int4_search
+    for simd in (True, False):
+        for n in (1, 2, 3):
+
+            def pinned(*a, simd=simd, n=n, **k):
+                return call(*a, **{**k, "simd": simd, "nthreads": n})
+
+            monkeypatch.setattr(native, "mx_int4_search", pinned)
+            stats: dict = {}
+            got_parts = fp4_requant.requantize(p, s, stats=stats)
+            for k in want_parts:
+                assert torch.equal(got_parts[k], want_parts[k]), (k, simd, n)
+                assert torch.equal(plain[k], want_parts[k]), k
+            got = fidelity.from_sums("t", fmt.MXFP4, scheme, (96, 1024), (1, 32), stats["loss"])
+            assert (got.changed, got.groups_changed, got.groups, got.max_abs_err) == (
+                want.changed,
+                want.groups_changed,
+                want.groups,
+                want.max_abs_err,
+            ), (simd, n)
+            assert got.rel_err == pytest.approx(want.rel_err, rel=1e-12)
+
+
 def test_fp8_block_transcode_says_when_it_is_exact(path):
     """The FP8 transcode reports itself exact from its block keys (no comparison run)
     exactly when every value is held; a group 28 binades down is not."""

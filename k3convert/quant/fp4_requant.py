@@ -37,7 +37,10 @@ integers only:
   is not float32's, :func:`requantize` returns None and the caller takes the float path.
 
 With :mod:`k3convert.native`'s kernels the int4 path is one pass over the bytes (group
-maxima, table rows and output nibbles per int group, in C); torch ops otherwise.
+maxima, table rows and output nibbles per int group, in C); torch ops otherwise. Where
+the caller wants the loss report (``stats``), ``minmax`` runs as the search kernel over
+minmax's one candidate (:data:`.mx_int4.MINMAX`): the same bytes, with the loss measured
+in the same pass instead of by decoding the output again.
 
 tests/test_fp4_requant.py checks both against ``scheme.quantize`` of the float32 decode,
 bit for bit, on random and extreme tensors; tests/test_mx_transcode.py the FP8 and the
@@ -193,6 +196,13 @@ def requantize(
         if got is not None and loss:
             stats["loss"] = loss
         return got
+    minmax = scheme.observer == "minmax" and mx_int4.applies(scheme)
+    if minmax and stats is not None and native.ENABLED:  # its loss in the kernel's pass
+        loss = {}
+        got = mx_int4.search(packed, codes, scheme, loss, mx_int4.MINMAX)
+        if got is not None and loss:
+            stats["loss"] = loss
+            return got
     try:
         return _to_int4(packed, codes, scheme, name)
     except (NonFiniteWeightError, WeightRangeError):

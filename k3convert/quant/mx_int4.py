@@ -47,6 +47,10 @@ from .schemes import IntScheme
 
 #: the candidate ratios' denominators, minmax's (7.5) first, then outward by distance
 DENOMS = tuple(sorted((5.5 + 0.25 * i for i in range(15)), key=lambda t: (abs(t - 7.5), t)))
+#: minmax's one candidate (``amax / 7.5``): the search over it alone rounds as the
+#: ``minmax`` observer does, bit for bit (tests/test_mx_transcode.py), and its kernel
+#: measures the loss in the same pass (:func:`..fp4_requant.requantize` takes it so)
+MINMAX = (7.5,)
 #: group maximum / U: (significand 1 or 1.5) x 2**p
 CLASSES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: MX groups at most this many binades below e_ref are counted; further ones round to 0
@@ -75,14 +79,14 @@ def applies(scheme) -> bool:
 _UNIT = 2.0**24
 
 
-@functools.lru_cache(maxsize=8)
-def _tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
+@functools.lru_cache(maxsize=16)
+def _tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int, denoms=DENOMS):
     """(rel_scale float32 [classes, C], err float64 [classes, C, depth + 1, 16] in units of
     2**-24, nibbles uint8 [classes, C, depth + 2, 16], |error| float32 [classes, C,
     depth + 1, 16] in units of U): see the module doc. Row ``depth + 1`` of the nibbles is
     a left-out MX group (every code 0)."""
     cls = torch.tensor(CLASSES, dtype=torch.float32)
-    ratio = torch.tensor([1.0 / t for t in DENOMS], dtype=torch.float32)
+    ratio = torch.tensor([1.0 / t for t in denoms], dtype=torch.float32)
     rel = (cls[:, None] * ratio[None, :]).to(sdtype)  # the stored scale / U
     d = torch.arange(depth + 1, dtype=torch.float32)
     v = E2M1[None, :] * torch.exp2(-d)[:, None]  # [depth + 1, 16]: value / U
@@ -100,12 +104,13 @@ def _tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
     return rel.float(), err, torch.cat([nib, zero], 2).contiguous(), diff.contiguous()
 
 
-@functools.lru_cache(maxsize=8)
-def _byte_errors(sdtype: torch.dtype, qmin: int, qmax: int, depth: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def _byte_errors(sdtype: torch.dtype, qmin: int, qmax: int, depth: int,
+                 denoms=DENOMS) -> torch.Tensor:  # fmt: skip
     """The kernel's error table: int32 [classes, depth + 1, 256 bytes, 16 lanes], a byte's
     two nibbles' errors per candidate (lanes past C zero), each below 2**26, so the sums
     over an int group of up to 128 values stay below 2**32 (the kernel's uint32 lanes)."""
-    rel, err, _, _ = _tables(sdtype, qmin, qmax, depth)
+    rel, err, _, _ = _tables(sdtype, qmin, qmax, depth, denoms)
     b = torch.arange(256)
     k, c = rel.shape
     pair = err[:, :, :, b & 15] + err[:, :, :, b >> 4]  # [K, C, depth + 1, 256]
@@ -114,13 +119,13 @@ def _byte_errors(sdtype: torch.dtype, qmin: int, qmax: int, depth: int) -> torch
     return lanes.contiguous()
 
 
-@functools.lru_cache(maxsize=8)
-def loss_tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
+@functools.lru_cache(maxsize=16)
+def loss_tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int, denoms=DENOMS):
     """The search kernel's loss tables (:func:`k3convert.native.mx_int4_search`): per row
     (class, candidate, d) each nibble's changed flag and the rank of its |error| among the
     row's, then one row for an MX group left out (changed: the value is nonzero); the
     release's squares (2 e2m1(n))**2 by nibble; each row's |errors| / U by rank."""
-    diff = _tables(sdtype, qmin, qmax, depth)[3]  # [8, C, depth + 1, 16]
+    diff = _tables(sdtype, qmin, qmax, depth, denoms)[3]  # [8, C, depth + 1, 16]
     rows = diff.reshape(-1, 16)
     srt = rows.sort(1).values  # ascending: the rank of v is how many are below it
     rank = (srt[:, None, :] < rows[:, :, None]).sum(2)
@@ -135,13 +140,20 @@ def loss_tables(sdtype: torch.dtype, qmin: int, qmax: int, depth: int):
 
 
 def search(
-    packed: torch.Tensor, codes: torch.Tensor, scheme, loss: dict | None = None
+    packed: torch.Tensor,
+    codes: torch.Tensor,
+    scheme,
+    loss: dict | None = None,
+    denoms: tuple[float, ...] = DENOMS,
 ) -> dict | None:
     """MXFP4 ``packed`` [out, in/2] / ``codes`` [out, in/32] as ``scheme`` with searched
     scales (see the module doc); None where the E8M0 code of an MX group holding a nonzero
     value lies outside :data:`CODES` (the caller takes the float path). The kernel of
     :mod:`k3convert.native` where it is available, else torch ops: the same bytes (the
     sums are exact, the first smallest wins in both).
+
+    denoms: the candidates' denominators (:data:`DENOMS`; :data:`MINMAX` alone is
+    round to nearest with minmax scales).
 
     loss: filled, where the kernel ran, with what the search knows of every value it
     rounds (``err2``, ``ref2``: the squared error and the release's squared values,
@@ -156,11 +168,12 @@ def search(
     sub, ng = g // fmt.MX_GROUP, inp // g
     depth = DEPTH if sub > 1 else 0  # one MX group per int group: d is always 0
     zero = scheme.symmetric_scale(torch.zeros(()))
-    rel = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)[0]
+    key = (scheme.sdtype, scheme.qmin, scheme.qmax, depth, tuple(denoms))
+    rel = _tables(*key)[0]
     if native.ENABLED and packed.numel() and sub <= native.SEARCH_MAX_SUB:
-        err = _byte_errors(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
-        nib = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)[2]
-        lt = None if loss is None else loss_tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
+        err = _byte_errors(*key)
+        nib = _tables(*key)[2]
+        lt = None if loss is None else loss_tables(*key)
         got = native.mx_int4_search(packed, codes, sub, depth, err, nib, rel,
                                     torch.tensor(E2M1_VALUES, dtype=torch.float32),
                                     float(zero), -scheme.qmin & 15 | (-scheme.qmin & 15) << 4,
@@ -174,7 +187,7 @@ def search(
                 loss.update(err2=err2, ref2=ref2, max_abs=top, changed=int(changed),
                             groups_changed=int(groups))  # fmt: skip
             return _parts(qbytes, scale.to(scheme.sdtype), out, inp)
-    return _search_torch(packed, codes, scheme, sub, ng, depth, zero)
+    return _search_torch(packed, codes, scheme, sub, ng, depth, zero, tuple(denoms))
 
 
 def _parts(qbytes, scale, out, inp) -> dict:
@@ -185,11 +198,11 @@ def _parts(qbytes, scale, out, inp) -> dict:
     }
 
 
-def _search_torch(packed, codes, scheme, sub, ng, depth, zero) -> dict:
+def _search_torch(packed, codes, scheme, sub, ng, depth, zero, denoms=DENOMS) -> dict:
     """:func:`search` in torch ops, a band of rows at a time: each int group's histogram
     of (d, nibble) times the error table."""
     out, cols = packed.shape
-    rel, err, nib, _ = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth)
+    rel, err, nib, _ = _tables(scheme.sdtype, scheme.qmin, scheme.qmax, depth, denoms)
     ncand = rel.shape[1]
     bins = (depth + 1) * 16
     errs = err.view(len(CLASSES), ncand, bins).transpose(1, 2).contiguous()  # [K, bins, C]

@@ -239,7 +239,8 @@ def _produce(
         _check_finite(r.name, t, ckpt.root)
         return {r.name: t}
     parts = calibrated.weight_parts(r.name) if calibrated is not None else None
-    stats: dict = {}
+    measured = losses is not None and re_encodes(r)
+    stats: dict | None = {} if measured else None  # what the transcode knows of its loss
     if parts is None:
         share = shared.get(r.name) if shared else None
         kw = {} if share is None else {"global_amax": share.amax, "top_code": share.top_code}
@@ -247,7 +248,7 @@ def _produce(
             parts = quantize_stored(ckpt, r.name, r.scheme, stats=stats, **kw)
         except NonFiniteWeightError as e:  # the scheme names the tensor; add the checkpoint
             raise NonFiniteWeightError(f"{ckpt.root}: {e}") from None
-    if losses is not None and re_encodes(r):
+    if measured:
         losses.append(release_loss(ckpt, r, parts, exact=stats.get("exact", False),
                                    sums=stats.get("loss")))  # fmt: skip
     out = {f"{r.module}.{k}": v for k, v in parts.items()}
