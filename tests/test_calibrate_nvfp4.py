@@ -204,10 +204,39 @@ def test_smoothed_fused_sets_keep_one_global_scale(work, monkeypatch):
     assert changed >= 2, changed
 
 
+def test_smoothing_leaves_released_mxfp4_experts_exact(work):
+    """A MoE whose routed experts are released in MXFP4 (here the fixture's, written by
+    ``quantize --scheme mxfp4``): AWQ to nvfp4a16 leaves alone the mappings that would
+    change them (the post-attention norm's, whose readers include every routed expert,
+    and each expert's up -> down), smooths the others, and every routed expert holds the
+    release's values."""
+    from k3convert.checkpoint import open_checkpoint
+    from k3convert.quant.schemes import get_scheme
+
+    root, data, src = work
+    rel, out = root / "dsv3-mxfp4", root / "awq-from-mxfp4"
+    rc, text = _cli(["quantize", src, rel, "--scheme", "mxfp4", "--keep",
+                     r"re:^(?!.*\.experts\.\d+\.).*"])  # fmt: skip
+    assert rc == 0, text
+    ck = open_checkpoint(rel)
+    routed = [n for n in ck.names() if ".experts." in n and n.endswith(".weight")]
+    assert routed and all(ck.meta(n).encoding == "mxfp4-pack-quantized" for n in routed)
+    rc, text = _cli(["quantize", rel, out, "--scheme", "nvfp4a16", "--calibrate", "--algorithm",
+                     "awq", "--dataset", data, "--num-samples", 4, "--seq-len", 16])  # fmt: skip
+    assert rc == 0, text
+    cal = json.loads((out / "config.json").read_text())["k3convert"]["calibration"]
+    assert cal["smoothed_mappings"] > 0, cal
+    oc, scheme = open_checkpoint(out), get_scheme("nvfp4a16")
+    moved = [n for n in routed
+             if not torch.equal(scheme.dequantize(oc.get_parts(n)), ck.get(n).float())]  # fmt: skip
+    assert moved == []
+
+
 def test_released_mxfp4_stays_exact_unless_solved(tmp_path):
     """Kimi K3's routed experts are released in MXFP4, which NVFP4 holds exactly: GPTQ
     leaves them to the exact transcode (every value the release's) and solves the rest;
-    ``--gptq-solve-released`` solves them too (then they move)."""
+    ``--gptq-solve-released`` solves them too (then they move). AWQ leaves alone every
+    mapping that would change them (smoothing the others)."""
     from k3convert.checkpoint import open_checkpoint
     from k3convert.quant.schemes import get_scheme
     from k3convert.synth import synthesize
@@ -222,16 +251,20 @@ def test_released_mxfp4_stays_exact_unless_solved(tmp_path):
     assert routed and all(ck.meta(n).encoding == "mxfp4-pack-quantized" for n in routed)
     scheme = get_scheme("nvfp4a16")
     moved = {}
-    for flag in ([], ["--gptq-solve-released"]):
-        out = tmp_path / ("solved" if flag else "exact")
+    for flag in ([], ["--gptq-solve-released"], ["--algorithm", "awq"]):
+        out = tmp_path / ("-".join(flag) or "exact")
         rc, text = _cli(["quantize", src, out, "--scheme", "nvfp4a16", "--calibrate",
                          "--dataset", data, "--num-samples", 2, "--seq-len", 8,
                          "--no-progress", *flag])  # fmt: skip
         assert rc == 0, text
         oc = open_checkpoint(out)
-        moved[bool(flag)] = [n for n in routed if not torch.equal(
+        if "awq" in flag:
+            cal = json.loads((out / "config.json").read_text())["k3convert"]["calibration"]
+            assert cal["smoothed_mappings"] > 0, cal
+        moved[" ".join(flag)] = [n for n in routed if not torch.equal(
             scheme.dequantize(oc.get_parts(n)), ck.get(n).float())]  # fmt: skip
         dense = [n for n in oc.names() if ".experts." not in n and "self_attn.q_proj" in n]
         assert dense and not torch.equal(oc.get(dense[0]).float(), ck.get(dense[0]).float())
-    assert moved[False] == []  # every routed expert holds the release's values
-    assert len(moved[True]) >= len(routed) // 4  # solved (those that saw tokens)
+    assert moved[""] == []  # every routed expert holds the release's values
+    assert moved["--algorithm awq"] == []
+    assert len(moved["--gptq-solve-released"]) >= len(routed) // 4  # solved (those with tokens)

@@ -76,18 +76,17 @@ class _Layer:
         self.mine = {n: rows[n] for n in self.by_name if n in rows}
         mine = self.mine
         keys = {e.key: e.name for e in self.entries.values()}
-        self.smoothing = SmoothingPass(SMOOTHING.get(algorithm), rt.text, i, keys, allrows,
-                                       options.awq(), options.smoothquant(),
-                                       hidden.n, shared.members if shared else None)  # fmt: skip
         # a tensor released in MXFP4 whose scheme holds it stays the exact transcode, unless
-        # asked (gptq_solve_released) or smoothing may change it (then it is solved)
-        smoothable = {n for m in self.smoothing.maps
-                      for n in (*m.balance, m.prev, *m.compensate)}  # fmt: skip
-        keep_exact = not options.gptq_solve_released
+        # asked (gptq_solve_released): neither smoothed nor solved
+        exact = frozenset()
+        if not options.gptq_solve_released:
+            exact = frozenset(n for n, r in mine.items() if transcoded_exactly(ckpt, n, r.scheme))
+        self.smoothing = SmoothingPass(SMOOTHING.get(algorithm), rt.text, i, keys, allrows,
+                                       options.awq(), options.smoothquant(), hidden.n,
+                                       shared.members if shared else None, exact)  # fmt: skip
         self.gptq = {n for n, r in mine.items()
                      if algorithm in GPTQ_ALGORITHMS and gptq_supported(r.scheme)
-                     and not (keep_exact and n not in smoothable
-                              and transcoded_exactly(ckpt, n, r.scheme))}  # fmt: skip
+                     and n not in exact}  # fmt: skip
         self.clip = set()
         if algorithm == "awq" and options.awq_clip:
             self.clip = {n for n, r in mine.items()

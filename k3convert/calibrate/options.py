@@ -271,8 +271,8 @@ class SequentialOptions:
     accumulates the cross term ``(Xf - X) X^T`` beside its Hessian
     (:func:`~.gptq.fp_target_weight`; scales stay the weight's own).
     gptq_solve_released: GPTQ also solves tensors released in MXFP4 under a scheme that
-    holds them exactly (NVFP4, MXFP4, FP8 blocks); off, they are transcoded exactly (a
-    tensor smoothing may change is solved either way).
+    holds them exactly (NVFP4, MXFP4, FP8 blocks), and smoothing may change them; off,
+    they are transcoded exactly and no smoothing mapping touching one is used.
     """
 
     dataset: str | os.PathLike = "default"

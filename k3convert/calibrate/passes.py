@@ -306,7 +306,7 @@ class SmoothingPass:
 
     def __init__(self, kind: str | None, text, layer: int, keys: dict, allrows: dict,
                  awq: AWQOptions, sq: SmoothQuantOptions, batches: int,
-                 set_of=None):  # fmt: skip
+                 set_of=None, exact=frozenset()):  # fmt: skip
         self.kind, self.awq, self.sq = kind, awq, sq
         #: name -> its NVFP4 fused set's names (quant.writer.SharedScales.members) or None
         self.set_of = set_of
@@ -314,7 +314,7 @@ class SmoothingPass:
         if kind is not None:
             fixed = any(n.endswith((".k_scale", ".v_scale")) for n in allrows)  # kept scales
             self.maps = layer_mappings(text, layer, keys, allrows, norms_only=False,
-                                       cache_fixed=fixed)  # fmt: skip
+                                       cache_fixed=fixed, exact=exact)  # fmt: skip
         self.stats = Statistics(awq.tokens, batches)
         sources = {m.source for m in self.maps}
         self.sampled = sources | {n for m in self.maps for n in m.routed}

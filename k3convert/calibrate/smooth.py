@@ -36,7 +36,9 @@ input), dense MLPs, MoE (the post-attention norm feeds the router, every routed 
 the shared experts, or a latent MoE's down projection) and per-expert ``up -> down``.
 A kept Linear that reads a smoothed input (the router) has its columns scaled too, so it
 computes exactly what it did; it is written with the new values. A mapping touching a
-tensor that is copied as stored (an MXFP4 release expert) is skipped.
+tensor that is copied as stored (an MXFP4 release expert), or that the output holds
+exactly as released (MXFP4 under NVFP4, MXFP4 or FP8 blocks; unless
+``gptq_solve_released``), is skipped.
 
 Memory: the scales are vectors; smoothed weights are made on demand, one Linear at a
 time (:meth:`Smoothing.tensor`), never a whole MoE layer at once.
@@ -99,16 +101,20 @@ def layer_mappings(
     *,
     norms_only: bool,
     cache_fixed: bool = False,
+    exact=frozenset(),
 ) -> list[Mapping]:
     """The mappings of decoder layer ``layer``. keys: runtime key -> tensor name of the
     layer's tensors; rows: tensor name -> the plan's Decision (every row); norms_only:
     only norm -> Linears mappings; cache_fixed: the KV cache's contents must not change
     (the source's KV-cache scales are kept): no ``kv_a_layernorm -> kv_b_proj`` (MLA's
-    cached latent) and no ``v_proj -> o_proj`` (the cached values)."""
+    cached latent) and no ``v_proj -> o_proj`` (the cached values); exact: tensors whose
+    released values the output holds exactly and must keep (an MXFP4 release under
+    NVFP4 / MXFP4 / FP8 blocks, :func:`.passes.transcoded_exactly`): a mapping touching
+    one is left alone, as one touching a tensor copied as stored."""
 
     def usable(name: str) -> bool:
         r = rows.get(name)
-        return r is not None and not r.as_stored
+        return r is not None and not r.as_stored and name not in exact
 
     def quantized(name: str) -> bool:
         return not rows[name].kept
