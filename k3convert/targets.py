@@ -37,6 +37,16 @@ class Target:
     #: from the engine module, so ``--help`` stays fast; tests/test_vllm_target.py checks
     #: it names exactly that mapping's model types, and the README's list too)
     families_help: str = ""
+    #: "module:function" of ``convert(recipe, *, src, out, force, progress, report_html,
+    #: verify, log) -> (report, files written, files kept from an interrupted run, verify
+    #: report)``, the job ``convert`` runs for a recipe's ``output.format`` of this
+    #: target; None: convert's own pipeline (the stream)
+    convert_fn: str | None = None
+    #: "module:function" of ``summary(report) -> str``, convert's summary of that report
+    summary_fn: str | None = None
+    #: an engine's pre-sharded files (tied to one serving engine: the serving check runs
+    #: for the machine's device), not an engine-neutral format
+    engine: bool = False
 
     def _load(self, ref: str):
         mod, name = ref.split(":")
@@ -52,6 +62,13 @@ class Target:
 
     def families(self) -> tuple[str, ...] | None:
         return None if self.families_attr is None else tuple(self._load(self.families_attr))
+
+    def convert(self, recipe, **kw):
+        return self._load(self.convert_fn)(recipe, **kw)
+
+    def render(self, report: dict) -> str:
+        """convert's summary of ``report`` (``summary_fn``)."""
+        return self._load(self.summary_fn)(report)
 
 
 TARGETS: dict[str, Target] = {
@@ -69,6 +86,9 @@ TARGETS: dict[str, Target] = {
         ".engines.vllm_index:check_vllm",
         ".engines.vllm_sharded:FAMILIES",
         "llama, qwen2, qwen3, mistral, qwen3_moe, deepseek_v3 / kimi_k2 and kimi_k3",
+        convert_fn=".pipeline.convert_vllm:convert_target",
+        summary_fn=".pipeline.convert_vllm:render_vllm_summary",
+        engine=True,
     ),
 }
 

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from .. import targets
 from ..arch import resolve, validate_source
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.bounded import read_json
@@ -69,7 +70,6 @@ from ..units import byte_bar
 from ..verify.report import write_json
 from ..verify.run import run_verify
 from .convert_report import REPORT, build_report, quantize_summary, read_losses, render_summary
-from .convert_vllm import convert_vllm, render_vllm_summary
 from .planned import DEFAULT_CACHE_BYTES, PlannedCheckpoint
 from .quantize import (
     Prepared,
@@ -91,8 +91,9 @@ class ConvertResult:
     verify_report: dict | None = field(default=None, repr=False)
 
     def summary(self) -> str:
-        if self.report.get("format") == "vllm":
-            return render_vllm_summary(self.report)
+        t = targets.TARGETS.get(self.report.get("format"))
+        if t is not None and t.summary_fn is not None:
+            return t.render(self.report)
         return render_summary(self.report)
 
 
@@ -230,8 +231,15 @@ def convert(
     times: dict[str, float] = {}
     r = _resolve_recipe(recipe, overrides)
     out = Path(out)
-    if r.output.format == "vllm":
-        return _convert_vllm(r, src, out, force, progress, report_html, log)
+    target = targets.get(r.output.format, f"{r.origin}: output.format")
+    if target.convert_fn is not None:  # an engine's files: the target's own job
+        rep, written, kept, vrep = target.convert(
+            r, src=src, out=out, force=force, progress=progress, report_html=report_html,
+            verify=lambda o, ref: _run_verify(r, o, ref),
+            log=log or (lambda m: print(m, file=sys.stderr)),
+        )  # fmt: skip
+        return ConvertResult(out, rep, rep["passed"], rep["seconds"]["total"], written, kept,
+                             vrep)  # fmt: skip
     group = procs.current()
     ck, calib_dir, inter, done = _open(r, src, out, keep_intermediate, force, report_html)
     stages = [*(["calibrate"] if _needs_data(r) else []), "write",
@@ -287,17 +295,6 @@ def convert(
     report = group.share(report)
     return ConvertResult(out, report, report["passed"], report["seconds"]["total"],
                          res.units_written, res.units_skipped, vrep)  # fmt: skip
-
-
-def _convert_vllm(r: Recipe, src, out: Path, force: bool, progress: bool, report_html,
-                  log) -> ConvertResult:  # fmt: skip
-    if report_html is not None:
-        raise ConfigError("--report-html describes a stream; output.format vllm has none.")
-    rep = convert_vllm(r, src=src, out=out, force=force, progress=progress,
-                       verify=lambda o, ref: _run_verify(r, o, ref),
-                       log=log or (lambda m: print(m, file=sys.stderr)))  # fmt: skip
-    return ConvertResult(out, rep, rep["passed"], rep["seconds"]["total"], rep["rank_files"],
-                         rep["rank_files_kept"], rep["verify"])  # fmt: skip
 
 
 def _open(r: Recipe, src, out: Path, keep_intermediate: bool, force: bool, report_html):
@@ -516,7 +513,8 @@ def _check_serving(r: Recipe, prep, ck, log) -> list:
     warning per problem through ``log``, or with ``output.strict_serving`` an error
     before any work. Returns the problems."""
     lay = r.layout.layout()
-    device = resolve_device(r.output.serving_device, engine_output=r.output.format == "vllm")
+    engine = targets.get(r.output.format, "output.format").engine
+    device = resolve_device(r.output.serving_device, engine_output=engine)
     target = ServingTarget(tp=lay.tp, moe_ep=lay.moe_ep, device=device,
                            strict=r.output.strict_serving)  # fmt: skip
     problems = target.check(prep.plan, ck.config)

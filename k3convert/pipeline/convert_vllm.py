@@ -140,6 +140,17 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     return report
 
 
+def convert_target(r: Recipe, *, src, out: Path, force: bool, progress: bool, report_html,
+                   verify, log) -> tuple[dict, int, int, dict | None]:  # fmt: skip
+    """``convert`` for ``output.format: vllm`` (:data:`k3convert.targets.TARGETS`): the
+    report, the rank files written and kept from an interrupted run, verify's report."""
+    if report_html is not None:
+        raise ConfigError("--report-html describes a stream; output.format vllm has none.")
+    rep = convert_vllm(r, src=src, out=out, force=force, progress=progress, verify=verify,
+                       log=log)  # fmt: skip
+    return rep, rep["rank_files"], rep["rank_files_kept"], rep["verify"]
+
+
 def render_vllm_summary(rep: dict) -> str:
     lay, secs = rep["layout"], rep["seconds"]
     kept = rep["rank_files_kept"]
