@@ -295,13 +295,13 @@ def shard(
     if written is not None and written.check_fn is not None:  # (a stream reports below)
         typer.echo(written.check(src))
         return
-    if chosen.name == "vllm" and not check:
+    if chosen.shard_fn is not None and not check:  # an engine's files: the target's job
         from .serving import ServingTarget, resolve_device
 
         device = resolve_device(serving_device, engine_output=True)  # default: this machine's
         serving = ServingTarget(tp=tp, moe_ep=ep, device=device, strict=strict_serving)
-        _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant_experts,
-                    force, not no_progress, serving)  # fmt: skip
+        _shard_engine(chosen, src, out, tp, pp, ep, compress, pp_layers, expert_load,
+                      redundant_experts, force, not no_progress, serving)  # fmt: skip
         return
     if serving_device is not None or strict_serving:
         raise typer.BadParameter(
@@ -359,11 +359,10 @@ def shard(
         )
 
 
-def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant, force,
-                progress, serving) -> None:  # fmt: skip
-    from .engines.vllm_index import llm_call
-    from .engines.vllm_write import write_vllm
-
+def _shard_engine(target, src, out, tp, pp, ep, compress, pp_layers, expert_load, redundant,
+                  force, progress, serving) -> None:  # fmt: skip
+    """``shard --target T`` for an engine's files: the stream's placement flags refused
+    (the engine places layers and experts itself), then the target's job."""
     if out is None:
         raise typer.BadParameter("OUT is required.")
     given = [f for f, v in (("--compress", compress != "none"),
@@ -371,21 +370,12 @@ def _shard_vllm(src, out, tp, pp, ep, compress, pp_layers, expert_load, redundan
              ("--redundant-experts", redundant)) if v]  # fmt: skip
     if given:
         raise typer.BadParameter(
-            f"{', '.join(given)} apply to the stream target; vLLM's sharded_state takes "
-            f"--tp, --pp and --ep (vLLM places layers and experts itself)."
+            f"{', '.join(given)} apply to the stream target; --target {target.name} takes "
+            f"--tp, --pp and --ep (the engine places layers and experts itself)."
         )
-    from .serving import vllm_check
-
-    check = vllm_check(serving, lambda line: typer.echo(line, err=True))
-    res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
-                     before_write=check)  # fmt: skip
-    typer.echo(
-        f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s)"
-        + (f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else "")
-        + ", "
-        f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; load it with "
-        + llm_call(res.out)
-    )
+    say = lambda line: typer.echo(line, err=True)  # noqa: E731
+    typer.echo(target.shard(src, out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
+                            serving=serving, log=say))  # fmt: skip
 
 
 @app.command(epilog=examples("demo"))

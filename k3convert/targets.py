@@ -47,6 +47,12 @@ class Target:
     #: an engine's pre-sharded files (tied to one serving engine: the serving check runs
     #: for the machine's device), not an engine-neutral format
     engine: bool = False
+    #: "module:function" of ``shard(src, out, *, tp, pp, ep, force, progress, serving,
+    #: log) -> str`` (the written summary line): ``shard --target NAME``; None: the stream
+    shard_fn: str | None = None
+    #: "module:callable" of ``source(path, *, check) -> weight source`` that ``verify`` runs a
+    #: written directory from (every tensor mapped back from the rank files)
+    source_fn: str | None = None
 
     def _load(self, ref: str):
         mod, name = ref.split(":")
@@ -65,6 +71,12 @@ class Target:
 
     def convert(self, recipe, **kw):
         return self._load(self.convert_fn)(recipe, **kw)
+
+    def shard(self, src, out, **kw) -> str:
+        return self._load(self.shard_fn)(src, out, **kw)
+
+    def source(self, path: str | os.PathLike, check: bool):
+        return self._load(self.source_fn)(Path(path), check=check)
 
     def render(self, report: dict) -> str:
         """convert's summary of ``report`` (``summary_fn``)."""
@@ -89,6 +101,8 @@ TARGETS: dict[str, Target] = {
         convert_fn=".pipeline.convert_vllm:convert_target",
         summary_fn=".pipeline.convert_vllm:render_vllm_summary",
         engine=True,
+        shard_fn=".engines.vllm_write:shard_target",
+        source_fn=".engines.vllm_source:VllmSource",
     ),
 }
 

@@ -134,6 +134,25 @@ def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None) -> l
             for f, h in zip(files, hashes, strict=True)]  # fmt: skip
 
 
+def shard_target(src, out, *, tp: int, pp: int, ep: int, force: bool, progress: bool,
+                 serving, log) -> str:  # fmt: skip
+    """``shard --target vllm`` (:data:`k3convert.targets.TARGETS`): the serving check of
+    ``serving`` (a :class:`k3convert.serving.ServingTarget`; its lines through ``log``)
+    before the first byte, the write, and the line that says what was written and how
+    vLLM loads it."""
+    from ..serving import vllm_check
+    from .vllm_index import llm_call
+
+    res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
+                     before_write=vllm_check(serving, log))  # fmt: skip
+    kept = f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else ""
+    return (
+        f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s){kept}, "
+        f"{res.bytes_written / 2**20:.1f} MiB in {res.seconds:.1f} s; load it with "
+        + llm_call(res.out)
+    )
+
+
 def write_vllm(
     *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
     ep: int = 1, force: bool = False, progress: bool = False, before_write=None,

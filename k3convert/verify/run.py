@@ -369,7 +369,7 @@ def run_verify(
     placement = dict(
         pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
     )
-    vsrc = _open_vllm(cand_path, lay, placement, dist_run, check_stream)
+    vsrc = _open_engine(cand_path, lay, placement, dist_run, check_stream)
     if vsrc is None:
         ranks, cand_kind, prov = _open_ranks(cand_path, lay, check_stream, placement, dist_run,
                                              me)  # fmt: skip
@@ -499,20 +499,21 @@ class _Unsharded:
         self.config, self.layout, self.experts, self.world = config, Layout(), None, 1
 
 
-def _open_vllm(path: Path, lay, placement: dict, dist_run: bool, check: bool):
-    """A vLLM sharded_state directory as a weight source (None: not one)."""
+def _open_engine(path: Path, lay, placement: dict, dist_run: bool, check: bool):
+    """An engine target's written directory (vLLM's sharded_state) as a weight source, from
+    the target registry (None: not one)."""
     from .. import targets
-    from ..engines.vllm_source import VllmSource
 
-    if targets.written_by(path) is not targets.get("vllm"):
+    t = targets.written_by(path)
+    if t is None or t.source_fn is None:
         return None
     if lay is not None or any(placement.values()) or dist_run:
         raise ConfigError(
-            f"{path}: a vLLM sharded_state directory is verified by mapping its rank files "
-            f"back and running the model in one process; drop --layout / --pp-layers / "
+            f"{path}: a {t.name} output is verified by mapping its rank files back and "
+            f"running the model in one process; drop --layout / --pp-layers / "
             f"--expert-load / --redundant-experts and torchrun."
         )
-    return VllmSource(path, check=check)
+    return t.source(path, check)
 
 
 def _open_ranks(cand_path: Path, lay, check_stream: bool, placement: dict, dist_run: bool,
