@@ -191,65 +191,32 @@ def test_int4_search_kernel_equals_torch_at_any_thread_count(monkeypatch):
     torch.set_num_threads(2)
 
 
+@pytest.mark.parametrize("observer", ["search", "minmax"])
 @pytest.mark.parametrize(
     "scheme,lo,hi",
     [("int4-g32", 117, 125), ("w4a16", 110, 127), ("int4-g64", 100, 127), ("w4a16", 16, 240)],
 )
-def test_int4_search_measures_its_own_loss(monkeypatch, scheme, lo, hi):
+def test_int4_kernel_measures_its_own_loss(monkeypatch, scheme, lo, hi, observer):
     """The loss the search kernel measures while it rounds (no decode of the output) is
     what :func:`fidelity.measure` gives from the release's decode and the output's
     dequantization: the same counts, largest error and relative error (its sums are exact,
     measure's are float64 in another order), portable and AVX2 loops, 1 to 3 threads.
-    Groups left out of the search (more than 7 binades down: rounded to zero) included."""
+    Groups left out of the search (more than 7 binades down: rounded to zero) included.
+    ``minmax`` with the report runs as the search over minmax's one candidate: its bytes
+    are ``scheme.quantize`` of the float32 decode's (and the minmax kernel's, which runs
+    where no report is asked)."""
     if not HAVE_CC:
         pytest.skip("no C compiler")
-    s = _search(scheme)
-    p = _release(96, 1024, seed=lo)
-    g = torch.Generator().manual_seed(hi)
-    p["weight_scale"] = torch.randint(lo, hi, p["weight_scale"].shape, generator=g).to(torch.uint8)
-    want = fidelity.measure("t", fmt.MXFP4, scheme, _decode(p),
-                            s.dequantize(fp4_requant.requantize(p, s)), (1, 32))  # fmt: skip
-    assert want.changed and want.groups_changed
-    call = native.mx_int4_search
-    for simd in (True, False):
-        for n in (1, 2, 3):
-
-            def pinned(*a, simd=simd, n=n, **k):
-                return call(*a, **{**k, "simd": simd, "nthreads": n})
-
-            monkeypatch.setattr(native, "mx_int4_search", pinned)
-            stats: dict = {}
-            fp4_requant.requantize(p, s, stats=stats)
-            got = fidelity.from_sums("t", fmt.MXFP4, scheme, (96, 1024), (1, 32), stats["loss"])
-            assert (got.changed, got.groups_changed, got.groups, got.max_abs_err) == (
-                want.changed,
-                want.groups_changed,
-                want.groups,
-                want.max_abs_err,
-            ), (simd, n)
-            assert got.rel_err == pytest.approx(want.rel_err, rel=1e-12)
-
-
-@pytest.mark.parametrize(
-    "scheme,lo,hi",
-    [("int4-g32", 117, 125), ("w4a16", 110, 127), ("int4-g64", 100, 127), ("w4a16", 16, 240)],
-)
-def test_int4_minmax_measures_its_loss_in_the_kernel(monkeypatch, scheme, lo, hi):
-    """``minmax`` with the loss report: the search kernel over minmax's one candidate
-    writes the bytes of ``scheme.quantize`` of the float32 decode (and of the minmax
-    kernel, without the report) and measures the loss :func:`fidelity.measure` gives,
-    portable and AVX2 loops, 1 to 3 threads."""
-    if not HAVE_CC:
-        pytest.skip("no C compiler")
-    s = dataclasses.replace(get_scheme(scheme), observer="minmax")
+    s = dataclasses.replace(get_scheme(scheme), observer=observer)
     assert mx_int4.applies(s)
-    p = _release(96, 1024, seed=lo, spread=1.5)
+    p = _release(96, 1024, seed=lo, spread=0.3 if observer == "search" else 1.5)
     g = torch.Generator().manual_seed(hi)
     p["weight_scale"] = torch.randint(lo, hi, p["weight_scale"].shape, generator=g).to(torch.uint8)
     x = _decode(p)
-    want_parts = s.quantize(x)
-    plain = fp4_requant.requantize(p, s)  # no report asked: the minmax kernel
-    want = fidelity.measure("t", fmt.MXFP4, scheme, x, s.dequantize(want_parts), (1, 32))
+    plain = fp4_requant.requantize(p, s)  # no report asked
+    if observer == "minmax":
+        assert all(torch.equal(v, s.quantize(x)[k]) for k, v in plain.items())
+    want = fidelity.measure("t", fmt.MXFP4, scheme, x, s.dequantize(plain), (1, 32))
     assert want.changed and want.groups_changed
     call = native.mx_int4_search
     for simd in (True, False):
@@ -260,10 +227,8 @@ def test_int4_minmax_measures_its_loss_in_the_kernel(monkeypatch, scheme, lo, hi
 
             monkeypatch.setattr(native, "mx_int4_search", pinned)
             stats: dict = {}
-            got_parts = fp4_requant.requantize(p, s, stats=stats)
-            for k in want_parts:
-                assert torch.equal(got_parts[k], want_parts[k]), (k, simd, n)
-                assert torch.equal(plain[k], want_parts[k]), k
+            parts = fp4_requant.requantize(p, s, stats=stats)
+            assert all(torch.equal(v, plain[k]) for k, v in parts.items()), (simd, n)
             got = fidelity.from_sums("t", fmt.MXFP4, scheme, (96, 1024), (1, 32), stats["loss"])
             assert (got.changed, got.groups_changed, got.groups, got.max_abs_err) == (
                 want.changed,
