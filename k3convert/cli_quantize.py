@@ -148,7 +148,8 @@ AlphaSearch = Annotated[
     typer.Option(
         "--alpha-search",
         help="With --algorithm smoothquant[+gptq]: search alpha per mapping on the "
-        "W8A8 error (weights and dynamic activations fake-quantized) instead of --alpha.",
+        "W8A8 / W4A4 error (weights and activations fake-quantized as they run) instead "
+        "of --alpha.",
     ),
 ]
 SqMinGain = Annotated[
