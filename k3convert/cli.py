@@ -373,9 +373,11 @@ def _shard_engine(target, src, out, tp, pp, ep, compress, pp_layers, expert_load
             f"{', '.join(given)} apply to the stream target; --target {target.name} takes "
             f"--tp, --pp and --ep (the engine places layers and experts itself)."
         )
-    say = lambda line: typer.echo(line, err=True)  # noqa: E731
+    from .serving import vllm_check
+
+    check = vllm_check(serving, lambda line: typer.echo(line, err=True))
     typer.echo(target.shard(src, out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
-                            serving=serving, log=say))  # fmt: skip
+                            before_write=check))  # fmt: skip
 
 
 @app.command(epilog=examples("demo"))

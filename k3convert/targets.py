@@ -47,8 +47,9 @@ class Target:
     #: an engine's pre-sharded files (tied to one serving engine: the serving check runs
     #: for the machine's device), not an engine-neutral format
     engine: bool = False
-    #: "module:function" of ``shard(src, out, *, tp, pp, ep, force, progress, serving,
-    #: log) -> str`` (the written summary line): ``shard --target NAME``; None: the stream
+    #: "module:function" of ``shard(src, out, *, tp, pp, ep, force, progress,
+    #: before_write) -> str`` (the written summary line; ``before_write(checkpoint)``: the
+    #: serving check): ``shard --target NAME``; None: the stream
     shard_fn: str | None = None
     #: "module:callable" of ``source(path, *, check) -> weight source`` that ``verify`` runs a
     #: written directory from (every tensor mapped back from the rank files)

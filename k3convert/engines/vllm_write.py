@@ -135,16 +135,14 @@ def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None) -> l
 
 
 def shard_target(src, out, *, tp: int, pp: int, ep: int, force: bool, progress: bool,
-                 serving, log) -> str:  # fmt: skip
-    """``shard --target vllm`` (:data:`k3convert.targets.TARGETS`): the serving check of
-    ``serving`` (a :class:`k3convert.serving.ServingTarget`; its lines through ``log``)
-    before the first byte, the write, and the line that says what was written and how
-    vLLM loads it."""
-    from ..serving import vllm_check
+                 before_write=None) -> str:  # fmt: skip
+    """``shard --target vllm`` (:data:`k3convert.targets.TARGETS`): the write
+    (``before_write(ck)``: the serving check, before the first byte) and the line that
+    says what was written and how vLLM loads it."""
     from .vllm_index import llm_call
 
     res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
-                     before_write=vllm_check(serving, log))  # fmt: skip
+                     before_write=before_write)  # fmt: skip
     kept = f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else ""
     return (
         f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s){kept}, "
