@@ -282,9 +282,8 @@ def _fake(scheme, w: torch.Tensor, name: str, global_amax=None) -> torch.Tensor:
     global_amax: NVFP4's fused set's largest |value| (its shared global scale)."""
     if getattr(scheme, "observer", "minmax") != "minmax":
         scheme = replace(scheme, observer="minmax")
-    if global_amax is not None:
-        return scheme.dequantize(scheme.quantize(w, name=name, global_amax=global_amax)).float()
-    return scheme.dequantize(scheme.quantize(w, name=name)).float()
+    kw = {} if global_amax is None else {"global_amax": global_amax}
+    return scheme.dequantize(scheme.quantize(w, name=name, **kw)).float()
 
 
 class _SetMax:
@@ -295,8 +294,8 @@ class _SetMax:
     fused set (:meth:`..quant.writer.SharedScales.members`), or () if it has none."""
 
     def __init__(self, m: Mapping, weight, set_of):
-        self.sets = {n: tuple(set_of(n)) for n in m.balance} if set_of is not None else {}
-        self.sets = {n: ms for n, ms in self.sets.items() if ms}
+        found = {n: tuple(set_of(n)) for n in m.balance} if set_of is not None else {}
+        self.sets = {n: ms for n, ms in found.items() if ms}
         self.cols: dict[str, torch.Tensor] = {}
         self.fixed: dict[str, torch.Tensor] = {}
         for ms in set(self.sets.values()):
