@@ -421,3 +421,68 @@ def test_html_report_shows_expert_placement_per_ep_rank(tmp_path):
     want = [sum(load[e] / len(ranks_of[e]) for e in h) / sum(load) for h in held]
     assert [float(r[3]) for r in rows] == [round(100 * w, 1) for w in want]
     assert abs(sum(float(r[3]) for r in rows) - 100) < 0.2
+
+
+K3_KEEP = {
+    "description": "released MXFP4 experts and bf16 weights, copied as stored",
+    "quantize": {"rules": [{"roles": ["experts"], "scheme": "keep"}]},
+    "layout": {"tp": 2, "moe_ep": 2},
+    "output": {"compression": "none"},
+    "verify": {"samples": 1, "seq_len": 8, "decode": 0},
+}
+
+
+def _poke(src: Path, name: str, fill) -> None:
+    """Overwrite the stored bytes of tensor ``name`` in ``src``'s safetensors file:
+    ``fill(view)`` edits a writable copy, written back in place."""
+    import struct
+
+    import torch
+
+    from k3convert.checkpoint.safetensors_io import ST_DTYPES
+
+    for f in sorted(src.glob("*.safetensors")):
+        raw = bytearray(f.read_bytes())
+        (n,) = struct.unpack("<Q", raw[:8])
+        head = json.loads(raw[8 : 8 + n])
+        if name in head:
+            e = head[name]
+            a, b = (8 + n + o for o in e["data_offsets"])
+            t = torch.frombuffer(raw[a:b], dtype=torch.uint8).clone()
+            t = t.view(ST_DTYPES[e["dtype"]][0])
+            fill(t)
+            raw[a:b] = t.view(torch.uint8).numpy().tobytes()
+            f.write_bytes(bytes(raw))
+            return
+    raise AssertionError(f"{name} not in {src}")
+
+
+def test_convert_copies_stored_rows_checked(tmp_path):
+    """Rows the output holds as stored (released MXFP4 experts under ``keep``, bf16
+    weights) are copied from the source's mapping, equal to quantize + shard byte for
+    byte; each is checked first as quantize checks it: an E8M0 scale of 255 and a NaN in
+    a kept weight are refused, naming the tensor, and no complete stream is left."""
+    from k3convert.checkpoint import open_checkpoint
+    from k3convert.errors import K3Error
+
+    src = tmp_path / "k3"
+    synthesize(config="kimi-k3", out=src, tiny=True, seed=2, overrides={"layers": 2})
+    ck = open_checkpoint(src)
+    parts = [p.name for n in ck.names() for p in ck.meta(n).parts.values()]
+    scale = next(n for n in parts if ".experts." in n and n.endswith("weight_scale"))
+    norm = next(n for n in parts if n.endswith("norm.weight"))
+    out = tmp_path / "c"
+    assert convert(src=src, out=out, recipe=parse_recipe(K3_KEEP), progress=False).passed
+    ref = _two_step(src, tmp_path, K3_KEEP)
+    got, want = _no_identity(_files(out)), _no_identity(_files(ref))
+    units = [k for k in want if k.startswith("rank")]
+    assert units and all(got[k] == want[k] for k in units)
+    for name, fill in ((scale, lambda t: t.view(-1)[3].fill_(255)),
+                       (norm, lambda t: t.view(-1)[1].fill_(float("nan")))):  # fmt: skip
+        bad = tmp_path / f"bad-{len(name)}"
+        synthesize(config="kimi-k3", out=bad, tiny=True, seed=2, overrides={"layers": 2})
+        _poke(bad, name, fill)
+        dst = tmp_path / f"o-{len(name)}"
+        with pytest.raises(K3Error, match=re.escape(name.rsplit(".", 1)[0])):
+            convert(src=bad, out=dst, recipe=parse_recipe(K3_KEEP), progress=False)
+        assert not (dst / "manifest.json").exists()

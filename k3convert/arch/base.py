@@ -228,11 +228,11 @@ class Arch:
 
         UnknownTensorsError lists the names that match no row.
         """
-        compiled = _compiled(self.specs, cfg)
+        index = _indexed(self.specs, cfg)
         out: dict[str, Match] = {}
         unknown: list[str] = []
         for n in names:
-            for spec, rx in compiled:
+            for spec, rx in index.get(_DIGITS.sub("#", n), ()):
                 m = rx.match(n)
                 if m:
                     idx = {k: int(v) for k, v in m.groupdict().items()}
@@ -321,11 +321,25 @@ class Match(NamedTuple):
     stored: tuple[int, ...] | None = None  # a release's padded shape (TensorSpec.stored)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled(specs: Callable[[Any], list[TensorSpec]], cfg: Any):
-    """(row, regex) for every spelling of every row that exists under ``cfg``."""
+def _spellings(specs, cfg) -> list[tuple[TensorSpec, str]]:
     rows = [s for s in specs(cfg) if s.when(cfg)]
-    return tuple((r, _template_regex(p)) for r in rows for p in (r.pattern, *r.aliases))
+    return [(r, p) for r in rows for p in (r.pattern, *r.aliases)]
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+@functools.lru_cache(maxsize=16)
+def _indexed(specs: Callable[[Any], list[TensorSpec]], cfg: Any):
+    """(row, regex) for every spelling of every row that exists under ``cfg``, in table
+    order, by the spelling's shape (each run of digits as ``#``). A name a spelling
+    matches has that spelling's shape (a field is a run of digits, merged with any digit
+    beside it either way), so a name tries only the spellings of its own shape."""
+    index: dict[str, list] = {}
+    for spec, p in _spellings(specs, cfg):
+        key = _DIGITS.sub("#", p.replace("{L}", "0").replace("{E}", "0").replace("{B}", "0"))
+        index.setdefault(key, []).append((spec, _template_regex(p)))
+    return index
 
 
 def _layer_kinds(cfg) -> list[str]:

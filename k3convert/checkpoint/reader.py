@@ -300,6 +300,10 @@ class Checkpoint:
         m = self.meta(name)
         return {k: self._load_part(p) for k, p in m.parts.items()}
 
+    def part_tensor(self, name: str, part: str) -> torch.Tensor:
+        """One stored physical tensor of ``name`` (``get_parts(name)[part]`` alone)."""
+        return self._load_part(self.meta(name).parts[part])
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor, dequantized if encoded (float32 unless ``dtype``)."""
         m = self.meta(name)

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -80,9 +81,9 @@ def open_regular(path: str | os.PathLike, error: type[K3Error] = SafetensorsForm
         raise
 
 
-@dataclass(frozen=True)
-class RawTensorInfo:
-    """One entry of a safetensors header, with absolute file offsets."""
+class RawTensorInfo(NamedTuple):
+    """One entry of a safetensors header, with absolute file offsets (a named tuple: a
+    big model's headers make millions of them)."""
 
     name: str
     dtype: torch.dtype
@@ -242,6 +243,29 @@ def _numel_over(shape: list[int], limit: int) -> bool:
 
 
 def _parse_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:
+    """One header entry, validated. A well-formed entry of at most 4 dims below 2**31
+    passes the same checks inline (a unit of a big model has thousands of entries);
+    anything else goes through :func:`_checked_entry`, which says what is wrong."""
+    if type(entry) is dict:
+        st, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        kind = ST_DTYPES.get(st) if type(st) is str else None
+        if kind is not None and type(shape) is list and len(shape) <= 4 and type(offs) is list:
+            n = m = 1  # m: the product _numel_over bounds (zero dims count as 1)
+            for d in shape:
+                if type(d) is not int or not 0 <= d < 1 << 31:
+                    break
+                n *= d
+                m *= d or 1
+            else:
+                if len(offs) == 2 and m <= MAX_NUMEL:
+                    a, b = offs
+                    ok = type(a) is int and type(b) is int and 0 <= a <= b
+                    if ok and b - a == -(-n * kind[1] // 8):
+                        return RawTensorInfo(name, kind[0], st, tuple(shape), base + a, b - a)
+    return _checked_entry(p, name, entry, base)
+
+
+def _checked_entry(p: Path, name: str, entry: object, base: int) -> RawTensorInfo:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise SafetensorsFormatError(
             f"{p}: tensor '{name}' header entry needs dtype, shape and data_offsets."

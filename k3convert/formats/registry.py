@@ -539,6 +539,10 @@ def detect_encoding(logical: str, parts: PartSig) -> Encoding | None:
     """The encoding of a group of parts; None for a plain tensor. Errors if ambiguous."""
     if set(parts) <= {"weight", *ACTIVATION_PARTS} and "weight" in parts:
         return None
+    key = tuple(sorted((k, v[1]) for k, v in parts.items()))  # what matches() reads
+    hit = _DETECTED.get(key)
+    if hit is not None:
+        return ENCODINGS[hit]
     hits = [e for e in ENCODINGS.values() if e.matches(parts)]
     if len(hits) != 1:
         known = ", ".join(f"{e.name}: {'+'.join(e.required)}" for e in ENCODINGS.values())
@@ -546,7 +550,13 @@ def detect_encoding(logical: str, parts: PartSig) -> Encoding | None:
             f"tensor '{logical}': parts {sorted(parts)} match "
             f"{'several' if hits else 'no'} known encodings ({known})."
         )
+    _DETECTED[key] = hits[0].name
     return hits[0]
+
+
+#: part names and dtypes -> the name of the one encoding they match (a model has a few
+#: signatures and hundreds of thousands of tensors)
+_DETECTED: dict[tuple, str] = {}
 
 
 def encoding_for_ct_format(fmt: str | None) -> Encoding | None:

@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..checkpoint.reader import PartMeta, QuantConfig, group_parts, quant_config_of
-from ..quant.writer import output_entries, row_tensors
+from ..quant.writer import check_kept_plain, check_stored, output_entries, row_tensors
 
 #: computed tensors kept for their later readers at most (then recomputed on demand)
 DEFAULT_CACHE_BYTES = 2 << 30
@@ -103,11 +103,35 @@ class PlannedCheckpoint(Checkpoint):
         r = self._row_of[pm.name]
         return self._outputs(r)[pm.name]
 
+    def source_part(self, logical: str, part: str) -> PartMeta | None:
+        """The source's part that this output part is byte for byte (an as-stored row's
+        part, a kept row's stored weight), its row checked as a first read checks it
+        (:func:`check_stored`, :func:`check_kept_plain`), once; None for a part that is
+        computed. The shard writer copies such a part from the source's file mapping."""
+        pm = self.meta(logical).parts[part]
+        r = self._row_of.get(pm.name)
+        if r is None or not self._cheap(r):
+            return None
+        if r.name not in self._checked:
+            if r.as_stored:
+                check_stored(self.source, r)
+            elif not check_kept_plain(self.source, r):
+                raise AssertionError(f"{r.name}: planned as a stored weight, not one")
+            with self._lock:
+                self._checked.add(r.name)
+        parts = self.source.meta(r.name).parts
+        return parts[pm.name[len(r.module) + 1 :]] if r.as_stored else parts["weight"]
+
+    def _cheap(self, r) -> bool:
+        """Whether row ``r``'s outputs are its source parts as stored (not a tensor
+        calibration's smoothing changed)."""
+        p = self.prepared
+        smoothed = p.calibrated is not None and r.name in p.calibrated.kept_rows
+        return r.as_stored or (r.kept and not r.encoded and not smoothed and self._stored_plain(r))
+
     def _outputs(self, r) -> dict[str, torch.Tensor]:
         p = self.prepared
-        # mapped from the source as stored (not a tensor calibration's smoothing changed)
-        smoothed = p.calibrated is not None and r.name in p.calibrated.kept_rows
-        cheap = r.as_stored or (r.kept and not r.encoded and not smoothed and self._stored_plain(r))
+        cheap = self._cheap(r)
         if cheap and r.name in self._checked:  # mapped again; checked by its first read
             parts = p.ckpt.get_parts(r.name)
             if r.as_stored:

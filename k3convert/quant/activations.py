@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -349,12 +350,6 @@ def _fake_quant_nvfp4(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
 
 
 # -- reading a quantization_config ------------------------------------------------------
-def _match(name: str, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name
-
-
 def _quant_config(config: dict) -> dict | None:
     if "config_groups" in config or config.get("quant_method") == "compressed-tensors":
         return config
@@ -379,26 +374,46 @@ def activation_spec_for(
     class target ``Linear`` (the module is assumed to be a Linear); a target listed by
     two groups belongs to the later one. Static specs carry ``input_scale`` when given.
     """
+    spec = activation_specs(config)(tensor_name)
+    if spec is not None and not spec.dynamic and input_scale is not None:
+        spec = spec.with_scale(input_scale, input_zero_point)
+    return spec
+
+
+def activation_specs(config: dict) -> Callable[[str], ActivationSpec | None]:
+    """:func:`activation_spec_for` without the scale, as a function of the tensor name
+    with the config read once (its patterns compiled once: a model has thousands of
+    Linears and a config can ignore hundreds of modules)."""
     qc = _quant_config(config)
     if not qc or qc.get("quant_method", "compressed-tensors") != "compressed-tensors":
-        return None
-    module = tensor_name.removesuffix(".weight")
-    if any(_match(module, ig) for ig in qc.get("ignore") or []):
-        return None
+        return lambda name: None
+    ignore = qc.get("ignore") or []
+    ignore_exact = {t for t in ignore if not t.startswith("re:")}
+    ignore_rx = [re.compile(t[3:]) for t in ignore if t.startswith("re:")]
     target_to_scheme: dict[str, dict] = {}
     for g in (qc.get("config_groups") or {}).values():
         if isinstance(g, dict):
             for t in g.get("targets") or []:
                 target_to_scheme[t] = g
-    ordered = sorted(target_to_scheme, key=lambda t: ("re:" in t, t))
-    hits = [t for t in ordered if _match(module, t)]
-    hits += [t for t in ordered if t == "Linear" and t not in hits]
-    if not hits:
-        return None
-    args = target_to_scheme[hits[0]].get("input_activations")
-    if not args:
-        return None
-    spec = ActivationSpec.from_ct_args(args)
-    if not spec.dynamic and input_scale is not None:
-        spec = spec.with_scale(input_scale, input_zero_point)
-    return spec
+    exact = {t for t in target_to_scheme if not t.startswith("re:")}
+    patterns = [(t, re.compile(t[3:])) for t in sorted(target_to_scheme) if t.startswith("re:")]
+    specs: dict[str, ActivationSpec | None] = {}
+
+    def spec_of(target: str) -> ActivationSpec | None:
+        if target not in specs:
+            args = target_to_scheme[target].get("input_activations")
+            specs[target] = ActivationSpec.from_ct_args(args) if args else None
+        return specs[target]
+
+    def resolve(tensor_name: str) -> ActivationSpec | None:
+        module = tensor_name.removesuffix(".weight")
+        if module in ignore_exact or any(rx.match(module) for rx in ignore_rx):
+            return None
+        if module in exact:  # exact names sort before patterns
+            return spec_of(module)
+        for t, rx in patterns:
+            if rx.match(module):
+                return spec_of(t)
+        return spec_of("Linear") if "Linear" in target_to_scheme else None
+
+    return resolve

@@ -386,9 +386,8 @@ def _job(
         _check_finite(r.name, smoothed, ckpt.root)
         w.put(r.name, smoothed.to(r.out_dtype))
         return r
-    main = ckpt.meta(r.name).parts.get("weight")
-    if r.kept and not r.encoded and main is not None and main.raw is not None:
-        _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
+    if check_kept_plain(ckpt, r):
+        main = ckpt.meta(r.name).parts["weight"]
         w.copy_from(r.name, main.file, main.raw)
         return r
     tensors = _produce(ckpt, r, input_scales, shared, calibrated, losses)
@@ -416,21 +415,36 @@ def _copy_parts(ckpt, r: Decision, w: SafetensorsWriter) -> None:
 
 def stored_parts(ckpt, r: Decision) -> dict[str, torch.Tensor]:
     """An as-stored row's parts by output name (mapped views, no copies), its scales
-    checked (non-finite floats; an E8M0 exponent of 255 is NaN)."""
+    checked first (:func:`check_stored`)."""
+    check_stored(ckpt, r)
     stored = ckpt.get_parts(r.name)
-    out = {}
+    return {name: stored[name[len(r.module) + 1 :]] for name, _, _ in row_entries(r)}
+
+
+def check_stored(ckpt, r: Decision) -> None:
+    """An as-stored row's scales checked (non-finite floats; an E8M0 exponent of 255 is
+    NaN), mapping only those."""
     for name, _, _ in row_entries(r):
         part = name[len(r.module) + 1 :]
-        t = stored[part]
-        if part.endswith("scale"):
-            if t.dtype == torch.uint8 and bool((t == 255).any()):
-                raise NonFiniteWeightError(
-                    f"{ckpt.root}: '{name}' holds {int((t == 255).sum())} E8M0 exponent(s) "
-                    f"of 255 (NaN); the source is corrupt - fix or re-download it."
-                )
-            _check_scale(name, t, ckpt.root)
-        out[name] = t
-    return out
+        if not part.endswith("scale"):
+            continue
+        t = ckpt.part_tensor(r.name, part)
+        if t.dtype == torch.uint8 and bool((t == 255).any()):
+            raise NonFiniteWeightError(
+                f"{ckpt.root}: '{name}' holds {int((t == 255).sum())} E8M0 exponent(s) "
+                f"of 255 (NaN); the source is corrupt - fix or re-download it."
+            )
+        _check_scale(name, t, ckpt.root)
+
+
+def check_kept_plain(ckpt, r: Decision) -> bool:
+    """Whether ``r`` is a kept row written as its stored plain weight, byte for byte;
+    if so, that weight checked for non-finite values first."""
+    main = ckpt.meta(r.name).parts.get("weight")
+    if not (r.kept and not r.encoded and main is not None and main.raw is not None):
+        return False
+    _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
+    return True
 
 
 def row_tensors(
@@ -450,9 +464,7 @@ def row_tensors(
     if smoothed is not None:
         _check_finite(r.name, smoothed, ckpt.root)
         return {r.name: smoothed.to(r.out_dtype)}
-    main = ckpt.meta(r.name).parts.get("weight")
-    if r.kept and not r.encoded and main is not None and main.raw is not None:
-        _check_finite_chunks(r.name, main.file, main.raw, ckpt.root)
+    if check_kept_plain(ckpt, r):
         return {r.name: ckpt.get_parts(r.name)["weight"]}
     tensors = _produce(ckpt, r, input_scales, shared, calibrated, losses)
     out = {}

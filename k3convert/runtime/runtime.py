@@ -57,7 +57,7 @@ from ..checkpoint.reader import Checkpoint
 from ..device import resolve_device
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..formats.dtypes import FLOAT_DTYPES, SHORT_DTYPES
-from ..quant.activations import ActivationSpec, activation_spec_for, fake_quant_activation
+from ..quant.activations import ActivationSpec, activation_specs, fake_quant_activation
 from ..quant.kvcache import check_scheme
 from .cache import KVCache
 from .decoder import (
@@ -508,11 +508,12 @@ class Runtime:
         """Weight name -> input-activation spec, for every Linear the forward runs that
         the quantization_config quantizes (static specs without their scale yet)."""
         specs: dict[str, ActivationSpec] = {}
+        spec_for = activation_specs(raw)
         for unit in self.plan.units.values():
             for key, e in unit.items():
                 if not _is_linear_key(key) or not e.name.endswith(".weight"):
                     continue
-                spec = activation_spec_for(raw, e.name)
+                spec = spec_for(e.name)
                 if spec is not None:
                     specs[e.name] = spec
         return specs

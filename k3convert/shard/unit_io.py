@@ -202,7 +202,10 @@ class SourceMaps:
         pm = self.ck.meta(logical).parts[part]
         item = _itemsize(pm.dtype)
         shape = (*pm.shape[:-1], pm.shape[-1] * item) if pm.shape else (item,)
-        if pm.raw is None:  # a torch .bin source, or tensors produced on demand (convert)
+        if pm.raw is None:  # convert's planned tensors: a source part, as stored?
+            same = getattr(self.ck, "source_part", None)
+            pm = (same(logical, part) if same is not None else None) or pm
+        if pm.raw is None:  # a torch .bin source, or a tensor produced on demand (convert)
             one = getattr(self.ck, "part_tensor", None)
             t = one(logical, part) if one is not None else self.ck.get_parts(logical)[part]
             t = t.contiguous().reshape(-1)

@@ -206,6 +206,8 @@ def coverage_problems(doc: dict, mp: Path) -> list[str]:
                 seen.setdefault((u["name"], e["name"]), []).append((r["rank"], e))
     out = []
     for (unit, name), held in seen.items():
+        if all(e["split_dim"] is None for _, e in held):
+            continue  # whole on every rank holding it: nothing to tile
         if any(_geometry_problem(e) for _, e in held):
             continue  # reported with its unit
         dims = {e["split_dim"] for _, e in held}

@@ -330,6 +330,12 @@ def load_manifest(root: Path, ranks=None) -> dict:
     return doc
 
 
+#: (rank file hash, rank) of the rank files this process found valid against the schema:
+#: a rank file whose bytes hash the same (checked by :func:`_read_json` before) is not
+#: walked again (``check`` then ``open_stream`` in one ``verify``)
+_SCHEMA_VALID: set[tuple[str, int]] = set()
+
+
 def _load_rank_units(root: Path, doc: dict, i: int) -> None:
     """Version 3: read rank ``i``'s rank file into ``doc["ranks"][i]["units"]``, after
     checking its path, size, JSON, format, version, rank, schema and numbering."""
@@ -357,12 +363,18 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
             f"{path}: rank file belongs to stream {rdoc.get('stream')!r}, not to this one "
             f"({doc['stream_id']}); rank {i}'s directory comes from another conversion - {_FIX}."
         )
-    try:
-        errs = validate_rank_file(rdoc, i)
-    except RecursionError:
-        errs = ["nested too deeply"]
-    if errs:
-        raise _schema_error(path, errs, "rank file")
+    key = (r.get("units_hash"), i)
+    if key[0] is None or key not in _SCHEMA_VALID:
+        try:
+            errs = validate_rank_file(rdoc, i)
+        except RecursionError:
+            errs = ["nested too deeply"]
+        if errs:
+            raise _schema_error(path, errs, "rank file")
+        if key[0] is not None:
+            if len(_SCHEMA_VALID) >= 4096:
+                _SCHEMA_VALID.clear()
+            _SCHEMA_VALID.add(key)
     units = rdoc["units"]
     r["units"] = units
     try:
