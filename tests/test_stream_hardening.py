@@ -467,3 +467,30 @@ def test_every_written_layout_checks_intact(model_factory, fp8_src, tmp_path, fa
     rep = check(out)
     assert rep.ok, rep
     _load_all(out)
+
+
+def test_a_header_changed_between_two_reads_is_parsed_again(copy):
+    """A unit read twice in one process (``verify``: check, forward, decode) is parsed
+    once only while its header bytes stay the same: a header rewritten in place between
+    the reads, same length, is read anew and refused, and the original read back is
+    accepted again."""
+    from k3convert.stream.unit_loader import load_unit
+
+    out, man = copy("llama-tp2")
+    rank, u = next((r, u) for r, u in _units(man) if len(u["tensors"]) > 1)
+    first = load_unit(out, rank, u, verify=False)
+    assert set(first.tensors) == {e["name"] for e in u["tensors"]}
+    path = out / u["file"]
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    head = json.loads(data[8 : 8 + n])
+    a, b = (e["name"] for e in u["tensors"][:2])
+    head[a], head[b] = head[b], head[a]  # two names swapped: same bytes, other offsets
+    new = json.dumps(head, separators=(",", ":")).encode()
+    new += b" " * (n - len(new))
+    assert len(new) == n and new != data[8 : 8 + n]
+    path.write_bytes(data[:8] + new + data[8 + n :])
+    with pytest.raises(StreamCorruptError, match="header disagrees"):
+        load_unit(out, rank, u, verify=False)
+    path.write_bytes(data)
+    assert set(load_unit(out, rank, u, verify=False).tensors) == set(first.tensors)
