@@ -9,6 +9,7 @@ import mmap
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class Unit:
     layer: int | None
     file: Path
     entries: list[dict]
-    tensors: dict[str, torch.Tensor] = field(repr=False)
+    tensors: Mapping[str, torch.Tensor] = field(repr=False)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -211,16 +212,37 @@ _PARSED_LOCK = threading.Lock()
 def load_unit(root: Path, rank: int, u: dict, verify: bool = True) -> Unit:
     buf, path = read_unit_bytes(root, rank, u, verify)
     infos = header_of(buf, rank, u, path, root)
-    base = torch.frombuffer(buf, dtype=torch.uint8)
-    tensors = {}
-    for e in u["tensors"]:
-        t = infos[e["name"]]
-        dtype = ST_DTYPES[t.st_dtype][0]
-        if t.nbytes == 0:
-            tensors[e["name"]] = torch.empty(t.shape, dtype=dtype)
-            continue
-        flat = base[t.start : t.end]
-        if dtype != torch.uint8:
-            flat = flat.view(dtype)
-        tensors[e["name"]] = flat.reshape(t.shape)
-    return Unit(rank, u["index"], u["name"], u["layer"], path, u["tensors"], tensors)
+    views = _Views(
+        torch.frombuffer(buf, dtype=torch.uint8), infos, [e["name"] for e in u["tensors"]]
+    )
+    return Unit(rank, u["index"], u["name"], u["layer"], path, u["tensors"], views)
+
+
+class _Views(Mapping):
+    """A unit's tensors by name, in the manifest's order: each a view of the unit's
+    buffer, made on its first use (a forward reads a few of a MoE unit's thousands)."""
+
+    def __init__(self, base: torch.Tensor, infos: dict, names: list[str]):
+        self._base, self._infos, self._names = base, infos, names
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        got = self._made.get(name)
+        if got is None:
+            if name not in self._infos or name.startswith(PAD_PREFIX):
+                raise KeyError(name)
+            t = self._infos[name]
+            dtype = ST_DTYPES[t.st_dtype][0]
+            if t.nbytes == 0:
+                got = torch.empty(t.shape, dtype=dtype)
+            else:
+                flat = self._base[t.start : t.end]
+                got = (flat if dtype == torch.uint8 else flat.view(dtype)).reshape(t.shape)
+            self._made[name] = got
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
