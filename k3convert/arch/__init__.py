@@ -6,6 +6,7 @@ Families: ``llama`` (qwen2, qwen3, mistral), ``qwen3_moe`` (mixtral),
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,14 @@ def validate_source(arch: Arch, cfg: Any, source, where: str, *, complete: bool 
     ``names()``; shapes are checked when it also has ``meta(name)``): name -> Match.
     The KV-cache scales must agree with the config's kv_cache_scheme
     (:func:`check_kv_scales`; only a missing scale is let through when not ``complete``)."""
+    key = (arch.name, cfg, complete)  # a parsed config compares by value
+    try:
+        memo = _VALIDATED.setdefault(source, {})
+        hit = memo.get(key)
+    except TypeError:  # a source or config that cannot be a key: validated every time
+        memo, hit = None, None
+    if hit is not None:
+        return dict(hit)
     meta = getattr(source, "meta", None)
     matched = arch.validate(
         cfg,
@@ -66,7 +75,15 @@ def validate_source(arch: Arch, cfg: Any, source, where: str, *, complete: bool 
         complete=complete,
     )
     check_kv_scales(cfg, getattr(source, "config", None), matched, where, complete=complete)
-    return matched
+    if memo is not None:
+        memo[key] = matched
+    return dict(matched)
+
+
+#: source -> {(arch, config, complete): the names matched}: a source (its names
+#: and shapes fixed when it was opened) validated again in one process (``convert``
+#: plans, calibrates and writes from the same checkpoint) is not matched again
+_VALIDATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 #: kinds of the KV-cache scale rows (arch.common.kv_scales)

@@ -364,7 +364,7 @@ def _plan(r: Recipe, ck, cache_bytes: int, log) -> _Planned:
     layout = lay.layout()
     if r.quantize is not None:
         with _key_path(r, "quantize"):
-            prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
+            prep = prepare_quantization(src=ck, recipe=r, plan_only=True)
         data: Checkpoint = PlannedCheckpoint(prep, cache_bytes)
     else:
         data = ck
@@ -539,7 +539,7 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
         ui.bar.update(1)
 
     log = say if group.leader else None  # (the bar's write, or the caller's log)
-    return prepare_quantization(src=ck.root, recipe=r, journal=calib_dir, out=out, force=force,
+    return prepare_quantization(src=ck, recipe=r, journal=calib_dir, out=out, force=force,
                                 log=log, group=group,
                                 on_layer=layer_done if group.leader else None)  # fmt: skip
 
@@ -609,7 +609,7 @@ def check_against(r: Recipe, model) -> str:
     problems = []
     if r.quantize is not None:
         with _key_path(r, "quantize"):
-            prep = prepare_quantization(src=ck.root, recipe=r, plan_only=True)
+            prep = prepare_quantization(src=ck, recipe=r, plan_only=True)
         problems = _check_serving(r, prep, ck, None)
         data = PlannedCheckpoint(prep)
     lay = r.layout

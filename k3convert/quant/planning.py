@@ -13,7 +13,7 @@ import torch
 from .. import formats as fmt
 from ..arch import resolve as resolve_arch
 from ..arch import validate_source
-from ..checkpoint import open_checkpoint
+from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import ConfigError, short_repr
 from ..formats import ACTIVATION_PARTS
 from ..formats.dtypes import FLOAT_DTYPES
@@ -64,7 +64,8 @@ def plan_quantization(
     kept_as_stored: bool = True,
     weight_observer: str | None = None,
 ):
-    """(checkpoint, plan): open the source and resolve every tensor; reads no data.
+    """(checkpoint, plan): open the source (a path, or a :class:`Checkpoint` already
+    open) and resolve every tensor; reads no data.
     recipe: a loaded :class:`k3convert.recipe.Recipe` (its quantize section's rules).
     kept_as_stored: kept encoded tensors stay in their release format when a scheme
     describes it (False: written dequantized in the config dtype). weight_observer:
@@ -83,7 +84,7 @@ def plan_quantization(
             default_keep = False
     else:
         default = get_scheme(scheme)
-    ckpt = open_checkpoint(src)
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     arch, cfg = resolve_arch(ckpt.config, f"{ckpt.root}/config.json")
     matched = validate_source(arch, cfg, ckpt, str(ckpt.root))
     roles = {n: m.role for n, m in matched.items()}
