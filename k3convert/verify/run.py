@@ -395,11 +395,12 @@ def run_verify(
             f"per-head K/V); drop --mla-cache."
         )
     inp = _inputs(cand, data, ref_path, cand_path, seq_len, random, seed, pixel_values)
+    opened: dict = {}  # the reference checkpoint, opened once for the report and the run
     base = dict(
         candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
         reference_kind=ref_kind, reference_note=ref_note,
-        reference_info=(_reference_info(ref_kind, ref_path, reference, prov, cand_path, dtype)
-                        if me == 0 else None),
+        reference_info=(_reference_info(ref_kind, ref_path, reference, prov, cand_path, dtype,
+                                        opened) if me == 0 else None),
         layout=ranks.layout.to_json(),
         experts=_expert_summary(ranks), execution=coll.describe(), dtype=dtype,
         device=str(cand.device), inputs=inp.kind, thresholds=asdict(th),
@@ -408,8 +409,9 @@ def run_verify(
     if vsrc is not None:
         base.update(vllm_layout=vsrc.layout, candidate_note=vsrc.describe())
     report, nonfinite, t_fwd, t_ref = _lockstep_forward(
-        cand, coll, inp, me, ref_kind, ref_path, device, compute, progress, base
-    )
+        cand, coll, inp, me, ref_kind, ref_path, device, compute, progress, base,
+        opened.pop(ref_path, None),
+    )  # fmt: skip
     t1 = time.perf_counter()
     if decode and nonfinite is None:
         dec = decode_check(cand, inp.ids, inp.mask, inp.pv, inp.grid, decode, kv_cache,
@@ -606,10 +608,11 @@ def _inputs(cand, data, ref_path: Path, cand_path: Path, seq_len: int, random: i
 
 
 def _lockstep_forward(cand, coll, inp: _Inputs, me: int, ref_kind: str, ref_path: Path,
-                      device, compute, progress: bool, base: dict):  # fmt: skip
+                      device, compute, progress: bool, base: dict, ref_ck=None):  # fmt: skip
     """The candidate's forward with the reference in lockstep (rank 0 compares each
     layer's hidden state), then the logits' metrics: (report, the non-finite error or
-    None, forward seconds, reference head and metrics seconds)."""
+    None, forward seconds, reference head and metrics seconds). ``ref_ck``: the reference
+    checkpoint if it is open already."""
     ids, mask, pv, grid = inp.ids, inp.mask, inp.pv, inp.grid
     bar = None
     if progress and me == 0:
@@ -626,9 +629,8 @@ def _lockstep_forward(cand, coll, inp: _Inputs, me: int, ref_kind: str, ref_path
     err: Exception | None = None
     try:
         if me == 0 and ref_kind == "runtime":
-            ref_rt = Runtime(
-                open_checkpoint(ref_path), device=device, dtype=compute, act_quant=None
-            )
+            ck = ref_ck if ref_ck is not None else open_checkpoint(ref_path)
+            ref_rt = Runtime(ck, device=device, dtype=compute, act_quant=None)
             lock = _Lockstep(ref_rt, ids, mask, pv, grid, pos, bar)
         else:
             if me == 0:
@@ -712,13 +714,13 @@ def _verdict(report: dict, th, nonfinite, rss_all: list, dist_run: bool, cand_pa
 
 
 def _reference_info(ref_kind: str, ref_path: Path, reference, prov, cand_path: Path,
-                    dtype: str) -> dict:  # fmt: skip
+                    dtype: str, opened: dict | None = None) -> dict:  # fmt: skip
     """What the candidate is compared with (:func:`summary.reference_info`), the original
     followed through a quantized checkpoint's provenance."""
     orig, moved = None, None
     if prov is not None and (Path(prov) / "config.json").is_file():
         orig, moved = _original(Path(prov))
-    return reference_info(ref_kind, ref_path, orig, moved, cand_path, dtype)
+    return reference_info(ref_kind, ref_path, orig, moved, cand_path, dtype, opened)
 
 
 def _finite_or_none(x: float) -> float | None:

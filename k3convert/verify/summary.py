@@ -214,7 +214,7 @@ __all__ = ["build_summary", "family_text", "reference_text"]
 
 
 def reference_info(ref_kind: str, ref_path: Path, orig: Path | None, moved, cand_path: Path,
-                   dtype: str) -> dict:  # fmt: skip
+                   dtype: str, opened: dict | None = None) -> dict:  # fmt: skip
     """What the candidate is compared with, for the report: the checkpoint (path, why it
     is the reference - ``orig``: the original its provenance leads to, ``moved``: through
     a quantized checkpoint -, how it is stored) and what runs it."""
@@ -229,6 +229,8 @@ def reference_info(ref_kind: str, ref_path: Path, orig: Path | None, moved, cand
     stored: dict[str, int] = {}
     try:
         ck = open_checkpoint(ref_path)
+        if opened is not None:  # the run's reference, opened once
+            opened[ref_path] = ck
         for name in ck.names():
             meta = ck.meta(name)
             stored[meta.storage] = stored.get(meta.storage, 0) + meta.nbytes
