@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import os
 import re
 import stat
@@ -174,10 +175,10 @@ def _parse_json(data: bytes, path: Path, what: str):
 
 
 def _read_json(path: Path, what: str, expect_bytes: int | None = None, expect_hash=None, rank=None):
-    """``path`` (a rank file) parsed as strict JSON, after :func:`read_bounded` and, where
-    given, a check of its bytes against ``expect_hash`` (``ALGO:HEX``); ManifestError
-    naming it when it is missing, unreadable, over the bound, of another size or hash
-    than the manifest records, or not valid JSON."""
+    """(``path`` (a rank file) parsed as strict JSON, the BLAKE2b of its bytes), after
+    :func:`read_bounded` and, where given, a check of its bytes against ``expect_hash``
+    (``ALGO:HEX``); ManifestError naming it when it is missing, unreadable, over the bound,
+    of another size or hash than the manifest records, or not valid JSON."""
     try:
         data = read_bounded(path, what, MAX_RANK_FILE_BYTES, expect_bytes)
     except FileNotFoundError:
@@ -191,7 +192,7 @@ def _read_json(path: Path, what: str, expect_bytes: int | None = None, expect_ha
             f"from the one {MANIFEST} records ({expect_hash}); it was replaced (a rank "
             f"directory from another conversion?) or damaged - {_FIX}."
         )
-    return _parse_json(data, path, what)
+    return _parse_json(data, path, what), hashlib.blake2b(data, digest_size=32).digest()
 
 
 def _one_hash_form(doc: dict, i: int, where: Path) -> None:
@@ -330,10 +331,10 @@ def load_manifest(root: Path, ranks=None) -> dict:
     return doc
 
 
-#: (rank file hash, rank) of the rank files this process found valid against the schema:
-#: a rank file whose bytes hash the same (checked by :func:`_read_json` before) is not
-#: walked again (``check`` then ``open_stream`` in one ``verify``)
-_SCHEMA_VALID: set[tuple[str, int]] = set()
+#: (BLAKE2b of the bytes, rank) of the rank files this process found valid against the
+#: schema: the same bytes are not walked again (``check`` then ``open_stream`` in one
+#: ``verify``)
+_SCHEMA_VALID: set[tuple[bytes, int]] = set()
 
 
 def _load_rank_units(root: Path, doc: dict, i: int) -> None:
@@ -341,7 +342,7 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
     checking its path, size, JSON, format, version, rank, schema and numbering."""
     r = doc["ranks"][i]
     path = inside(root, r["units_file"], f"rank {i}'s units file")  # before it is opened
-    rdoc = _read_json(path, "rank file", r["units_bytes"], r.get("units_hash"), rank=i)
+    rdoc, digest = _read_json(path, "rank file", r["units_bytes"], r.get("units_hash"), rank=i)
     if not isinstance(rdoc, dict) or rdoc.get("format") != RANK_FORMAT:
         raise ManifestError(
             f"{path}: not a {RANK_FORMAT} file (format key is missing or wrong); the stream "
@@ -363,18 +364,16 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
             f"{path}: rank file belongs to stream {rdoc.get('stream')!r}, not to this one "
             f"({doc['stream_id']}); rank {i}'s directory comes from another conversion - {_FIX}."
         )
-    key = (r.get("units_hash"), i)
-    if key[0] is None or key not in _SCHEMA_VALID:
+    if (digest, i) not in _SCHEMA_VALID:
         try:
             errs = validate_rank_file(rdoc, i)
         except RecursionError:
             errs = ["nested too deeply"]
         if errs:
             raise _schema_error(path, errs, "rank file")
-        if key[0] is not None:
-            if len(_SCHEMA_VALID) >= 4096:
-                _SCHEMA_VALID.clear()
-            _SCHEMA_VALID.add(key)
+        if len(_SCHEMA_VALID) >= 4096:
+            _SCHEMA_VALID.clear()
+        _SCHEMA_VALID.add((digest, i))
     units = rdoc["units"]
     r["units"] = units
     try:
