@@ -5,7 +5,9 @@
   and their hand-over to the general path where it decides (NaN, overflowing scales);
 - the positional SafetensorsWriter (tensors written at their place, from threads, in any
   order; kept tensors copied by the kernel) read back by safetensors' own loader;
-- quantize output byte-identical whatever the number of workers.
+- quantize output byte-identical whatever the number of workers;
+- the inline check of a safetensors header entry against the general checker: the same
+  tensor info or the same error, over random well- and ill-formed entries.
 """
 
 from __future__ import annotations
@@ -211,3 +213,48 @@ def test_torch_threads_restored_after_parallel_quantize(llama, tmp_path):
     before = torch.get_num_threads()
     quantize(src=llama, out=tmp_path / "o", scheme="fp8-block", workers=2, progress=False)
     assert torch.get_num_threads() == before
+
+
+def test_header_entry_fast_path_agrees_with_the_checker():
+    """``_parse_entry`` takes well-formed entries inline and hands the rest to
+    ``_checked_entry``: over 20 000 random entries (bad dtypes, bools, floats, negative,
+    huge and too many dims, wrong byte counts, missing keys), both give the same
+    ``RawTensorInfo`` or raise the same message."""
+    import math
+    import random
+    from pathlib import Path
+
+    from k3convert.checkpoint import safetensors_io as sio
+
+    rng = random.Random(0)
+    odd = [0, 1, 7, 2**31 - 1, 2**31, 2**62, 2**63, -1, True, False, 1.0, "1", None, [1]]
+    dtypes = [*sio.ST_DTYPES, "X", 1, None]
+    outcomes = {"ok": 0, "error": 0}
+    for _ in range(20_000):
+        shape = [rng.choice(odd) if rng.random() < 0.2 else rng.randint(0, 40)
+                 for _ in range(rng.randint(0, 6))]  # fmt: skip
+        if rng.random() < 0.05:
+            shape = rng.choice(odd)
+        st = rng.choice(dtypes)
+        a = rng.choice(odd) if rng.random() < 0.1 else rng.randint(0, 100)
+        n = rng.randint(0, 50)
+        ints = isinstance(shape, list) and all(type(d) is int and 0 <= d < 2**40 for d in shape)
+        if st in sio.ST_DTYPES and ints:
+            n = -(-math.prod(shape) * sio.ST_DTYPES[st][1] // 8)
+        b = a + n if type(a) is int and rng.random() < 0.8 else rng.choice(odd)
+        entry = {
+            "dtype": st,
+            "shape": shape,
+            "data_offsets": [a, b] if rng.random() < 0.95 else [a],
+        }
+        if rng.random() < 0.03:
+            del entry["dtype"]
+        got = []
+        for f in (sio._parse_entry, sio._checked_entry):
+            try:
+                got.append(f(Path("m.safetensors"), "t", entry, 5))
+            except sio.SafetensorsFormatError as e:
+                got.append(str(e))
+        assert got[0] == got[1], entry
+        outcomes["error" if isinstance(got[0], str) else "ok"] += 1
+    assert min(outcomes.values()) > 5000, outcomes  # both paths well exercised

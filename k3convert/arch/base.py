@@ -321,11 +321,6 @@ class Match(NamedTuple):
     stored: tuple[int, ...] | None = None  # a release's padded shape (TensorSpec.stored)
 
 
-def _spellings(specs, cfg) -> list[tuple[TensorSpec, str]]:
-    rows = [s for s in specs(cfg) if s.when(cfg)]
-    return [(r, p) for r in rows for p in (r.pattern, *r.aliases)]
-
-
 _DIGITS = re.compile(r"\d+")
 
 
@@ -336,7 +331,8 @@ def _indexed(specs: Callable[[Any], list[TensorSpec]], cfg: Any):
     matches has that spelling's shape (a field is a run of digits, merged with any digit
     beside it either way), so a name tries only the spellings of its own shape."""
     index: dict[str, list] = {}
-    for spec, p in _spellings(specs, cfg):
+    rows = [s for s in specs(cfg) if s.when(cfg)]
+    for spec, p in ((r, p) for r in rows for p in (r.pattern, *r.aliases)):
         key = _DIGITS.sub("#", p.replace("{L}", "0").replace("{E}", "0").replace("{B}", "0"))
         index.setdefault(key, []).append((spec, _template_regex(p)))
     return index
