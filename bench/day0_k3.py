@@ -23,7 +23,13 @@ dirty pages synced before every run:
   ``int4-g32`` (searched scales, ``kimi-k3-int4-experts``);
 - ``convert <preset>`` (``--convert``): ``k3convert convert SRC OUT --recipe PRESET`` with
   verify off, the whole pipeline to the stream at the preset's layout (``--layout`` to
-  override it for this machine), the presets named in ``--presets``.
+  override it for this machine), the presets named in ``--presets``;
+- ``shard vllm`` and ``convert vllm`` (``--vllm``): vLLM's rank files of the release as it
+  ships (the only K3 layout vLLM 0.32 serves: MXFP4 experts, the rest bf16) at tp 2 + EP,
+  by ``shard --target vllm`` and by ``convert`` with ``output.format: vllm`` in one pass
+  (the experts kept as stored; verify off);
+- ``... xN`` (``--procs N``): each quantize / convert / shard stage again under
+  ``torchrun --standalone --nproc-per-node N`` (its peak RSS: the largest process's).
 
 Per stage: median and min wall time, GB/s of source bytes read and of output bytes
 written, the ratio to ``cp -r``, the peak RSS, that less the startup's and over one expert.
@@ -53,6 +59,13 @@ SCHEMES = ("nvfp4a16", "fp8-block", "int4-g32")
 PRESETS = ("kimi-k3-nvfp4-experts", "kimi-k3-fp8-experts", "kimi-k3-int4-experts",
            "kimi-k3-day0")  # fmt: skip
 K3 = [PY, "-m", "k3convert"]
+#: convert to vLLM's rank files in one pass: the release as it ships, tp 2 + EP
+VLLM_RECIPE = """version: 1
+quantize: {rules: [{roles: [experts], scheme: keep}]}
+layout: {tp: 2, moe_ep: 2}
+output: {format: vllm}
+verify: {enabled: false}
+"""
 
 
 def tree_bytes(p: Path) -> int:
@@ -104,6 +117,13 @@ def main() -> None:
     ap.add_argument("--presets", default=",".join(PRESETS[:3]))
     ap.add_argument("--layout", default="", help="convert --set overrides, e.g. layout.tp=2")
     ap.add_argument("--keep-source", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="also write vLLM's rank files")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=0,
+        help="also run each k3convert stage under torchrun with N processes",
+    )
     a = ap.parse_args()
 
     a.root.mkdir(parents=True, exist_ok=True)
@@ -127,6 +147,17 @@ def main() -> None:
             stages.append((f"convert {p}", [*K3, "convert", src, out, "--recipe",
                                             recipes / f"{p}.yaml", "--set", "verify.enabled=false",
                                             *sets, "--no-progress"], ""))  # fmt: skip
+    if a.vllm:
+        recipe = a.root / "vllm.yaml"
+        recipe.write_text(VLLM_RECIPE)
+        stages.append(("shard vllm", [*K3, "shard", src, out, "--target", "vllm", "--tp", 2,
+                                      "--ep", 2, "--no-progress"], ""))  # fmt: skip
+        stages.append(("convert vllm", [*K3, "convert", src, out, "--recipe", recipe,
+                                        "--no-progress"], ""))  # fmt: skip
+    if a.procs > 1:
+        run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", a.procs]
+        stages += [(f"{n} x{a.procs}", [*run, *argv[1:]], note)
+                   for n, argv, note in stages if argv[:3] == K3]  # fmt: skip
     if a.only:
         keep = {s.strip() for s in a.only.split(",")}
         stages = [s for s in stages if s[0] in keep]
@@ -134,7 +165,8 @@ def main() -> None:
     written: dict[str, int] = {}
 
     def reset(_name: str) -> None:
-        for p in (out, out.with_name(out.name + ".calib")):
+        stage = out.with_name(f".{out.name}.vllm-partial")  # (a failed vLLM write's)
+        for p in (out, out.with_name(out.name + ".calib"), stage):
             shutil.rmtree(p, ignore_errors=True)
 
     def seen(name: str, _out: str, _err: str) -> None:

@@ -375,9 +375,12 @@ def _shard_engine(target, src, out, tp, pp, ep, compress, pp_layers, expert_load
         )
     from .serving import vllm_check
 
-    check = vllm_check(serving, lambda line: typer.echo(line, err=True))
-    typer.echo(target.shard(src, out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
-                            before_write=check))  # fmt: skip
+    lead = _leader()  # under torchrun process 0 speaks for the job
+    check = vllm_check(serving, (lambda line: typer.echo(line, err=True)) if lead else None)
+    line = target.shard(src, out, tp=tp, pp=pp, ep=ep, force=force, progress=progress and lead,
+                        before_write=check)  # fmt: skip
+    if lead:
+        typer.echo(line)
 
 
 @app.command(epilog=examples("demo"))

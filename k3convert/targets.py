@@ -38,9 +38,9 @@ class Target:
     #: it names exactly that mapping's model types, and the README's list too)
     families_help: str = ""
     #: "module:function" of ``convert(recipe, *, src, out, force, progress, report_html,
-    #: verify, log) -> (report, files written, files kept from an interrupted run, verify
-    #: report)``, the job ``convert`` runs for a recipe's ``output.format`` of this
-    #: target; None: convert's own pipeline (the stream)
+    #: verify, log, keep_intermediate) -> (report, files written, files kept from an
+    #: interrupted run, verify report)``, the job ``convert`` runs for a recipe's
+    #: ``output.format`` of this target; None: convert's own pipeline (the stream)
     convert_fn: str | None = None
     #: "module:function" of ``summary(report) -> str``, convert's summary of that report
     summary_fn: str | None = None

@@ -60,6 +60,13 @@ output: {compression: zstd}
 verify: {samples: 2, seq_len: 16, decode: 2, min_top1: 0.5, max_kld: 0.5}
 """
 
+#: the same calibration, written as vLLM's rank files in one pass (no stream options)
+VLLM_RECIPE = (GPTQ_RECIPE.replace("output: {compression: zstd}", "output: {format: vllm}")
+               .replace("tp2 pp2 ep2", "vLLM files, tp2 pp2 ep2"))  # fmt: skip
+
+#: ``shard --target vllm`` of Kimi K3 as released (MXFP4 experts, the rest bf16)
+VLLM_SHARD = ["--tp", "2", "--pp", "2", "--ep", "2", "--no-progress"]
+
 
 def _dist_ok() -> tuple[bool, str]:
     import torch.distributed as dist
@@ -154,8 +161,9 @@ def srcs(tmp_path_factory) -> dict[str, Path]:
         for _ in range(8):
             fh.write(json.dumps({"input_ids": [rng.randrange(2, 256) for _ in range(40)]}) + "\n")
     (root / "gptq.yaml").write_text(GPTQ_RECIPE, encoding="utf-8")
+    (root / "vllm.yaml").write_text(VLLM_RECIPE, encoding="utf-8")
     return {"root": root, "k25": k25, "k3": root / "kimi-k3", "ds": root / "deepseek-v3",
-            "gptq": root / "gptq.yaml"}  # fmt: skip
+            "gptq": root / "gptq.yaml", "vllm": root / "vllm.yaml"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +176,17 @@ def launched(srcs) -> dict:
         pytest.skip(_WHY)
     root = srcs["root"] / "two"
     root.mkdir()
-    outs = {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt",
-            "nvfp4": root / "nvfp4"}  # fmt: skip
+    outs = {
+        "shard": root / "shard",
+        "demo": root / "demo",
+        "gptq": root / "gptq",
+        "quantize": root / "quantize",
+        "awq": root / "awq",
+        "fpt": root / "fpt",
+        "nvfp4": root / "nvfp4",
+        "vllm": root / "vllm",
+        "vshard": root / "vshard",
+    }
     jobs = [
         ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
         ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
@@ -179,6 +195,8 @@ def launched(srcs) -> dict:
         ["quantize", srcs["ds"], outs["awq"], *awq_args(srcs)],
         ["quantize", srcs["ds"], outs["fpt"], *quantize_args(srcs), *FPT],
         ["quantize", srcs["ds"], outs["nvfp4"], *nvfp4_args(srcs)],
+        ["convert", srcs["ds"], outs["vllm"], "-r", srcs["vllm"], "--no-progress"],
+        ["shard", srcs["k3"], outs["vshard"], "--target", "vllm", *VLLM_SHARD],
     ]
     (root / "jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
     clean = _Torchrun([TESTS / "dist_jobs.py", root / "jobs.json", root / "rc"], root / "log")
@@ -210,9 +228,21 @@ def one_proc(srcs, launched) -> dict[str, Path]:
     fpt = main(["quantize", str(srcs["ds"]), str(root / "fpt"), *quantize_args(srcs), *FPT])
     assert fpt == 0
     assert main(["quantize", str(srcs["ds"]), str(root / "nvfp4"), *nvfp4_args(srcs)]) == 0
-    return {"shard": root / "shard", "demo": root / "demo", "gptq": root / "gptq",
-            "quantize": root / "quantize", "awq": root / "awq", "fpt": root / "fpt",
-            "nvfp4": root / "nvfp4"}  # fmt: skip
+    vllm = convert(src=srcs["ds"], out=root / "vllm", recipe=srcs["vllm"], progress=False)
+    assert vllm.passed is True
+    assert main(["shard", str(srcs["k3"]), str(root / "vshard"), "--target", "vllm",
+                 *VLLM_SHARD]) == 0  # fmt: skip
+    return {
+        "shard": root / "shard",
+        "demo": root / "demo",
+        "gptq": root / "gptq",
+        "quantize": root / "quantize",
+        "awq": root / "awq",
+        "fpt": root / "fpt",
+        "nvfp4": root / "nvfp4",
+        "vllm": root / "vllm",
+        "vshard": root / "vshard",
+    }
 
 
 def quantize_args(srcs) -> list[str]:
@@ -254,7 +284,7 @@ def two_proc(launched, one_proc) -> dict:
 
 
 def _job_ok(two: dict) -> None:
-    assert two["rc"] == 0 and two["codes"] == [[0] * 7, [0] * 7], (
+    assert two["rc"] == 0 and two["codes"] == [[0] * 9, [0] * 9], (
         f"torchrun rc {two['rc']}, per-process exit codes {two['codes']}:\n"
         f"{two['out'][-3000:]}\n{two['err'][-5000:]}"
     )
@@ -353,6 +383,29 @@ def test_quantize_nvfp4_gptq_two_processes_identical(one_proc, two_proc):
     assert cfg["k3convert"]["calibration"]["smoothed_mappings"] > 0
     group = next(iter(cfg["quantization_config"]["config_groups"].values()))
     assert group["weights"]["observer"] == "mse"
+
+
+@needs_gloo
+def test_convert_to_vllm_two_processes_identical(one_proc, two_proc):
+    """convert to vLLM's rank files in one pass under torchrun: GPTQ's solves and the
+    four rank files split over the two processes, no quantized checkpoint on disk; every
+    file (rank files, index, carried tensor list, loss report) the one-process run's."""
+    _job_ok(two_proc)
+    files = _assert_same_tree(one_proc["vllm"], two_proc["vllm"], skip=("convert_report.json",))
+    assert len([n for n in files if n.startswith("model-pp-")]) == 4
+    reps = [json.loads((d / "convert_report.json").read_text())
+            for d in (one_proc["vllm"], two_proc["vllm"])]  # fmt: skip
+    assert reps[0]["rank_files_per_process"] == [4]
+    assert reps[1]["processes"] == 2 and reps[1]["rank_files_per_process"] == [2, 2]
+    assert reps[1]["passed"] is True and reps[1]["verify"]["passed"] is True
+    for d in (one_proc["vllm"], two_proc["vllm"]):
+        assert not (d.parent / f"{d.name}.quantized").exists()
+        assert not (d.parent / f"{d.name}.calib").exists()
+    # shard --target vllm: the same split, the same bytes
+    files = _assert_same_tree(one_proc["vshard"], two_proc["vshard"])
+    assert len([n for n in files if n.startswith("model-pp-")]) == 4
+    said = re.findall(r"wrote .*vLLM sharded_state, 4 rank file\(s\)", two_proc["out"])
+    assert len(said) == 1, two_proc["out"][-2000:]  # process 0 speaks for the job
 
 
 @needs_gloo

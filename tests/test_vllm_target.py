@@ -439,8 +439,9 @@ def test_an_interrupted_write_resumes_and_is_never_taken_for_output(llama, tmp_p
 
 
 def test_convert_writes_the_vllm_target_from_a_recipe(llama, tmp_path):
-    """output.format: vllm: quantize -> sharded_state -> verify; a rerun reuses the
-    quantized checkpoint; stream-only keys are refused before any work."""
+    """output.format: vllm: quantize and write the sharded_state files in one pass (no
+    quantized checkpoint on disk, tests/test_vllm_one_pass.py), then verify; stream-only
+    keys are refused before any work."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("version: 1\nquantize: {scheme: w8a8}\nlayout: {tp: 2}\n"
                       "output: {format: vllm}\nverify: {samples: 2, seq_len: 16}\n")  # fmt: skip
@@ -451,13 +452,12 @@ def test_convert_writes_the_vllm_target_from_a_recipe(llama, tmp_path):
     assert "intact" in check_vllm(out) and not (out / ".k3-convert-vllm.json").exists()
     rep = json.loads((out / "convert_report.json").read_text())
     assert rep["layout"] == {"tp": 2, "pp": 1, "ep": 1} and rep["passed"] is True
-    assert json.loads((out / INDEX).read_text())["source"] == str(tmp_path / "out.quantized")
-    # OUT lost (or never finished): the rerun reuses the quantized checkpoint
-    import shutil
-
-    shutil.rmtree(out)
-    r = _cli("convert", llama, out, "-r", recipe, "--no-progress")
-    assert r.returncode == 0 and "reusing it" in r.stderr, r.stderr
+    assert json.loads((out / INDEX).read_text())["source"] == str(llama.resolve())
+    assert not (tmp_path / "out.quantized").exists()
+    # verify OUT on its own: the reference from the quantized config's provenance, the
+    # mapping from the tensor list OUT carries
+    r = _cli("verify", out, "--no-progress")
+    assert r.returncode == 0 and "RESULT: PASS" in r.stdout, r.stdout + r.stderr
     # a complete OUT is not replaced without --force
     r = _cli("convert", llama, out, "-r", recipe, "--no-progress")
     assert r.returncode == 2 and "already exists" in r.stderr, r.stderr

@@ -439,6 +439,29 @@ class OwnedStage:
             {**_marker(), "out": str(self.out.resolve()), "kind": self.kind}))  # fmt: skip
         return self
 
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the locked directory: what a torchrun peer :meth:`join` s."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
+
+    def join(self, identity) -> OwnedStage:
+        """A torchrun peer's view of the stage that process 0 took (``identity``: its
+        :meth:`identity`): the same directory, opened without following a link, never
+        locked (process 0 holds the lock), cleaned or committed by the peer."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise OutputError(f"{self.path}: cannot be opened ({e.strerror}); rerun.") from None
+        st = os.fstat(fd)
+        if [st.st_dev, st.st_ino] != list(identity):
+            os.close(fd)
+            raise OutputError(
+                f"{self.path}: is not the directory torchrun process 0 took (replaced, or "
+                f"OUT's parent is not one shared file system); rerun."
+            )
+        self._fd = fd
+        return self
+
     def _lock(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)

@@ -567,6 +567,47 @@ def _check_index(root: Path, wm: dict[str, str], raw: dict[str, PartMeta]) -> No
         )
 
 
+#: the dtypes a described checkpoint's tensors may have (what safetensors files store)
+_DESCRIBED_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+              torch.float8_e4m3fn, torch.float8_e5m2, *_INT_DTYPES, torch.bool)
+}  # fmt: skip
+
+
+def described_checkpoint(root: Path, config: dict, doc, where: str) -> Checkpoint:
+    """A metadata-only :class:`Checkpoint` (names, parts, shapes, encodings; no values)
+    from the tensor list a planned checkpoint wrote of itself (``layout_doc``:
+    ``{"tensors": [[name, dtype, shape], ...], "shapes": {logical: shape}}``) and its
+    config. ``where`` names the file in errors (ValueError: a malformed list)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
+        raise ValueError(f"{where}: not a tensor list ('tensors' missing)")
+    shapes = doc.get("shapes")
+    if not isinstance(shapes, dict):
+        raise ValueError(f"{where}: 'shapes' must be an object")
+
+    def dims(v, what: str) -> tuple[int, ...]:
+        if not isinstance(v, list) or not all(type(d) is int and d >= 0 for d in v):
+            raise ValueError(f"{where}: {what}: shape {v!r} is not a list of sizes")
+        return tuple(v)
+
+    raw: dict[str, PartMeta] = {}
+    for e in doc["tensors"]:
+        if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0]):
+            raise ValueError(f"{where}: entry {e!r} is not [name, dtype, shape]")
+        name, dt = e[0], _DESCRIBED_DTYPES.get(e[1]) if isinstance(e[1], str) else None
+        if dt is None or name in raw:
+            raise ValueError(f"{where}: '{name}': unknown dtype {e[1]!r} or listed twice")
+        shape = dims(e[2], name)
+        n = 1
+        for d in shape:
+            n *= d
+        raw[name] = PartMeta(name, root / where, dt, shape, n * dt.itemsize, None)
+    logical = {k: dims(v, k) for k, v in shapes.items()}
+    metas = group_parts(raw, QuantConfig(quant_config_of(config)), None, logical)
+    return Checkpoint(Path(root), config, metas, [])
+
+
 def group_parts(
     raw: dict[str, PartMeta],
     qcfg: QuantConfig,

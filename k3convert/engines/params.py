@@ -104,7 +104,7 @@ class Slicer:
         the source rows: a slice, or None for the whole part)."""
         shape, dtype = self._stored(module, part)
         if part == "weight_shape" or not shape:  # (a 0-d part: refused by fused)
-            return shape, dtype, lambda: self.ck.get_parts(f"{module}.weight")[part], None
+            return shape, dtype, lambda: self.ck.part_tensor(f"{module}.weight", part), None
         lo, hi = scaled(shape[0], out, a, b, f"{module}.{part}")
         new = (hi - lo, *shape[1:])
 
@@ -148,6 +148,6 @@ class Slicer:
         if part == "bias":
             return self.ck.get(f"{module}.bias")
         meta = self.ck.meta(f"{module}.weight")
-        t = self.ck.get_parts(f"{module}.weight")[part]
+        t = self.ck.part_tensor(f"{module}.weight", part)
         # an unquantized weight takes the model dtype; a stored code (int8, fp8) stays
         return t.to(self.dtype) if meta.encoding == "plain" else t

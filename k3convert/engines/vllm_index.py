@@ -17,12 +17,14 @@ from ..checkpoint.output import refuse_partial
 from ..stream.format import StreamCorruptError
 from ..stream.hashing import file_digest
 from .vllm_layers import Rank
-from .vllm_sharded import FORMAT, HASH, INDEX, INDEX_VERSION, MAX_WORLD
+from .vllm_sharded import DESCRIBED, FORMAT, HASH, INDEX, INDEX_VERSION, MAX_WORLD
 
 #: files k3convert's own steps add after the commit (``convert``'s report), which no
 #: loader reads: allowed unlisted, as regular files
 CONVERT_REPORT = "convert_report.json"
-REPORTS = frozenset({CONVERT_REPORT})
+#: convert's loss report of a one-pass write (:mod:`k3convert.quant.fidelity`'s file)
+LOSS_REPORT = "transcode_report.json"
+REPORTS = frozenset({CONVERT_REPORT, LOSS_REPORT})
 
 
 def read_index(path: str | os.PathLike) -> dict:
@@ -51,6 +53,12 @@ def read_index(path: str | os.PathLike) -> dict:
     for key in ("files", "carried", "source_files"):
         if not isinstance(index.get(key), list):
             raise StreamCorruptError(f"{p}: '{key}' must be a list; rewrite OUT.")
+    if index.get("described", DESCRIBED) != DESCRIBED or (
+            "described" in index and DESCRIBED not in {
+                f.get("name") for f in index["carried"] if isinstance(f, dict)}):  # fmt: skip
+        raise StreamCorruptError(
+            f"{p}: 'described' must name the carried {DESCRIBED}; rewrite OUT."
+        )
     return index
 
 

@@ -266,7 +266,7 @@ def _mxfp4_experts(src: Slicer, rank: Rank, moe: str) -> Iterator[Param]:
             for e in experts:
                 blk = torch.zeros(1, 2 * ip, cols, dtype=torch.uint8)
                 for half, w in ((0, "w1"), (1, "w3")):
-                    stored = ck.get_parts(f"{ex}.{e}.{w}.weight")[part]
+                    stored = ck.part_tensor(f"{ex}.{e}.{w}.weight", part)
                     blk[0, half * ip : half * ip + real] = stored[lo:hi]
                 yield blk
 
@@ -276,7 +276,7 @@ def _mxfp4_experts(src: Slicer, rank: Rank, moe: str) -> Iterator[Param]:
         def gen():
             for e in experts:
                 blk = torch.zeros(1, width, ip // per, dtype=torch.uint8)
-                v = ck.get_parts(f"{ex}.{e}.w2.weight")[part]
+                v = ck.part_tensor(f"{ex}.{e}.w2.weight", part)
                 blk[0, :, : real // per] = v[:, lo // per : hi // per]
                 yield blk
 

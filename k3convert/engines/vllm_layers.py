@@ -241,7 +241,7 @@ def _per_member(src: Slicer, prefix: str, merged: str, members: list[str], part:
     dtype = module_parts(src.ck, modules[0])[part][1]
 
     def make():
-        return torch.cat([src.ck.get_parts(f"{m}.weight")[part].reshape(1) for m in modules])
+        return torch.cat([src.ck.part_tensor(f"{m}.weight", part).reshape(1) for m in modules])
 
     pieces = tuple(
         Piece(f"{m}.weight", part, ALL, (slice(j, j + 1),)) for j, m in enumerate(modules)

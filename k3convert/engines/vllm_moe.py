@@ -90,12 +90,12 @@ def fused_moe(src: Slicer, rank: Rank, mlp: str) -> Iterator[Param]:
         def w13(part=part, cast=cast, cut=cut):  # gate's rows, then up's: mapped views
             for e in experts:
                 for m in ("gate_proj", "up_proj"):
-                    t = ck.get_parts(f"{ex}.{e}.{m}.weight")[part][cut]
+                    t = ck.part_tensor(f"{ex}.{e}.{m}.weight", part)[cut]
                     yield t.to(cast) if cast else t
 
         def w2(part=part, cast=cast, a2=a2, b2=b2):
             for e in experts:
-                t = ck.get_parts(f"{ex}.{e}.down_proj.weight")[part][:, a2:b2]
+                t = ck.part_tensor(f"{ex}.{e}.down_proj.weight", part)[:, a2:b2]
                 yield (t.to(cast) if cast else t)[None]
 
         p13, p2 = [], []
@@ -121,7 +121,7 @@ def _per_expert(ck: Checkpoint, name: str, part: str, dtype: torch.dtype, tail: 
 
     def values():
         for kept, _ in held:
-            yield ck.get_parts(f"{kept}.weight")[part].to(dtype).reshape(1, *tail)
+            yield ck.part_tensor(f"{kept}.weight", part).to(dtype).reshape(1, *tail)
 
     pieces = tuple(
         Piece(f"{m}.weight", part, ALL, (slice(i, i + 1),))
@@ -145,7 +145,7 @@ def _expert_tensor_scales(
 
     def w13():
         for e in experts:
-            g, u = (ck.get_parts(f"{ex}.{e}.{m}.weight")[part] for m in ("gate_proj", "up_proj"))
+            g, u = (ck.part_tensor(f"{ex}.{e}.{m}.weight", part) for m in ("gate_proj", "up_proj"))
             yield torch.cat([g.reshape(1), u.reshape(1)])[None]
 
     p13 = tuple(
@@ -165,7 +165,7 @@ def _expert_input_scales(src: Slicer, ex: str, experts, name13: str, name2: str)
     w13 = []
     for e in experts:
         gate, up = f"{ex}.{e}.gate_proj", f"{ex}.{e}.up_proj"
-        g, u = (ck.get_parts(f"{m}.weight")["input_scale"] for m in (gate, up))
+        g, u = (ck.part_tensor(f"{m}.weight", "input_scale") for m in (gate, up))
         if float((g - u).abs().max()) > 1e-5:
             raise ConfigError(
                 f"'{ex}.{e}': gate_proj's input scale {float(g.max())} and up_proj's "

@@ -54,6 +54,10 @@ INDEX_VERSION = 2
 #: the most ranks (tp x pp) a layout may have: more than any cluster vLLM runs on;
 #: checked by the writer before a single rank is built, and by every index read
 MAX_WORLD = 4096
+#: a directory written in one pass from tensors produced as read (no checkpoint on
+#: disk): their names, dtypes and shapes as a file would list them, zstd JSON (carried,
+#: so hashed by the index): what ``verify`` maps the rank files back with
+DESCRIBED = "k3convert-vllm-tensors.json.zst"
 HASH = "xxh3-128"  # each rank file's, as ``ALGO:HEX`` (stream.hashing)
 JOURNAL = STREAM_JOURNAL  # in the stage: one entry per finished rank file
 #: the dense GQA model types: every one the llama arch reads (llama, qwen2, qwen3,

@@ -18,21 +18,54 @@ every tensor is on some rank. Memory: one tensor at a time, read by slices.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+import zstandard
 from safetensors import safe_open
 
-from ..checkpoint import load_json, open_checkpoint
+from ..checkpoint import Checkpoint, load_json, open_checkpoint
 from ..checkpoint.encodings import ENCODINGS
+from ..checkpoint.reader import described_checkpoint
+from ..checkpoint.safetensors_io import open_regular
 from ..errors import ConfigError
 from ..stream.format import StreamCorruptError
 from .params import Param, Piece
 from .vllm_index import check_vllm, read_index
 from .vllm_layers import Rank
-from .vllm_sharded import carried_shapes, rank_params
+from .vllm_sharded import DESCRIBED, carried_shapes, rank_params
+
+#: the most a described tensor list may hold once decompressed (a 3 T model's is ~100 MB)
+_DESCRIBED_MAX = 1 << 30
+
+
+def _described(root: Path, src: Path) -> Checkpoint:
+    """The metadata-only checkpoint the rank files were cut from, as the directory
+    describes it (:data:`~.vllm_sharded.DESCRIBED` and the carried config.json)."""
+    p = root / DESCRIBED
+    try:
+        chunks, n = [], 0
+        with open_regular(p, StreamCorruptError) as f:
+            z = zstandard.ZstdDecompressor().stream_reader(f)
+            while chunk := z.read(8 << 20):
+                n += len(chunk)
+                if n > _DESCRIBED_MAX:
+                    raise ValueError(f"more than {_DESCRIBED_MAX >> 20} MiB once decompressed")
+                chunks.append(chunk)
+        doc = json.loads(b"".join(chunks), parse_constant=_no_constant)
+        return described_checkpoint(src, load_json(root / "config.json"), doc, DESCRIBED)
+    except (OSError, ValueError, zstandard.ZstdError, RecursionError) as e:
+        raise StreamCorruptError(
+            f"{p}: the tensor list the rank files are mapped back with is unreadable "
+            f"({e}); rewrite OUT."
+        ) from e
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 class VllmSource:
@@ -44,14 +77,17 @@ class VllmSource:
             check_vllm(self.root)
         index = read_index(self.root)
         src = Path(index.get("source") or "")
-        if not (src / "config.json").is_file():
+        if index.get("described") is not None:  # written in one pass: no checkpoint on disk
+            self.ck = _described(self.root, src)
+        elif not (src / "config.json").is_file():
             raise ConfigError(
                 f"{self.root}: verify maps the rank files back with the layout of the source "
                 f"checkpoint its index names ({src}), which is not there; restore it, or "
                 f"verify the source itself."
             )
+        else:
+            self.ck = open_checkpoint(src)  # metadata only: every value is read from the ranks
         self.source = src
-        self.ck = open_checkpoint(src)  # metadata only: every value is read from the ranks
         lay = index["layout"]
         tp, pp, ep = int(lay["tp"]), int(lay["pp"]), int(lay.get("ep", 1))
         self.layout = {"tp": tp, "pp": pp, "ep": ep}

@@ -11,12 +11,14 @@ directory holding anything unlisted or changed (:mod:`.vllm_index`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,8 @@ from ..checkpoint.output import OwnedStage, check_output, write_error
 from ..checkpoint.safetensors_io import SafetensorsWriter
 from ..errors import ConfigError, K3Error, OutputError
 from ..formats.dtypes import all_finite
+from ..parallel import procs
+from ..parallel.procs import ProcessGroup
 from ..shard.unit_io import fsync_path
 from ..shard.writer import carried_files
 from ..stream.hashing import file_digest, tag
@@ -41,6 +45,7 @@ from ..units import byte_bar
 from .params import Param
 from .vllm_layers import RANK_FILE_RX, Rank
 from .vllm_sharded import (
+    DESCRIBED,
     FORMAT,
     HASH,
     INDEX,
@@ -61,6 +66,8 @@ class VllmShardResult:
     seconds: float
     #: rank files found complete in an interrupted run's stage and kept
     files_resumed: int = 0
+    #: rank files written by each torchrun process (one entry: one process)
+    per_process: list[int] | None = None
 
 
 STAGE = "vllm-partial"  # the stage ``.OUT.vllm-partial``, kept after an interruption
@@ -113,25 +120,40 @@ def _rank_key(head: dict, fname: str, params: list[Param]) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
 
 
-class _Stopped(Exception):
-    pass
+class _Stopped(K3Error):
+    """The source's hashing was abandoned: this write failed, or another process's."""
+
+    def __init__(self):
+        super().__init__("stopped: the write failed (here or in another torchrun process)")
 
 
-def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None) -> list[list]:
+def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None,
+                       group: ProcessGroup | None = None) -> list[list]:  # fmt: skip
     """[name, bytes, xxh3-128] of every weight file and config.json, by content: what a
     rerun must find unchanged to keep an interrupted run's rank files (a file swapped
     for another of the same size and mtime is caught). ``stop``: set to abandon it (a
-    failed or interrupted write does not wait for the whole source to be read)."""
+    failed or interrupted write does not wait for the whole source to be read).
+    ``group``: the torchrun job; each process hashes its share of the files (balanced
+    by bytes) and every process gets the whole list (one collective, always made)."""
+    group = group if group is not None else ProcessGroup()
     files = [*(f.path for f in ck.files()), ck.root / "config.json"]
+    mine = procs.balance(files, lambda f: f.stat().st_size, group.world)[group.rank]
 
     def each(_n: int) -> None:
         if stop is not None and stop.is_set():
             raise _Stopped
 
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        hashes = list(pool.map(lambda f: file_digest(f, HASH, each=each), files))
-    return [[str(f.relative_to(ck.root)), f.stat().st_size, h]
-            for f, h in zip(files, hashes, strict=True)]  # fmt: skip
+    hashes = None
+    try:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            hashes = dict(zip(mine, pool.map(lambda f: file_digest(f, HASH, each=each), mine),
+                              strict=True))  # fmt: skip
+    finally:  # (every process joins the gather, a stopped one too)
+        got = group.gather(hashes)
+    if any(h is None for h in got):
+        raise _Stopped
+    merged = {f: h for share in got for f, h in share.items()}
+    return [[str(f.relative_to(ck.root)), f.stat().st_size, merged[f]] for f in files]
 
 
 def shard_target(src, out, *, tp: int, pp: int, ep: int, force: bool, progress: bool,
@@ -142,7 +164,7 @@ def shard_target(src, out, *, tp: int, pp: int, ep: int, force: bool, progress: 
     from .vllm_index import llm_call
 
     res = write_vllm(src=src, out=out, tp=tp, pp=pp, ep=ep, force=force, progress=progress,
-                     before_write=before_write)  # fmt: skip
+                     before_write=before_write, group=procs.current())  # fmt: skip
     kept = f" ({res.files_resumed} kept from the interrupted run)" if res.files_resumed else ""
     return (
         f"wrote {res.out}: vLLM sharded_state, {res.files} rank file(s){kept}, "
@@ -152,8 +174,10 @@ def shard_target(src, out, *, tp: int, pp: int, ep: int, force: bool, progress: 
 
 
 def write_vllm(
-    *, src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
+    *, src: str | os.PathLike | Checkpoint, out: str | os.PathLike, tp: int = 1, pp: int = 1,
     ep: int = 1, force: bool = False, progress: bool = False, before_write=None,
+    origin: Checkpoint | None = None, identity=None, carry=None, described: bytes | None = None,
+    group: ProcessGroup | None = None,
 ) -> VllmShardResult:  # fmt: skip
     """Write the sharded_state directory: one safetensors file per rank, then the config /
     tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
@@ -165,22 +189,50 @@ def write_vllm(
 
     before_write: called with the validated source checkpoint before a byte is written
     (the caller's serving check, :func:`k3convert.serving.vllm_check`: it warns, or
-    raises and nothing is written)."""
+    raises and nothing is written).
+
+    ``src`` may be an open checkpoint whose tensors are produced as they are read
+    (``convert``'s :class:`~k3convert.pipeline.planned.PlannedCheckpoint`: one pass, no
+    quantized checkpoint on disk). Then ``origin`` is the checkpoint on disk it is made
+    from (fingerprinted, named as the index's source), ``identity`` what else the bytes
+    depend on (a resumed rank file must have been written under the same), ``carry``
+    the non-weight files as ``(name, path or bytes)``, and ``described`` its tensor list
+    (:meth:`~k3convert.pipeline.planned.PlannedCheckpoint.layout_doc`, zstd JSON),
+    carried as :data:`DESCRIBED` for ``verify`` to map the rank files back.
+
+    ``group``: the torchrun job (default: this process alone). The rank files are split
+    over the processes by bytes (:func:`~k3convert.parallel.procs.balance`), each written
+    by one; process 0 takes the stage and commits it. The bytes are those of one
+    process. A tensor several ranks read is produced by each process holding one of
+    them (EP places each routed expert on one rank)."""
+    group = group if group is not None else ProcessGroup()
     t0 = time.perf_counter()
-    ck = open_checkpoint(src)
+    ck = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    origin = ck if origin is None else origin
     check_layout(ck, tp, pp, ep)
     ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
     plans = rank_params(ck, ranks)
     if before_write is not None:  # the source is valid: can the engine run it?
         before_write(ck)
-    total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
-    out = check_output(out, force=force, need_bytes=total, source=ck.root)
-    carried = carried_files(ck)
+    sizes = {r: sum(math.prod(p.shape) * p.dtype.itemsize for p in ps) for r, ps in plans.items()}
+    mine = procs.balance(ranks, sizes.__getitem__, group.world)[group.rank]
+    out = check_output(out, force=force, need_bytes=sum(sizes.values()), source=origin.root)
+    carried = list(carried_files(ck) if carry is None else carry)
+    if described is not None:
+        carried.append((DESCRIBED, described))
+    expect = getattr(ck, "expect_parts", None)
+    if expect is not None:  # produced tensors: kept for their last reader, then dropped
+        expect(_reads(plans[r] for r in mine))
     index = {"format": FORMAT, "version": INDEX_VERSION, "generator": f"k3convert {__version__}",
              "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
              "dtype": str(dtype_of(ck)).removeprefix("torch."),
-             "layout": {"tp": tp, "pp": pp, "ep": ep}, "source": str(Path(ck.root).resolve()),
+             "layout": {"tp": tp, "pp": pp, "ep": ep},
+             "source": str(Path(origin.root).resolve()),
              "source_files": [], "carried": [], "files": []}  # fmt: skip
+    if identity is not None:
+        index["identity"] = identity
+    if described is not None:
+        index["described"] = DESCRIBED
     rank_names = {r.file() for r in ranks}
     carried_names = {name for name, _ in carried}
 
@@ -189,61 +241,130 @@ def write_vllm(
         return (name in (JOURNAL, INDEX) or name in carried_names or bool(rank_file)
                 or name.startswith((f"{INDEX}.tmp-", ".k3-")))  # fmt: skip
 
-    stage, stop = OwnedStage(out, STAGE, [ck.root]), threading.Event()
-    with stage, ThreadPoolExecutor(max_workers=1) as pool:
-        # read while the ranks are written; abandoned (stop) if the write fails
-        fingerprint = pool.submit(source_fingerprint, ck, stop)
+    stage, stop = OwnedStage(out, STAGE, [origin.root]), threading.Event()
+    try:
+        _take_stage(stage, group, owns, lambda n: n in rank_names or n == JOURNAL)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # read while the ranks are written (each process its share of the files);
+            # abandoned (stop) if the write fails
+            fingerprint = pool.submit(source_fingerprint, origin, stop, group)
+            err = None
+            try:
+                entries, resumed = _write_ranks(stage.work, {r: plans[r] for r in mine},
+                                                index, fingerprint, progress, ck)  # fmt: skip
+            except BaseException as e:
+                err = e
+                stop.set()
+            # (the hashing thread's one collective is done before the next of this one)
+            with contextlib.suppress(Exception):
+                fingerprint.result()
+        if isinstance(err, OSError):
+            err = write_error(err, out)
         try:
-            stage.clean(owns, keep=lambda n: n in rank_names or n == JOURNAL)
-            work = stage.work  # the locked directory, whatever its name now leads to
-            resumed = _write_ranks(work, plans, index, fingerprint, progress, total)
-            index["source_files"] = fingerprint.result()
-            for name, f in carried:
-                shutil.copyfile(f, work / name)
-                fsync_path(work / name)
-                index["carried"].append({"name": name, "bytes": (work / name).stat().st_size,
-                                         "hash": file_digest(work / name, HASH)})  # fmt: skip
-            stage.check_out(force)  # (before the journal goes: a refusal keeps it resumable)
-            shutil.rmtree(work / JOURNAL)
-            atomic_json(work / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
-        except OutputError:  # OUT appeared meanwhile: the stage is kept for a rerun
-            stop.set()
-            raise
+            group.agree(err, f"writing the rank files of {out}")
         except K3Error:
-            stop.set()
-            stage.remove(owns)  # a damaged or refused source: nothing to resume
+            # a damaged or refused source met here: nothing to resume (an interruption,
+            # a full disk, OUT appearing, another process's failure: kept for a rerun)
+            if group.leader and isinstance(err, K3Error) and not isinstance(
+                    err, (OutputError, _Stopped)):  # fmt: skip
+                stage.remove(owns)
             raise
-        except BaseException as e:  # (an interruption, a full disk: kept for the rerun)
-            stop.set()
-            if isinstance(e, OSError):
-                raise write_error(e, out) from e
-            raise
-        try:  # its refusals (OUT appeared meanwhile) keep the finished stage for a rerun
-            stage.commit(rank_names | carried_names | {INDEX}, force)
-        except OSError as e:
-            raise write_error(e, out) from e
-    size = sum(f["bytes"] for f in index["files"])
-    return VllmShardResult(out, len(index["files"]), size, time.perf_counter() - t0, resumed)
+        shares = group.gather((entries, resumed))
+        err = None
+        if group.leader:
+            try:
+                listed = rank_names | carried_names | {INDEX}
+                _finish_stage(stage, out, force, index, shares, ranks, carried,
+                              fingerprint.result(), listed)  # fmt: skip
+            except BaseException as e:  # (kept for a rerun: OUT appeared, a full disk)
+                err = write_error(e, out) if isinstance(e, OSError) else e
+        group.agree(err, f"committing {out}")
+    finally:
+        stop.set()
+        stage.close()
+    files = group.share(index["files"] if group.leader else None)
+    size = sum(f["bytes"] for f in files)
+    resumed = sum(k for _, k in shares)
+    return VllmShardResult(out, len(files), size, time.perf_counter() - t0, resumed,
+                           [len(e) - k for e, k in shares])  # fmt: skip
+
+
+def _take_stage(stage: OwnedStage, group: ProcessGroup, owns, keep) -> None:
+    """Process 0 takes the stage (locked, checked, its stale entries cleaned); the other
+    torchrun processes join the same directory."""
+    err = None
+    if group.leader:
+        try:
+            stage.open()
+            stage.clean(owns, keep=keep)
+        except BaseException as e:
+            err = e
+    group.agree(err, f"preparing {stage.path}")
+    ident = group.share(list(stage.identity()) if group.leader else None)
+    if not group.leader:
+        err = None
+        try:
+            stage.join(ident)
+        except BaseException as e:
+            err = e
+    group.agree(err, f"joining {stage.path}")
+
+
+def _finish_stage(stage: OwnedStage, out: Path, force: bool, index: dict, shares, ranks,
+                  carried, source_files, expected: set[str]) -> None:  # fmt: skip
+    """Process 0, every rank file written: the carried files, the index (every rank's
+    entry, in rank order), the journal dropped, the stage renamed to OUT."""
+    work = stage.work
+    by_name = {e["name"]: e for entries, _ in shares for e in entries}
+    index["files"] = [by_name[r.file()] for r in ranks]
+    index["source_files"] = source_files
+    for name, f in carried:
+        if isinstance(f, bytes):
+            (work / name).write_bytes(f)
+        else:
+            shutil.copyfile(f, work / name)
+        fsync_path(work / name)
+        index["carried"].append({"name": name, "bytes": (work / name).stat().st_size,
+                                 "hash": file_digest(work / name, HASH)})  # fmt: skip
+    stage.check_out(force)  # (before the journal goes: a refusal keeps it resumable)
+    shutil.rmtree(work / JOURNAL)
+    atomic_json(work / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
+    # its refusals (OUT appeared meanwhile) keep the finished stage for a rerun
+    stage.commit(expected, force)
+
+
+def _reads(plans) -> Iterator[tuple[str, str]]:
+    """(checkpoint tensor, part) of every read the parameters' values make: one per
+    piece (a plain tensor's part is ``weight``)."""
+    for params in plans:
+        for p in params:
+            for pc in p.pieces:
+                yield pc.name, pc.part or "weight"
 
 
 def _write_ranks(work: Path, plans: dict, index: dict, fingerprint, progress: bool,
-                 total: int) -> int:  # fmt: skip
-    """Every rank file into the stage ``work`` (its index entries appended to
-    ``index["files"]``); the number kept from an interrupted run."""
+                 ck: Checkpoint) -> tuple[list[dict], int]:  # fmt: skip
+    """The rank files of ``plans`` into the stage ``work``: (their index entries, the
+    number kept from an interrupted run)."""
     journal = work / JOURNAL
     journal.mkdir(exist_ok=True)
-    resumed = 0
-    head = {k: index[k] for k in ("generator", "vllm", "layout", "source")}
+    resumed, entries = 0, []
+    total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
+    head = {k: index[k] for k in ("generator", "vllm", "layout", "source", "identity")
+            if k in index}  # fmt: skip
+    dropped = getattr(ck, "drop_parts", None)
     lay = index["layout"]
     with byte_bar(total=total, desc=f"vllm tp{lay['tp']} pp{lay['pp']}",
                   disable=not progress) as bar:  # fmt: skip
         for r, params in plans.items():
             key = _rank_key(head, r.file(), params)
             entry, kept = _write_rank(work, journal, r, params, key, fingerprint)
-            index["files"].append(entry)
+            entries.append(entry)
             resumed += kept
+            if kept and dropped is not None:  # its reads are not coming
+                dropped(_reads([params]))
             bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
-    return resumed
+    return entries, resumed
 
 
 def _finite(t: torch.Tensor, p: Param, fname: str) -> torch.Tensor:

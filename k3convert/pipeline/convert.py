@@ -168,7 +168,7 @@ def _check_file_out(path, what: str, sources) -> None:
         )
 
 
-def _fingerprint(prepared, data_config: dict) -> str:
+def data_fingerprint(prepared, data_config: dict) -> str:
     """What a unit's bytes depend on besides its tensor table and the source files: the
     quantized config (schemes, calibration provenance) and every row's decision."""
     h = hashlib.sha256(json.dumps(data_config, sort_keys=True, default=str).encode())
@@ -235,7 +235,7 @@ def convert(
     if target.convert_fn is not None:  # an engine's files: the target's own job
         rep, written, kept, vrep = target.convert(
             r, src=src, out=out, force=force, progress=progress, report_html=report_html,
-            verify=lambda o, ref: _run_verify(r, o, ref),
+            verify=lambda o, ref: _run_verify(r, o, ref), keep_intermediate=keep_intermediate,
             log=log or (lambda m: print(m, file=sys.stderr)),
         )  # fmt: skip
         return ConvertResult(out, rep, rep["passed"], rep["seconds"]["total"], written, kept,
@@ -404,8 +404,8 @@ def _calibrate(st: _Planned, r: Recipe, ck, out, force, calib_dir, group, ui, sa
 
 def _write(st: _Planned, r: Recipe, ck, out, force, progress, done, group, ui) -> ShardResult:
     """Step 3: the units (and carried files) of the stream, or a complete OUT's result."""
-    carry = _carry_list(ck, st.prep)
-    identity = _fingerprint(st.prep, st.data.config)
+    carry = carry_list(ck, st.prep)
+    identity = data_fingerprint(st.prep, st.data.config)
     workers = r.output.workers or procs.cores_per_process()
     # units are written (and their tensors quantized) on `workers` threads, one core
     # each: nested OpenMP teams would oversubscribe the cores
@@ -544,7 +544,7 @@ def _prepare(r: Recipe, ck, out: Path, force: bool, calib_dir: Path, group, ui, 
                                 on_layer=layer_done if group.leader else None)  # fmt: skip
 
 
-def _carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
+def carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
     """config.json (the quantized one), the source's aux files, and calibration's
     routing counts when there are any (auto-keep's sensitivity report, which records
     its own timing, is written next to the report instead, outside the manifest)."""

@@ -46,7 +46,7 @@ def read_losses(out: Path):
         return None
 
 
-def _fidelity_summary(losses) -> dict | None:
+def fidelity_summary(losses) -> dict | None:
     """report.json's view of the loss report: the totals, the summary line and the ten
     worst tensors (every tensor is in OUT/transcode_report.json)."""
     if losses is None or not (len(losses) or losses.unmeasured):
@@ -92,7 +92,7 @@ def build_report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=No
         "seconds": {k: round(v, 3) for k, v in times.items()},
         "intermediate": str(inter) if inter is not None else None,
         "quantize": q,
-        "fidelity": _fidelity_summary(losses),
+        "fidelity": fidelity_summary(losses),
     }
     if vrep is not None:
         rep["verify"] = _verify_summary(vrep)

@@ -47,6 +47,7 @@ class PlannedCheckpoint(Checkpoint):
         self._extra = dict(prepared.kv_tensors or {})
         for name, t in self._extra.items():
             raw[name] = PartMeta(name, where, t.dtype, tuple(t.shape), t.numel() * t.itemsize)
+        self._raw, self._shapes = raw, shapes
         metas = group_parts(raw, QuantConfig(quant_config_of(self.config_doc)), None, shapes)
         super().__init__(Path(ck.root), self.config_doc, metas, [])
         self.source = ck
@@ -62,6 +63,17 @@ class PlannedCheckpoint(Checkpoint):
         self._checked: set[str] = set()
         #: row name -> its loss against the release (:mod:`.quant.fidelity`), once per row
         self.losses: dict[str, object] = {}
+
+    def layout_doc(self) -> dict:
+        """Its tensors as a file would list them (name, dtype, shape) and the logical
+        shapes its packed weights would store: what :func:`described_checkpoint` makes a
+        metadata-only :class:`Checkpoint` of again (``verify`` of files written from it,
+        with no checkpoint on disk)."""
+        return {
+            "tensors": [[n, str(m.dtype).removeprefix("torch."), list(m.shape)]
+                        for n, m in self._raw.items()],
+            "shapes": {n: list(s) for n, s in self._shapes.items()},
+        }  # fmt: skip
 
     def _reads(self, units) -> Counter[str]:
         refs: Counter[str] = Counter()
@@ -81,11 +93,33 @@ class PlannedCheckpoint(Checkpoint):
         with self._lock:
             self._refs = refs
 
+    def _part_reads(self, parts) -> Counter[str]:
+        refs: Counter[str] = Counter()
+        for logical, part in parts:
+            r = self._row_of.get(self.meta(logical).parts[part].name)
+            if r is not None:
+                refs[r.name] += 1
+        return refs
+
+    def expect_parts(self, parts) -> None:
+        """Count the reads to come as ``(logical, part)`` pairs, one per
+        :meth:`part_tensor` call (an engine writer's pieces)."""
+        refs = self._part_reads(parts)
+        with self._lock:
+            self._refs = refs
+
     def skip(self, unit) -> None:
         """``unit`` will not be written (a rerun found it intact): its reads are not
         coming, so rows it shares are not held for it."""
+        self._forget(self._reads([unit]))
+
+    def drop_parts(self, parts) -> None:
+        """:meth:`skip` for reads counted by :meth:`expect_parts`."""
+        self._forget(self._part_reads(parts))
+
+    def _forget(self, refs: Counter[str]) -> None:
         with self._lock:
-            for name, k in self._reads([unit]).items():
+            for name, k in refs.items():
                 self._refs[name] -= k
                 if self._refs[name] <= 0 and name in self._cache:
                     self._held -= _nbytes(self._cache.pop(name))
@@ -94,7 +128,13 @@ class PlannedCheckpoint(Checkpoint):
         return {k: self.part_tensor(name, k) for k in self.meta(name).parts}
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        raise NotImplementedError("a planned checkpoint is read by parts (part_tensor)")
+        """A plain tensor as produced (an engine writer's whole tensors); an encoded one
+        is read by parts."""
+        m = self.meta(name)
+        if m.encoding != "plain":
+            raise NotImplementedError(f"'{name}' is {m.encoding}: read it by parts")
+        t = self.part_tensor(name, "weight")
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
     def part_tensor(self, logical: str, part: str) -> torch.Tensor:
         pm = self.meta(logical).parts[part]

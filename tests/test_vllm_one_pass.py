@@ -1,0 +1,182 @@
+"""``convert`` with ``output.format: vllm`` in one pass: the rank files cut from the
+planned (quantized as read) tensors, with no quantized checkpoint on disk, equal byte for
+byte what ``quantize`` then ``shard --target vllm`` write; each tensor is quantized once;
+an interrupted run resumes; ``verify OUT`` maps the files back from the tensor list OUT
+carries."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3convert.checkpoint import open_checkpoint
+from k3convert.engines import vllm_write
+from k3convert.engines.vllm_index import check_vllm
+from k3convert.engines.vllm_sharded import DESCRIBED, INDEX
+from k3convert.engines.vllm_source import VllmSource
+from k3convert.engines.vllm_write import write_vllm
+from k3convert.pipeline import quantize
+from k3convert.pipeline.convert import convert
+from k3convert.pipeline.planned import PlannedCheckpoint
+from k3convert.pipeline.quantize import fuse_scales, prepare_quantization
+from k3convert.recipe import load_recipe
+from k3convert.stream.format import StreamCorruptError
+from k3convert.synth import synthesize
+
+#: (model, recipe body, tp, ep): dense int8 split over tp; NVFP4 MoE experts placed by
+#: EP (transcoded from bf16: global scales per fused set); Kimi K3's released MXFP4
+#: experts kept as stored under EP with its bf16 KDA / MLA
+CASES = {
+    "llama-w8a8": ("llama3-8b", "quantize: {scheme: w8a8}", 2, 1),
+    "dsv3-w4a16-gptq": (
+        "deepseek-v3",
+        "quantize: {scheme: w4a16, calibrate: {algorithm: gptq, num_samples: 4, seq_len: 32}}",
+        2,
+        2,
+    ),
+    "k3-keep": ("kimi-k3", "quantize: {rules: [{roles: [experts], scheme: keep}]}", 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("op")
+    made = {}
+    for preset in ("llama3-8b", "deepseek-v3", "kimi-k3"):
+        enc = {} if preset == "kimi-k3" else {"encoding": "plain"}
+        synthesize(config=preset, out=root / preset, tiny=True, **enc)
+        made[preset] = root / preset
+    return made
+
+
+def _recipe(tmp_path: Path, body: str, tp: int, ep: int) -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(f"version: 1\n{body}\nlayout: {{tp: {tp}, moe_ep: {ep}}}\n"
+                 "output: {format: vllm}\nverify: {enabled: false}\n")  # fmt: skip
+    return p
+
+
+def _rank_files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("model-*.safetensors"))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_pass_equals_quantize_then_shard(models, tmp_path, case):
+    model, body, tp, ep = CASES[case]
+    src, recipe = models[model], _recipe(tmp_path, body, tp, ep)
+    out = tmp_path / "out"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = convert(src=src, out=out, recipe=recipe, progress=False, log=lambda m: None)
+        q = tmp_path / "q"
+        quantize(src=src, out=q, recipe=load_recipe(recipe), progress=False)
+    two = tmp_path / "two"
+    write_vllm(src=q, out=two, tp=tp, ep=ep)
+    assert not (tmp_path / "out.quantized").exists() and not (tmp_path / "out.calib").exists()
+    one = _rank_files(out)
+    assert len(one) == tp and one == _rank_files(two)
+    # the config vLLM reads is the quantized checkpoint's
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (q / "config.json").read_text()
+    )
+    index = json.loads((out / INDEX).read_text())
+    assert index["source"] == str(src.resolve()) and index["described"] == DESCRIBED
+    assert "intact" in check_vllm(out) and res.report["rank_files"] == tp
+    # verify maps the files back with the carried tensor list: the quantized checkpoint's
+    # every part, bit for bit, with that checkpoint gone
+    import shutil
+
+    ref = open_checkpoint(q)
+    want = {n: ref.get_parts(n) for n in ref.names()}
+    metas = {n: (ref.meta(n).encoding, ref.meta(n).shape) for n in ref.names()}
+    shutil.rmtree(q)
+    back = VllmSource(out)
+    assert back.names() and set(back.names()) <= set(want)
+    for n in back.names():
+        enc, shape = metas[n]
+        assert (back.meta(n).encoding, back.meta(n).shape) == (enc, shape), n
+        if enc == "plain":  # (K3's A_log: vLLM holds the heads' prefix of the padding)
+            got, t = back.get(n), want[n]["weight"]
+            t = t[: got.shape[0]]
+            assert got.dtype == t.dtype and torch.equal(got, t), n
+            continue
+        got = back.get_parts(n)
+        for k, t in want[n].items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k], t), (n, k)
+
+
+def test_each_tensor_is_quantized_once(models):
+    """Two tp ranks each read a slice of every quantized tensor: the planned checkpoint
+    produces each row once, holds it for its last reader and then drops it."""
+    src = models["llama3-8b"]
+    prep = prepare_quantization(src=open_checkpoint(src), scheme="w8a8", plan_only=True)
+    fuse_scales(prep)
+    data = PlannedCheckpoint(prep)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        write_vllm(src=data, out=Path(d) / "o", tp=2, origin=prep.ckpt)
+    # (a kept row counts once too: its first read checks it, later reads map it)
+    assert any(not data._cheap(r) for r in prep.plan.rows)
+    assert data.produced == len(prep.plan.rows)
+    assert data.held_bytes == 0
+
+
+def test_an_interrupted_one_pass_resumes_under_the_same_quantization(models, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    src = models["llama3-8b"]
+    recipe = _recipe(tmp_path, "quantize: {scheme: w8a8}", 2, 1)
+    real = vllm_write._write_rank
+
+    def stop_at_rank_1(stage, journal, r, *a):
+        if r.tp == 1:
+            raise KeyboardInterrupt
+        return real(stage, journal, r, *a)
+
+    def run(out, rec=recipe, **kw):
+        return convert(src=src, out=out, recipe=rec, progress=False, log=lambda m: None, **kw)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(vllm_write, "_write_rank", stop_at_rank_1)
+    with pytest.raises(KeyboardInterrupt):
+        run(out)
+    monkeypatch.setattr(vllm_write, "_write_rank", real)
+    assert not out.exists() and (tmp_path / ".out.vllm-partial").is_dir()
+    res = run(out)
+    assert res.report["rank_files_kept"] == 1
+    fresh = tmp_path / "fresh"
+    res = run(fresh, keep_intermediate=True)  # (also writes the quantized checkpoint)
+    assert _rank_files(out) == _rank_files(fresh)
+    assert res.report["quantized"] == str(tmp_path / "fresh.quantized")
+    assert open_checkpoint(tmp_path / "fresh.quantized").meta(
+        "model.layers.0.mlp.down_proj.weight").encoding == "int-quantized"  # fmt: skip
+    # another quantization of the same source, with the same tensor table (GPTQ's int8
+    # values, not round to nearest's): the interrupted run's rank file is not kept
+    monkeypatch.setattr(vllm_write, "_write_rank", stop_at_rank_1)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "o2")
+    monkeypatch.setattr(vllm_write, "_write_rank", real)
+    (tmp_path / "x").mkdir()
+    gptq = "quantize: {scheme: w8a8, calibrate: {algorithm: gptq, num_samples: 2, seq_len: 16}}"
+    res = run(tmp_path / "o2", _recipe(tmp_path / "x", gptq, 2, 1))
+    assert res.report["rank_files_kept"] == 0
+    tables = [json.loads((d / INDEX).read_text())["files"] for d in (out, tmp_path / "o2")]
+    assert [f["tensors"] for f in tables[0]] == [f["tensors"] for f in tables[1]]
+    assert [f["hash"] for f in tables[0]] != [f["hash"] for f in tables[1]]
+
+
+def test_verify_refuses_a_damaged_tensor_list(models, tmp_path):
+    src = models["llama3-8b"]
+    out = tmp_path / "out"
+    convert(src=src, out=out, recipe=_recipe(tmp_path, "quantize: {scheme: w8a8}", 2, 1),
+            progress=False, log=lambda m: None)  # fmt: skip
+    p = out / DESCRIBED
+    p.write_bytes(p.read_bytes()[:-8])
+    with pytest.raises(StreamCorruptError, match=DESCRIBED):
+        check_vllm(out)  # its hash is bound by the index
+    with pytest.raises(StreamCorruptError, match="unreadable"):
+        VllmSource(out, check=False)
