@@ -39,7 +39,8 @@ Targets (issue 51): each quantize stage <= 1.5x ``cp -r`` (fp8-block <= 2x), pea
 hold about 2.2x the source); ``--keep-source`` leaves the source for another run.
 
     python bench/day0_k3.py --root /work/scratch/day0 [--layers 2] [--experts 896]
-        [--repeats 3] [--workers 1] [--only "cp -r,quantize nvfp4a16"] [--convert]
+        [--repeats 3] [--workers N] [--only "cp -r,quantize nvfp4a16"] [--convert]
+        [--vllm] [--procs 2]
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ layout: {tp: 2, moe_ep: 2}
 output: {format: vllm}
 verify: {enabled: false}
 """
+
+
+def workers(n: int) -> list:
+    return ["--workers", n] if n else []
+
+
+def drop_workers(argv: list) -> list:
+    i = argv.index("--workers") if "--workers" in argv else -1
+    return argv if i < 0 else argv[:i] + argv[i + 2 :]
 
 
 def tree_bytes(p: Path) -> int:
@@ -111,7 +121,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=896)
     ap.add_argument("--vocab", type=int, default=0, help="0: the release's (163840)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=1, help="quantize --workers (1: per core)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="quantize --workers (0: k3convert's default, one per core, divided "
+                    "among torchrun processes)")  # fmt: skip
     ap.add_argument("--only", help="comma-separated stage names")
     ap.add_argument("--convert", action="store_true", help="also convert with --presets")
     ap.add_argument("--presets", default=",".join(PRESETS[:3]))
@@ -138,7 +150,7 @@ def main() -> None:
     ]
     for s in SCHEMES:
         stages.append((f"quantize {s}", [*K3, "quantize", src, out, "--scheme", s, "--keep",
-                                         NON_EXPERTS, "--workers", a.workers, "--no-progress"],
+                                         NON_EXPERTS, *workers(a.workers), "--no-progress"],
                        ""))  # fmt: skip
     if a.convert:
         recipes = Path(__file__).resolve().parents[1] / "recipes"
@@ -156,7 +168,8 @@ def main() -> None:
                                         "--no-progress"], ""))  # fmt: skip
     if a.procs > 1:
         run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", a.procs]
-        stages += [(f"{n} x{a.procs}", [*run, *argv[1:]], note)
+        per = workers(max(1, a.workers // a.procs)) if a.workers else []
+        stages += [(f"{n} x{a.procs}", [*run, *drop_workers(argv[1:]), *per], note)
                    for n, argv, note in stages if argv[:3] == K3]  # fmt: skip
     if a.only:
         keep = {s.strip() for s in a.only.split(",")}
@@ -174,7 +187,8 @@ def main() -> None:
 
     print(f"source: {total / 1e9:.2f} GB in {src}; largest expert tensor {big / 2**20:.1f} MiB, "
           f"expert {expert / 2**20:.1f} MiB; "
-          f"{a.layers} layers, {a.experts} routed experts; quantize --workers {a.workers}; "
+          f"{a.layers} layers, {a.experts} routed experts; "
+          f"quantize --workers {a.workers or 'default'}; "
           f"repeats {a.repeats}")  # fmt: skip
     res = interleaved(stages, a.repeats, reset, on_output=seen)
     reset("")

@@ -167,6 +167,31 @@ def test_sequential_writer_takes_empty_tensors(tmp_path):
     assert back["e"].shape == (0, 3) and torch.equal(back["x"], t["x"])
 
 
+def test_sequential_writes_in_runs_hash_the_file_as_written(tmp_path, monkeypatch):
+    """Tensors larger than a write run (7 bytes here: run boundaries inside values and
+    inside the header, stacked parts too) give the file one write each gives, safetensors
+    reads it back, and the digest is the file's."""
+    import xxhash
+
+    from k3convert.checkpoint import safetensors_io
+
+    t = {"a": torch.randn(5, 3, dtype=torch.bfloat16), "b": torch.arange(11, dtype=torch.int32)}
+
+    def write(path, runs):
+        monkeypatch.setattr(safetensors_io, "EMIT_BYTES", runs)
+        digest = xxhash.xxh3_128()
+        with SafetensorsWriter(path, _entries(t), {"format": "pt"}, digest=digest) as w:
+            w.write("a", t["a"])
+            w.write_stacked("b", [t["b"][:4], t["b"][4:]])
+        return path.read_bytes(), digest.hexdigest()
+
+    data, digest = write(tmp_path / "r.safetensors", 7)
+    assert (data, digest) == write(tmp_path / "whole.safetensors", 1 << 30)
+    assert digest == xxhash.xxh3_128(data).hexdigest()
+    back = load_file(tmp_path / "r.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in t.items())
+
+
 def test_kernel_copy_falls_back_to_reads_and_writes(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise OSError(errno.EXDEV, "cross-device")

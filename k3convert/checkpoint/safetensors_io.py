@@ -401,6 +401,10 @@ def _copy_range(src: int, dst: int, src_off: int, dst_off: int, n: int, where: s
         n, src_off, dst_off = n - k, src_off + k, dst_off + k
 
 
+#: the most :meth:`SafetensorsWriter._emit` writes (and hashes) at once
+EMIT_BYTES = 8 << 20
+
+
 class SafetensorsWriter:
     """Write a .safetensors file one tensor at a time (bounded memory).
 
@@ -467,10 +471,16 @@ class SafetensorsWriter:
         self._next += 1
 
     def _emit(self, buf) -> None:
-        """Append ``buf`` (sequential writes), hashing it when a digest was asked for."""
-        self._fh.write(buf)
-        if self._digest is not None:
-            self._digest.update(buf)
+        """Append ``buf`` (sequential writes), hashing it when a digest was asked for, in
+        runs of :data:`EMIT_BYTES`: one write of a large mapped buffer runs at a fraction
+        of the rate (measured: 0.3-1.4 GB/s for 462 MiB at once from a file mapping,
+        4 GB/s in 8 MiB runs), and the run is still in cache when it is hashed."""
+        view = memoryview(buf).cast("B")
+        for i in range(0, len(view), EMIT_BYTES):
+            run = view[i : i + EMIT_BYTES]
+            self._fh.write(run)
+            if self._digest is not None:
+                self._digest.update(run)
 
     def write_stacked(self, name: str, parts: Iterable[torch.Tensor]) -> None:
         """Write ``name`` (next in order) as the concatenation of ``parts`` in row-major
