@@ -21,7 +21,7 @@ vLLM changes them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -277,10 +277,19 @@ def dtype_of(ck: Checkpoint) -> torch.dtype:
 def rank_params(ck: Checkpoint, ranks: list[Rank]) -> dict[Rank, list[Param]]:
     """Every parameter vLLM's model holds on each rank, in write order (nothing read
     yet; every refusal happens here, before any byte is written)."""
+    params_of = rank_planner(ck, ranks)
+    return {r: params_of(r) for r in ranks}
+
+
+def rank_planner(ck: Checkpoint, ranks: list[Rank]) -> Callable[[Rank], list[Param]]:
+    """``params_of(rank)``: :func:`rank_params` one rank at a time (a writer holds the
+    records of the rank it writes, not of every rank). The source is checked here; a
+    refusal of the layout comes from building a rank's list, so a writer builds every
+    rank's once before it writes."""
     _, cfg = _check_source(ck)
     if any(r.ep for r in ranks) and not getattr(getattr(cfg, "text", cfg), "num_experts", 0):
         raise ConfigError(f"{ck.root}: --ep needs a model with routed experts.")
     if ck.config.get("model_type") == "kimi_k3":
-        return {r: list(k3_params(ck, cfg, dtype_of(ck), r)) for r in ranks}
+        return lambda r: list(k3_params(ck, cfg, dtype_of(ck), r))
     src = Slicer(ck, cfg, dtype_of(ck))
-    return {r: list(_decoder_params(src, r)) for r in ranks}
+    return lambda r: list(_decoder_params(src, r))

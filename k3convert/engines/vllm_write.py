@@ -54,7 +54,7 @@ from .vllm_sharded import (
     MAX_WORLD,
     VLLM_VERSION,
     dtype_of,
-    rank_params,
+    rank_planner,
 )
 
 
@@ -211,10 +211,12 @@ def write_vllm(
     origin = ck if origin is None else origin
     check_layout(ck, tp, pp, ep)
     ranks = [Rank(t, p, tp, pp, ep > 1) for p in range(pp) for t in range(tp)]
-    plans = rank_params(ck, ranks)
+    params_of = rank_planner(ck, ranks)
+    # every rank's parameters built once before a byte is written (each refusal comes
+    # here), kept only as their sizes; each is built again when written
+    sizes = {r: _nbytes(params_of(r)) for r in ranks}
     if before_write is not None:  # the source is valid: can the engine run it?
         before_write(ck)
-    sizes = {r: sum(math.prod(p.shape) * p.dtype.itemsize for p in ps) for r, ps in plans.items()}
     mine = procs.balance(ranks, sizes.__getitem__, group.world)[group.rank]
     out = check_output(out, force=force, need_bytes=sum(sizes.values()), source=origin.root)
     carried = list(carried_files(ck) if carry is None else carry)
@@ -222,7 +224,7 @@ def write_vllm(
         carried.append((DESCRIBED, described))
     expect = getattr(ck, "expect_parts", None)
     if expect is not None:  # produced tensors: kept for their last reader, then dropped
-        expect(_reads(plans[r] for r in mine))
+        expect(_reads(params_of(r) for r in mine))
     index = {"format": FORMAT, "version": INDEX_VERSION, "generator": f"k3convert {__version__}",
              "vllm": VLLM_VERSION, "model_type": ck.config.get("model_type"),
              "dtype": str(dtype_of(ck)).removeprefix("torch."),
@@ -250,8 +252,8 @@ def write_vllm(
             fingerprint = pool.submit(source_fingerprint, origin, stop, group)
             err = None
             try:
-                entries, resumed = _write_ranks(stage.work, {r: plans[r] for r in mine},
-                                                index, fingerprint, progress, ck)  # fmt: skip
+                entries, resumed = _write_ranks(stage.work, mine, params_of, index,
+                                                fingerprint, progress, ck, sizes)  # fmt: skip
             except BaseException as e:
                 err = e
                 stop.set()
@@ -342,28 +344,34 @@ def _reads(plans) -> Iterator[tuple[str, str]]:
                 yield pc.name, pc.part or "weight"
 
 
-def _write_ranks(work: Path, plans: dict, index: dict, fingerprint, progress: bool,
-                 ck: Checkpoint) -> tuple[list[dict], int]:  # fmt: skip
-    """The rank files of ``plans`` into the stage ``work``: (their index entries, the
-    number kept from an interrupted run)."""
+def _nbytes(params: list[Param]) -> int:
+    return sum(math.prod(p.shape) * p.dtype.itemsize for p in params)
+
+
+def _write_ranks(work: Path, ranks: list[Rank], params_of, index: dict, fingerprint,
+                 progress: bool, ck: Checkpoint, sizes: dict) -> tuple[list, int]:  # fmt: skip
+    """The files of ``ranks`` (``params_of(rank)``: its parameters, built as it is written)
+    into the stage ``work``: (their index entries, the number kept from an interrupted
+    run)."""
     journal = work / JOURNAL
     journal.mkdir(exist_ok=True)
     resumed, entries = 0, []
-    total = sum(math.prod(p.shape) * p.dtype.itemsize for ps in plans.values() for p in ps)
+    total = sum(sizes[r] for r in ranks)
     head = {k: index[k] for k in ("generator", "vllm", "layout", "source", "identity")
             if k in index}  # fmt: skip
     dropped = getattr(ck, "drop_parts", None)
     lay = index["layout"]
     with byte_bar(total=total, desc=f"vllm tp{lay['tp']} pp{lay['pp']}",
                   disable=not progress) as bar:  # fmt: skip
-        for r, params in plans.items():
+        for r in ranks:
+            params = params_of(r)
             key = _rank_key(head, r.file(), params)
             entry, kept = _write_rank(work, journal, r, params, key, fingerprint)
             entries.append(entry)
             resumed += kept
             if kept and dropped is not None:  # its reads are not coming
                 dropped(_reads([params]))
-            bar.update(sum(math.prod(p.shape) * p.dtype.itemsize for p in params))
+            bar.update(sizes[r])
     return entries, resumed
 
 
