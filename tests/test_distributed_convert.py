@@ -64,6 +64,8 @@ verify: {samples: 2, seq_len: 16, decode: 2, min_top1: 0.5, max_kld: 0.5}
 VLLM_RECIPE = (GPTQ_RECIPE.replace("output: {compression: zstd}", "output: {format: vllm}")
                .replace("tp2 pp2 ep2", "vLLM files, tp2 pp2 ep2"))  # fmt: skip
 
+#: the jobs run in one process and under torchrun, by the name of their output directory
+OUTS = ("shard", "demo", "gptq", "quantize", "awq", "fpt", "nvfp4", "vllm", "vshard")
 #: ``shard --target vllm`` of Kimi K3 as released (MXFP4 experts, the rest bf16)
 VLLM_SHARD = ["--tp", "2", "--pp", "2", "--ep", "2", "--no-progress"]
 
@@ -176,17 +178,7 @@ def launched(srcs) -> dict:
         pytest.skip(_WHY)
     root = srcs["root"] / "two"
     root.mkdir()
-    outs = {
-        "shard": root / "shard",
-        "demo": root / "demo",
-        "gptq": root / "gptq",
-        "quantize": root / "quantize",
-        "awq": root / "awq",
-        "fpt": root / "fpt",
-        "nvfp4": root / "nvfp4",
-        "vllm": root / "vllm",
-        "vshard": root / "vshard",
-    }
+    outs = {name: root / name for name in OUTS}
     jobs = [
         ["shard", srcs["k25"], outs["shard"], *SHARD_ARGS],
         ["convert", srcs["k3"], outs["demo"], "-r", DEMO, "--no-progress"],
@@ -232,17 +224,7 @@ def one_proc(srcs, launched) -> dict[str, Path]:
     assert vllm.passed is True
     assert main(["shard", str(srcs["k3"]), str(root / "vshard"), "--target", "vllm",
                  *VLLM_SHARD]) == 0  # fmt: skip
-    return {
-        "shard": root / "shard",
-        "demo": root / "demo",
-        "gptq": root / "gptq",
-        "quantize": root / "quantize",
-        "awq": root / "awq",
-        "fpt": root / "fpt",
-        "nvfp4": root / "nvfp4",
-        "vllm": root / "vllm",
-        "vshard": root / "vshard",
-    }
+    return {name: root / name for name in OUTS}
 
 
 def quantize_args(srcs) -> list[str]:
