@@ -175,8 +175,17 @@ def test_verify_refuses_a_damaged_tensor_list(models, tmp_path):
     convert(src=src, out=out, recipe=_recipe(tmp_path, "quantize: {scheme: w8a8}", 2, 1),
             progress=False, log=lambda m: None)  # fmt: skip
     p = out / DESCRIBED
-    p.write_bytes(p.read_bytes()[:-8])
+    good = p.read_bytes()
+    p.write_bytes(good[:-8])
     with pytest.raises(StreamCorruptError, match=DESCRIBED):
         check_vllm(out)  # its hash is bound by the index
     with pytest.raises(StreamCorruptError, match="unreadable"):
+        VllmSource(out, check=False)
+    # a list claiming more than the rank files hold is refused before anything is built
+    import zstandard
+
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(good))
+    doc["tensors"][0][2] = [1 << 20, 1 << 20]
+    p.write_bytes(zstandard.ZstdCompressor().compress(json.dumps(doc).encode()))
+    with pytest.raises(StreamCorruptError, match="rank files hold"):
         VllmSource(out, check=False)

@@ -40,11 +40,16 @@ from .vllm_sharded import DESCRIBED, carried_shapes, rank_params
 
 #: the most a described tensor list may hold once decompressed (a 3 T model's is ~100 MB)
 _DESCRIBED_MAX = 1 << 30
+#: bytes a described list may hold beyond the rank files' (K3's A_log padding, shapes)
+_SLACK = 64 << 20
 
 
-def _described(root: Path, src: Path) -> Checkpoint:
+def _described(root: Path, src: Path, index: dict) -> Checkpoint:
     """The metadata-only checkpoint the rank files were cut from, as the directory
-    describes it (:data:`~.vllm_sharded.DESCRIBED` and the carried config.json)."""
+    describes it (:data:`~.vllm_sharded.DESCRIBED` and the carried config.json). Its
+    tensors may not hold more bytes than the rank files (every value is on some rank;
+    vLLM's few constants and a padding it never reads aside): a hostile list cannot
+    make ``verify`` allocate what the files do not hold."""
     p = root / DESCRIBED
     try:
         chunks, n = [], 0
@@ -56,8 +61,13 @@ def _described(root: Path, src: Path) -> Checkpoint:
                     raise ValueError(f"more than {_DESCRIBED_MAX >> 20} MiB once decompressed")
                 chunks.append(chunk)
         doc = json.loads(b"".join(chunks), parse_constant=_no_constant)
-        return described_checkpoint(src, load_json(root / "config.json"), doc, DESCRIBED)
-    except (OSError, ValueError, zstandard.ZstdError, RecursionError) as e:
+        ck = described_checkpoint(src, load_json(root / "config.json"), doc, DESCRIBED)
+        held = sum(int(f.get("bytes", 0)) for f in index["files"] if isinstance(f, dict))
+        listed = sum(pm.nbytes for n in ck.names() for pm in ck.meta(n).parts.values())
+        if listed > held + _SLACK:
+            raise ValueError(f"it lists {listed} bytes of tensors, the rank files hold {held}")
+        return ck
+    except (OSError, ValueError, TypeError, zstandard.ZstdError, RecursionError) as e:
         raise StreamCorruptError(
             f"{p}: the tensor list the rank files are mapped back with is unreadable "
             f"({e}); rewrite OUT."
@@ -78,7 +88,7 @@ class VllmSource:
         index = read_index(self.root)
         src = Path(index.get("source") or "")
         if index.get("described") is not None:  # written in one pass: no checkpoint on disk
-            self.ck = _described(self.root, src)
+            self.ck = _described(self.root, src, index)
         elif not (src / "config.json").is_file():
             raise ConfigError(
                 f"{self.root}: verify maps the rank files back with the layout of the source "
