@@ -47,7 +47,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("op")
     made = {}
     for preset in ("llama3-8b", "deepseek-v3", "kimi-k3"):
-        enc = {} if preset == "kimi-k3" else {"encoding": "plain"}
+        # deepseek-v3 and kimi-k3 as released (FP8 blocks, MXFP4 experts)
+        enc = {"encoding": "plain"} if preset == "llama3-8b" else {}
         synthesize(config=preset, out=root / preset, tiny=True, **enc)
         made[preset] = root / preset
     return made
@@ -86,6 +87,21 @@ def test_one_pass_equals_quantize_then_shard(models, tmp_path, case):
     index = json.loads((out / INDEX).read_text())
     assert index["source"] == str(src.resolve()) and index["described"] == DESCRIBED
     assert "intact" in check_vllm(out) and res.report["rank_files"] == tp
+    assert res.report["quantize"]["quantized"] > 0 and "quantize    " in res.summary()
+    # the released FP8 blocks GPTQ re-encodes to int4 are measured, as quantize measures
+    lossy = case.startswith("dsv3")
+    assert (out / "transcode_report.json").is_file() == lossy
+    if lossy:
+        mine = json.loads((out / "transcode_report.json").read_text())
+        theirs = json.loads((q / "transcode_report.json").read_text())
+        assert mine["entries"] and len(mine["entries"]) == len(theirs["entries"])
+        for a, b in zip(mine["entries"], theirs["entries"], strict=True):
+            # counts exact; the float64 error sums may differ in the last bits with the
+            # reduction's thread split
+            errs = ("rel_err", "max_abs_err")
+            assert {k: v for k, v in a.items() if k not in errs} == {
+                k: v for k, v in b.items() if k not in errs}  # fmt: skip
+            assert all(a[k] == pytest.approx(b[k], rel=1e-9) for k in errs), a["name"]
     # verify maps the files back with the carried tensor list: the quantized checkpoint's
     # every part, bit for bit, with that checkpoint gone
     import shutil

@@ -36,6 +36,16 @@ def quantize_summary(prep, run: bool = True) -> dict:
     return out
 
 
+def quantize_line(q: dict) -> str:
+    """The summary's line of a report's quantize section."""
+    cal = q.get("calibration") or {}
+    return (
+        f"  quantize    {q['quantized']} of {q['tensors']} tensors "
+        f"({', '.join(q['schemes']) or 'none'})"
+        + (f", calibrated ({cal.get('algorithm')})" if cal else "")
+    )
+
+
 def read_losses(out: Path):
     """The loss report a conversion left in ``out`` (None: none, or not readable as one)."""
 
@@ -134,13 +144,7 @@ def render_summary(rep: dict) -> str:
             "rewritten, verified again (--force rewrites it)"
         )
     if rep.get("quantize"):
-        q = rep["quantize"]
-        cal = q.get("calibration") or {}
-        lines.append(
-            f"  quantize    {q['quantized']} of {q['tensors']} tensors "
-            f"({', '.join(q['schemes']) or 'none'})"
-            + (f", calibrated ({cal.get('algorithm')})" if cal else "")
-        )
+        lines.append(quantize_line(rep["quantize"]))
     if rep.get("fidelity"):
         lines.append(f"  fidelity    {rep['fidelity']['summary']}")
     secs = rep["seconds"]

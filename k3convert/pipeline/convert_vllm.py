@@ -34,7 +34,7 @@ from ..recipe.sections import LayoutSection
 from ..serving import ServingTarget, resolve_device, vllm_check
 from ..serving import report as serving_report
 from .convert import carry_list, data_fingerprint
-from .convert_report import fidelity_summary
+from .convert_report import fidelity_summary, quantize_line, quantize_summary
 from .planned import PlannedCheckpoint
 from .quantize import fuse_scales, prepare_quantization, write_checkpoint
 
@@ -161,6 +161,7 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
                 "rank_files_kept": res.files_resumed, "bytes": res.bytes_written,
                 "seconds": times, "processes": group.world,
                 "rank_files_per_process": res.per_process,
+                "quantize": None if prep is None else quantize_summary(prep),
                 "fidelity": fidelity_summary(losses),
                 "verify": vrep, "passed": None if vrep is None else bool(vrep["passed"]),
             }  # fmt: skip
@@ -198,6 +199,8 @@ def render_vllm_summary(rep: dict) -> str:
         f"rank file(s), {rep['bytes'] / 2**20:.1f} MiB"
         + (f" ({kept} kept from an interrupted run)" if kept else ""),
     ]
+    if rep.get("quantize"):
+        lines.append(quantize_line(rep["quantize"]))
     if rep.get("quantized"):
         lines.append(f"  quantized   {rep['quantized']} (--keep-intermediate)")
     if rep.get("fidelity"):
