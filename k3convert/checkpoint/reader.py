@@ -220,6 +220,10 @@ def _target_matches(t: str, module: str) -> bool:
 class Checkpoint:
     """Read-only view of one checkpoint directory. Build it with :func:`open_checkpoint`."""
 
+    #: whether values are stored and cheap to read (False: computed when read, or a
+    #: metadata-only description): engine writers check values up front only if so
+    values_stored = True
+
     def __init__(
         self,
         root: Path,
@@ -575,11 +579,13 @@ _DESCRIBED_DTYPES = {
 }  # fmt: skip
 
 
-def described_checkpoint(root: Path, config: dict, doc, where: str) -> Checkpoint:
+def described_checkpoint(root: Path, config: dict, doc, where: str,
+                         max_bytes: int | None = None) -> Checkpoint:  # fmt: skip
     """A metadata-only :class:`Checkpoint` (names, parts, shapes, encodings; no values)
     from the tensor list a planned checkpoint wrote of itself (``layout_doc``:
     ``{"tensors": [[name, dtype, shape], ...], "shapes": {logical: shape}}``) and its
-    config. ``where`` names the file in errors (ValueError: a malformed list)."""
+    config. ``where`` names the file in errors (ValueError: a malformed list, an empty
+    tensor, or more than ``max_bytes`` of tensors, refused as soon as it is exceeded)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
         raise ValueError(f"{where}: not a tensor list ('tensors' missing)")
     shapes = doc.get("shapes")
@@ -592,6 +598,7 @@ def described_checkpoint(root: Path, config: dict, doc, where: str) -> Checkpoin
         return tuple(v)
 
     raw: dict[str, PartMeta] = {}
+    total = 0
     for e in doc["tensors"]:
         if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0]):
             raise ValueError(f"{where}: entry {e!r} is not [name, dtype, shape]")
@@ -602,10 +609,15 @@ def described_checkpoint(root: Path, config: dict, doc, where: str) -> Checkpoin
         n = 1
         for d in shape:
             n *= d
+        total += n * dt.itemsize
+        if n == 0 or (max_bytes is not None and total > max_bytes):
+            raise ValueError(f"'{name}': empty, or more tensor bytes than {max_bytes}")
         raw[name] = PartMeta(name, root / where, dt, shape, n * dt.itemsize, None)
     logical = {k: dims(v, k) for k, v in shapes.items()}
     metas = group_parts(raw, QuantConfig(quant_config_of(config)), None, logical)
-    return Checkpoint(Path(root), config, metas, [])
+    ck = Checkpoint(Path(root), config, metas, [])
+    ck.values_stored = False
+    return ck
 
 
 def group_parts(

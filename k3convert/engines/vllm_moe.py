@@ -160,11 +160,18 @@ def _expert_tensor_scales(
 def _expert_input_scales(src: Slicer, ex: str, experts, name13: str, name2: str):
     """Static FP8 input scales: FusedMoE holds one per expert for gate and up together
     (they read the same input; vLLM's loader refuses two that differ by more than 1e-5 and
-    keeps the last it read, which ``verify`` then reads back for both) and one for down."""
+    keeps the last it read, which ``verify`` then reads back for both) and one for down.
+    Two that differ are refused before writing, for a checkpoint whose values are
+    stored; a planned one (``convert``: computed when read) shares one input scale per
+    fused set by construction, and a metadata-only one (``verify`` of a one-pass
+    directory) has no values: the rank files hold what was checked."""
     ck = src.ck
     w13 = []
     for e in experts:
         gate, up = f"{ex}.{e}.gate_proj", f"{ex}.{e}.up_proj"
+        if not ck.values_stored:  # (checked where the values were stored: see the doc)
+            w13.append((last_loaded(ck, [gate, up], "input_scale"), (gate, up)))
+            continue
         g, u = (ck.part_tensor(f"{m}.weight", "input_scale") for m in (gate, up))
         if float((g - u).abs().max()) > 1e-5:
             raise ConfigError(

@@ -39,7 +39,7 @@ from .vllm_layers import Rank
 from .vllm_sharded import DESCRIBED, carried_shapes, rank_params
 
 #: the most a described tensor list may hold once decompressed (a 3 T model's is ~100 MB)
-_DESCRIBED_MAX = 1 << 30
+_DESCRIBED_MAX = 256 << 20
 #: bytes a described list may hold beyond the rank files' (K3's A_log padding, shapes)
 _SLACK = 64 << 20
 
@@ -61,12 +61,9 @@ def _described(root: Path, src: Path, index: dict) -> Checkpoint:
                     raise ValueError(f"more than {_DESCRIBED_MAX >> 20} MiB once decompressed")
                 chunks.append(chunk)
         doc = json.loads(b"".join(chunks), parse_constant=_no_constant)
-        ck = described_checkpoint(src, load_json(root / "config.json"), doc, DESCRIBED)
         held = sum(int(f.get("bytes", 0)) for f in index["files"] if isinstance(f, dict))
-        listed = sum(pm.nbytes for n in ck.names() for pm in ck.meta(n).parts.values())
-        if listed > held + _SLACK:
-            raise ValueError(f"it lists {listed} bytes of tensors, the rank files hold {held}")
-        return ck
+        return described_checkpoint(src, load_json(root / "config.json"), doc, DESCRIBED,
+                                    max_bytes=held + _SLACK)  # fmt: skip
     except (OSError, ValueError, TypeError, zstandard.ZstdError, RecursionError) as e:
         raise StreamCorruptError(
             f"{p}: the tensor list the rank files are mapped back with is unreadable "
@@ -167,7 +164,12 @@ class VllmSource:
             shape = self._carried.get(name, meta.main.shape)  # (a padded tensor's prefix)
             t = self._assemble(name, next(iter(meta.parts)), shape, meta.shape)
             return t if dtype is None or t.dtype == dtype else t.to(dtype)
-        return ENCODINGS[meta.encoding].dequantize_to(self.get_parts(name), meta.quant, dtype)
+        try:
+            return ENCODINGS[meta.encoding].dequantize_to(self.get_parts(name), meta.quant, dtype)
+        except (RuntimeError, ValueError) as e:  # parts the encoding cannot read
+            raise StreamCorruptError(
+                f"{self.root}: '{name}' cannot be decoded from the rank files ({e}); rewrite OUT."
+            ) from e
 
     def get_parts(self, name: str) -> dict[str, torch.Tensor]:
         """``name``'s stored parts, each reassembled from the ranks: the runtime reads a
@@ -176,6 +178,15 @@ class VllmSource:
         return {k: self._assemble(name, k, pm.shape, meta.shape) for k, pm in meta.parts.items()}
 
     def _assemble(self, name: str, part: str, shape, logical) -> torch.Tensor:
+        try:
+            return self._assembled(name, part, shape, logical)
+        except (RuntimeError, ValueError, TypeError) as e:  # shapes the files do not hold
+            raise StreamCorruptError(
+                f"{self.root}: '{name}' ({part}) cannot be reassembled from the rank files "
+                f"as the directory describes it ({e}); rewrite OUT."
+            ) from e
+
+    def _assembled(self, name: str, part: str, shape, logical) -> torch.Tensor:
         hits = self._pieces.get((name, part))
         if not hits:
             if part == "weight_shape":  # vLLM keeps only the last fused member's

@@ -137,7 +137,6 @@ def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None,
     by bytes) and every process gets the whole list (one collective, always made)."""
     group = group if group is not None else ProcessGroup()
     files = [*(f.path for f in ck.files()), ck.root / "config.json"]
-    mine = procs.balance(files, lambda f: f.stat().st_size, group.world)[group.rank]
 
     def each(_n: int) -> None:
         if stop is not None and stop.is_set():
@@ -145,6 +144,7 @@ def source_fingerprint(ck: Checkpoint, stop: threading.Event | None = None,
 
     hashes = None
     try:
+        mine = procs.balance(files, lambda f: f.stat().st_size, group.world)[group.rank]
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             hashes = dict(zip(mine, pool.map(lambda f: file_digest(f, HASH, each=each), mine),
                               strict=True))  # fmt: skip

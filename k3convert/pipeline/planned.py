@@ -29,6 +29,8 @@ class PlannedCheckpoint(Checkpoint):
     ``expect(units)`` tells it which unit tensors will be read (the units this process
     writes), so a produced row is dropped right after its last reader."""
 
+    values_stored = False
+
     def __init__(self, prepared, cache_bytes: int = DEFAULT_CACHE_BYTES):
         ck = prepared.ckpt
         self.prepared = prepared
