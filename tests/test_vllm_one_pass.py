@@ -212,3 +212,28 @@ def test_verify_refuses_a_damaged_tensor_list(models, tmp_path):
     p.write_bytes(zstandard.ZstdCompressor().compress(json.dumps(doc).encode()))
     with pytest.raises(StreamCorruptError, match="more tensor bytes than"):
         VllmSource(out, check=False)
+
+
+def test_a_torchrun_peer_joins_only_the_stage_process_0_took(tmp_path):
+    """A peer opens the stage at its path without following a link and checks process
+    0's owner marker (not the inode: each node of a network file system has its own
+    device numbers); another directory, or a link, there is refused."""
+    from k3convert.checkpoint.output import OwnedStage
+    from k3convert.errors import OutputError
+
+    out = tmp_path / "out"
+    with OwnedStage(out, vllm_write.STAGE, []) as lead:
+        ident = lead.identity()
+        assert ident["pid"] > 0
+        peer = OwnedStage(out, vllm_write.STAGE, []).join(ident)
+        (peer.work / "x").write_text("from the peer")
+        assert (lead.work / "x").read_text() == "from the peer"
+        peer.close()
+        with pytest.raises(OutputError, match="not the directory"):
+            OwnedStage(out, vllm_write.STAGE, []).join({**ident, "pid": ident["pid"] + 1})
+        # the name swapped for a link to another directory
+        lead.path.rename(tmp_path / "moved")
+        (tmp_path / "elsewhere").mkdir()
+        lead.path.symlink_to(tmp_path / "elsewhere")
+        with pytest.raises(OutputError, match="cannot be opened"):
+            OwnedStage(out, vllm_write.STAGE, []).join(ident)

@@ -439,27 +439,28 @@ class OwnedStage:
             {**_marker(), "out": str(self.out.resolve()), "kind": self.kind}))  # fmt: skip
         return self
 
-    def identity(self) -> tuple[int, int]:
-        """(device, inode) of the locked directory: what a torchrun peer :meth:`join` s."""
-        st = os.fstat(self._fd)
-        return st.st_dev, st.st_ino
+    def identity(self) -> dict:
+        """The owner marker process 0 wrote into the locked directory (its pid, host and
+        start time): what a torchrun peer :meth:`join` s. A marker, not the inode: on a
+        network file system every node sees its own device number."""
+        return _read_marker(self.work) or {}
 
-    def join(self, identity) -> OwnedStage:
+    def join(self, identity: dict) -> OwnedStage:
         """A torchrun peer's view of the stage that process 0 took (``identity``: its
-        :meth:`identity`): the same directory, opened without following a link, never
-        locked (process 0 holds the lock), cleaned or committed by the peer."""
+        :meth:`identity`): the directory at the stage's path, opened without following a
+        link, holding that very marker; never locked (process 0 holds the lock), cleaned
+        or committed by the peer."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError as e:
             raise OutputError(f"{self.path}: cannot be opened ({e.strerror}); rerun.") from None
-        st = os.fstat(fd)
-        if [st.st_dev, st.st_ino] != list(identity):
-            os.close(fd)
+        self._fd = fd
+        if not identity or _read_marker(self.work) != identity:
+            self.close()
             raise OutputError(
                 f"{self.path}: is not the directory torchrun process 0 took (replaced, or "
-                f"OUT's parent is not one shared file system); rerun."
+                f"OUT's parent is not one file system that every node sees); rerun."
             )
-        self._fd = fd
         return self
 
     def _lock(self) -> None:

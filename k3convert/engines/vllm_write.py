@@ -302,7 +302,7 @@ def _take_stage(stage: OwnedStage, group: ProcessGroup, owns, keep) -> None:
         except BaseException as e:
             err = e
     group.agree(err, f"preparing {stage.path}")
-    ident = group.share(list(stage.identity()) if group.leader else None)
+    ident = group.share(stage.identity() if group.leader else None)
     if not group.leader:
         err = None
         try:
