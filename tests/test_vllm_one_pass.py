@@ -237,3 +237,27 @@ def test_a_torchrun_peer_joins_only_the_stage_process_0_took(tmp_path):
         lead.path.symlink_to(tmp_path / "elsewhere")
         with pytest.raises(OutputError, match="cannot be opened"):
             OwnedStage(out, vllm_write.STAGE, []).join(ident)
+
+
+def test_planned_parts_live_in_the_files_quantize_writes(models, tmp_path, monkeypatch):
+    """Which member of a fused layer vLLM reads last goes by file order
+    (``vllm_layers.last_loaded``): a planned part is placed in the file ``quantize`` would
+    write it to, so the order is the written checkpoint's (here over several files)."""
+    from k3convert.pipeline import planned
+
+    monkeypatch.setattr(planned, "DEFAULT_SHARD_SIZE", 64 << 10)
+    src = models["deepseek-v3"]
+    prep = prepare_quantization(src=open_checkpoint(src), scheme="w4a16", plan_only=True)
+    fuse_scales(prep)
+    data = PlannedCheckpoint(prep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(src=src, out=tmp_path / "q", scheme="w4a16", progress=False,
+                 shard_size=64 << 10)  # fmt: skip
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
+    wm = index["weight_map"]
+    assert len(set(wm.values())) > 2
+    parts = [pm for n in data.names() for pm in data.meta(n).parts.values()]
+    assert len(parts) == len(wm)
+    for pm in parts:
+        assert pm.file.name == wm[pm.name], pm.name

@@ -12,8 +12,15 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.output import group_by_size, shard_names
 from ..checkpoint.reader import PartMeta, QuantConfig, group_parts, quant_config_of
-from ..quant.writer import check_kept_plain, check_stored, output_entries, row_tensors
+from ..quant.writer import (
+    DEFAULT_SHARD_SIZE,
+    check_kept_plain,
+    check_stored,
+    output_entries,
+    row_tensors,
+)
 
 #: computed tensors kept for their later readers at most (then recomputed on demand)
 DEFAULT_CACHE_BYTES = 2 << 30
@@ -38,17 +45,25 @@ class PlannedCheckpoint(Checkpoint):
         raw: dict[str, PartMeta] = {}
         self._row_of: dict[str, object] = {}
         shapes: dict[str, tuple[int, ...]] = {}
+        self._extra = dict(prepared.kv_tensors or {})
+        # each part "lives" in the file quantize would write it to (write_shards' split):
+        # an engine writer's file order (which member of a fused layer vLLM reads last)
+        # is the written checkpoint's
+        rows = prepared.plan.rows
+        shards = group_by_size(rows, lambda r: r.out_bytes, DEFAULT_SHARD_SIZE)
+        names = shard_names(len(shards) + (1 if self._extra else 0))
         where = Path(ck.root) / _PLANNED
-        for r in prepared.plan.rows:
+        file_of = {r.name: where / names[i] for i, group in enumerate(shards) for r in group}
+        for r in rows:
             for name, dt, shape in output_entries(r):
                 nbytes = torch.Size(shape).numel() * dt.itemsize
-                raw[name] = PartMeta(name, where, dt, tuple(shape), nbytes, None)
+                raw[name] = PartMeta(name, file_of[r.name], dt, tuple(shape), nbytes, None)
                 self._row_of[name] = r
             if not r.kept or r.as_stored:
                 shapes[r.name] = tuple(r.shape)
-        self._extra = dict(prepared.kv_tensors or {})
         for name, t in self._extra.items():
-            raw[name] = PartMeta(name, where, t.dtype, tuple(t.shape), t.numel() * t.itemsize)
+            raw[name] = PartMeta(name, where / names[-1], t.dtype, tuple(t.shape),
+                                 t.numel() * t.itemsize)  # fmt: skip
         self._raw, self._shapes = raw, shapes
         metas = group_parts(raw, QuantConfig(quant_config_of(self.config_doc)), None, shapes)
         super().__init__(Path(ck.root), self.config_doc, metas, [])
