@@ -212,6 +212,11 @@ def test_verify_refuses_a_damaged_tensor_list(models, tmp_path):
     p.write_bytes(zstandard.ZstdCompressor().compress(json.dumps(doc).encode()))
     with pytest.raises(StreamCorruptError, match="more tensor bytes than"):
         VllmSource(out, check=False)
+    p.write_bytes(good)  # and a config.json whose quantization_config is no object
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": "x"}))
+    with pytest.raises(StreamCorruptError, match="not an object"):
+        VllmSource(out, check=False)
 
 
 def test_a_torchrun_peer_joins_only_the_stage_process_0_took(tmp_path):

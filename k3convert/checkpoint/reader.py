@@ -588,6 +588,8 @@ def described_checkpoint(root: Path, config: dict, doc, where: str,
     tensor, or more than ``max_bytes`` of tensors, refused as soon as it is exceeded)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
         raise ValueError(f"{where}: not a tensor list ('tensors' missing)")
+    if not isinstance(config, dict) or not isinstance(quant_config_of(config), dict | None):
+        raise ValueError("config.json: quantization_config is not an object")
     shapes = doc.get("shapes")
     if not isinstance(shapes, dict):
         raise ValueError(f"{where}: 'shapes' must be an object")
