@@ -27,11 +27,19 @@ from k3convert.recipe import load_recipe
 from k3convert.stream.format import StreamCorruptError
 from k3convert.synth import synthesize
 
-#: (model, recipe body, tp, ep): dense int8 split over tp; NVFP4 MoE experts placed by
-#: EP (transcoded from bf16: global scales per fused set); Kimi K3's released MXFP4
-#: experts kept as stored under EP with its bf16 KDA / MLA
+#: (model, recipe body, tp, ep): dense int8 split over tp; DeepSeek-V3's released FP8
+#: blocks GPTQ'd to int4 (MLA and experts, placed by EP: a loss report); Kimi K3's
+#: released MXFP4 experts kept as stored under EP with its bf16 KDA / MLA
 CASES = {
     "llama-w8a8": ("llama3-8b", "quantize: {scheme: w8a8}", 2, 1),
+    # static FP8 with calibrated KV-cache scales (the index's extra tensors)
+    "llama-fp8-kv": (
+        "llama3-8b",
+        "quantize: {scheme: fp8, calibrate: {algorithm: static, num_samples: 4, seq_len: 32, "
+        "kv_cache: fp8}}",
+        2,
+        1,
+    ),
     "dsv3-w4a16-gptq": (
         "deepseek-v3",
         "quantize: {scheme: w4a16, calibrate: {algorithm: gptq, num_samples: 4, seq_len: 32}}",
