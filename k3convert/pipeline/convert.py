@@ -242,7 +242,7 @@ def convert(
                              vrep)  # fmt: skip
     group = procs.current()
     ck, calib_dir, inter, done = _open(r, src, out, keep_intermediate, force, report_html)
-    stages = [*(["calibrate"] if _needs_data(r) else []), "write",
+    stages = [*(["calibrate"] if needs_data(r) else []), "write",
               *(["verify"] if r.verify.enabled else [])]  # fmt: skip
     ui = _Display(progress and group.leader, stages)
     say = log or ui.write
@@ -271,14 +271,8 @@ def convert(
         res = _write(st, r, ck, out, force, progress, done, group, ui)
         times["write"] = time.perf_counter() - t
 
-        data, prep = st.data, st.prep
-        mine = list(data.losses.values()) if isinstance(data, PlannedCheckpoint) else []
-        got = {e.name: e for part in group.gather(mine) for e in part}
-        # a resumed run produces only the units it writes: the rest are not measured
-        todo = [] if prep is None or done is not None else [
-            r.name for r in prep.plan.rows if re_encodes(r) and r.name not in got
-        ]  # fmt: skip
-        losses = fidelity.LossReport(got.values(), todo)
+        prep = st.prep
+        losses = loss_report(st.data, prep, group, unmeasured=done is None)
         vrep = report = err = None
         if group.leader:  # the rest is process 0's; the others wait for its verdict
             try:
@@ -310,14 +304,7 @@ def _open(r: Recipe, src, out: Path, keep_intermediate: bool, force: bool, repor
     guard_out(out, [ck.root])
     calib_dir = out.parent / f"{out.name}.calib"
     guard_out(calib_dir, [ck.root, out])
-    inter = out.parent / f"{out.name}.quantized" if keep_intermediate else None
-    if inter is not None:
-        guard_out(inter, [ck.root, out])
-        if r.quantize is None:
-            raise ConfigError(
-                f"{r.origin}: --keep-intermediate keeps the quantized checkpoint, but the "
-                f"recipe has no quantize section (nothing is quantized)."
-            )
+    inter = intermediate(r, out, ck) if keep_intermediate else None
     if report_html is not None:
         _check_file_out(report_html, "HTML report", [ck.root, out])
     check_model_type(r, ck.config, ck.root)
@@ -382,7 +369,7 @@ def _calibrate(st: _Planned, r: Recipe, ck, out, force, calib_dir, group, ui, sa
     recipe asks, the fused scales otherwise) and, when data changed the checkpoint, the
     units planned again (with calibration's routing counts for ``expert_load``). Returns
     the seconds calibration took (None when nothing needed data)."""
-    if not _needs_data(r):
+    if not needs_data(r):
         fuse_scales(st.prep)  # the plan-only preparation is complete: no data needed
         return None
     t = time.perf_counter()
@@ -503,7 +490,32 @@ def _even_load(ck) -> dict[int, list[float]]:
     return {L: [1.0] * cfg.num_experts for L in layers}
 
 
-def _needs_data(r: Recipe) -> bool:
+def loss_report(data, prep, group, *, unmeasured: bool) -> fidelity.LossReport:
+    """Every process's losses against the release (:mod:`k3convert.quant.fidelity`), as
+    measured by the planned checkpoint ``data`` while it produced its rows; with
+    ``unmeasured``, the re-encoded rows none produced are listed as such (a resumed run
+    produces only what it writes)."""
+    mine = list(data.losses.values()) if isinstance(data, PlannedCheckpoint) else []
+    got = {e.name: e for part in group.gather(mine) for e in part}
+    todo = [] if prep is None or not unmeasured else [
+        r.name for r in prep.plan.rows if re_encodes(r) and r.name not in got
+    ]  # fmt: skip
+    return fidelity.LossReport(got.values(), todo)
+
+
+def intermediate(r: Recipe, out: Path, ck) -> Path:
+    """``OUT.quantized`` for ``--keep-intermediate``: guarded against the source and OUT,
+    refused for a recipe that quantizes nothing."""
+    inter = guard_out(out.parent / f"{out.name}.quantized", [ck.root, out])
+    if r.quantize is None:
+        raise ConfigError(
+            f"{r.origin}: --keep-intermediate keeps the quantized checkpoint, but the "
+            f"recipe has no quantize section (nothing is quantized)."
+        )
+    return inter
+
+
+def needs_data(r: Recipe) -> bool:
     q = r.quantize
     return q is not None and (q.calibrate is not None or q.auto_keep is not None)
 

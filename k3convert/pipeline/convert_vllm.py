@@ -27,13 +27,12 @@ from ..engines.vllm_index import CONVERT_REPORT
 from ..errors import ConfigError
 from ..parallel import procs
 from ..quant import fidelity
-from ..quant.writer import re_encodes
 from ..recipe import Recipe
 from ..recipe.checks import check_model_type
 from ..recipe.sections import LayoutSection
 from ..serving import ServingTarget, resolve_device, vllm_check
 from ..serving import report as serving_report
-from .convert import carry_list, data_fingerprint
+from .convert import carry_list, data_fingerprint, intermediate, loss_report, needs_data
 from .convert_report import fidelity_summary, quantize_line, quantize_summary
 from .planned import PlannedCheckpoint
 from .quantize import fuse_scales, prepare_quantization, write_checkpoint
@@ -86,15 +85,9 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     ck = open_checkpoint(src)
     check_model_type(r, ck.config, ck.root)
     out = guard_out(out, [ck.root])
-    inter = out.parent / f"{out.name}.quantized" if keep_intermediate else None
+    inter = intermediate(r, out, ck) if keep_intermediate else None
     if inter is not None:
-        if r.quantize is None:
-            raise ConfigError(
-                f"{r.origin}: --keep-intermediate keeps the quantized checkpoint, but the "
-                f"recipe has no quantize section (nothing is quantized)."
-            )
-        check_output(guard_out(inter, [ck.root, out]), force=force, need_bytes=0,
-                     source=ck.root)  # fmt: skip
+        check_output(inter, force=force, need_bytes=0, source=ck.root)
     if r.quantize is not None and out.exists():
         # OUT refused now, not after hours of calibration (the writer checks again)
         check_output(out, force=force, need_bytes=0, source=ck.root)
@@ -109,7 +102,7 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
         t = time.perf_counter()
         prep = prepare_quantization(src=ck, recipe=r, plan_only=True)
         serving_report(serving.check(prep.plan, ck.config, model=True), log=log, plan=prep.plan)
-        if r.quantize.calibrate is not None or r.quantize.auto_keep is not None:
+        if needs_data(r):
             prep = prepare_quantization(src=ck, recipe=r, journal=calib, out=out, force=force,
                                         log=log, group=group)  # fmt: skip
             times["calibrate"] = time.perf_counter() - t
@@ -131,11 +124,7 @@ def convert_vllm(r: Recipe, *, src, out: Path, force: bool, progress: bool, veri
     times["write"] = time.perf_counter() - t
     losses = None
     if prep is not None:
-        got = {e.name: e for part in group.gather(list(data.losses.values())) for e in part}
-        todo = [] if res.files_resumed == 0 else [
-            x.name for x in prep.plan.rows if re_encodes(x) and x.name not in got
-        ]  # fmt: skip
-        losses = fidelity.LossReport(got.values(), todo)
+        losses = loss_report(data, prep, group, unmeasured=res.files_resumed > 0)
         if group.leader and (len(losses) or losses.unmeasured):
             losses.write(out / fidelity.FILE)
         if inter is not None:
