@@ -64,7 +64,7 @@ class PlannedCheckpoint(Checkpoint):
         for name, t in self._extra.items():
             raw[name] = PartMeta(name, where / names[-1], t.dtype, tuple(t.shape),
                                  t.numel() * t.itemsize)  # fmt: skip
-        self._raw, self._shapes = raw, shapes
+        self._shapes = shapes
         metas = group_parts(raw, QuantConfig(quant_config_of(self.config_doc)), None, shapes)
         super().__init__(Path(ck.root), self.config_doc, metas, [])
         self.source = ck
@@ -87,8 +87,8 @@ class PlannedCheckpoint(Checkpoint):
         metadata-only :class:`Checkpoint` of again (``verify`` of files written from it,
         with no checkpoint on disk)."""
         return {
-            "tensors": [[n, str(m.dtype).removeprefix("torch."), list(m.shape)]
-                        for n, m in self._raw.items()],
+            "tensors": [[pm.name, str(pm.dtype).removeprefix("torch."), list(pm.shape)]
+                        for m in self._metas.values() for pm in m.parts.values()],
             "shapes": {n: list(s) for n, s in self._shapes.items()},
         }  # fmt: skip
 
