@@ -273,6 +273,7 @@ def convert(
 
         prep = st.prep
         losses = loss_report(st.data, prep, group, unmeasured=done is None)
+        st.data = None  # its per-tensor caches are not needed by verify or the report
         vrep = report = err = None
         if group.leader:  # the rest is process 0's; the others wait for its verdict
             try:
@@ -373,6 +374,7 @@ def _calibrate(st: _Planned, r: Recipe, ck, out, force, calib_dir, group, ui, sa
         fuse_scales(st.prep)  # the plan-only preparation is complete: no data needed
         return None
     t = time.perf_counter()
+    st.prep = st.data = st.plan = None  # the plan-only preparation's: planned again below
     st.prep = _prepare(r, ck, out, force, calib_dir, group, ui, say)
     st.data = PlannedCheckpoint(st.prep, cache_bytes)
     took = time.perf_counter() - t  # the re-plan below is not calibration's time
@@ -436,7 +438,7 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
         ui.stage("verify", total=1, unit="run")
         # short: a long postfix squeezes the bar to nothing on an 80-column terminal
         ui.item("vs " + ("transformers" if vref == "transformers" else Path(vref).name)[:24])
-        vrep = _run_verify(r, out, vref)
+        vrep = _run_verify(r, out, vref, ck)
         ui.bar.update(1)
         times["verify"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
@@ -591,11 +593,14 @@ def _verify_reference(r: Recipe, ck) -> str:
     return v.reference
 
 
-def _run_verify(r: Recipe, out: Path, ref: str) -> dict:
+def _run_verify(r: Recipe, out: Path, ref: str, ck=None) -> dict:
+    """verify OUT against ``ref``; ``ck``: the source checkpoint, already open (the
+    reference when ``ref`` is its directory: its tensor table is not read twice)."""
     v = r.verify
     return run_verify(
         candidate=out,
         reference=ref,
+        reference_checkpoint=ck if ck is not None and ref == str(ck.root) else None,
         data=v.data,
         random=v.samples,
         seq_len=v.seq_len,
@@ -632,7 +637,7 @@ def check_against(r: Recipe, model) -> str:
         plan = build_plan(data, lay.layout(), compression=r.output.compression,
                           pp_layers=list(lay.pp_layers) or None, expert_load=load,
                           redundant_experts=lay.redundant_experts)  # fmt: skip
-    total = sum(up.header()[2] for up in plan.units)
+    total = sum(up.nbytes for up in plan.units)
     serving = list(dict.fromkeys(f"serving: {p.line()}" for p in problems))
     return (
         f"{ck.root}: {len(plan.units)} units over {plan.layout.world} ranks, "

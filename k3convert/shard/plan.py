@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,26 +52,37 @@ class TensorPlan:
     slice: PartSlice
 
 
-@dataclass
+@dataclass(eq=False)
 class UnitPlan:
+    """One unit of one rank. Its tensor records (``tensors``) are built when asked for,
+    from the plan's per-unit-name tables, and not kept: a plan holds a few numbers per
+    unit, not the hundreds of thousands of entries of a large layout (Kimi K3 at tp8
+    ep8: ~1.1 million), so its memory is what the unit being written needs."""
+
     rank: int
     index: int
     name: str
     layer: int | None
     file: str
-    tensors: list[TensorPlan] = field(default_factory=list)
-    _header: tuple | None = field(default=None, repr=False, compare=False)
+    #: the unit's tp index in its stage (its piece of each split tensor)
+    tp: int = 0
+    #: the unit file's size (header and aligned tensor bytes) and its tensor count
+    nbytes: int = 0
+    count: int = 0
+    _records: _Records | None = field(default=None, repr=False)
+
+    @property
+    def tensors(self) -> list[TensorPlan]:
+        """The unit's tensors in file order (built on demand; a few recent units are
+        cached, as the writer asks for the same unit's records several times)."""
+        return self._records.tensors(self) if self._records is not None else []
 
     def header(self) -> tuple[bytes, list, int]:
-        """(header prefix, placed tensors, total bytes); computed once, after planning
-        (the writer asks for it twice: for the size check and when writing)."""
-        if self._header is None or self._header[0] != len(self.tensors):
-            h = build_header(
-                [(t.entry["name"], t.entry["dtype"], t.entry["shape"]) for t in self.tensors],
-                unit_metadata(self.rank, self.name),
-            )
-            self._header = (len(self.tensors), h)
-        return self._header[1]
+        """(header prefix, placed tensors, total bytes)."""
+        return build_header(
+            [(t.entry["name"], t.entry["dtype"], t.entry["shape"]) for t in self.tensors],
+            unit_metadata(self.rank, self.name),
+        )
 
 
 @dataclass
@@ -81,6 +94,8 @@ class Plan:
     experts: dict | None
     units: list[UnitPlan]  # write order: unit order, then rank
     model: dict
+    #: bytes the stream holds more than once (see :meth:`replicated_bytes`)
+    replicated: int = 0
 
     def rank_units(self, rank: int) -> list[UnitPlan]:
         return sorted((u for u in self.units if u.rank == rank), key=lambda u: u.index)
@@ -89,17 +104,8 @@ class Plan:
         """Bytes the stream holds more than once: the same slice of a source tensor on
         several ranks (what every rank needs whole - norms, a vision tower, a router -
         or a share of heads replicated across ranks), counted past its first copy. Why a
-        stream can be larger than its source."""
-        seen: set[tuple] = set()
-        extra = 0
-        for up in self.units:
-            for t in up.tensors:
-                sl = t.slice
-                key = (t.src_logical, sl.part, sl.dim, sl.start, sl.length, sl.pad)
-                if key in seen:
-                    extra += nbytes_of(t.entry["dtype"], t.entry["shape"])
-                seen.add(key)
-        return extra
+        stream can be larger than its source. Counted when the plan is built."""
+        return self.replicated
 
 
 #: the routing counts a calibrated ``quantize`` writes into its output (``{"layers": ...}``);
@@ -320,56 +326,27 @@ def build_plan(
 
     experts = _place(cfg, roles, layout, load_expert_load(expert_load), redundant_experts)
 
-    splitter = Splitter(cfg, layout)
-    per_rank: dict[int, list[UnitPlan]] = {r: [] for r in range(layout.world)}
+    records = _Records(by_unit, meta_of, role_of, Splitter(cfg, layout), layout, experts,
+                       tied)  # fmt: skip
     write_order: list[UnitPlan] = []
+    replicated = 0
     for s, us in enumerate(stage_units):
         for idx, u in enumerate(us):
             layer = unit_sort_key(u)[1] if u.startswith(("layer.", "mtp.")) else None
-            ups = {}
+            seen: set[tuple] = set()  # a source slice is only ever placed in its own unit
             for t in range(layout.tp):
                 r = layout.rank(s, t)
-                up = UnitPlan(r, idx, u, layer, unit_file(r, idx, u, compression))
-                ups[t] = up
-                per_rank[r].append(up)
-            for n in by_unit[u]:
-                m, role = meta_of(n), role_of(n)
-                tied_base = n.removesuffix(".weight") if tied and n == tied[0] else None
-                m = splitter.view(m, role)
-                pieces = splitter.pieces(m, role)
-                if role.expert is not None:
-                    holders = experts["layers"][str(role.layer)]["ep_rank_experts"]
-                    tps = [
-                        (e * layout.moe_tp + j, j)
-                        for e, held in enumerate(holders)
-                        if role.expert in held
-                        for j in range(layout.moe_tp)
-                    ]
-                else:
-                    tps = [(t, t) for t in range(layout.tp)]
-                for t, k in tps:
-                    piece = whole(m) if pieces is None else pieces[k]
-                    for ps in piece.parts:
-                        entry = {
-                            "name": _physical(n, ps.part, ps.src.name, tied_base),
-                            "logical": n,
-                            "part": ps.part,
-                            "kind": role.kind,
-                            "dtype": _st_dtype(ps.src),
-                            "shape": list(ps.shape),
-                            "global_shape": list(ps.src.shape),
-                            "split_dim": ps.dim,
-                            "offset": ps.start,
-                            "pad": ps.pad,
-                            "logical_shape": list(m.shape),
-                            "encoding": m.encoding,
-                            "quant": _quant_json(m),
-                            "expert": role.expert,
-                            "tied_to": tied[1] if tied_base else None,
-                            "contents": ps.contents,
-                        }
-                        ups[t].tensors.append(TensorPlan(entry, m.name, ps))
-            write_order.extend(ups[t] for t in range(layout.tp))
+                up = UnitPlan(r, idx, u, layer, unit_file(r, idx, u, compression), t)
+                up._records = records
+                tensors = up.tensors  # every split checked here, before a byte is written
+                up.nbytes, up.count = up.header()[2], len(tensors)
+                for tp in tensors:
+                    sl = tp.slice
+                    key = (tp.src_logical, sl.part, sl.dim, sl.start, sl.length, sl.pad)
+                    if key in seen:
+                        replicated += nbytes_of(tp.entry["dtype"], tp.entry["shape"])
+                    seen.add(key)
+                write_order.append(up)
     stages = [
         {"pp_rank": s, "layers": list(ranges[s]), "units": stage_units[s]} for s in range(layout.pp)
     ]
@@ -382,7 +359,99 @@ def build_plan(
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "vision": "vision" in by_unit,
     }
-    return Plan(layout, arch.name, cfg, stages, experts, write_order, model)
+    return Plan(layout, arch.name, cfg, stages, experts, write_order, model, replicated)
+
+
+class _Records:
+    """A plan's tensor records, built per unit when asked for. Kept per unit name: its
+    tensors' positions (those every tp rank holds, and each routed expert's), so a unit
+    builds the records of its own tensors only - an EP rank's experts, not the layer's.
+    The last few units built are kept (``CACHED``)."""
+
+    CACHED = 16
+
+    def __init__(self, by_unit, meta_of, role_of, splitter: Splitter, layout: Layout,
+                 experts, tied) -> None:  # fmt: skip
+        self.by_unit, self.meta_of, self.role_of = by_unit, meta_of, role_of
+        self.splitter, self.layout, self.experts, self.tied = splitter, layout, experts, tied
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[int, int], list[TensorPlan]] = OrderedDict()
+        self._tables: dict[str, tuple] = {}
+
+    def tensors(self, up: UnitPlan) -> list[TensorPlan]:
+        key = (up.rank, up.index)
+        with self._lock:
+            got = self._cache.get(key)
+            if got is not None:
+                self._cache.move_to_end(key)
+                return got
+        got = self._build(up)
+        with self._lock:
+            self._cache[key] = got
+            while len(self._cache) > self.CACHED:
+                self._cache.popitem(last=False)
+        return got
+
+    def _table(self, unit: str) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
+        """(positions of the unit's tensors every tp rank holds, {(layer, expert):
+        positions of that routed expert's tensors}) in ``by_unit[unit]``"""
+        got = self._tables.get(unit)
+        if got is None:
+            shared: list[int] = []
+            by_expert: dict[tuple[int, int], list[int]] = {}
+            for i, n in enumerate(self.by_unit[unit]):
+                role = self.role_of(n)
+                if role.expert is None:
+                    shared.append(i)
+                else:
+                    by_expert.setdefault((role.layer, role.expert), []).append(i)
+            got = self._tables[unit] = (shared, by_expert)
+        return got
+
+    def _build(self, up: UnitPlan) -> list[TensorPlan]:
+        shared, by_expert = self._table(up.name)
+        moe_tp = self.layout.moe_tp
+        order = list(shared)
+        if by_expert:
+            ep, held = up.tp // moe_tp, {}
+            for (layer, e), pos in by_expert.items():
+                if layer not in held:
+                    held[layer] = set(self.experts["layers"][str(layer)]["ep_rank_experts"][ep])
+                if e in held[layer]:
+                    order.extend(pos)
+            order.sort()
+        names, tied, splitter = self.by_unit[up.name], self.tied, self.splitter
+        out: list[TensorPlan] = []
+        for i in order:
+            n = names[i]
+            role = self.role_of(n)
+            m = splitter.view(self.meta_of(n), role)
+            pieces = splitter.pieces(m, role)
+            tied_base = n.removesuffix(".weight") if tied and n == tied[0] else None
+            k = up.tp % moe_tp if role.expert is not None else up.tp
+            piece = whole(m) if pieces is None else pieces[k]
+            quant = _quant_json(m)
+            for ps in piece.parts:
+                entry = {
+                    "name": _physical(n, ps.part, ps.src.name, tied_base),
+                    "logical": n,
+                    "part": ps.part,
+                    "kind": role.kind,
+                    "dtype": _st_dtype(ps.src),
+                    "shape": list(ps.shape),
+                    "global_shape": list(ps.src.shape),
+                    "split_dim": ps.dim,
+                    "offset": ps.start,
+                    "pad": ps.pad,
+                    "logical_shape": list(m.shape),
+                    "encoding": m.encoding,
+                    "quant": None if quant is None else dict(quant),
+                    "expert": role.expert,
+                    "tied_to": tied[1] if tied_base else None,
+                    "contents": ps.contents,
+                }
+                out.append(TensorPlan(entry, m.name, ps))
+        return out
 
 
 def _place(cfg, roles, layout: Layout, load, redundant: int) -> dict | None:

@@ -256,6 +256,8 @@ def write_unit(
     """Write one unit (temp name, [fsync], rename); returns its manifest size and hash
     fields (``hash`` / ``raw_hash`` as ``ALGO:HEX``)."""
     prefix, placed, total = up.header()
+    if up.nbytes and total != up.nbytes:  # the tensors changed since the plan was made
+        raise AssertionError(f"{up.file}: header gives {total} bytes, planned {up.nbytes}")
     if on_bytes:
         on_bytes(len(prefix))
     by_name = {t.entry["name"]: t for t in up.tensors}

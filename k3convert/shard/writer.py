@@ -63,7 +63,7 @@ from ..stream.format import (
     VERSION,
     rank_units_file,
 )
-from ..stream.manifest_doc import atomic_json, write_manifest_doc
+from ..stream.manifest_doc import atomic_json, write_manifest_ranks
 from ..units import byte_bar
 from .plan import ROUTING_COUNTS, Plan, UnitPlan, build_plan
 from .unit_io import (
@@ -249,7 +249,7 @@ def write_stream(
     hasher = None
     syncer: Syncer | None = None
     try:
-        total = sum(up.header()[2] for up in plan.units)
+        total = sum(up.nbytes for up in plan.units)
         err = _prepare_stream_dir(out, force, total) if group.leader else None
         group.agree(err, f"preparing {out}")
         # (not *.json: the journal's unit entries are; a rerun told apart by those)
@@ -269,7 +269,7 @@ def write_stream(
             recorder.start()
         with lock:
             bar.total = (bar.total or 0) + sum(f.size for f in my_files)
-            bar.total += sum(up.header()[2] for up in mine)
+            bar.total += sum(up.nbytes for up in mine)
             bar.refresh()
         source_id = [
             [str(f.path.relative_to(source.root)), f.size, f.path.stat().st_mtime_ns]
@@ -475,11 +475,14 @@ def _commit(out: Path, plan: Plan, source, results: dict, sha: dict, carry, comp
     """Process 0's commit: the carried files, fsynced; the rank files, then manifest.json
     (the commit); the journal removed."""
     files = _carry(carry, out)
-    doc = _manifest(plan, source, results, sha, files, compress, recipe)
+    doc = _manifest(plan, source, sha, files, recipe)
     with ThreadPoolExecutor(max_workers=max(workers, 4)) as pool:
         list(pool.map(fsync_path, [out / f["name"] for f in files]))
-    # the rank files (each rank's units), fsynced, then manifest.json: the commit
-    write_manifest_doc(out, doc)
+    # the rank files (each rank's units, built as its file is written), fsynced, then
+    # manifest.json: the commit
+    first = next((up for r in range(plan.layout.world) for up in plan.rank_units(r)), None)
+    algo = unit_hashing.split(results[up_id(first)]["hash"])[0] if first else unit_hashing.DEFAULT
+    write_manifest_ranks(out, doc, lambda r: _rank_units(plan, r, results, compress), algo)
     _cleanup(out, plan)
 
 
@@ -498,7 +501,7 @@ def _my_units(plan: Plan, group: ProcessGroup, by_layer: bool) -> list[UnitPlan]
         for up in plan.units:
             grouped.setdefault(up.name, []).append(up)
         items = list(grouped.values())
-    share = procs.balance(items, lambda ups: sum(u.header()[2] for u in ups), group.world)
+    share = procs.balance(items, lambda ups: sum(u.nbytes for u in ups), group.world)
     return [up for ups in share[group.rank] for up in ups]
 
 
@@ -526,25 +529,27 @@ def _carry(carry: list[tuple[str, Path | bytes]], out: Path) -> list[dict]:
     return files
 
 
-def _manifest(plan: Plan, ck: Checkpoint, results, sha, files, compress, recipe) -> dict:
+def _rank_units(plan: Plan, r: int, results: dict, compress: str) -> list[dict]:
+    """Rank ``r``'s unit entries for its rank file (each unit's tensors built now)."""
+    return [
+        {
+            "index": up.index,
+            "name": up.name,
+            "layer": up.layer,
+            "file": up.file,
+            "compression": compress,
+            **results[up_id(up)],
+            "tensors": [t.entry for t in up.tensors],
+        }
+        for up in plan.rank_units(r)
+    ]
+
+
+def _manifest(plan: Plan, ck: Checkpoint, sha, files, recipe) -> dict:
+    """The manifest document, each rank's ``units`` a placeholder that
+    :func:`_rank_units` fills as the rank's file is written."""
     lay = plan.layout
-    ranks = []
-    for r in range(lay.world):
-        units = []
-        for up in plan.rank_units(r):
-            rec = results[up_id(up)]
-            units.append(
-                {
-                    "index": up.index,
-                    "name": up.name,
-                    "layer": up.layer,
-                    "file": up.file,
-                    "compression": compress,
-                    **rec,
-                    "tensors": [t.entry for t in up.tensors],
-                }
-            )
-        ranks.append({"rank": r, **lay.coords(r), "units": units})
+    ranks = [{"rank": r, **lay.coords(r), "units": None} for r in range(lay.world)]
     return {
         "format": FORMAT,
         "version": VERSION,

@@ -57,10 +57,20 @@ def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
     rank file (``stream``), and each rank entry records its rank file's ``units_hash``."""
     if type(doc.get("version")) is not int or doc["version"] < SPLIT_VERSION:
         return doc, []
+    files: list[tuple[str, str]] = []
+    top = _split(doc, _units_algo(doc), lambda i, r: r["units"],
+                 lambda rel, text: files.append((rel, text)))  # fmt: skip
+    return top, files
+
+
+def _split(doc: dict, algo: str, units_of, emit) -> dict:
+    """manifest.json's document for ``doc`` (version 3 on): each rank's units are
+    ``units_of(index, rank entry)`` (not called for a rank entry without ``units``, kept
+    as it is), its rank file's text handed to ``emit(rel, text)`` in rank order, one
+    rank at a time."""
     bound = doc["version"] >= BOUND_VERSION
-    algo = _units_algo(doc)
     sid = stream_identity(doc, algo) if bound else None
-    ranks, files = [], []
+    ranks = []
     for i, r in enumerate(doc["ranks"]):
         if "units" not in r:
             ranks.append(r)
@@ -68,8 +78,9 @@ def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
         rdoc = {"format": RANK_FORMAT, "version": doc["version"], "rank": i}
         if bound:
             rdoc["stream"] = sid
-        rdoc["units"] = r["units"]
+        rdoc["units"] = units_of(i, r)
         text = dump_manifest(rdoc)
+        del rdoc
         data = text.encode("utf-8")
         rel = rank_units_file(i)
         entry = {k: v for k, v in r.items() if k not in _SPLIT_KEYS}
@@ -77,12 +88,13 @@ def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
         entry["units_bytes"] = len(data)
         if bound:
             entry["units_hash"] = hashing.digest(algo, data)
+        del data
         ranks.append(entry)
-        files.append((rel, text))
+        emit(rel, text)
     top = {k: v for k, v in doc.items() if k != "stream_id"} | {"ranks": ranks}
     if bound:
         top = {k: top[k] for k in ("format", "version") if k in top} | {"stream_id": sid} | top
-    return top, files
+    return top
 
 
 def _units_algo(doc: dict) -> str:
@@ -105,11 +117,37 @@ def write_manifest_doc(root, doc: dict, *, fsync: bool = True) -> Path:
     top, files = split_manifest(doc)
     top_text = dump_manifest(top)  # everything rendered (or refused) before a write
     for rel, text in files:
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_json(path, text, fsync=fsync)
+        _write_rank_file(root, rel, text, fsync)
+    return _commit_top(root, top_text, [rel for rel, _ in files], fsync)
+
+
+def write_manifest_ranks(root, doc: dict, units_of, algo: str, *, fsync: bool = True) -> Path:
+    """:func:`write_manifest_doc` one rank at a time, for a version 3 / 4 document whose
+    rank entries' ``units`` are placeholders: ``units_of(i)`` builds rank ``i``'s unit
+    entries as its rank file is written; ``algo``: the units' hash algorithm. The same
+    bytes, holding one rank's entries and one rank file's text at a time; a document
+    refused while rendering leaves rank files but no manifest.json, the commit."""
+    root = Path(root)
+    written: list[str] = []
+
+    def emit(rel: str, text: str) -> None:
+        _write_rank_file(root, rel, text, fsync)
+        written.append(rel)
+
+    top = _split(doc, algo, lambda i, r: units_of(i), emit)
+    return _commit_top(root, dump_manifest(top), written, fsync)
+
+
+def _write_rank_file(root: Path, rel: str, text: str, fsync: bool) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_json(path, text, fsync=fsync)
+
+
+def _commit_top(root: Path, top_text: str, written: list[str], fsync: bool) -> Path:
+    """The rank files' directories fsynced, then manifest.json, the commit marker."""
     if fsync:
-        for d in sorted({(root / rel).parent for rel, _ in files}):
+        for d in sorted({(root / rel).parent for rel in written}):
             fsync_dir(d)
     mp = root / MANIFEST
     atomic_json(mp, top_text, fsync=fsync)

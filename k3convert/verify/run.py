@@ -351,6 +351,7 @@ def run_verify(
     check_stream: bool = True,
     progress: bool = True,
     distributed: bool | None = None,
+    reference_checkpoint=None,
 ) -> dict:
     """Run the check; returns the report (``report["passed"]``). Under torchrun only rank
     0's report is complete (``report["rank"]`` says which). pp_layers / expert_load /
@@ -358,7 +359,9 @@ def run_verify(
     them. resident: keep the candidate's weights in memory (fast decoding of small
     models); default streams them, layer by layer, on every forward and decode step.
     distributed: False runs every rank in this process even under torchrun (convert's
-    process 0 does, after the others have written their units); None: torchrun decides."""
+    process 0 does, after the others have written their units); None: torchrun decides.
+    reference_checkpoint: the reference, already open (a Checkpoint of the directory
+    ``reference`` resolves to; ignored for another one): convert passes its source."""
     t_start = time.perf_counter()
     cand_path, lay, compute = _checked_args(candidate, layout, seq_len, decode, random, dtype,
                                             json_path, plot_path, kv_cache, mla_cache)  # fmt: skip
@@ -396,6 +399,10 @@ def run_verify(
         )
     inp = _inputs(cand, data, ref_path, cand_path, seq_len, random, seed, pixel_values)
     opened: dict = {}  # the reference checkpoint, opened once for the report and the run
+    if reference_checkpoint is not None and ref_kind == "runtime" and (
+        Path(reference_checkpoint.root).resolve() == ref_path.resolve()
+    ):
+        opened[ref_path] = reference_checkpoint
     base = dict(
         candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
         reference_kind=ref_kind, reference_note=ref_note,

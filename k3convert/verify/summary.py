@@ -228,7 +228,7 @@ def reference_info(ref_kind: str, ref_path: Path, orig: Path | None, moved, cand
         what = "the checkpoint named as the reference"
     stored: dict[str, int] = {}
     try:
-        ck = open_checkpoint(ref_path)
+        ck = (opened or {}).get(ref_path) or open_checkpoint(ref_path)
         if opened is not None:  # the run's reference, opened once
             opened[ref_path] = ck
         for name in ck.names():
