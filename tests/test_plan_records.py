@@ -9,6 +9,7 @@ is written), and a unit's records built again equal the first ones."""
 from __future__ import annotations
 
 import copy
+import json
 import gc
 import weakref
 from pathlib import Path
@@ -123,3 +124,21 @@ def test_convert_verifies_against_the_checkpoint_it_opened(k3, tmp_path, monkeyp
     res = convert(src=k3, out=tmp_path / "c", recipe=recipe, progress=False)
     assert res.passed is True
     assert [p for p in opened if p.resolve() == k3.resolve()] == []
+
+
+def test_a_loaded_rank_shares_its_repeated_entry_values(k3, tmp_path):
+    out = shard(src=k3, out=tmp_path / "s", tp=2, ep=2, progress=False).out
+    from k3convert.stream import open_stream
+
+    st = open_stream(out, ranks=[1])
+    units = st.manifest["ranks"][1]["units"]
+    plain = json.loads((out / "rank00001/units.json").read_text())["units"]
+    # the same values (the reader adds its own _version key), fewer objects
+    assert [{k: v for k, v in u.items() if k != "_version"} for u in units] == plain
+    experts = [e for u in units for e in u["tensors"] if e["expert"] is not None]
+    assert len(experts) > 10
+    e0 = experts[0]
+    same = [e for e in experts if (e["part"], e["kind"]) == (e0["part"], e0["kind"])]
+    assert len(same) > 2 and all(e["shape"] is same[0]["shape"] for e in same)
+    assert all(e["quant"] is same[0]["quant"] for e in same)
+    assert len({id(e["encoding"]) for e in experts}) == 1
