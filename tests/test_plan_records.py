@@ -142,3 +142,24 @@ def test_a_loaded_rank_shares_its_repeated_entry_values(k3, tmp_path):
     assert len(same) > 2 and all(e["shape"] is same[0]["shape"] for e in same)
     assert all(e["quant"] is same[0]["quant"] for e in same)
     assert len({id(e["encoding"]) for e in experts}) == 1
+
+
+def test_parsed_unit_headers_are_kept_within_a_tensor_budget(k3, tmp_path, monkeypatch):
+    from k3convert.stream import open_stream, unit_loader
+
+    out = shard(src=k3, out=tmp_path / "s", tp=2, ep=2, progress=False).out
+    monkeypatch.setattr(unit_loader, "_PARSED", unit_loader.OrderedDict())
+    monkeypatch.setattr(unit_loader, "_parsed_tensors", 0)
+    monkeypatch.setattr(unit_loader, "_PARSED_TENSORS", 40)
+    st = open_stream(out)
+    sizes = []
+    for r in range(st.world):
+        for u in st.rank(r).units(prefetch=0):
+            sizes.append(len(u.tensors))
+    held = [len(v[1][1]) for v in unit_loader._PARSED.values()]
+    assert unit_loader._parsed_tensors == sum(held)
+    assert max(sizes) > 40 and len(sizes) > len(held) >= 1
+    assert sum(held) <= 40 or len(held) == 1
+    # a unit read again after its header was dropped parses the same
+    again = [len(u.tensors) for r in range(st.world) for u in st.rank(r).units(prefetch=0)]
+    assert again == sizes

@@ -56,7 +56,7 @@ _INT_DTYPES = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PartMeta:
     """One physical tensor: where it lives and what it is (no data)."""
 
@@ -68,7 +68,7 @@ class PartMeta:
     raw: RawTensorInfo | None = None  # None for torch .bin tensors
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorMeta:
     """A logical tensor: its shape once dequantized and the physical parts storing it."""
 

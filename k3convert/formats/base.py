@@ -88,7 +88,7 @@ E8M0_BIAS = 127
 PartSig = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # part -> (shape, dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class QuantParams:
     """What config.json says about a weight's quantization (may be partly unknown)."""
 

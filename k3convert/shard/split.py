@@ -18,7 +18,7 @@ pieces of ``ceil(V/n)`` rounded up to the alignment, the last piece zero-padded)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..checkpoint import PartMeta, TensorMeta
 from ..formats import COPY, FORMATS, AxisMap, UnsplittableError
@@ -27,9 +27,9 @@ from ..layout import divisors
 from ..stream.format import SplitError
 
 
-@dataclass(frozen=True)
-class PartSlice:
-    """One part's share of a piece: ``src[dim][start:start+length]`` then ``pad`` zeros."""
+class PartSlice(NamedTuple):
+    """One part's share of a piece: ``src[dim][start:start+length]`` then ``pad`` zeros.
+    (A named tuple: a plan of a large layout builds millions of them.)"""
 
     part: str
     src: PartMeta
@@ -42,8 +42,7 @@ class PartSlice:
     value: tuple[int, ...] | None = None  # for contents == "local_shape"
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Piece ``index`` of ``count`` of a logical tensor along logical dim ``dim``."""
 
     index: int
