@@ -108,7 +108,25 @@ def test_the_manifest_is_written_one_rank_at_a_time(k3, tmp_path, monkeypatch):
 
 
 def test_convert_verifies_against_the_checkpoint_it_opened(k3, tmp_path, monkeypatch):
+    """...and lets the quantization's preparation (per-tensor rows, calibration) go
+    before verify runs."""
+    import k3convert.pipeline.convert as convert_mod
+
     opened: list[Path] = []
+    preps: list[weakref.ref] = []
+    summary, run_verify = convert_mod.quantize_summary, convert_mod._run_verify
+
+    def summarise(prep, *a, **kw):
+        preps.append(weakref.ref(prep))
+        return summary(prep, *a, **kw)
+
+    def verify(*a, **kw):
+        gc.collect()
+        assert preps and all(ref() is None for ref in preps), "the preparation is still held"
+        return run_verify(*a, **kw)
+
+    monkeypatch.setattr(convert_mod, "quantize_summary", summarise)
+    monkeypatch.setattr(convert_mod, "_run_verify", verify)
 
     def counting(path, *a, **kw):
         opened.append(Path(path))

@@ -271,14 +271,13 @@ def convert(
         res = _write(st, r, ck, out, force, progress, done, group, ui)
         times["write"] = time.perf_counter() - t
 
-        prep = st.prep
-        losses = loss_report(st.data, prep, group, unmeasured=done is None)
+        losses = loss_report(st.data, st.prep, group, unmeasured=done is None)
         st.data = None  # its per-tensor caches are not needed by verify or the report
         vrep = report = err = None
         if group.leader:  # the rest is process 0's; the others wait for its verdict
             try:
-                report, vrep = _finish(r, ck, out, prep, st.plan, res, times, t_start, done,
-                                       inter, force, vref, report_html, group, ui,
+                report, vrep = _finish(r, ck, out, st, res, times, t_start, done, inter,
+                                       force, vref, report_html, group, ui,
                                        losses)  # fmt: skip
             except Exception as e:
                 if group.world == 1:
@@ -410,11 +409,13 @@ def _write(st: _Planned, r: Recipe, ck, out, force, progress, done, group, ui) -
         )  # fmt: skip
 
 
-def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vref,
+def _finish(r, ck, out, st: _Planned, res, times, t_start, done, inter, force, vref,
             report_html, group, ui, losses=None):  # fmt: skip
     """Process 0, after the stream is committed: the sidecar, the loss report, the
     intermediate checkpoint (before the calibration journal it reads is removed), verify,
-    the report files."""
+    the report files. The quantization's preparation (``st.prep``, per-tensor rows and
+    calibration results) is summarised and let go before verify runs."""
+    prep, plan = st.prep, st.plan
     if done is None and losses is not None and (len(losses) or losses.unmeasured):
         losses.write(out / fidelity.FILE)
     elif done is not None:  # verified again: the report its run wrote, if any
@@ -432,6 +433,11 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
         prep.sensitivity.write(out / "sensitivity.json")
         if prep.plot is not None:
             prep.sensitivity.plot(prep.plot)
+    q = None
+    if done is None and prep is not None:
+        q = quantize_summary(prep)
+    st.prep = prep = None
+    plan.drop_records()  # (they hold the planned checkpoint, the preparation, its cache)
     vrep = None
     if r.verify.enabled:
         t = time.perf_counter()
@@ -442,7 +448,7 @@ def _finish(r, ck, out, prep, plan, res, times, t_start, done, inter, force, vre
         ui.bar.update(1)
         times["verify"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
-    report = build_report(r, ck, out, prep, plan, res, times, vrep, group, inter, done, losses)
+    report = build_report(r, ck, out, q, plan, res, times, vrep, group, inter, done, losses)
 
     write_json(report, out / REPORT)
     if report_html is not None:

@@ -70,13 +70,13 @@ def fidelity_summary(losses) -> dict | None:
     return doc
 
 
-def build_report(r, ck, out, prep, plan, res, times, vrep, group, inter, done=None,
+def build_report(r, ck, out, quantized, plan, res, times, vrep, group, inter, done=None,
             losses=None) -> dict:  # fmt: skip
+    """report.json; ``quantized``: this run's :func:`quantize_summary` (None without a
+    quantize section, or when ``done``: a complete stream verified again, whose run's own
+    figures its sidecar holds)."""
     src_bytes = sum(f.size for f in ck.files())
-    if done is not None:  # a complete stream verified again: its run's own figures
-        q = done.get("quantize")
-    else:
-        q = quantize_summary(prep) if prep is not None else None
+    q = done.get("quantize") if done is not None else quantized
     rep: dict = {
         "format": REPORT_FORMAT,
         "generator": f"k3convert {__version__}",

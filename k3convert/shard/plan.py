@@ -97,6 +97,13 @@ class Plan:
     #: bytes the stream holds more than once (see :meth:`replicated_bytes`)
     replicated: int = 0
 
+    def drop_records(self) -> None:
+        """Let go of what builds the units' tensor records (the checkpoint the plan was
+        made from, with its caches) once the stream is written: ``up.tensors`` is
+        empty after this; sizes, counts, stages and placement stay."""
+        for up in self.units:
+            up._records = None
+
     def rank_units(self, rank: int) -> list[UnitPlan]:
         return sorted((u for u in self.units if u.rank == rank), key=lambda u: u.index)
 
