@@ -149,7 +149,7 @@ def test_a_loaded_rank_shares_its_repeated_entry_values(k3, tmp_path):
     from k3convert.stream import open_stream
 
     st = open_stream(out, ranks=[1])
-    units = st.manifest["ranks"][1]["units"]
+    units = st.rank(1).unit_entries
     plain = json.loads((out / "rank00001/units.json").read_text())["units"]
     # the same values (the reader adds its own _version key), fewer objects
     assert [{k: v for k, v in u.items() if k != "_version"} for u in units] == plain

@@ -375,7 +375,6 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
             _SCHEMA_VALID.clear()
         _SCHEMA_VALID.add((digest, i))
     units = rdoc["units"]
-    _share_values(units)
     r["units"] = units
     try:
         _check_rank_units(doc, i, path, owners=True)
@@ -386,28 +385,30 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
 
 #: tensor entry fields whose values repeat across a rank's entries (strings, shape
 #: lists, quant objects): one object each, shared by the entries that hold it
-_SHARED_FIELDS = ("name", "logical", "part", "kind", "dtype", "encoding", "contents",
-                  "tied_to", "shape", "global_shape", "logical_shape", "quant")  # fmt: skip
+_SHARED_STR = ("logical", "part", "kind", "dtype", "encoding", "contents")
+_SHARED_LIST = ("shape", "global_shape", "logical_shape")
 
 
 def _share_values(units: list) -> None:
     """Make equal field values of a rank's tensor entries one object (a rank of Kimi K3
     at tp8 ep8 lists ~70k entries whose shapes, encodings and quant metadata repeat by
-    expert): the parsed rank file takes about half the memory. Entries are read-only
-    once loaded; a value of an unexpected type is left as it is (the schema, which ran
-    first, has refused those)."""
-    memo: dict = {}
+    expert): the parsed rank file then takes less than half the memory. For a rank
+    opened for use (:class:`RankReader`), after the schema has checked every value;
+    entries are read-only from then on."""
+    strs, lists, quants = {}, {}, {}
     for u in units:
-        for e in u.get("tensors") or ():
-            for k in _SHARED_FIELDS:
+        for e in u["tensors"]:
+            for k in _SHARED_STR:
                 v = e.get(k)
-                if isinstance(v, str):
-                    e[k] = memo.setdefault(v, v)
-                elif isinstance(v, list) and all(type(x) is int for x in v):
-                    e[k] = memo.setdefault(("list", *v), v)
-                elif isinstance(v, dict):
-                    key = ("dict", *sorted((a, repr(b)) for a, b in v.items()))
-                    e[k] = memo.setdefault(key, v)
+                if v is not None:
+                    e[k] = strs.setdefault(v, v)
+            for k in _SHARED_LIST:
+                v = e.get(k)
+                if v is not None:
+                    e[k] = lists.setdefault(tuple(v), v)
+            q = e.get("quant")
+            if q is not None:
+                e["quant"] = quants.setdefault(repr(q), q)
 
 
 def _check_rank_units(doc: dict, i: int, where: Path, *, owners: bool) -> None:
@@ -502,6 +503,7 @@ class RankReader:
         self.stream, self.rank = stream, rank
         self.info = stream.manifest["ranks"][rank]
         self.unit_entries: list[dict] = self.info["units"]
+        _share_values(self.unit_entries)
         self._index: dict[str, tuple[int, list[dict]]] = {}
         for i, u in enumerate(self.unit_entries):
             for e in u["tensors"]:
