@@ -375,6 +375,7 @@ def _load_rank_units(root: Path, doc: dict, i: int) -> None:
             _SCHEMA_VALID.clear()
         _SCHEMA_VALID.add((digest, i))
     units = rdoc["units"]
+    _share_values(units)
     r["units"] = units
     try:
         _check_rank_units(doc, i, path, owners=True)
@@ -392,9 +393,9 @@ _SHARED_LIST = ("shape", "global_shape", "logical_shape")
 def _share_values(units: list) -> None:
     """Make equal field values of a rank's tensor entries one object (a rank of Kimi K3
     at tp8 ep8 lists ~70k entries whose shapes, encodings and quant metadata repeat by
-    expert): the parsed rank file then takes less than half the memory. For a rank
-    opened for use (:class:`RankReader`), after the schema has checked every value;
-    entries are read-only from then on."""
+    expert): the parsed rank file then takes less than half the memory (done as each
+    rank file is loaded, after the schema has checked every value: a stream opened whole
+    holds every rank's entries at once). Entries are read-only from then on."""
     strs, lists, quants = {}, {}, {}
     for u in units:
         for e in u["tensors"]:
@@ -503,7 +504,6 @@ class RankReader:
         self.stream, self.rank = stream, rank
         self.info = stream.manifest["ranks"][rank]
         self.unit_entries: list[dict] = self.info["units"]
-        _share_values(self.unit_entries)
         self._index: dict[str, tuple[int, list[dict]]] = {}
         for i, u in enumerate(self.unit_entries):
             for e in u["tensors"]:
