@@ -9,8 +9,8 @@ is written), and a unit's records built again equal the first ones."""
 from __future__ import annotations
 
 import copy
-import json
 import gc
+import json
 import weakref
 from pathlib import Path
 
@@ -36,8 +36,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("k3rec") / "m"
-    synthesize(config="kimi-k3", out=d, tiny=True, seed=3,
-               overrides={"layers": 3, "experts": 16, "topk": 4})
+    synthesize(
+        config="kimi-k3",
+        out=d,
+        tiny=True,
+        seed=3,
+        overrides={"layers": 3, "experts": 16, "topk": 4},
+    )
     return d
 
 
@@ -63,8 +68,9 @@ def test_a_plan_keeps_the_records_of_a_few_units(k3, monkeypatch):
 
 def test_records_built_again_equal_the_first(k3, monkeypatch):
     monkeypatch.setattr(_Records, "CACHED", 1)
-    plan = build_plan(open_checkpoint(k3), Layout(tp=2, pp=2, moe_tp=1, moe_ep=2),
-                      redundant_experts=2, expert_load={1: list(range(16)), 2: [1] * 16})  # fmt: skip
+    load = {1: list(range(16)), 2: [1] * 16}
+    lay = Layout(tp=2, pp=2, moe_tp=1, moe_ep=2)
+    plan = build_plan(open_checkpoint(k3), lay, redundant_experts=2, expert_load=load)
     first = [copy.deepcopy([t.entry for t in up.tensors]) for up in plan.units]
     for up, entries in zip(reversed(plan.units), reversed(first), strict=True):
         assert [t.entry for t in up.tensors] == entries

@@ -399,8 +399,10 @@ def run_verify(
         )
     inp = _inputs(cand, data, ref_path, cand_path, seq_len, random, seed, pixel_values)
     opened: dict = {}  # the reference checkpoint, opened once for the report and the run
-    if reference_checkpoint is not None and ref_kind == "runtime" and (
-        Path(reference_checkpoint.root).resolve() == ref_path.resolve()
+    if (
+        reference_checkpoint is not None
+        and ref_kind == "runtime"
+        and (Path(reference_checkpoint.root).resolve() == ref_path.resolve())
     ):
         opened[ref_path] = reference_checkpoint
     base = dict(
