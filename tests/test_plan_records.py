@@ -187,3 +187,12 @@ def test_parsed_unit_headers_are_kept_within_a_tensor_budget(k3, tmp_path, monke
     # a unit read again after its header was dropped parses the same
     again = [len(u.tensors) for r in range(st.world) for u in st.rank(r).units(prefetch=0)]
     assert again == sizes
+
+
+def test_replicated_bytes_count_the_tied_head_copy(model_factory):
+    """The head unit holds the tied embedding again: counted as replicated (the plan
+    counts replication per unit, and across units for the tied embedding only)."""
+    ck = open_checkpoint(model_factory("qwen3", tie_word_embeddings=True))
+    embed = next(n for n in ck.names() if n.endswith("embed_tokens.weight"))
+    assert build_plan(ck, Layout()).replicated_bytes() == ck.meta(embed).nbytes
+    assert build_plan(ck, Layout(tp=2, pp=2)).replicated_bytes() > ck.meta(embed).nbytes

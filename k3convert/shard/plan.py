@@ -337,10 +337,13 @@ def build_plan(
                        tied)  # fmt: skip
     write_order: list[UnitPlan] = []
     replicated = 0
+    # a source slice is placed in its own unit only, but for the tied embedding's, which
+    # the head unit holds again: those are remembered across units
+    tied_seen: set[tuple] = set()
     for s, us in enumerate(stage_units):
         for idx, u in enumerate(us):
             layer = unit_sort_key(u)[1] if u.startswith(("layer.", "mtp.")) else None
-            seen: set[tuple] = set()  # a source slice is only ever placed in its own unit
+            seen: set[tuple] = set()
             for t in range(layout.tp):
                 r = layout.rank(s, t)
                 up = UnitPlan(r, idx, u, layer, unit_file(r, idx, u, compression), t)
@@ -350,9 +353,10 @@ def build_plan(
                 for tp in tensors:
                     sl = tp.slice
                     key = (tp.src_logical, sl.part, sl.dim, sl.start, sl.length, sl.pad)
-                    if key in seen:
+                    held = tied_seen if tied and tp.src_logical == tied[1] else seen
+                    if key in held:
                         replicated += nbytes_of(tp.entry["dtype"], tp.entry["shape"])
-                    seen.add(key)
+                    held.add(key)
                 write_order.append(up)
     stages = [
         {"pp_rank": s, "layers": list(ranges[s]), "units": stage_units[s]} for s in range(layout.pp)
