@@ -109,6 +109,14 @@ def _is_stream(p: Path) -> bool:
     return is_stream_dir(p)
 
 
+def _already_open(ck, ref_kind: str, ref_path: Path) -> dict:
+    """The reference checkpoint, opened once for the report and the run: ``ck`` when it
+    is a Checkpoint of ``ref_path`` (the caller's, already open), else none yet."""
+    if ck is not None and ref_kind == "runtime" and Path(ck.root).resolve() == ref_path.resolve():
+        return {ref_path: ck}
+    return {}
+
+
 def _open_candidate(
     path: Path, layout: Layout | None, check_stream: bool, placement: dict, only_rank=None
 ):
@@ -359,9 +367,8 @@ def run_verify(
     them. resident: keep the candidate's weights in memory (fast decoding of small
     models); default streams them, layer by layer, on every forward and decode step.
     distributed: False runs every rank in this process even under torchrun (convert's
-    process 0 does, after the others have written their units); None: torchrun decides.
-    reference_checkpoint: the reference, already open (a Checkpoint of the directory
-    ``reference`` resolves to; ignored for another one): convert passes its source."""
+    process 0, after the others wrote their units); None: torchrun decides.
+    reference_checkpoint: the reference, already open (convert's source)."""
     t_start = time.perf_counter()
     cand_path, lay, compute = _checked_args(candidate, layout, seq_len, decode, random, dtype,
                                             json_path, plot_path, kv_cache, mla_cache)  # fmt: skip
@@ -369,9 +376,8 @@ def run_verify(
     if dist_run:
         init_distributed(resolve_device(device))
     me = dist.get_rank() if dist_run else 0
-    placement = dict(
-        pp_layers=pp_layers, expert_load=expert_load, redundant_experts=redundant_experts
-    )
+    placement = dict(pp_layers=pp_layers, expert_load=expert_load,
+                     redundant_experts=redundant_experts)  # fmt: skip
     vsrc = _open_engine(cand_path, lay, placement, dist_run, check_stream)
     if vsrc is None:
         ranks, cand_kind, prov = _open_ranks(cand_path, lay, check_stream, placement, dist_run,
@@ -398,13 +404,7 @@ def run_verify(
             f"per-head K/V); drop --mla-cache."
         )
     inp = _inputs(cand, data, ref_path, cand_path, seq_len, random, seed, pixel_values)
-    opened: dict = {}  # the reference checkpoint, opened once for the report and the run
-    if (
-        reference_checkpoint is not None
-        and ref_kind == "runtime"
-        and (Path(reference_checkpoint.root).resolve() == ref_path.resolve())
-    ):
-        opened[ref_path] = reference_checkpoint
+    opened = _already_open(reference_checkpoint, ref_kind, ref_path)
     base = dict(
         candidate=str(cand_path), candidate_kind=cand_kind, reference=str(ref_path),
         reference_kind=ref_kind, reference_note=ref_note,
@@ -434,8 +434,7 @@ def run_verify(
         world = tuple(range(ranks.world))
         got = coll.all_gather({me: torch.tensor([rss_all[0]], dtype=torch.float64)}, world)
         rss_all = [float(t[0]) for t in got]
-        # leave the process group cleanly: gloo's threads abort a process that exits
-        # while they are still up
+        # leave the group cleanly: gloo's threads abort a process exiting while they run
         dist.barrier()
         dist.destroy_process_group()
     if me != 0:
