@@ -63,7 +63,7 @@ from ..stream.format import (
     VERSION,
     rank_units_file,
 )
-from ..stream.manifest_doc import atomic_json, write_manifest_ranks
+from ..stream.manifest_doc import atomic_json, units_algo, write_manifest_ranks
 from ..units import byte_bar
 from .plan import ROUTING_COUNTS, Plan, UnitPlan, build_plan
 from .unit_io import (
@@ -480,8 +480,7 @@ def _commit(out: Path, plan: Plan, source, results: dict, sha: dict, carry, comp
         list(pool.map(fsync_path, [out / f["name"] for f in files]))
     # the rank files (each rank's units, built as its file is written), fsynced, then
     # manifest.json: the commit
-    first = next((up for r in range(plan.layout.world) for up in plan.rank_units(r)), None)
-    algo = unit_hashing.split(results[up_id(first)]["hash"])[0] if first else unit_hashing.DEFAULT
+    algo = units_algo(results.values())  # (every unit of a stream uses the one algorithm)
     write_manifest_ranks(out, doc, lambda r: _rank_units(plan, r, results, compress), algo)
     _cleanup(out, plan)
 

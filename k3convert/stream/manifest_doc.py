@@ -99,11 +99,16 @@ def _split(doc: dict, algo: str, units_of, emit) -> dict:
 
 def _units_algo(doc: dict) -> str:
     """The hash algorithm of the document's units (a stream uses one), else the default."""
-    for r in doc.get("ranks", []):
-        for u in r.get("units") or []:
-            h = u.get("hash") if isinstance(u, dict) else None
-            if isinstance(h, str) and h.split(":", 1)[0] in hashing.ALGORITHMS:
-                return h.split(":", 1)[0]
+    return units_algo(u for r in doc.get("ranks", []) for u in r.get("units") or [])
+
+
+def units_algo(units) -> str:
+    """The hash algorithm of the first of ``units`` (unit entries or the writer's unit
+    records) that names one (a stream uses one), else the default."""
+    for u in units:
+        h = u.get("hash") if isinstance(u, dict) else None
+        if isinstance(h, str) and h.split(":", 1)[0] in hashing.ALGORITHMS:
+            return h.split(":", 1)[0]
     return hashing.DEFAULT
 
 
