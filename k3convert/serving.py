@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from .arch import resolve
 from .checkpoint import TensorMeta
-from .engines.vllm_layers import FUSED_SETS, whole_fp8_blocks
+from .engines.vllm_layers import FUSED_SETS, group_problem, whole_fp8_blocks
 from .errors import ConfigError
 from .layout import Layout
 from .shard.plan import Splitter
@@ -325,10 +325,9 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
                     f"fp8-dynamic, or keep it", tp)  # fmt: skip
         g = getattr(scheme, "group_size", None)
         if kernel_class(scheme).startswith(("int4-w4a16", "int8-w8a16", "intN")):
-            if g and n > 1 and r.role.split_dim == 1 and inp % g:
-                add(r, f"its input slice {inp} at tp {n} is not a multiple of the group "
-                    f"size {g} (vLLM: group size must divide the partition)",
-                    f"use group_size {_divisor_hint(inp)}, a smaller tp, or keep it",
+            why = group_problem(inp, g) if n > 1 and r.role.split_dim == 1 else None
+            if why:
+                add(r, why, f"use group_size {_divisor_hint(inp)}, a smaller tp, or keep it",
                     tp)  # fmt: skip
             if device == "cpu":
                 total_out, out_what = out, "output"

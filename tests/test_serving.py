@@ -69,7 +69,8 @@ def test_int_group_must_divide_the_tp_slice(model_factory):
     assert _problems(src, "w4a16") == []
     ps = {p.tensor.rsplit(".", 2)[-2]: p for p in _problems(src, "w4a16", tp=2)}
     assert set(ps) == {"down_proj", "o_proj"}  # 384 / 2 = 192 and 128 / 2 = 64 columns
-    assert "input slice 192 at tp 2" in ps["down_proj"].rule
+    assert "input slice 192 is not a multiple of the group size 128" in ps["down_proj"].rule
+    assert ps["down_proj"].tp == 2
     assert "group_size 64" in ps["down_proj"].fix
     assert _problems(src, "int4-g64", tp=2) == []
 

@@ -134,10 +134,38 @@ def test_refusals_are_one_line_exit_2(llama, tmp_path):
     q = tmp_path / "w4"
     quantize(src=llama, out=q, scheme="w4a16", progress=False)
     r = _cli("shard", q, tmp_path / "o", "--target", "vllm", "--tp", "2")
-    assert r.returncode == 2 and "o_proj.weight_scale: a tensor-parallel boundary at 64" in r.stderr
+    assert r.returncode == 2 and "o_proj: its input slice 64 is not a multiple" in r.stderr
     assert not (tmp_path / "o").exists()
     cfg = json.loads((q / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "pack-quantized"
+
+
+def test_rank_slices_follow_the_format_registry_as_the_stream_does(tmp_path):
+    """Each part's rows for a rank come from the format registry's axis maps, the rules
+    the stream's split uses. k_proj here has 12 rows (2 KV heads of 6): 6 per rank at
+    tp 2, inside the int32 words that pack 8 rows of int4 zero points each. Both targets
+    refuse it; the proportional slicing this replaced wrote rank 1 the zero points of
+    rows 8-11 for its rows 6-11, exit 0. Without zero points the same cut is legal."""
+    src = tmp_path / "m"
+    shape = {"hidden": 192, "heads": 32, "kv_heads": 2, "intermediate": 128, "layers": 1}
+    synthesize(config="llama3-8b", out=src, tiny=True, overrides=shape)
+    asym, sym = tmp_path / "asym", tmp_path / "sym"
+    quantize(src=src, out=asym, scheme="int4-g32-asym", progress=False)
+    quantize(src=src, out=sym, scheme="int4-g32", progress=False)
+    cut = r"k_proj.* a boundary at 6 of its 12 along dim 0 would cut .*'weight_zero_point'"
+    with pytest.raises(ConfigError, match=cut):
+        write_vllm(src=asym, out=tmp_path / "v", tp=2)
+    r = _cli("shard", asym, tmp_path / "s", "--tp", "2")
+    assert r.returncode == 2 and "k_proj" in r.stderr and "a boundary at 6 would cut" in r.stderr
+    write_vllm(src=sym, out=tmp_path / "v", tp=2)
+    ck = open_checkpoint(sym)
+    k = "model.layers.0.self_attn.k_proj"
+    for rank in range(2):
+        got = _load(tmp_path / "v" / f"model-rank-{rank}-part-0.safetensors")
+        rows = slice(6 * rank, 6 * rank + 6)
+        for part in ("weight_packed", "weight_scale"):  # qkv_proj: q's 96 rows, then k's
+            want = ck.part_tensor(f"{k}.weight", part)[rows]
+            assert torch.equal(got[f"model.layers.0.self_attn.qkv_proj.{part}"][96:102], want)
 
 
 def test_check_refuses_a_malformed_or_incomplete_index(llama, tmp_path):

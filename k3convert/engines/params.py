@@ -3,9 +3,11 @@
 A :class:`Param` is one parameter of one rank (name, dtype, shape, its value on demand);
 its :class:`Piece` records map it back to the checkpoint (``param[dst] == part[src]``),
 so the writer's mapping can run backwards (``verify``). :class:`Slicer` cuts a
-checkpoint's stored parts (a plain weight, packed codes, scales) by output rows or input
-columns, refusing a cut inside a pack or a quantization group. Nothing here knows an
-engine's names or placement rules (those are in ``vllm_layers`` / ``vllm_sharded``).
+checkpoint's stored parts (a plain weight, packed codes, scales, zero points) by output
+rows or input columns as the format registry's axis maps say (the stream's split rules:
+:func:`k3convert.shard.split.part_range`), refusing a cut inside a pack, an FP4 byte or
+a quantization group / block. Nothing here knows an engine's names or placement rules
+(those are in ``vllm_layers`` / ``vllm_sharded``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError
+from ..shard.split import part_range
+from ..stream.format import SplitError
 
 ALL: tuple[slice, ...] = ()  # a whole tensor, as a Piece's index
 
@@ -63,19 +67,6 @@ def module_parts(ck: Checkpoint, module: str) -> dict[str, tuple[tuple[int, ...]
     return parts
 
 
-def scaled(size: int, full: int, a: int, b: int, what: str) -> tuple[int, int]:
-    """[a, b) of a dim of ``full`` mapped onto a part's dim of ``size`` (packed 8 per
-    int32, groups of g, ...); refused when a boundary falls inside a pack or group."""
-    lo, hi = a * size, b * size
-    if lo % full or hi % full:
-        raise ConfigError(
-            f"{what}: a tensor-parallel boundary at {a if lo % full else b} of {full} falls "
-            f"inside a packed word or a quantization group ({size} per {full}); pick a tp "
-            f"that divides it, or re-quantize with smaller groups."
-        )
-    return lo // full, hi // full
-
-
 def origin(module: str, part: str) -> tuple[str, str | None]:
     """(checkpoint tensor, part) of a Linear's stored part: a bias is its own tensor."""
     return (f"{module}.bias", None) if part == "bias" else (f"{module}.weight", part)
@@ -105,7 +96,7 @@ class Slicer:
         shape, dtype = self._stored(module, part)
         if part == "weight_shape" or not shape:  # (a 0-d part: refused by fused)
             return shape, dtype, lambda: self.ck.part_tensor(f"{module}.weight", part), None
-        lo, hi = scaled(shape[0], out, a, b, f"{module}.{part}")
+        lo, hi = self.cut(module, part, 0, a, b, out) or (0, shape[0])
         new = (hi - lo, *shape[1:])
 
         def make():
@@ -117,14 +108,14 @@ class Slicer:
     def row(self, module: str, part: str, a: int, b: int, inp: int) -> Param:
         """Columns [a, b) of ``inp`` (input features) of one part."""
         shape, dtype = self._stored(module, part)
-        grouped = self.ck.meta(f"{module}.weight").quant.extra.get("strategy") == "group"
         name = f"{module}.{part}"
         whole = Piece(*origin(module, part), ALL, ALL)
-        if part in ("bias", "weight_shape") or len(shape) < 2 or (shape[1] == 1 and not grouped):
+        got = None if part == "weight_shape" else self.cut(module, part, 1, a, b, inp)
+        if got is None:
             # the same on every rank: vLLM's row-parallel bias (added once) and per-channel
-            # scales are whole on each; a group scale is split with its groups
+            # or per-tensor scales are whole on each; a group scale is split with its groups
             return Param(name, dtype, shape, lambda: self._part(module, part), pieces=(whole,))
-        lo, hi = scaled(shape[1], inp, a, b, name)
+        lo, hi = got
 
         def chunks():  # a few MiB of rows at a time: no copy of the whole slice
             t = self._part(module, part)
@@ -135,6 +126,24 @@ class Slicer:
         cols = Piece(whole.name, whole.part, (slice(None), slice(lo, hi)), ALL)
         shape = (shape[0], hi - lo, *shape[2:])
         return Param(name, dtype, shape, None, chunks, pieces=(cols,))
+
+    def cut(self, module: str, part: str, d: int, a: int, b: int, full: int):
+        """[lo, hi) of a Linear's stored ``part`` along logical dim ``d`` (0: output
+        rows, 1: input columns) for the logical [a, b) of ``full``, by the format
+        registry's axis map; None when the part does not follow ``d`` (held whole)."""
+        tensor, key = origin(module, part)
+        m = self.ck.meta(tensor)
+        if d >= len(m.shape):  # a bias along the input columns: whole on every rank
+            return None
+        if m.shape[d] != full:
+            raise ConfigError(
+                f"'{tensor}' has {m.shape[d]} along dim {d} where the model's config gives "
+                f"{full}; the checkpoint does not match its config.json."
+            )
+        try:
+            return part_range(m, key or next(iter(m.parts)), d, a, b)
+        except SplitError as e:
+            raise ConfigError(f"{module}: {e}") from None
 
     def _stored(self, module: str, part: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of a Linear's part as written: :meth:`_part`'s dtype (an

@@ -249,6 +249,33 @@ def _per_member(src: Slicer, prefix: str, merged: str, members: list[str], part:
     return Param(f"{prefix}.{merged}.{part}", dtype, (len(modules),), make, pieces=pieces)
 
 
+def group_problem(width: int, group: int | None) -> str | None:
+    """vLLM 0.32's rule for grouped weights split by input columns
+    (``verify_group_size_divides_partition``): the group size divides a rank's slice of
+    ``width`` columns - stricter than a cut on group boundaries only where one group
+    spans the whole input. The writer (:func:`row`, the routed experts' ``w2``) and
+    ``serving.check_plan`` both ask this."""
+    if group and width % group:
+        return (
+            f"its input slice {width} is not a multiple of the group size {group} "
+            f"(vLLM: group size must divide the partition)"
+        )
+    return None
+
+
+def input_group(ck: Checkpoint, module: str) -> int | None:
+    """The quantization group (in input columns) of a Linear stored with group scales."""
+    q = ck.meta(f"{module}.weight").quant
+    return q.block[1] if q is not None and q.extra.get("strategy") == "group" else None
+
+
 def row(src: Slicer, module: str, a: int, n: int, full: int) -> Iterator[Param]:
+    """A row-parallel Linear: every stored part's share of input columns [a, a + n)."""
+    why = group_problem(n, input_group(src.ck, module)) if n < full else None
+    if why:
+        raise ConfigError(
+            f"{module}: {why}; pick a tp whose slice the group divides, or re-quantize "
+            f"with smaller groups."
+        )
     for part in module_parts(src.ck, module):
         yield src.row(module, part, a, a + n, full)

@@ -15,8 +15,8 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError
-from .params import ALL, Param, Piece, Slicer, scaled
-from .vllm_layers import Rank, last_loaded, swiglu
+from .params import ALL, Param, Piece, Slicer
+from .vllm_layers import Rank, group_problem, input_group, last_loaded, swiglu
 
 
 def local_experts(n: int, ep_rank: int, ep_size: int) -> range:
@@ -63,6 +63,9 @@ def fused_moe(src: Slicer, rank: Rank, mlp: str) -> Iterator[Param]:
             f"'{ex}': {hi - lo} intermediate rows per rank are not whole FP8 blocks of "
             f"{q.block[0]} (vLLM refuses them); pick a tp that keeps whole blocks, or --ep."
         )
+    why = group_problem(hi - lo, input_group(ck, f"{ex}.0.down_proj")) if hi - lo < inter else None
+    if why:
+        raise ConfigError(f"'{ex}.*.down_proj': {why}; pick a tp the group divides, or --ep.")
     for part, (dt13, shape13), (dt2, shape2) in parts:
         name13, name2 = f"{ex}.routed_experts.w13_{part}", f"{ex}.routed_experts.w2_{part}"
         if part == "weight_shape":  # [out, in] per expert, in vLLM's model dtype (one row)
@@ -79,13 +82,13 @@ def fused_moe(src: Slicer, rank: Rank, mlp: str) -> Iterator[Param]:
             src.dtype if dt13.is_floating_point and dt13.itemsize > 1 and part == "weight" else None
         )
         dt13, dt2 = cast or dt13, cast or dt2
-        # gate / up rows [lo, hi) of I in the part's rows (a zero point packs them per int32)
-        r0, r1 = scaled(shape13[0], inter, lo, hi, f"{ex}.*.gate_proj.{part}")
+        # gate / up rows [lo, hi) of I in the part's rows (a zero point packs them per
+        # int32), down's input columns (packed, groups, blocks; a per-channel scale is
+        # whole): the format registry's axis maps, as for every other Linear
+        r0, r1 = src.cut(f"{ex}.0.gate_proj", part, 0, lo, hi, inter) or (0, shape13[0])
         rows, cut = r1 - r0, slice(r0, r1)
         cols2 = shape2[1] if len(shape2) > 1 else 0
-        # down's input columns split (packed, groups, blocks); a per-channel scale is whole
-        grouped = part == "weight" or strategy != "channel"
-        a2, b2 = scaled(cols2, inter, lo, hi, f"{ex}.*.down_proj.{part}") if grouped else (0, cols2)
+        a2, b2 = src.cut(f"{ex}.0.down_proj", part, 1, lo, hi, inter) or (0, cols2)
 
         def w13(part=part, cast=cast, cut=cut):  # gate's rows, then up's: mapped views
             for e in experts:

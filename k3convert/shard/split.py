@@ -158,10 +158,42 @@ def split_tensor(
     return pieces
 
 
+def part_range(
+    m: TensorMeta, part: str, d: int, a: int, b: int, maps: dict | None = None
+) -> tuple[int, int] | None:
+    """Logical ``[a, b)`` of dim ``d`` of ``m`` as ``part``'s ``[lo, hi)`` along that dim,
+    by the format registry's axis map (None: the part does not follow a cut of ``d``: a
+    per-tensor or constant-along-``d`` scale, a stored shape). A boundary strictly inside
+    the dim must fall on the part's granule (a group / block, a packed word, an FP4
+    byte): :class:`SplitError` names the one it would cut. ``maps``: :func:`axis_maps` of
+    ``(m, d)``, when the caller already has them."""
+    amap = (maps or axis_maps(m, d))[part]
+    if not isinstance(amap, AxisMap):
+        return None
+    full = m.shape[d]
+    for x in (a, b):
+        if 0 < x < full and x % amap.align:
+            raise SplitError(
+                f"'{m.name}' ({m.encoding}): a boundary at {x} of its {full} along dim {d} "
+                f"would cut a {amap.what or 'granule'} of '{part}'; pick a degree whose "
+                f"slices are multiples of {amap.align}, or re-quantize with smaller groups."
+            )
+    return amap.index(a), amap.index(b)
+
+
 def whole(m: TensorMeta) -> Piece:
     """The unsplit tensor as a single piece (replicated tensors)."""
     parts = tuple(PartSlice(p, pm, None, 0, 0, 0, tuple(pm.shape)) for p, pm in m.parts.items())
     return Piece(0, 1, None, 0, 0, 0, parts)
 
 
-__all__ = ["AxisMap", "PartSlice", "Piece", "divisors", "legal_degrees", "split_tensor", "whole"]
+__all__ = [
+    "AxisMap",
+    "PartSlice",
+    "Piece",
+    "divisors",
+    "legal_degrees",
+    "part_range",
+    "split_tensor",
+    "whole",
+]
