@@ -217,6 +217,42 @@ def test_qwen3_moe_experts_split_or_placed_whole(tmp_path, ep):
     assert "intact" in check_vllm(out)
 
 
+def test_moe_layers_attention_and_kv_replication_are_the_archs(tmp_path):
+    """The writer asks the arch which layers route (Qwen3-MoE's decoder_sparse_step and
+    mlp_only_layers: layer 1 only of 4) and splits by the roles the stream splits by:
+    at tp 4 over 2 KV heads, ranks 0-1 hold KV head 0 and ranks 2-3 head 1, as the
+    stream's plan of the same layout holds them."""
+    from k3convert.layout import Layout
+    from k3convert.shard.plan import build_plan
+
+    base = tmp_path / "base"
+    synthesize(config="qwen3-30b-a3b", out=base, tiny=True, overrides={"layers": 4})
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(decoder_sparse_step=2, mlp_only_layers=[3])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    src = tmp_path / "m"
+    synthesize(config=str(tmp_path / "config.json"), out=src, seed=3)
+    out = tmp_path / "v"
+    write_vllm(src=src, out=out, tp=4)
+    ck = open_checkpoint(src)
+    plan = build_plan(ck, Layout(tp=4))
+    k = "model.layers.0.self_attn.k_proj.weight"
+    hd = cfg["head_dim"]
+    for r in range(4):
+        t = _load(out / f"model-rank-{r}-part-0.safetensors")
+        routed = {i for i in range(4) if f"model.layers.{i}.mlp.experts.gate.weight" in t}
+        dense = {i for i in range(4) if f"model.layers.{i}.mlp.gate_up_proj.weight" in t}
+        assert routed == {1} and dense == {0, 2, 3}
+        qkv = t["model.layers.0.self_attn.qkv_proj.weight"]
+        q_rows = cfg["num_attention_heads"] * hd // 4
+        kv_head = r // 2
+        want = ck.get(k)[kv_head * hd : (kv_head + 1) * hd]
+        assert torch.equal(qkv[q_rows : q_rows + hd], want)
+        (unit,) = [u for u in plan.rank_units(r) if u.name == "layer.0"]
+        (piece,) = [x.slice for x in unit.tensors if x.src_logical == k]
+        assert (piece.start, piece.length) == (kv_head * hd, hd)
+
+
 def test_fp8_experts_map_back_bit_exact_and_int_experts_are_refused(tmp_path):
     """FP8-channel experts: the codes and per-channel scales stacked as stored (w2's scale
     whole on each rank), read back bit for bit by verify at tp 2 + EP and at tp 2 (exact

@@ -97,6 +97,7 @@ VLLM_JOBS = [
     ("k3-tp2ep2", "k3", ["--tp", "2", "--ep", "2"]),
     ("k3-int4-tp2", "q-k3-int4", ["--tp", "2"]),  # refused: K3 is served as released
     ("k3-tp2pp2", "k3", ["--tp", "2", "--pp", "2"]),
+    ("k3-tp4", "k3", ["--tp", "4"]),
 ]
 
 # (name, argv after `k3convert`); {w} is the work dir.

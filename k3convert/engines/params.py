@@ -19,6 +19,8 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError
+from ..layout import Layout
+from ..shard.plan import Splitter
 from ..shard.split import part_range
 from ..stream.format import SplitError
 
@@ -73,10 +75,36 @@ def origin(module: str, part: str) -> tuple[str, str | None]:
 
 
 class Slicer:
-    """The checkpoint's tensors sliced as one rank of vLLM needs them."""
+    """The checkpoint's tensors sliced as one rank of vLLM needs them. ``roles``: each
+    tensor's role in its architecture (``validate_source``'s matches): what
+    :meth:`span` cuts it by."""
 
-    def __init__(self, ck: Checkpoint, cfg, dtype: torch.dtype):
+    def __init__(self, ck: Checkpoint, cfg, dtype: torch.dtype, roles: dict | None = None):
         self.ck, self.cfg, self.dtype = ck, cfg, dtype
+        self.roles = roles or {}
+        self._splitters: dict[tuple[int, bool], Splitter] = {}
+
+    def span(self, name: str, tp: int, tp_size: int, ep: bool = False) -> tuple[int, int, int]:
+        """``(a, b, full)``: tensor ``name``'s share on tensor-parallel rank ``tp`` of
+        ``tp_size``, along the dim its role splits, by the stream's split rules
+        (:class:`k3convert.shard.plan.Splitter`: attention heads, KV heads replicated
+        once tp passes their count, column- / row-parallel rows and columns; a routed
+        expert whole under expert parallelism, ``ep``). A tensor every rank holds whole:
+        ``(0, rows, rows)``. Refusals are the stream's, as one ConfigError."""
+        meta, role = self.ck.meta(name), self.roles[name]
+        key = (tp_size, ep)
+        if key not in self._splitters:
+            layout = Layout(tp=tp_size, moe_ep=tp_size if ep else 1)
+            self._splitters[key] = Splitter(self.cfg, layout)
+        try:
+            pieces = self._splitters[key].pieces(meta, role)
+        except SplitError as e:
+            raise ConfigError(str(e)) from None
+        if pieces is None or pieces[tp].dim is None:
+            d = role.split_dim if role.split_dim is not None else 0
+            return 0, meta.shape[d], meta.shape[d]
+        p = pieces[tp]
+        return p.start, p.start + p.length, meta.shape[p.dim]
 
     def whole(self, name: str, dtype: torch.dtype | None = None) -> Param:
         meta = self.ck.meta(name)

@@ -87,11 +87,12 @@ def check_k3(ck, cfg) -> None:
     _normalisation(ck)  # every field it uses, checked before anything is written
 
 
-def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
-    """Every parameter of vLLM's KimiK3ForConditionalGeneration on ``rank``."""
+def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank, roles: dict) -> Iterator[Param]:
+    """Every parameter of vLLM's KimiK3ForConditionalGeneration on ``rank`` (``roles``:
+    each tensor's, from ``validate_source``)."""
     t = cfg.text
     first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
-    src = Slicer(ck, t, dtype)
+    src = Slicer(ck, t, dtype, roles)
     yield from _vision(src, cfg.vision, ck, rank)  # built on every pipeline stage
     if first:
         yield vocab_rows(src, rank, f"{LM}.embed_tokens.weight", f"{LM}.embed_tokens.weight")
@@ -104,7 +105,7 @@ def k3_params(ck, cfg, dtype: torch.dtype, rank: Rank) -> Iterator[Param]:
         if i in t.moe_layers:
             yield from _latent_moe(src, rank, f"{pre}.block_sparse_moe")
         else:
-            yield from swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp", t.intermediate_size)
+            yield from swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp")
         norms = ["input_layernorm", "post_attention_layernorm"]
         if t.attn_res_block_size:
             norms += ["self_attention_res_norm", "mlp_res_norm"]
@@ -145,16 +146,22 @@ def _f32(params: Iterator[Param]) -> Iterator[Param]:
 
 
 def _kda(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
+    """KDA: ``in_proj_qkvgfab`` (the rank's heads of q, k, v, g, the replicated f_a and
+    its heads of b, padded to vLLM's alignment), the short convolutions, the decay
+    parameters, ``f_b_proj``, the output norm and ``o_proj``: each split as its role
+    says (KDA heads)."""
     t, tp, r = src.cfg, rank.tp_size, rank.tp
-    heads, dim = t.kda_num_heads, t.kda_head_dim
+    heads = t.kda_num_heads
     if heads % tp:
         raise ConfigError(f"tp={tp} must divide the {heads} KDA heads.")
     hp = heads // tp
-    proj = heads * dim
-    lo, hi = r * hp * dim, (r + 1) * hp * dim
-    spans = {f"{x}_proj": (lo, hi, proj) for x in "qkvg"}
-    spans["f_a_proj"] = (0, dim, dim)  # replicated inside the tp-split parameter
-    spans["b_proj"] = (r * hp, (r + 1) * hp, heads)
+
+    def span(name: str) -> tuple[int, int, int]:
+        return src.span(f"{at}.{name}", r, tp)
+
+    # f_a_proj: replicated inside the tp-split parameter
+    names = [f"{x}_proj" for x in "qkvg"] + ["f_a_proj", "b_proj"]
+    spans = {m: span(f"{m}.weight") for m in names}
     for p in fused(src, at, "in_proj_qkvgfab", spans):
         pad = -p.shape[0] % IN_PROJ_ALIGN
         if pad:  # zero rows vLLM adds to align each rank's block
@@ -165,36 +172,41 @@ def _kda(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
             else:
                 p.make = lambda m=p.make, pad=pad: torch.nn.functional.pad(m(), (0, 0, 0, pad))
         yield p
-    conv = {f"{x}_conv1d": (lo, hi, proj) for x in "qkv"}
+    conv = {f"{x}_conv1d": span(f"{x}_conv1d.weight") for x in "qkv"}
     yield from _f32(fused(src, at, "conv1d", conv))
-    yield _rows(src, f"{at}.dt_bias", lo, hi, torch.float32)
+    yield _rows(src, f"{at}.dt_bias", *span("dt_bias")[:2], torch.float32)
+    # (A_log: a release pads it past the heads, which the stream narrows; one per head)
     yield _rows(src, f"{at}.A_log", r * hp, (r + 1) * hp, torch.float32)
-    yield from fused(src, at, "f_b_proj", {"f_b_proj": (lo, hi, proj)})
+    yield from fused(src, at, "f_b_proj", {"f_b_proj": span("f_b_proj.weight")})
     yield src.whole(f"{at}.o_norm.weight", src.dtype)
-    yield from row(src, f"{at}.o_proj", lo, hi - lo, proj)
+    a, b, full = span("o_proj.weight")
+    yield from row(src, f"{at}.o_proj", a, b - a, full)
 
 
 def _mla(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
+    """K3's MLA: the replicated latents (with the output gate's rows of this rank's
+    heads), the latent norms, ``q_b_proj`` / ``kv_b_proj`` by heads, ``o_proj`` by input
+    columns: each split as its role says."""
     t, tp = src.cfg, rank.tp_size
     heads = t.num_heads
     if heads % tp:
         raise ConfigError(f"tp={tp} must divide the {heads} attention heads.")
-    h0, hn = rank.tp * heads // tp, (rank.tp + 1) * heads // tp
-    v = t.v_head_dim
-    q_a, kv_a = t.q_lora_rank, t.kv_lora_rank + t.qk_rope_head_dim
-    spans = dict(zip(MERGED["fused_qkv_a_proj"], ((0, q_a, q_a), (0, kv_a, kv_a)), strict=True))
+
+    def span(module: str) -> tuple[int, int, int]:
+        return src.span(f"{at}.{module}.weight", rank.tp, tp)
+
+    spans = {m: span(m) for m in MERGED["fused_qkv_a_proj"]}
     merged = "fused_qkv_a_proj"
     if t.mla_output_gate:  # the output gate's rows joined to the replicated latents
-        spans["g_proj"] = (h0 * v, hn * v, heads * v)
+        spans["g_proj"] = span("g_proj")
         merged = "fused_qkv_a_g_proj"
     yield from fused(src, at, merged, spans)
     for norm in ("q_a_layernorm", "kv_a_layernorm"):
         yield src.whole(f"{at}.{norm}.weight", src.dtype)
-    qk = t.qk_nope_head_dim + t.qk_rope_head_dim
-    nv = t.qk_nope_head_dim + v
-    for proj, per in (("q_b_proj", qk), ("kv_b_proj", nv)):
-        yield from fused(src, at, proj, {proj: (h0 * per, hn * per, heads * per)})
-    yield from row(src, f"{at}.o_proj", h0 * v, (hn - h0) * v, heads * v)
+    for proj in ("q_b_proj", "kv_b_proj"):
+        yield from fused(src, at, proj, {proj: span(proj)})
+    a, b, full = span("o_proj")
+    yield from row(src, f"{at}.o_proj", a, b - a, full)
     yield from attention_scales(at, src.dtype, False)
 
 
@@ -207,9 +219,8 @@ def _latent_moe(src: Slicer, rank: Rank, moe: str) -> Iterator[Param]:
         p.name = f"{moe}.experts.routed_experts.e_score_correction_bias"
         yield p
     if t.num_shared_experts:
-        shared = t.moe_intermediate_size * t.num_shared_experts
-        yield from swiglu(src, rank, f"{moe}.shared_experts",
-                           f"{moe}.experts._shared_experts._layer", shared)  # fmt: skip
+        shared = f"{moe}.experts._shared_experts._layer"
+        yield from swiglu(src, rank, f"{moe}.shared_experts", shared)
     if t.latent_size:
         yield src.whole(f"{moe}.routed_expert_down_proj.weight", src.dtype)
         out = f"{moe}.experts.routed_output_transform"

@@ -69,18 +69,17 @@ def pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     return range(start, start + parts[pp_rank])
 
 
-def swiglu(src: Slicer, rank: Rank, module: str, out: str, inter: int) -> Iterator[Param]:
+def swiglu(src: Slicer, rank: Rank, module: str, out: str) -> Iterator[Param]:
     """A dense SwiGLU MLP at ``module``, as vLLM's ``gate_up_proj`` / ``down_proj`` under
-    ``out``: the rank's rows of gate then up, its input columns of down."""
-    tp = rank.tp_size
-    if inter % tp:
-        raise ConfigError(f"tp={tp} does not divide the MLP width {inter} ({module}).")
-    ip = inter // tp
-    rows = (rank.tp * ip, (rank.tp + 1) * ip, inter)
-    for p in fused(src, module, "gate_up_proj", dict.fromkeys(MERGED["gate_up_proj"], rows)):
+    ``out``: the rank's rows of gate then up, its input columns of down (as the roles
+    split them)."""
+    spans = {m: src.span(f"{module}.{m}.weight", rank.tp, rank.tp_size)
+             for m in MERGED["gate_up_proj"]}  # fmt: skip
+    for p in fused(src, module, "gate_up_proj", spans):
         p.name = p.name.replace(module, out, 1)
         yield p
-    for p in row(src, f"{module}.down_proj", rank.tp * ip, ip, inter):
+    a, b, full = src.span(f"{module}.down_proj.weight", rank.tp, rank.tp_size)
+    for p in row(src, f"{module}.down_proj", a, b - a, full):
         p.name = p.name.replace(module, out, 1)
         yield p
 

@@ -43,19 +43,15 @@ def fused_moe(src: Slicer, rank: Rank, mlp: str) -> Iterator[Param]:
         bias.name = f"{mlp}.experts.gate.e_score_correction_bias"
         yield bias
     if getattr(cfg, "num_shared_experts", 0):  # FusedMoE holds the shared expert's MLP
-        yield from swiglu(src, rank, f"{mlp}.shared_experts",
-                           f"{mlp}.experts._shared_experts._layer",
-                           cfg.moe_intermediate_size * cfg.num_shared_experts)  # fmt: skip
+        shared = f"{mlp}.experts._shared_experts._layer"
+        yield from swiglu(src, rank, f"{mlp}.shared_experts", shared)
     ex = f"{mlp}.experts"
     parts = _expert_parts(ck, ex, n)
-    if rank.ep:
-        experts, lo, hi = local_experts(n, rank.tp, tp), 0, inter
-    else:
-        if tp > n:
-            raise ConfigError(f"tp={tp} is greater than the {n} experts (vLLM refuses it).")
-        if inter % tp:
-            raise ConfigError(f"tp={tp} does not divide moe_intermediate_size {inter}.")
-        experts, lo, hi = range(n), rank.tp * inter // tp, (rank.tp + 1) * inter // tp
+    if not rank.ep and tp > n:
+        raise ConfigError(f"tp={tp} is greater than the {n} experts (vLLM refuses it).")
+    experts = local_experts(n, rank.tp, tp) if rank.ep else range(n)
+    # each expert's intermediate rows on this rank, as the roles split them (whole: EP)
+    lo, hi, _ = src.span(f"{ex}.0.gate_proj.weight", rank.tp, tp, rank.ep)
     q = ck.meta(f"{ex}.0.down_proj.weight").quant
     strategy = q.extra.get("strategy") if q else None
     if strategy == "block" and (hi - lo) % q.block[0]:  # as vLLM's validate_fp8_block_shape_moe

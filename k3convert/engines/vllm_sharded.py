@@ -87,22 +87,11 @@ FORMATS = (
 )
 
 
-def _moe_layer(cfg, i: int) -> bool:
-    """Whether layer ``i`` is sparse, by vLLM's rule for the family: Qwen3-MoE's
-    ``mlp_only_layers`` / ``decoder_sparse_step``; DeepSeek-V3's ``first_k_dense_replace``
-    / ``moe_layer_freq``."""
-    n = getattr(cfg, "num_experts", 0) or 0
-    if hasattr(cfg, "first_k_dense_replace"):
-        return n > 0 and i >= cfg.first_k_dense_replace and i % (cfg.moe_layer_freq or 1) == 0
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return n > 0 and i not in (getattr(cfg, "mlp_only_layers", ()) or ()) and (i + 1) % step == 0
-
-
-def _decoder_params(src: Slicer, rank: Rank) -> Iterator[Param]:
-    """Every family here: the embedding, per layer its norms, attention (GQA or MLA) and
-    MLP (dense SwiGLU or FusedMoE), the final norm and lm_head."""
+def _decoder_params(src: Slicer, arch, rank: Rank) -> Iterator[Param]:
+    """Every family here: the embedding, per layer its norms, attention (the arch's kind
+    for the layer: GQA or MLA) and MLP (FusedMoE where the arch's config routes the
+    layer, else dense SwiGLU), the final norm and lm_head."""
     cfg = src.cfg
-    mla = hasattr(cfg, "kv_lora_rank")
     layers = pp_layers(cfg.num_layers, rank.pp, rank.pp_size)  # (MTP layers: not loaded)
     first, last = rank.pp == 0, rank.pp == rank.pp_size - 1
     if src.ck.config.get("model_type") in EVERY_STAGE:
@@ -111,15 +100,16 @@ def _decoder_params(src: Slicer, rank: Rank) -> Iterator[Param]:
         raise ConfigError("a tied lm_head with pp > 1 is not written yet; use pp 1.")
     if first and not cfg.tie_word_embeddings:
         yield vocab_rows(src, rank, "model.embed_tokens.weight", "model.embed_tokens.weight")
+    attention = {"gqa": _gqa_attention, "mla": _mla_attention}
     for i in layers:
         pre = f"model.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             yield src.whole(f"{pre}.{norm}.weight", src.dtype)
-        yield from (_mla_attention if mla else _gqa_attention)(src, rank, pre)
-        if _moe_layer(cfg, i):
+        yield from attention[arch.attention_of(cfg, i)](src, rank, pre)
+        if arch.router is not None and cfg.is_moe_layer(i):
             yield from fused_moe(src, rank, f"{pre}.mlp")
         else:
-            yield from swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp", cfg.intermediate_size)
+            yield from swiglu(src, rank, f"{pre}.mlp", f"{pre}.mlp")
     if last:
         yield src.whole("model.norm.weight", src.dtype)
         # tied: one tensor, which vLLM's state dict names lm_head.weight (the smaller key)
@@ -128,52 +118,38 @@ def _decoder_params(src: Slicer, rank: Rank) -> Iterator[Param]:
 
 
 def _gqa_attention(src: Slicer, rank: Rank, pre: str) -> Iterator[Param]:
-    """llama / qwen3: ``qkv_proj`` (the rank's q heads, then its KV heads of k and v),
-    ``o_proj`` split by input columns, q / k norms whole, the attention's scales."""
-    cfg, tp = src.cfg, rank.tp_size
-    heads, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if heads % tp or (kv % tp and tp % kv):
-        raise ConfigError(
-            f"tp={tp} must divide the {heads} attention heads and divide or be a multiple of "
-            f"the {kv} KV heads (vLLM replicates KV heads when tp > {kv})."
-        )
-    q_out, kv_out = heads * hd, kv * hd
-    q_per, kv_heads_rank = heads // tp, max(1, kv // tp)
-    kv_first = rank.tp * kv // tp * hd  # (tp > kv: tp / kv ranks share each KV head)
-    if cfg.qk_norm:
+    """llama / qwen3: ``qkv_proj`` (the rank's q heads, then its KV heads of k and v, as
+    the roles split them: KV heads replicated once tp passes their count), ``o_proj``
+    split by input columns, q / k norms whole, the attention's scales."""
+    at = f"{pre}.self_attn"
+    if src.cfg.qk_norm:
         for n in ("q_norm", "k_norm"):
-            yield src.whole(f"{pre}.self_attn.{n}.weight", src.dtype)
-    q_span = (rank.tp * q_per * hd, (rank.tp + 1) * q_per * hd, q_out)
-    kv_span = (kv_first, kv_first + kv_heads_rank * hd, kv_out)
-    spans = dict(zip(MERGED["qkv_proj"], (q_span, kv_span, kv_span), strict=True))
-    yield from fused(src, f"{pre}.self_attn", "qkv_proj", spans)
-    yield from row(src, f"{pre}.self_attn.o_proj", rank.tp * q_per * hd, q_per * hd, q_out)
+            yield src.whole(f"{at}.{n}.weight", src.dtype)
+    spans = {m: src.span(f"{at}.{m}.weight", rank.tp, rank.tp_size) for m in MERGED["qkv_proj"]}
+    yield from fused(src, at, "qkv_proj", spans)
+    a, b, full = src.span(f"{at}.o_proj.weight", rank.tp, rank.tp_size)
+    yield from row(src, f"{at}.o_proj", a, b - a, full)
     quantized = src.ck.config.get("quantization_config") is not None
-    yield from attention_scales(f"{pre}.self_attn.attn", src.dtype, quantized, src.ck, pre)
+    yield from attention_scales(f"{at}.attn", src.dtype, quantized, src.ck, pre)
 
 
 def _mla_attention(src: Slicer, rank: Rank, pre: str) -> Iterator[Param]:
     """DeepSeek-V3 / Kimi-K2 MLA: ``fused_qkv_a_proj`` (q_a_proj then kv_a_proj_with_mqa,
     replicated), the latent norms whole, ``q_b_proj`` / ``kv_b_proj`` split by heads,
-    ``o_proj`` by input columns. vLLM's MLA module holds several of the attention's
-    submodules a second time; each is written under the name its state dict keeps (the
-    smaller)."""
-    cfg, tp = src.cfg, rank.tp_size
-    heads = cfg.num_heads
-    if heads % tp:
-        raise ConfigError(f"tp={tp} must divide the {heads} attention heads.")
-    if not cfg.q_lora_rank:
+    ``o_proj`` by input columns (as the roles split them). vLLM's MLA module holds
+    several of the attention's submodules a second time; each is written under the name
+    its state dict keeps (the smaller)."""
+    if not src.cfg.q_lora_rank:
         raise ConfigError("MLA without a q LoRA rank (q_proj) is not written for vLLM yet.")
     at = f"{pre}.self_attn"
 
     def named(sub: str) -> str:  # the state dict's name: the smaller of the two
         return min(f"{at}.{sub}", f"{at}.mla_attn.{sub}")
 
-    h0, hn = rank.tp * heads // tp, (rank.tp + 1) * heads // tp
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    nv = cfg.qk_nope_head_dim + cfg.v_head_dim
-    q_a, kv_a = cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    spans = dict(zip(MERGED["fused_qkv_a_proj"], ((0, q_a, q_a), (0, kv_a, kv_a)), strict=True))
+    def span(module: str) -> tuple[int, int, int]:
+        return src.span(f"{at}.{module}.weight", rank.tp, rank.tp_size)
+
+    spans = {m: span(m) for m in MERGED["fused_qkv_a_proj"]}
     for p in fused(src, at, "fused_qkv_a_proj", spans):
         p.name = named(p.name.removeprefix(f"{at}."))
         yield p
@@ -181,12 +157,12 @@ def _mla_attention(src: Slicer, rank: Rank, pre: str) -> Iterator[Param]:
         p = src.whole(f"{at}.{norm}.weight", src.dtype)
         p.name = named(f"{norm}.weight")
         yield p
-    for proj, per in (("q_b_proj", qk), ("kv_b_proj", nv)):
-        for p in fused(src, at, proj, {proj: (h0 * per, hn * per, heads * per)}):
+    for proj in ("q_b_proj", "kv_b_proj"):
+        for p in fused(src, at, proj, {proj: span(proj)}):
             p.name = named(p.name.removeprefix(f"{at}."))
             yield p
-    v = cfg.v_head_dim
-    for p in row(src, f"{at}.o_proj", h0 * v, (hn - h0) * v, heads * v):
+    a, b, full = span("o_proj")
+    for p in row(src, f"{at}.o_proj", a, b - a, full):
         p.name = named(p.name.removeprefix(f"{at}."))
         yield p
     yield from attention_scales(f"{at}.mla_attn.mla_attn", src.dtype, False)
@@ -286,10 +262,12 @@ def rank_planner(ck: Checkpoint, ranks: list[Rank]) -> Callable[[Rank], list[Par
     records of the rank it writes, not of every rank). The source is checked here; a
     refusal of the layout comes from building a rank's list, so a writer builds every
     rank's once before it writes."""
-    _, cfg = _check_source(ck)
+    arch, cfg = _check_source(ck)
     if any(r.ep for r in ranks) and not getattr(getattr(cfg, "text", cfg), "num_experts", 0):
         raise ConfigError(f"{ck.root}: --ep needs a model with routed experts.")
+    # (validated once per source: _check_source's matches, memoised)
+    roles = {n: m.role for n, m in validate_source(arch, cfg, ck, str(ck.root)).items()}
     if ck.config.get("model_type") == "kimi_k3":
-        return lambda r: list(k3_params(ck, cfg, dtype_of(ck), r))
-    src = Slicer(ck, cfg, dtype_of(ck))
-    return lambda r: list(_decoder_params(src, r))
+        return lambda r: list(k3_params(ck, cfg, dtype_of(ck), r, roles))
+    src = Slicer(ck, cfg, dtype_of(ck), roles)
+    return lambda r: list(_decoder_params(src, arch, r))
