@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from .arch import resolve
 from .checkpoint import TensorMeta
-from .engines.vllm_layers import FUSED_SETS, group_problem, whole_fp8_blocks
+from .engines.vllm_layers import FUSED_SETS, input_slice_problem, whole_fp8_blocks
 from .errors import ConfigError
 from .layout import Layout
 from .shard.plan import Splitter
@@ -318,14 +318,13 @@ def check_plan(plan, config: dict, *, tp: int = 1, moe_ep: int = 1, device: str 
                     f"(vLLM: output_partition_size not divisible by block_n)",
                     f"use fp8-dynamic for it, a block of {_divisor_hint(out)} rows, or keep "
                     f"it", tp)  # fmt: skip
-            if n > 1 and r.role.split_dim == 1 and inp % bk:
-                add(r, f"its input slice {inp} at tp {n} is not a multiple of the block's "
-                    f"{bk} columns (vLLM: input_size_per_partition not divisible by "
-                    f"block_k)", f"use a tp whose slice is a multiple of {bk}, "
-                    f"fp8-dynamic, or keep it", tp)  # fmt: skip
+            why = input_slice_problem(inp, "block", bk) if n > 1 and r.role.split_dim == 1 else None
+            if why:
+                add(r, why, f"use a tp whose slice is a multiple of {bk}, fp8-dynamic, or "
+                    f"keep it", tp)  # fmt: skip
         g = getattr(scheme, "group_size", None)
         if kernel_class(scheme).startswith(("int4-w4a16", "int8-w8a16", "intN")):
-            why = group_problem(inp, g) if n > 1 and r.role.split_dim == 1 else None
+            why = input_slice_problem(inp, "group", g) if n > 1 and r.role.split_dim == 1 else None
             if why:
                 add(r, why, f"use group_size {_divisor_hint(inp)}, a smaller tp, or keep it",
                     tp)  # fmt: skip

@@ -61,7 +61,8 @@ def test_fp8_block_input_columns_of_row_parallel_slices(model_factory):
     ps = _problems(src, "fp8-block", tp=4)  # o_proj: 128 / 4 = 32 input columns each
     bad = {p.tensor.rsplit(".", 2)[-2]: p for p in ps}
     assert "o_proj" in bad and "block_k" in bad["o_proj"].rule
-    assert "input slice 32 at tp 4" in bad["o_proj"].rule
+    assert "input slice 32 is not a multiple of the block's 128" in bad["o_proj"].rule
+    assert bad["o_proj"].tp == 4
 
 
 def test_int_group_must_divide_the_tp_slice(model_factory):

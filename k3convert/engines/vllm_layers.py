@@ -248,33 +248,43 @@ def _per_member(src: Slicer, prefix: str, merged: str, members: list[str], part:
     return Param(f"{prefix}.{merged}.{part}", dtype, (len(modules),), make, pieces=pieces)
 
 
-def group_problem(width: int, group: int | None) -> str | None:
-    """vLLM 0.32's rule for grouped weights split by input columns
-    (``verify_group_size_divides_partition``): the group size divides a rank's slice of
-    ``width`` columns - stricter than a cut on group boundaries only where one group
-    spans the whole input. The writer (:func:`row`, the routed experts' ``w2``) and
+def input_slice_problem(width: int, strategy: str | None, granule: int | None) -> str | None:
+    """vLLM 0.32's rules for a rank's slice of ``width`` input columns of a row-parallel
+    Linear: an int group size divides it (``verify_group_size_divides_partition``), and
+    so does an FP8 block's width (``validate_fp8_block_shape``'s block_k) - stricter than
+    a cut on group / block boundaries only where one group or block spans the whole
+    input. The writer (:func:`row`, the routed experts' ``w2``) and
     ``serving.check_plan`` both ask this."""
-    if group and width % group:
+    if not granule or not width % granule or strategy not in ("group", "block"):
+        return None
+    if strategy == "group":
         return (
-            f"its input slice {width} is not a multiple of the group size {group} "
+            f"its input slice {width} is not a multiple of the group size {granule} "
             f"(vLLM: group size must divide the partition)"
         )
-    return None
+    return (
+        f"its input slice {width} is not a multiple of the block's {granule} columns "
+        f"(vLLM: input_size_per_partition not divisible by block_k)"
+    )
 
 
-def input_group(ck: Checkpoint, module: str) -> int | None:
-    """The quantization group (in input columns) of a Linear stored with group scales."""
+def input_granule(ck: Checkpoint, module: str) -> tuple[str | None, int | None]:
+    """(strategy, columns per group / block) of a Linear stored with group or block
+    scales: what :func:`input_slice_problem` takes; (strategy, None) otherwise."""
     q = ck.meta(f"{module}.weight").quant
-    return q.block[1] if q is not None and q.extra.get("strategy") == "group" else None
+    strategy = q.extra.get("strategy") if q is not None else None
+    if strategy in ("group", "block") and q.block:
+        return strategy, q.block[1]
+    return strategy, None
 
 
 def row(src: Slicer, module: str, a: int, n: int, full: int) -> Iterator[Param]:
     """A row-parallel Linear: every stored part's share of input columns [a, a + n)."""
-    why = group_problem(n, input_group(src.ck, module)) if n < full else None
+    why = input_slice_problem(n, *input_granule(src.ck, module)) if n < full else None
     if why:
         raise ConfigError(
-            f"{module}: {why}; pick a tp whose slice the group divides, or re-quantize "
-            f"with smaller groups."
+            f"{module}: {why}; pick a tp whose slice it divides, or re-quantize with "
+            f"smaller groups / blocks."
         )
     for part in module_parts(src.ck, module):
         yield src.row(module, part, a, a + n, full)

@@ -16,7 +16,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError
 from .params import ALL, Param, Piece, Slicer
-from .vllm_layers import Rank, group_problem, input_group, last_loaded, swiglu
+from .vllm_layers import Rank, input_granule, input_slice_problem, last_loaded, swiglu
 
 
 def local_experts(n: int, ep_rank: int, ep_size: int) -> range:
@@ -59,9 +59,10 @@ def fused_moe(src: Slicer, rank: Rank, mlp: str) -> Iterator[Param]:
             f"'{ex}': {hi - lo} intermediate rows per rank are not whole FP8 blocks of "
             f"{q.block[0]} (vLLM refuses them); pick a tp that keeps whole blocks, or --ep."
         )
-    why = group_problem(hi - lo, input_group(ck, f"{ex}.0.down_proj")) if hi - lo < inter else None
+    down = input_granule(ck, f"{ex}.0.down_proj")
+    why = input_slice_problem(hi - lo, *down) if hi - lo < inter else None
     if why:
-        raise ConfigError(f"'{ex}.*.down_proj': {why}; pick a tp the group divides, or --ep.")
+        raise ConfigError(f"'{ex}.*.down_proj': {why}; pick a tp it divides, or --ep.")
     for part, (dt13, shape13), (dt2, shape2) in parts:
         name13, name2 = f"{ex}.routed_experts.w13_{part}", f"{ex}.routed_experts.w2_{part}"
         if part == "weight_shape":  # [out, in] per expert, in vLLM's model dtype (one row)
