@@ -235,14 +235,23 @@ def _edit_header(path, name, **changes):
     path.write_bytes(raw[:8] + new + raw[8 + n :])
 
 
-@pytest.mark.parametrize("case", ["head_dim", "I16", "F16 shape", "norm length", "nan", "inf"])
+@pytest.mark.parametrize(
+    "case",
+    ["head_dim", "head_dim 0", "kv heads 0", "I16", "F16 shape", "norm length", "nan", "inf"],
+)
 def test_a_damaged_source_is_refused_before_writing(llama, tmp_path, case):
     src = _copy(llama, tmp_path / "m")
     w = src / "model.safetensors"
     q = "model.layers.0.self_attn.q_proj.weight"
-    if case == "head_dim":
+    if case.startswith(("head_dim", "kv heads")):
+        # (0 is a value given, not an absent one: transformers and vLLM would take it)
         cfg = json.loads((src / "config.json").read_text())
-        cfg["head_dim"] = cfg.get("head_dim", 32) * 2
+        if case == "head_dim":
+            cfg["head_dim"] = cfg.get("head_dim", 32) * 2
+        elif case == "head_dim 0":
+            cfg["head_dim"] = 0
+        else:
+            cfg["num_key_value_heads"] = 0
         (src / "config.json").write_text(json.dumps(cfg))
     elif case == "I16":
         _edit_header(w, q, dtype="I16")

@@ -45,9 +45,12 @@ def gqa_fields(raw: dict, where: str) -> dict:
     mt = raw["model_type"]
     hidden = positive(req(raw, "hidden_size", where), "hidden_size", where)
     heads = positive(req(raw, "num_attention_heads", where), "num_attention_heads", where)
-    kv = raw.get("num_key_value_heads") or heads
+    # absent or null: the defaults transformers takes; any value given (0 too) is checked
+    kv = raw.get("num_key_value_heads")
+    kv = heads if kv is None else kv
     positive(kv, "num_key_value_heads", where)
-    head_dim = raw.get("head_dim") or hidden // heads
+    head_dim = raw.get("head_dim")
+    head_dim = hidden // heads if head_dim is None else head_dim
     attn_bias = bool(raw.get("attention_bias", False))
     return dict(
         model_type=mt,

@@ -327,7 +327,9 @@ def _scale_map(enc: Encoding, m, part: str, d: int, packed_bits: int | None = No
     kind = "FP8 block" if enc.name == "fp8-block" else "quantization group/block"
     what = f"{kind} of {b[0]}x{b[1]}"
     if packed_bits and d == 0:
-        return AxisMap(0, b[0], packed_bits, f"{what} (zero points packed {packed_bits}-bit)")
+        rows = b[0] * 32 // math.gcd(32, packed_bits)
+        word = f"packed int32 word of {packed_bits}-bit zero points ({rows} rows)"
+        return AxisMap(0, b[0], packed_bits, word)
     return AxisMap(d, b[d], None, what)
 
 

@@ -79,17 +79,17 @@ def _problem(
     if n == 1:
         return None
     length = m.shape[d]
-    amaps = [a for a in maps.values() if isinstance(a, AxisMap)]
-    align = math.lcm(*(a.align for a in amaps)) if amaps else 1
+    amaps = {p: a for p, a in maps.items() if isinstance(a, AxisMap)}
+    align = math.lcm(*(a.align for a in amaps.values())) if amaps else 1
     if mode == "even" and (length % granule or (length // granule) % n):
         return f"{length // granule} {what} do not divide into {n} equal pieces"
     bounds = _bounds(length, n, mode, granule, align)
     if mode == "pad" and any(ln == 0 for _, ln in bounds):
         return f"{n} pieces of {bounds[0][1]} rows (aligned to {align}) leave some ranks empty"
     for start, _ in bounds[1:]:
-        for a in amaps:
+        for part, a in amaps.items():
             if start % a.align:
-                return f"a boundary at {start} would cut a {a.what}"
+                return f"a boundary at {start} would cut a {a.what} (in '{part}')"
     return None
 
 
