@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from k3convert.checkpoint.output import OwnedStage
-from k3convert.engines.vllm_index import check_vllm
+from k3convert.engines.vllm_index import SEAL, check_vllm, seal
 from k3convert.engines.vllm_sharded import INDEX
 from k3convert.engines.vllm_write import STAGE, write_vllm
 from k3convert.errors import CheckpointError, ConfigError, OutputError
@@ -194,10 +194,12 @@ def test_check_and_verify_refuse_what_the_index_does_not_bind(written, tmp_path,
     elif edit == "link":
         (out / "tokenizer.json").unlink()
         (out / "tokenizer.json").symlink_to(written / "tokenizer.json")
-    elif edit == "tp 0":
-        (out / INDEX).write_text(json.dumps({**index, "layout": {"tp": 0, "pp": 1}, "files": []}))
+    elif edit == "tp 0":  # (re-sealed: the layout's own bounds refuse it)
+        bad = {**index, "layout": {"tp": 0, "pp": 1}, "files": []}
+        (out / INDEX).write_text(json.dumps({**bad, SEAL: seal(bad)}))
     else:
-        (out / INDEX).write_text(json.dumps({**index, "layout": {"tp": 10**9, "pp": 1}}))
+        bad = {**index, "layout": {"tp": 10**9, "pp": 1}}
+        (out / INDEX).write_text(json.dumps({**bad, SEAL: seal(bad)}))
     with pytest.raises(StreamCorruptError):
         check_vllm(out)
     t0 = time.perf_counter()

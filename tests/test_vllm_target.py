@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter
-from k3convert.engines.vllm_index import check_vllm
+from k3convert.engines.vllm_index import SEAL, check_vllm, seal
 from k3convert.engines.vllm_layers import pp_layers
 from k3convert.engines.vllm_moe import local_experts
 from k3convert.engines.vllm_sharded import INDEX
@@ -178,9 +178,35 @@ def test_check_refuses_a_malformed_or_incomplete_index(llama, tmp_path):
         with pytest.raises(StreamCorruptError):
             check_vllm(out)
     (out / INDEX).write_text(json.dumps({**index, "files": []}))
-    r = _cli("shard", "--check", out)
+    r = _cli("shard", "--check", out)  # the index's own hash no longer matches
+    assert r.returncode == 1 and f"its {SEAL} does not match" in r.stderr, r.stderr
+    (out / INDEX).write_text(json.dumps(_sealed({**index, "files": []})))
+    r = _cli("shard", "--check", out)  # re-sealed: the listing itself is refused
     assert r.returncode == 1 and "not the 2 of tp 2 x pp 1" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _sealed(index: dict) -> dict:
+    """``index`` with its own hash recomputed (an edit made as the writer would)."""
+    return {**index, SEAL: seal(index)}
+
+
+@pytest.mark.parametrize(
+    "edit", [{"dtype": "float32"}, {"model_type": "kimi_k3"}, {"vllm": "0.99.0"}, {"tp": 4}]
+)
+def test_every_field_of_the_index_is_bound(llama, tmp_path, edit):
+    """The index is sealed by the hash of its other fields: an edited dtype or model type
+    (which the printed LLM(...) call is built from), vLLM version, or an added field is
+    refused (exit 1), where a re-sealed one is read."""
+    out = tmp_path / "v"
+    write_vllm(src=llama, out=out, tp=2)
+    index = json.loads((out / INDEX).read_text())
+    (out / INDEX).write_text(json.dumps({**index, **edit}))
+    r = _cli("shard", "--check", out)
+    assert r.returncode == 1 and "the index was edited or damaged" in r.stderr, r.stderr
+    body = {k: v for k, v in index.items() if k != SEAL}
+    (out / INDEX).write_text(json.dumps(_sealed({**body, **edit})))
+    assert "intact" in check_vllm(out)
 
 
 def test_local_experts_follow_vllm_linear_placement():
@@ -392,7 +418,7 @@ def _tamper(out, fname: str, key: str, fn) -> None:
     for f in index["files"]:
         if f["name"] == fname:
             f["bytes"], f["hash"] = path.stat().st_size, file_digest(path, "xxh3-128")
-    (out / INDEX).write_text(json.dumps(index))
+    (out / INDEX).write_text(json.dumps(_sealed(index)))
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ rank files' tensors against the index)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -15,7 +16,7 @@ from safetensors import SafetensorError
 from ..checkpoint.bounded import read_json
 from ..checkpoint.output import refuse_partial
 from ..stream.format import StreamCorruptError
-from ..stream.hashing import file_digest
+from ..stream.hashing import digest, file_digest
 from .vllm_layers import Rank
 from .vllm_sharded import DESCRIBED, FORMAT, HASH, INDEX, INDEX_VERSION, MAX_WORLD
 
@@ -25,6 +26,19 @@ CONVERT_REPORT = "convert_report.json"
 #: convert's loss report of a one-pass write (:mod:`k3convert.quant.fidelity`'s file)
 LOSS_REPORT = "transcode_report.json"
 REPORTS = frozenset({CONVERT_REPORT, LOSS_REPORT})
+
+
+#: the index's own hash: of every other field, so an edit of any (the dtype or model type
+#: the ``LLM(...)`` call is built from, the vLLM version, a field added) is refused
+SEAL = "index_hash"
+
+
+def seal(index: dict) -> str:
+    """``xxh3-128:HEX`` of the index's fields but :data:`SEAL`, rendered canonically (keys
+    sorted, no whitespace): what the writer stores under :data:`SEAL`, last."""
+    body = {k: v for k, v in index.items() if k != SEAL}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return digest(HASH, text.encode("utf-8"))
 
 
 def read_index(path: str | os.PathLike) -> dict:
@@ -39,6 +53,11 @@ def read_index(path: str | os.PathLike) -> dict:
         raise StreamCorruptError(
             f"{p}: index version {index.get('version')!r}, not {INDEX_VERSION} (written by "
             f"another k3convert: {index.get('generator')!r}); rewrite OUT with this version."
+        )
+    if index.get(SEAL) != seal(index):
+        raise StreamCorruptError(
+            f"{p}: its fields differ from those written (its {SEAL} does not match them): "
+            f"the index was edited or damaged; rewrite OUT."
         )
     lay = index.get("layout")
     nums = [lay.get(k, 1 if k == "ep" else None) for k in ("tp", "pp", "ep")] if isinstance(

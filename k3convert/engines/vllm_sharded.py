@@ -49,8 +49,9 @@ VLLM_VERSION = "0.32.0"
 #: written last: a directory without it (or with another format in it) is not complete
 INDEX = "k3convert-vllm.json"
 FORMAT = "k3convert-vllm-sharded-state"
-#: 2: the index binds the directory (carried files hashed, the source fingerprinted)
-INDEX_VERSION = 2
+#: 2: the index binds the directory (carried files hashed, the source fingerprinted);
+#: 3: and itself (``index_hash``: every other field of it, see ``vllm_index.seal``)
+INDEX_VERSION = 3
 #: the most ranks (tp x pp) a layout may have: more than any cluster vLLM runs on;
 #: checked by the writer before a single rank is built, and by every index read
 MAX_WORLD = 4096

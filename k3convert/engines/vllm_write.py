@@ -43,6 +43,7 @@ from ..stream.hashing import new as new_hasher
 from ..stream.manifest_doc import atomic_json
 from ..units import byte_bar
 from .params import Param
+from .vllm_index import SEAL, seal
 from .vllm_layers import RANK_FILE_RX, Rank
 from .vllm_sharded import (
     DESCRIBED,
@@ -330,6 +331,7 @@ def _finish_stage(stage: OwnedStage, out: Path, force: bool, index: dict, shares
                                  "hash": file_digest(work / name, HASH)})  # fmt: skip
     stage.check_out(force)  # (before the journal goes: a refusal keeps it resumable)
     shutil.rmtree(work / JOURNAL)
+    index[SEAL] = seal(index)  # (last: of every other field)
     atomic_json(work / INDEX, json.dumps(index, indent=1) + "\n")  # (fsynced)
     # its refusals (OUT appeared meanwhile) keep the finished stage for a rerun
     stage.commit(expected, force)
