@@ -279,6 +279,25 @@ def test_a_damaged_source_is_refused_before_writing(llama, tmp_path, case):
         assert q in r.stderr and "NaN or infinite" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "name, text",
+    [("tokenizer.json", "{"), ("tokenizer.json", "null"), ("tokenizer_config.json", "[" * 100_000),
+     ("generation_config.json", '{"a": 1, "a": 2}')],
+)  # fmt: skip
+@pytest.mark.parametrize("target", ["vllm", "stream"])
+def test_a_damaged_tokenizer_file_is_refused_not_carried(llama, tmp_path, name, text, target):
+    """A file the serving engine parses at load (tokenizer, generation settings) that is
+    not one strict JSON object is refused before anything is written, by both targets."""
+    src = _copy(llama, tmp_path / "m")
+    (src / name).write_text(text)
+    before = _snapshot(src)
+    r = _cli("shard", src, tmp_path / "o", "--target", target, "--no-progress")
+    _one_line_exit(r, 2)
+    assert name in r.stderr and "restore the release's file" in r.stderr
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
+    assert _snapshot(src) == before
+
+
 @pytest.mark.parametrize("flags", [["--tp", "1000000000"], ["--pp", "1000"], ["--tp", "3"]])
 def test_layouts_are_bounded_before_anything_is_built(llama, tmp_path, flags):
     t0 = time.perf_counter()

@@ -504,9 +504,32 @@ def _my_units(plan: Plan, group: ProcessGroup, by_layer: bool) -> list[UnitPlan]
     return [up for ups in share[group.rank] for up in ups]
 
 
+#: carried files a serving engine parses as JSON objects (transformers' tokenizer and
+#: generation settings): each must be one, strict and bounded, before it is carried
+PARSED_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
+
+
 def carried_files(ck: Checkpoint) -> list[tuple[str, Path | bytes]]:
-    """config.json, tokenizer, processor and other non-weight files of a checkpoint."""
-    return [(p.name, p) for p in [ck.root / "config.json", *ck.aux_files] if p.is_file()]
+    """config.json, tokenizer, processor and other non-weight files of a checkpoint
+    (those in :data:`PARSED_JSON` checked to be JSON objects first: a damaged one is
+    refused here, not carried into an output its engine cannot load)."""
+    files = [p for p in [ck.root / "config.json", *ck.aux_files] if p.is_file()]
+    for p in files:
+        if p.name in PARSED_JSON:
+            try:
+                read_json(p, "tokenizer", ConfigError)
+            except ConfigError as e:  # (one line: what, where, then what to do)
+                raise ConfigError(
+                    f"{str(e).rstrip('.')}; serving engines parse it when they load the "
+                    f"model - restore the release's file, or remove it if the model needs none."
+                ) from None
+    return [(p.name, p) for p in files]
 
 
 def _carry(carry: list[tuple[str, Path | bytes]], out: Path) -> list[dict]:
