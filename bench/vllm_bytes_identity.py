@@ -6,9 +6,9 @@
     python bench/vllm_bytes_identity.py write . /tmp/vbi new
     python bench/vllm_bytes_identity.py compare /tmp/vbi base new
 
-``sources`` synthesizes the cases (llama in bf16 and six schemes, qwen3_moe in bf16 / w8a8
-/ nvfp4, deepseek_v3, kimi_k3 as released); ``write`` writes each at tp1, tp2, tp1 pp2
-and tp2 ep2 with the tree given (its ``write_vllm``, wherever that tree keeps it) and
+``sources`` synthesizes the cases (llama in bf16 and seven schemes, qwen3_moe in bf16 and
+four, deepseek_v3, kimi_k3 as released); ``write`` writes each at tp1, tp2, tp1 pp2,
+tp2 ep2, tp4 and tp2 pp2 with the tree given (its ``write_vllm``, wherever that tree keeps it) and
 records the sha256 of every rank file (or the refusal); ``compare`` prints a table and
 exits 1 on any difference. Each rank file is deleted once hashed.
 """
@@ -22,9 +22,12 @@ import shutil
 import sys
 from pathlib import Path
 
-LAYOUTS = [dict(tp=1), dict(tp=2), dict(tp=1, pp=2), dict(tp=2, ep=2)]
-LLAMA_SCHEMES = ["w8a8", "fp8-dynamic", "w4a16", "nvfp4", "fp8-block", "int4-g32-asym"]
-MOE_SCHEMES = ["w8a8", "nvfp4"]
+#: tp 4 over the tiny models' 2 KV heads: each replicated on two ranks
+LAYOUTS = [dict(tp=1), dict(tp=2), dict(tp=1, pp=2), dict(tp=2, ep=2), dict(tp=4),
+           dict(tp=2, pp=2)]  # fmt: skip
+LLAMA_SCHEMES = ["w8a8", "fp8-dynamic", "w4a16", "nvfp4", "fp8-block", "int4-g32-asym",
+                 "int8-g32-asym"]  # fmt: skip
+MOE_SCHEMES = ["w8a8", "nvfp4", "int4-g32-asym", "w4a16"]
 
 
 def sources(root: Path) -> None:

@@ -75,31 +75,6 @@ def _q(src: str, out: str, *args: str) -> list[str]:
     return ["quantize", "{w}/" + src, "{w}/" + out, *args]
 
 
-#: (name, source, layout) of ``shard --target vllm`` runs on the sources above
-VLLM_JOBS = [
-    ("llama-tp2", "llama", ["--tp", "2"]),
-    ("llama-pp2", "llama", ["--pp", "2"]),
-    ("w4-tp2", "q-w4-rtn", ["--tp", "2"]),
-    ("w4asym-tp2", "q-w4asym", ["--tp", "2"]),
-    ("int8g32asym-tp2", "q-int8asym", ["--tp", "2"]),
-    ("gptq-tp2pp2", "q-gptq", ["--tp", "2", "--pp", "2"]),
-    ("w8a8-tp2", "q-sq", ["--tp", "2"]),
-    ("fp8blk-tp1", "q-fp8blk", []),
-    ("nvfp4-tp2", "q-nvfp4", ["--tp", "2"]),
-    ("nvfp4-ep2", "q-nvfp4", ["--tp", "2", "--ep", "2"]),
-    ("awq-moe-tp2", "q-awq-moe", ["--tp", "2"]),  # refused: a group cut in two
-    ("awq-moe-ep2", "q-awq-moe", ["--tp", "2", "--ep", "2"]),
-    ("w4-tp4", "q-w4-rtn", ["--tp", "4"]),  # refused: a group cut in two
-    ("int8g32asym-tp4", "q-int8asym", ["--tp", "4"]),  # KV heads replicated
-    ("qwen-tp2pp2", "qwen", ["--tp", "2", "--pp", "2"]),
-    ("dsv3-tp2", "dsv3", ["--tp", "2"]),  # refused: the release's own fp8 format
-    ("fp8-dsv3-ep2", "q-fp8", ["--tp", "2", "--ep", "2"]),
-    ("k3-tp2ep2", "k3", ["--tp", "2", "--ep", "2"]),
-    ("k3-int4-tp2", "q-k3-int4", ["--tp", "2"]),  # refused: K3 is served as released
-    ("k3-tp2pp2", "k3", ["--tp", "2", "--pp", "2"]),
-    ("k3-tp4", "k3", ["--tp", "4"]),
-]
-
 # (name, argv after `k3convert`); {w} is the work dir.
 JOBS: list[tuple[str, list[str]]] = [
     ("synth-k3", ["synth", "kimi-k3", "{w}/k3", "--tiny", "--seed", "1"]),
@@ -122,9 +97,6 @@ JOBS: list[tuple[str, list[str]]] = [
     ("q-static", _q("dsv3", "q-static", "--scheme", "fp8", *CAL, "--algorithm", "static",
                     "--observer", "mse", "--kv-cache", "fp8")),
     ("q-nvfp4", _q("qwen", "q-nvfp4", "--scheme", "nvfp4", *CAL)),
-    ("q-w4asym", _q("llama", "q-w4asym", "--scheme", "w4a16-asym")),
-    ("q-int8asym", _q("qwen", "q-int8asym", "--scheme", "int8-g32-asym")),
-    ("q-fp8blk", _q("llama", "q-fp8blk", "--scheme", "fp8-block")),
     ("q-autokeep", _q("llama", "q-autokeep", "--scheme", "w4a16", "--auto-keep", "10%",
                       "--sensitivity", "output", *DATA)),
     ("q-k3-int4", _q("k3", "q-k3-int4", "--recipe", "recipes/kimi-k3-int4-experts.yaml")),
@@ -139,10 +111,6 @@ JOBS: list[tuple[str, list[str]]] = [
                    "--decode", "2", "--json", "{w}/verify-k3.json"]),
     ("verify-gptq", ["verify", "{w}/s-gptq", "--reference", "{w}/llama", "--random", "2",
                      "--json", "{w}/verify-gptq.json"]),
-    # --target vllm: every family and stored scheme the engine writer slices
-    *[(f"vllm-{name}", ["shard", "{w}/" + src, "{w}/v-" + name, "--target", "vllm",
-                        "--serving-device", "cuda", *args])
-      for name, src, args in VLLM_JOBS],
     ("plan-k3", ["plan", "{w}/k3", "--tp", "2", "--pp", "2", "--ep", "2", "--context", "4k",
                  "--device", "h100", "--json", "{w}/plan-k3.json"]),
     ("plan-preset", ["plan", "kimi-k3", "--recipe", "recipes/kimi-k3-int4-experts.yaml",
