@@ -20,8 +20,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from k3convert.checkpoint.output import OwnedStage
-from k3convert.engines.vllm_index import SEAL, check_vllm, seal
-from k3convert.engines.vllm_sharded import INDEX
+from k3convert.engines.rank_files import SEAL, seal
+from k3convert.engines.vllm_index import check_vllm
+from k3convert.engines.vllm_sharded import HASH, INDEX
 from k3convert.engines.vllm_write import STAGE, write_vllm
 from k3convert.errors import CheckpointError, ConfigError, OutputError
 from k3convert.stream.format import StreamCorruptError
@@ -120,7 +121,7 @@ def test_a_foreign_directory_or_file_at_the_stage_is_never_emptied(llama, tmp_pa
 def test_a_stage_holding_a_file_of_its_own_refuses_to_carry_it(llama, tmp_path, monkeypatch):
     """An interrupted stage (ours) into which something else was dropped: refused, not
     carried into OUT and not deleted."""
-    from k3convert.engines import vllm_write as vw
+    from k3convert.engines import rank_files as vw
 
     def stop(*a, **k):
         raise KeyboardInterrupt
@@ -196,10 +197,10 @@ def test_check_and_verify_refuse_what_the_index_does_not_bind(written, tmp_path,
         (out / "tokenizer.json").symlink_to(written / "tokenizer.json")
     elif edit == "tp 0":  # (re-sealed: the layout's own bounds refuse it)
         bad = {**index, "layout": {"tp": 0, "pp": 1}, "files": []}
-        (out / INDEX).write_text(json.dumps({**bad, SEAL: seal(bad)}))
+        (out / INDEX).write_text(json.dumps({**bad, SEAL: seal(bad, HASH)}))
     else:
         bad = {**index, "layout": {"tp": 10**9, "pp": 1}}
-        (out / INDEX).write_text(json.dumps({**bad, SEAL: seal(bad)}))
+        (out / INDEX).write_text(json.dumps({**bad, SEAL: seal(bad, HASH)}))
     with pytest.raises(StreamCorruptError):
         check_vllm(out)
     t0 = time.perf_counter()
@@ -311,7 +312,7 @@ def test_layouts_are_bounded_before_anything_is_built(llama, tmp_path, flags):
 def test_resume_after_a_same_size_same_mtime_swap_rewrites_from_the_new_source(
     llama, tmp_path, monkeypatch
 ):
-    from k3convert.engines import vllm_write as vw
+    from k3convert.engines import rank_files as vw
 
     src = _copy(llama, tmp_path / "m")
     real, calls = vw._write_rank, []
@@ -372,7 +373,7 @@ def test_a_stage_swapped_for_a_link_after_the_lock_is_never_written_through(
     """The review's race: the stage renamed away and a link to the source put at its name
     once the checks passed. Every write goes to the locked directory itself (not through
     the name), and the commit sees the swap: refused, the source untouched."""
-    from k3convert.engines import vllm_write as vw
+    from k3convert.engines import rank_files as vw
 
     src = _copy(llama, tmp_path / "m")
     before = _snapshot(src)
@@ -392,7 +393,7 @@ def test_a_stage_swapped_for_a_link_after_the_lock_is_never_written_through(
 
 
 def test_an_out_that_appears_meanwhile_keeps_the_finished_stage(llama, tmp_path, monkeypatch):
-    from k3convert.engines import vllm_write as vw
+    from k3convert.engines import rank_files as vw
 
     out, real = tmp_path / "o", vw._write_ranks
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k3convert.checkpoint import open_checkpoint
-from k3convert.engines import vllm_write
+from k3convert.engines import rank_files, vllm_write
 from k3convert.engines.vllm_index import check_vllm
 from k3convert.engines.vllm_sharded import DESCRIBED, INDEX
 from k3convert.engines.vllm_source import VllmSource
@@ -161,7 +161,7 @@ def test_an_interrupted_one_pass_resumes_under_the_same_quantization(models, tmp
                                                                     monkeypatch):  # fmt: skip
     src = models["llama3-8b"]
     recipe = _recipe(tmp_path, "quantize: {scheme: w8a8}", 2, 1)
-    real = vllm_write._write_rank
+    real = rank_files._write_rank
 
     def stop_at_rank_1(stage, journal, r, *a):
         if r.tp == 1:
@@ -172,10 +172,10 @@ def test_an_interrupted_one_pass_resumes_under_the_same_quantization(models, tmp
         return convert(src=src, out=out, recipe=rec, progress=False, log=lambda m: None, **kw)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(vllm_write, "_write_rank", stop_at_rank_1)
+    monkeypatch.setattr(rank_files, "_write_rank", stop_at_rank_1)
     with pytest.raises(KeyboardInterrupt):
         run(out)
-    monkeypatch.setattr(vllm_write, "_write_rank", real)
+    monkeypatch.setattr(rank_files, "_write_rank", real)
     assert not out.exists() and (tmp_path / ".out.vllm-partial").is_dir()
     res = run(out)
     assert res.report["rank_files_kept"] == 1
@@ -187,10 +187,10 @@ def test_an_interrupted_one_pass_resumes_under_the_same_quantization(models, tmp
         "model.layers.0.mlp.down_proj.weight").encoding == "int-quantized"  # fmt: skip
     # another quantization of the same source, with the same tensor table (GPTQ's int8
     # values, not round to nearest's): the interrupted run's rank file is not kept
-    monkeypatch.setattr(vllm_write, "_write_rank", stop_at_rank_1)
+    monkeypatch.setattr(rank_files, "_write_rank", stop_at_rank_1)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "o2")
-    monkeypatch.setattr(vllm_write, "_write_rank", real)
+    monkeypatch.setattr(rank_files, "_write_rank", real)
     (tmp_path / "x").mkdir()
     gptq = "quantize: {scheme: w8a8, calibrate: {algorithm: gptq, num_samples: 2, seq_len: 16}}"
     res = run(tmp_path / "o2", _recipe(tmp_path / "x", gptq, 2, 1))

@@ -17,10 +17,11 @@ from safetensors import safe_open
 
 from k3convert.checkpoint import open_checkpoint
 from k3convert.checkpoint.safetensors_io import SafetensorsWriter
-from k3convert.engines.vllm_index import SEAL, check_vllm, seal
+from k3convert.engines.rank_files import SEAL, seal
+from k3convert.engines.vllm_index import check_vllm
 from k3convert.engines.vllm_layers import pp_layers
 from k3convert.engines.vllm_moe import local_experts
-from k3convert.engines.vllm_sharded import INDEX
+from k3convert.engines.vllm_sharded import HASH, INDEX
 from k3convert.engines.vllm_write import write_vllm
 from k3convert.errors import ConfigError
 from k3convert.pipeline import quantize
@@ -188,7 +189,7 @@ def test_check_refuses_a_malformed_or_incomplete_index(llama, tmp_path):
 
 def _sealed(index: dict) -> dict:
     """``index`` with its own hash recomputed (an edit made as the writer would)."""
-    return {**index, SEAL: seal(index)}
+    return {**index, SEAL: seal(index, HASH)}
 
 
 @pytest.mark.parametrize(
@@ -489,7 +490,7 @@ def test_verify_needs_the_source_and_no_layout(llama, tmp_path):
 def test_an_interrupted_write_resumes_and_is_never_taken_for_output(llama, tmp_path, monkeypatch):
     """Stopped after rank 0: no OUT (vLLM and `shard --check` see nothing), the stage
     kept; the rerun keeps rank 0's file and writes the same bytes as a fresh run."""
-    from k3convert.engines import vllm_write as vs
+    from k3convert.engines import rank_files as vs
 
     real, calls = vs._write_rank, []
 

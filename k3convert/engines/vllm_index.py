@@ -5,7 +5,6 @@ rank files' tensors against the index)."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -16,7 +15,8 @@ from safetensors import SafetensorError
 from ..checkpoint.bounded import read_json
 from ..checkpoint.output import refuse_partial
 from ..stream.format import StreamCorruptError
-from ..stream.hashing import digest, file_digest
+from ..stream.hashing import file_digest
+from .rank_files import SEAL, seal
 from .vllm_layers import Rank
 from .vllm_sharded import DESCRIBED, FORMAT, HASH, INDEX, INDEX_VERSION, MAX_WORLD
 
@@ -26,19 +26,6 @@ CONVERT_REPORT = "convert_report.json"
 #: convert's loss report of a one-pass write (:mod:`k3convert.quant.fidelity`'s file)
 LOSS_REPORT = "transcode_report.json"
 REPORTS = frozenset({CONVERT_REPORT, LOSS_REPORT})
-
-
-#: the index's own hash: of every other field, so an edit of any (the dtype or model type
-#: the ``LLM(...)`` call is built from, the vLLM version, a field added) is refused
-SEAL = "index_hash"
-
-
-def seal(index: dict) -> str:
-    """``xxh3-128:HEX`` of the index's fields but :data:`SEAL`, rendered canonically (keys
-    sorted, no whitespace): what the writer stores under :data:`SEAL`, last."""
-    body = {k: v for k, v in index.items() if k != SEAL}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return digest(HASH, text.encode("utf-8"))
 
 
 def read_index(path: str | os.PathLike) -> dict:
@@ -54,7 +41,7 @@ def read_index(path: str | os.PathLike) -> dict:
             f"{p}: index version {index.get('version')!r}, not {INDEX_VERSION} (written by "
             f"another k3convert: {index.get('generator')!r}); rewrite OUT with this version."
         )
-    if index.get(SEAL) != seal(index):
+    if index.get(SEAL) != seal(index, HASH):
         raise StreamCorruptError(
             f"{p}: its fields differ from those written (its {SEAL} does not match them): "
             f"the index was edited or damaged; rewrite OUT."
