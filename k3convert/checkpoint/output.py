@@ -159,8 +159,9 @@ def probe_writable(out: Path, *, inside: bool = False) -> None:
     misleading message. ``inside``: the writes go into OUT itself (shard), else next to
     it (the ``.OUT.partial`` directory, a logits temp file)."""
     d = existing_parent(out if inside and out.is_dir() else out.parent)
-    try:
-        tempfile.TemporaryDirectory(dir=d, prefix=".k3-probe-").cleanup()
+    try:  # an unnamed file (O_TMPFILE where the OS has it): a kill leaves nothing behind
+        with tempfile.TemporaryFile(dir=d, prefix=".k3-probe-"):
+            pass
     except OSError as e:
         raise write_error(e, out, "creating a file in " + str(d)) from e
 
