@@ -79,9 +79,9 @@ class Slicer:
     tensor's role in its architecture (``validate_source``'s matches): what
     :meth:`span` cuts it by."""
 
-    def __init__(self, ck: Checkpoint, cfg, dtype: torch.dtype, roles: dict | None = None):
+    def __init__(self, ck: Checkpoint, cfg, dtype: torch.dtype, roles: dict):
         self.ck, self.cfg, self.dtype = ck, cfg, dtype
-        self.roles = roles or {}
+        self.roles = roles
         self._splitters: dict[tuple[int, bool], Splitter] = {}
 
     def span(self, name: str, tp: int, tp_size: int, ep: bool = False) -> tuple[int, int, int]:

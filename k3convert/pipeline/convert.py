@@ -63,7 +63,7 @@ from ..report_html import write_html
 from ..serving import ServingTarget, resolve_device
 from ..serving import report as serving_report
 from ..shard.plan import ROUTING_COUNTS, build_plan
-from ..shard.writer import ShardResult, carried_files, write_stream
+from ..shard.writer import ShardResult, carried_files, check_carried, write_stream
 from ..stream.format import JOURNAL, MANIFEST
 from ..stream.reader import load_manifest
 from ..units import byte_bar
@@ -583,7 +583,9 @@ def carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
         ours.add(ROUTING_COUNTS)  # this calibration's counts replace the source's
     cfg = (json.dumps(prep.output_config(), indent=2) + "\n").encode()
     carry: list[tuple[str, Path | bytes]] = [("config.json", cfg)]
-    carry += [(p.name, p) for p in ck.aux_files if p.name not in ours]
+    aux = [p for p in ck.aux_files if p.name not in ours]
+    check_carried(aux)
+    carry += [(p.name, p) for p in aux]
     if routing is not None:
         carry.append((ROUTING_COUNTS, routing))
     return carry

@@ -26,7 +26,7 @@ from ..checkpoint import Checkpoint, TensorMeta
 from ..checkpoint.bounded import read_json
 from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import ConfigError, short_list
-from ..layout import Layout, partition_layers, place_experts
+from ..layout import Layout, divisors, partition_layers, place_experts
 from ..stream.format import SplitError, build_header, nbytes_of, unit_file, unit_metadata
 from .split import PartSlice, Piece, split_tensor, whole
 
@@ -229,14 +229,16 @@ class Splitter:
         if rule == "kv_heads":
             kv = self.cfg.num_kv_heads
             g = self._granule(m, d, kv, "KV heads")
+            if kv % tp and tp % kv:
+                over = "exceeds" if tp > kv else "does not divide"
+                raise SplitError(
+                    f"cannot split '{m.name}' by KV heads: tp={tp} {over} the {kv} KV heads "
+                    f"and is not a multiple of them, so heads cannot be replicated evenly. "
+                    f"Use tp dividing {kv} ({', '.join(map(str, divisors(kv)))}) or a "
+                    f"multiple of {kv}."
+                )
             if tp <= kv:
                 return split_tensor(m, d, tp, granule=g, what="KV heads", degree_name=dname)
-            if tp % kv:
-                raise SplitError(
-                    f"cannot split '{m.name}' by KV heads: tp={tp} exceeds the {kv} KV heads "
-                    f"and is not a multiple of them, so heads cannot be replicated evenly. "
-                    f"Use tp dividing {kv} or a multiple of {kv}."
-                )
             base = split_tensor(m, d, kv, granule=g, what="KV heads", degree_name="kv groups")
             rep = tp // kv
             return [base[r // rep] for r in range(tp)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import threading
@@ -42,7 +43,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..checkpoint.bounded import read_json
+from ..checkpoint.bounded import read_json, read_text
 from ..checkpoint.output import (
     check_replaceable,
     free_bytes,
@@ -517,19 +518,31 @@ PARSED_JSON = (
 
 def carried_files(ck: Checkpoint) -> list[tuple[str, Path | bytes]]:
     """config.json, tokenizer, processor and other non-weight files of a checkpoint
-    (those in :data:`PARSED_JSON` checked to be JSON objects first: a damaged one is
-    refused here, not carried into an output its engine cannot load)."""
+    (checked by :func:`check_carried` first)."""
     files = [p for p in [ck.root / "config.json", *ck.aux_files] if p.is_file()]
-    for p in files:
-        if p.name in PARSED_JSON:
-            try:
-                read_json(p, "tokenizer", ConfigError)
-            except ConfigError as e:  # (one line: what, where, then what to do)
-                raise ConfigError(
-                    f"{str(e).rstrip('.')}; serving engines parse it when they load the "
-                    f"model - restore the release's file, or remove it if the model needs none."
-                ) from None
+    check_carried(files)
     return [(p.name, p) for p in files]
+
+
+def check_carried(paths) -> None:
+    """Each of ``paths`` named in :data:`PARSED_JSON` is one JSON object (bounded; a key
+    given twice is let through, as the engines' loaders take the last): a damaged one is
+    refused (ConfigError, exit 2) before anything is written, not carried into an output
+    its engine cannot load."""
+    for p in paths:
+        if p.name not in PARSED_JSON:
+            continue
+        try:
+            doc = json.loads(read_text(p, "tokenizer", ConfigError))
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            doc = ConfigError(f"{p}: not valid JSON ({why})")
+        if not isinstance(doc, dict):
+            what = doc if isinstance(doc, ConfigError) else f"{p}: not a JSON object"
+            raise ConfigError(
+                f"{str(what).rstrip('.')}; serving engines parse it when they load the "
+                f"model - restore the release's file, or remove it if the model needs none."
+            )
 
 
 def _carry(carry: list[tuple[str, Path | bytes]], out: Path) -> list[dict]:
