@@ -173,7 +173,6 @@ def test_parsed_unit_headers_are_kept_within_a_tensor_budget(k3, tmp_path, monke
 
     out = shard(src=k3, out=tmp_path / "s", tp=2, ep=2, progress=False).out
     monkeypatch.setattr(unit_loader, "_PARSED", unit_loader.OrderedDict())
-    monkeypatch.setattr(unit_loader, "_parsed_tensors", 0)
     monkeypatch.setattr(unit_loader, "_PARSED_TENSORS", 40)
     st = open_stream(out)
     sizes = []
@@ -181,7 +180,6 @@ def test_parsed_unit_headers_are_kept_within_a_tensor_budget(k3, tmp_path, monke
         for u in st.rank(r).units(prefetch=0):
             sizes.append(len(u.tensors))
     held = [len(v[1][1]) for v in unit_loader._PARSED.values()]
-    assert unit_loader._parsed_tensors == sum(held)
     assert max(sizes) > 40 and len(sizes) > len(held) >= 1
     assert sum(held) <= 40 or len(held) == 1
     # a unit read again after its header was dropped parses the same

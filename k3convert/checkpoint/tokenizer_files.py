@@ -2,12 +2,14 @@
 checked first (regular files under the tokenizer size cap: a FIFO would block it, a huge
 file eat memory), and a panic of the Rust ``tokenizers`` library (a BaseException that
 ``except Exception`` lets through, with a backtrace printed on stderr) becomes one line.
-Used by calibration, ``verify``'s inputs and ``forward``.
+Used by calibration, ``verify``'s inputs and ``forward``; the JSON files a serving
+engine parses are checked before an output carries them (:func:`check_engine_json`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ConfigError, K3Error
-from .bounded import check_file
+from .bounded import check_file, read_text
 
 #: files whose presence means the model directory ships a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
@@ -34,6 +36,34 @@ def check_tokenizer_files(d: Path, error: type[K3Error] = ConfigError) -> None:
         f = d / name
         if os.path.lexists(f):
             check_file(f, "tokenizer", error)
+
+
+#: carried files a serving engine parses as JSON objects when it loads the model (the
+#: tokenizer's and the generation settings)
+ENGINE_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "generation_config.json")  # fmt: skip
+
+
+def check_engine_json(paths, error: type[K3Error] = ConfigError) -> None:
+    """``error`` (one line: the file, why, what to do) unless each of ``paths`` named in
+    :data:`ENGINE_JSON` is one JSON object, read bounded - refused before anything is
+    written rather than carried into an output its engine cannot load. A key given twice
+    is let through: the engines' loaders take the last."""
+    for p in paths:
+        if p.name not in ENGINE_JSON:
+            continue
+        try:
+            doc = json.loads(read_text(p, "tokenizer", error))
+            why = None if isinstance(doc, dict) else "not a JSON object"
+        except RecursionError:
+            why = "not valid JSON (nested too deeply)"
+        except ValueError as e:
+            why = f"not valid JSON ({e})"
+        if why:
+            raise error(
+                f"{p}: {why}; serving engines parse it when they load the model - restore "
+                f"the release's file, or remove it if the model needs none."
+            )
 
 
 def is_panic(e: BaseException) -> bool:

@@ -85,7 +85,7 @@ class EngineFiles:
     rank_file: re.Pattern
     #: the index fields a rank file kept from an interrupted run must have been written
     #: under (with the source's content fingerprint and the file's tensor table)
-    resume_key: tuple[str, ...] = ("generator", "layout", "source", "identity")
+    resume_key: tuple[str, ...]
 
 
 @dataclass

@@ -187,13 +187,10 @@ def _mla(src: Slicer, rank: Rank, at: str) -> Iterator[Param]:
     """K3's MLA: the replicated latents (with the output gate's rows of this rank's
     heads), the latent norms, ``q_b_proj`` / ``kv_b_proj`` by heads, ``o_proj`` by input
     columns: each split as its role says."""
-    t, tp = src.cfg, rank.tp_size
-    heads = t.num_heads
-    if heads % tp:
-        raise ConfigError(f"tp={tp} must divide the {heads} attention heads.")
+    t = src.cfg  # (tp dividing the heads: vllm_write.check_layout, then the spans)
 
     def span(module: str) -> tuple[int, int, int]:
-        return src.span(f"{at}.{module}.weight", rank.tp, tp)
+        return src.span(f"{at}.{module}.weight", rank.tp, rank.tp_size)
 
     spans = {m: span(m) for m in MERGED["fused_qkv_a_proj"]}
     merged = "fused_qkv_a_proj"

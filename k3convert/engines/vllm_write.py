@@ -43,8 +43,6 @@ VLLM_FILES = EngineFiles(
     engine="vLLM", label="vllm", stage=STAGE, index=INDEX, journal=JOURNAL, hash=HASH,
     rank_file=RANK_FILE_RX, resume_key=("generator", "vllm", "layout", "source", "identity"),
 )  # fmt: skip
-#: what :func:`write_vllm` returns
-VllmShardResult = RankFilesResult
 
 
 def check_layout(ck: Checkpoint, tp: int, pp: int, ep: int) -> None:
@@ -103,7 +101,7 @@ def write_vllm(
     ep: int = 1, force: bool = False, progress: bool = False, before_write=None,
     origin: Checkpoint | None = None, identity=None, carry=None, described: bytes | None = None,
     group: ProcessGroup | None = None,
-) -> VllmShardResult:  # fmt: skip
+) -> RankFilesResult:  # fmt: skip
     """Write the sharded_state directory: one safetensors file per rank, then the config /
     tokenizer files and ``k3convert-vllm.json``, in a stage directory next to OUT renamed
     to OUT at the end (:class:`~..checkpoint.output.OwnedStage`: owned, locked, lstat-

@@ -53,6 +53,7 @@ from ..arch import resolve, validate_source
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.bounded import read_json
 from ..checkpoint.output import check_output, guard_out, reports_write_errors
+from ..checkpoint.tokenizer_files import check_engine_json
 from ..errors import ConfigError, K3Error, OutputError
 from ..parallel import procs
 from ..quant import fidelity
@@ -63,7 +64,7 @@ from ..report_html import write_html
 from ..serving import ServingTarget, resolve_device
 from ..serving import report as serving_report
 from ..shard.plan import ROUTING_COUNTS, build_plan
-from ..shard.writer import ShardResult, carried_files, check_carried, write_stream
+from ..shard.writer import ShardResult, carried_files, write_stream
 from ..stream.format import JOURNAL, MANIFEST
 from ..stream.reader import load_manifest
 from ..units import byte_bar
@@ -584,7 +585,7 @@ def carry_list(ck, prep) -> list[tuple[str, Path | bytes]]:
     cfg = (json.dumps(prep.output_config(), indent=2) + "\n").encode()
     carry: list[tuple[str, Path | bytes]] = [("config.json", cfg)]
     aux = [p for p in ck.aux_files if p.name not in ours]
-    check_carried(aux)
+    check_engine_json(aux)
     carry += [(p.name, p) for p in aux]
     if routing is not None:
         carry.append((ROUTING_COUNTS, routing))
@@ -602,13 +603,13 @@ def _verify_reference(r: Recipe, ck) -> str:
 
 
 def _run_verify(r: Recipe, out: Path, ref: str, ck=None) -> dict:
-    """verify OUT against ``ref``; ``ck``: the source checkpoint, already open (the
-    reference when ``ref`` is its directory: its tensor table is not read twice)."""
+    """verify OUT against ``ref``; ``ck``: the source checkpoint, already open (used as
+    the reference when ``ref`` is its directory: its tensor table is not read twice)."""
     v = r.verify
     return run_verify(
         candidate=out,
         reference=ref,
-        reference_checkpoint=ck if ck is not None and ref == str(ck.root) else None,
+        reference_checkpoint=ck,
         data=v.data,
         random=v.samples,
         seq_len=v.seq_len,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import threading
@@ -43,7 +42,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..checkpoint.bounded import read_json, read_text
+from ..checkpoint.bounded import read_json
 from ..checkpoint.output import (
     check_replaceable,
     free_bytes,
@@ -51,6 +50,7 @@ from ..checkpoint.output import (
     probe_writable,
     reports_write_errors,
 )
+from ..checkpoint.tokenizer_files import check_engine_json
 from ..errors import ConfigError, OutputError
 from ..layout import Layout
 from ..parallel import procs
@@ -505,44 +505,12 @@ def _my_units(plan: Plan, group: ProcessGroup, by_layer: bool) -> list[UnitPlan]
     return [up for ups in share[group.rank] for up in ups]
 
 
-#: carried files a serving engine parses as JSON objects (transformers' tokenizer and
-#: generation settings): each must be one, strict and bounded, before it is carried
-PARSED_JSON = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "generation_config.json",
-)
-
-
 def carried_files(ck: Checkpoint) -> list[tuple[str, Path | bytes]]:
     """config.json, tokenizer, processor and other non-weight files of a checkpoint
-    (checked by :func:`check_carried` first)."""
+    (the JSON files an engine parses checked first: :func:`check_engine_json`)."""
     files = [p for p in [ck.root / "config.json", *ck.aux_files] if p.is_file()]
-    check_carried(files)
+    check_engine_json(files)
     return [(p.name, p) for p in files]
-
-
-def check_carried(paths) -> None:
-    """Each of ``paths`` named in :data:`PARSED_JSON` is one JSON object (bounded; a key
-    given twice is let through, as the engines' loaders take the last): a damaged one is
-    refused (ConfigError, exit 2) before anything is written, not carried into an output
-    its engine cannot load."""
-    for p in paths:
-        if p.name not in PARSED_JSON:
-            continue
-        try:
-            doc = json.loads(read_text(p, "tokenizer", ConfigError))
-        except (ValueError, RecursionError) as e:
-            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            doc = ConfigError(f"{p}: not valid JSON ({why})")
-        if not isinstance(doc, dict):
-            what = doc if isinstance(doc, ConfigError) else f"{p}: not a JSON object"
-            raise ConfigError(
-                f"{str(what).rstrip('.')}; serving engines parse it when they load the "
-                f"model - restore the release's file, or remove it if the model needs none."
-            )
 
 
 def _carry(carry: list[tuple[str, Path | bytes]], out: Path) -> list[dict]:

@@ -58,7 +58,8 @@ def split_manifest(doc: dict) -> tuple[dict, list[tuple[str, str]]]:
     if type(doc.get("version")) is not int or doc["version"] < SPLIT_VERSION:
         return doc, []
     files: list[tuple[str, str]] = []
-    top = _split(doc, _units_algo(doc), lambda i, r: r["units"],
+    algo = units_algo(u for r in doc["ranks"] for u in r.get("units") or [])
+    top = _split(doc, algo, lambda i, r: r["units"],
                  lambda rel, text: files.append((rel, text)))  # fmt: skip
     return top, files
 
@@ -95,11 +96,6 @@ def _split(doc: dict, algo: str, units_of, emit) -> dict:
     if bound:
         top = {k: top[k] for k in ("format", "version") if k in top} | {"stream_id": sid} | top
     return top
-
-
-def _units_algo(doc: dict) -> str:
-    """The hash algorithm of the document's units (a stream uses one), else the default."""
-    return units_algo(u for r in doc.get("ranks", []) for u in r.get("units") or [])
 
 
 def units_algo(units) -> str:

@@ -157,7 +157,6 @@ def header_of(buf, rank: int, u: dict, path: Path, root: Path):
     ``u`` has passed :func:`check_unit_entries` (see :func:`read_unit_bytes`); checks
     the header: metadata, names, dtypes, shapes, order, offsets, padding.
     """
-    global _parsed_tensors
     where = _where(rank, u, path)
     if len(buf) < 8:
         raise StreamCorruptError(f"{where}: unit is too short for a safetensors header.")
@@ -172,14 +171,13 @@ def header_of(buf, rank: int, u: dict, path: Path, root: Path):
     else:
         base, infos, meta = parse_header(head, len(buf), where)
         with _PARSED_LOCK:
-            old = _PARSED.pop(key, None)
-            _parsed_tensors -= len(old[1][1]) if old is not None else 0
+            _PARSED.pop(key, None)
             _PARSED[key] = (seen, (base, infos, meta))
-            _parsed_tensors += len(infos)
             while len(_PARSED) > 1 and (
-                len(_PARSED) > _PARSED_UNITS or _parsed_tensors > _PARSED_TENSORS
+                len(_PARSED) > _PARSED_UNITS
+                or sum(len(v[1][1]) for v in _PARSED.values()) > _PARSED_TENSORS
             ):
-                _parsed_tensors -= len(_PARSED.popitem(last=False)[1][1][1])
+                _PARSED.popitem(last=False)
     want_meta = {"format": FORMAT, "version": version, "rank": str(rank), "unit": u["name"]}
     if {k: meta.get(k) for k in want_meta} != want_meta:
         raise StreamCorruptError(
@@ -216,7 +214,6 @@ def header_of(buf, rank: int, u: dict, path: Path, root: Path):
 _PARSED: OrderedDict[tuple[str, int], tuple] = OrderedDict()
 _PARSED_UNITS = 1024
 _PARSED_TENSORS = 1 << 16
-_parsed_tensors = 0
 _PARSED_LOCK = threading.Lock()
 
 

@@ -368,7 +368,7 @@ def run_verify(
     models); default streams them, layer by layer, on every forward and decode step.
     distributed: False runs every rank in this process even under torchrun (convert's
     process 0, after the others wrote their units); None: torchrun decides.
-    reference_checkpoint: the reference, already open (convert's source)."""
+    reference_checkpoint: an open checkpoint (convert's source), used if it is the reference."""
     t_start = time.perf_counter()
     cand_path, lay, compute = _checked_args(candidate, layout, seq_len, decode, random, dtype,
                                             json_path, plot_path, kv_cache, mla_cache)  # fmt: skip
